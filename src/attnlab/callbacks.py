@@ -1,0 +1,70 @@
+"""Callbacks the entry points add to every run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from attnlab import __version__
+
+log = logging.getLogger(__name__)
+
+
+class RunMetadata(L.Callback):
+    """Store what is needed to rebuild and resume the run inside each checkpoint.
+
+    ``checkpoint["attnlab"]`` holds the resolved config (YAML), the tokenizer (JSON) and the
+    W&B run id: plain strings, so the checkpoint still loads with ``weights_only=True``.
+    """
+
+    def __init__(self, config_yaml: str, tokenizer_json: str | None = None) -> None:
+        self.config_yaml, self.tokenizer_json = config_yaml, tokenizer_json
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        wandb_id = next(
+            (lg.experiment.id for lg in trainer.loggers if isinstance(lg, WandbLogger)), None
+        )
+        checkpoint["attnlab"] = {
+            "version": __version__,
+            "config": self.config_yaml,
+            "tokenizer": self.tokenizer_json,
+            "wandb_run_id": wandb_id,
+        }
+
+
+class MetricsPrinter(L.Callback):
+    """One plain log line per validation: step, losses, learning rate, ms per iteration.
+
+    Readable in CI logs and files, where a progress bar is not.
+    """
+
+    def __init__(self) -> None:
+        self._t0, self._step0, self._ms = time.perf_counter(), 0, 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._step0 = time.perf_counter(), trainer.global_step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = trainer.global_step - self._step0
+        self._ms = 1000 * (time.perf_counter() - self._t0) / max(1, steps)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        parts = [f"step {trainer.global_step:>6}"]
+        parts += [f"{k} {float(m[k]):.4f}" for k in ("train/loss", "val/loss", "val/acc") if k in m]
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
+        parts.append(f"{self._ms:.1f} ms/it")
+        log.info(" | ".join(parts))
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._step0 = time.perf_counter(), trainer.global_step

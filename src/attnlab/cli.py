@@ -1,0 +1,48 @@
+"""What the entry points share: the config directory and turning input errors into one line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from attnlab.errors import AttnlabError
+
+log = logging.getLogger("attnlab")
+
+
+def config_dir() -> str:
+    """``conf/`` of a source checkout, or the copy packaged inside an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parents[1] / "conf", here / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"attnlab: no conf/ directory found near {here}")
+
+
+def user_error(e: BaseException) -> AttnlabError | None:
+    """The AttnlabError behind ``e``, if any (Hydra wraps errors raised by constructors)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, AttnlabError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Turn input errors into one ``error: ...`` line and exit status 2; let bugs raise."""
+    try:
+        yield
+    except Exception as e:
+        err = user_error(e)
+        if err is None:
+            raise
+        log.error("error: %s", err)
+        if not logging.getLogger().handlers:  # outside Hydra nobody prints log records
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,5 @@
+"""DataModules, datasets, tokenizers and downloads."""
+
+from attnlab.data.text import TextDataModule
+
+__all__ = ["TextDataModule"]

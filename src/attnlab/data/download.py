@@ -1,0 +1,81 @@
+"""Fetch a data file once, check its sha256, and keep it in a cache directory."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from attnlab.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def sha256sum(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0) -> Path:
+    """Download ``url`` to ``dest`` atomically; a file failing the checksum is never kept."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s -> %s", url, dest)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
+            shutil.copyfileobj(resp, out)
+        got = sha256sum(Path(tmp))
+        if sha256 is not None and got != sha256:
+            raise DataError(
+                f"checksum mismatch for {url}: expected sha256 {sha256}, got {got}; "
+                "the download was discarded"
+            )
+        os.replace(tmp, dest)
+    except OSError as e:  # URLError and timeouts are OSErrors
+        raise DataError(f"could not download {url}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def fetch(
+    filename: str,
+    url: str,
+    sha256: str | None,
+    data_dir: str | os.PathLike | None,
+    cache_dir: str | os.PathLike,
+) -> Path:
+    """Path to ``filename``: from ``data_dir`` when given (offline), else cached or downloaded.
+
+    Files in ``data_dir`` are the user's own and are not checksummed (a corpus may be edited on
+    purpose); downloads always are.
+    """
+    if data_dir is not None:
+        path = Path(data_dir).expanduser() / filename
+        if not Path(data_dir).expanduser().is_dir():
+            raise DataError(f"data.data_dir={data_dir} is not a directory (expected it to hold {filename})")
+        if not path.is_file():
+            raise DataError(f"data.data_dir={data_dir} has no file {filename} (expected {path})")
+        return check_not_empty(path)
+    path = Path(cache_dir).expanduser() / filename
+    if path.is_file() and (sha256 is None or sha256sum(path) == sha256):
+        return path
+    try:
+        return download(url, path, sha256)
+    except DataError as e:
+        raise DataError(f"{e}. Offline? Set data.data_dir to a directory holding {filename}") from e
+
+
+def check_not_empty(path: Path) -> Path:
+    if path.stat().st_size == 0:
+        raise DataError(f"data file {path} is empty")
+    return path

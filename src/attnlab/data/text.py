@@ -1,0 +1,198 @@
+"""Language-modelling data: a text corpus cut into (input, next-token target) windows."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from attnlab.data.corpora import load_corpus
+from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.errors import AttnlabError, ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[Tensor, Tensor]
+
+
+def windows(tokens: Tensor, starts: Tensor, block_size: int) -> Batch:
+    """Inputs (B, T) and targets (B, T) of the windows starting at ``starts``."""
+    idx = starts[:, None] + torch.arange(block_size + 1)  # (B, T+1)
+    chunk = tokens[idx]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def random_batch(tokens: Tensor, block_size: int, batch_size: int, seed: int) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=g)
+    return windows(tokens, starts, block_size)
+
+
+class RandomWindows(IterableDataset):
+    """Endless batches of random windows, as nanoGPT's ``get_batch``.
+
+    Batch ``n`` is drawn from a generator seeded by ``(seed, n)``, so the stream is the same on
+    every run and can restart at any batch (``start``): resuming a killed run sees exactly the
+    batches the uninterrupted run would have seen. Ranks and workers interleave the stream.
+    """
+
+    def __init__(self, tokens: Tensor, block_size: int, batch_size: int, seed: int) -> None:
+        self.tokens, self.block_size, self.batch_size, self.seed = tokens, block_size, batch_size, seed
+        self.start = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        rank, world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        for n in itertools.count(self.start + worker, n_workers):
+            index = n * world + rank
+            yield random_batch(self.tokens, self.block_size, self.batch_size, self.seed * 1_000_003 + index)
+
+
+class TextDataModule(L.LightningDataModule):
+    """Character- or BPE-level language modelling on a text corpus.
+
+    The first ``1 - val_fraction`` of the text trains, the rest validates. Validation during
+    training uses ``val_batches`` fixed random batches (nanoGPT's estimate, but the same batches
+    every time); the test stage scores the whole validation split in non-overlapping windows.
+
+    Args:
+        corpus: "tinyshakespeare" (downloaded or read from ``data_dir``) or "pydoc" (Python's
+            reference manual, shipped with Python: needs no download).
+        data_dir: directory holding the corpus file; no download when set.
+        cache_dir: where downloads are kept.
+        url, sha256: override the corpus' download source.
+        tokenizer: "char" or "bpe" (byte-level BPE trained on the training split).
+        bpe_vocab_size: vocabulary size of the BPE tokenizer.
+        block_size: window length (the model's context).
+        batch_size: windows per batch.
+        val_fraction: share of the text held out for validation.
+        val_batches: batches in each periodic validation.
+        num_workers: DataLoader workers for the training stream.
+        seed: seed of the training and validation batch streams.
+    """
+
+    def __init__(
+        self,
+        corpus: str = "tinyshakespeare",
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        url: str | None = None,
+        sha256: str | None = None,
+        tokenizer: str = "char",
+        bpe_vocab_size: int = 1024,
+        block_size: int = 64,
+        batch_size: int = 12,
+        val_fraction: float = 0.1,
+        val_batches: int = 20,
+        num_workers: int = 0,
+        seed: int = 1337,
+    ) -> None:
+        super().__init__()
+        for name, value in [("block_size", block_size), ("batch_size", batch_size),
+                            ("val_batches", val_batches), ("bpe_vocab_size", bpe_vocab_size)]:
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
+        if tokenizer not in ("char", "bpe"):
+            raise ConfigError(f"data.tokenizer must be 'char' or 'bpe', got {tokenizer!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+        self.corpus, self.data_dir, self.cache_dir = corpus, data_dir, cache_dir
+        self.url, self.sha256 = url, sha256
+        self.tokenizer_kind, self.bpe_vocab_size = tokenizer, bpe_vocab_size
+        self.block_size, self.batch_size = block_size, batch_size
+        self.val_fraction, self.val_batches = val_fraction, val_batches
+        self.num_workers, self.seed = num_workers, seed
+        self.tokenizer: CharTokenizer | BPETokenizer | None = None
+        self.train_tokens: Tensor | None = None
+        self.val_tokens: Tensor | None = None
+        self._train_start = 0
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.tokenizer is not None, "call setup() first"
+        return self.tokenizer.vocab_size
+
+    def model_kwargs(self) -> dict[str, int]:
+        """Model constructor arguments that the data decides."""
+        return {"vocab_size": self.vocab_size}
+
+    def use_tokenizer(self, state: str) -> None:
+        """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
+        self.tokenizer = tokenizer_from_json(state)
+
+    def prepare_data(self) -> None:
+        load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_tokens is not None:
+            return
+        text = load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
+        cut = int(len(text) * (1 - self.val_fraction))
+        train_text, val_text = text[:cut], text[cut:]
+        if self.tokenizer is None:
+            self.tokenizer = (
+                CharTokenizer.fit(text)
+                if self.tokenizer_kind == "char"
+                else BPETokenizer.fit(train_text, self.bpe_vocab_size)
+            )
+        try:
+            self.train_tokens = torch.tensor(self.tokenizer.encode(train_text), dtype=torch.long)
+            self.val_tokens = torch.tensor(self.tokenizer.encode(val_text), dtype=torch.long)
+        except AttnlabError as e:
+            raise DataError(f"corpus {self.corpus!r} does not fit the checkpoint's tokenizer: {e}") from e
+        for split, toks in [("train", self.train_tokens), ("validation", self.val_tokens)]:
+            if len(toks) <= self.block_size + 1:
+                raise DataError(
+                    f"the {split} split of corpus {self.corpus!r} has {len(toks)} tokens, "
+                    f"fewer than data.block_size + 2 = {self.block_size + 2}"
+                )
+        log.info(
+            "corpus %s: %d train / %d val tokens, vocab %d (%s)",
+            self.corpus, len(self.train_tokens), len(self.val_tokens),
+            self.vocab_size, self.tokenizer_kind,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        ds = RandomWindows(self.train_tokens, self.block_size, self.batch_size, self.seed)
+        ds.start = self._train_start
+        return DataLoader(
+            ds, batch_size=None, num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        batches = [
+            random_batch(self.val_tokens, self.block_size, self.batch_size, self.seed * 1_000_003 + 10**12 + i)
+            for i in range(self.val_batches)
+        ]
+        return DataLoader(batches, batch_size=None)
+
+    def test_dataloader(self) -> DataLoader:
+        """The whole validation split, each token predicted once (non-overlapping windows)."""
+        t = self.block_size
+        n_full = (len(self.val_tokens) - 1) // t
+        starts = torch.arange(n_full) * t
+        batches = [windows(self.val_tokens, s, t) for s in starts.split(self.batch_size * 4)]
+        rest = len(self.val_tokens) - 1 - n_full * t
+        if rest > 0:
+            tail = self.val_tokens[n_full * t :]
+            batches.append((tail[None, :-1], tail[None, 1:]))
+        return DataLoader(batches, batch_size=None)
+
+    # The position in the training stream travels in the checkpoint, so a resumed run continues
+    # with the batch the interrupted one would have seen next.
+    def state_dict(self) -> dict[str, int]:
+        trainer = self.trainer
+        consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+        return {"train_batches_consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._train_start = int(state.get("train_batches_consumed", 0))

@@ -1,0 +1,87 @@
+"""Tokenizers that turn text into ids and back, and serialise into checkpoints as JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from attnlab.errors import AttnlabError
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def to_json(self) -> str: ...
+
+
+class CharTokenizer:
+    """One id per character of the training text (nanoGPT's shakespeare_char)."""
+
+    def __init__(self, chars: str) -> None:
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+
+    @classmethod
+    def fit(cls, text: str) -> CharTokenizer:
+        return cls("".join(sorted(set(text))))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError:
+            unknown = sorted({c for c in text if c not in self.stoi})
+            raise AttnlabError(
+                f"text contains characters outside the model's vocabulary: {unknown!r} "
+                f"(the vocabulary is {self.chars!r})"
+            ) from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "char", "chars": self.chars})
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style) trained with HF ``tokenizers``; any text encodes."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def fit(cls, text: str, vocab_size: int) -> BPETokenizer:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        lines = text.splitlines(keepends=True)
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "bpe", "tokenizer": self.tokenizer.to_str()})
+
+
+def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer:
+    state = json.loads(s)
+    if state["kind"] == "char":
+        return CharTokenizer(state["chars"])
+    if state["kind"] == "bpe":
+        return BPETokenizer(Tokenizer.from_str(state["tokenizer"]))
+    raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

@@ -1,0 +1,21 @@
+"""Errors that mean "the input is wrong", as opposed to a bug.
+
+Entry points catch these, print the message alone and exit with status 2, so a
+user sees one line naming the field or file at fault instead of a traceback.
+"""
+
+
+class AttnlabError(Exception):
+    """Base class of the errors a user can fix by changing their input."""
+
+
+class ConfigError(AttnlabError, ValueError):
+    """A config value is wrong (names the field and what is expected)."""
+
+
+class DataError(AttnlabError):
+    """A data file is missing, empty, corrupt or does not match its checksum."""
+
+
+class CheckpointError(AttnlabError):
+    """A checkpoint is missing, unreadable or does not fit the model."""

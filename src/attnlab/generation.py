@@ -1,0 +1,36 @@
+"""Text generation from a trained language model and its tokenizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab.data.tokenizers import BPETokenizer, CharTokenizer
+
+
+def generate_text(
+    net: nn.Module,
+    tokenizer: CharTokenizer | BPETokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> list[str]:
+    """Continue ``prompt`` ``num_samples`` times; returns prompt + continuation for each."""
+    ids = tokenizer.encode(prompt or "\n")  # an empty prompt starts from a newline
+    if not ids:
+        raise ValueError("prompt encodes to no tokens")
+    device = next(net.parameters()).device
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    was_training = net.training
+    net.eval()
+    try:
+        out = net.generate(idx, max_new_tokens, temperature, top_k, top_p, use_cache, gen)
+    finally:
+        net.train(was_training)
+    return [tokenizer.decode(row.tolist()) for row in out]

@@ -1,0 +1,88 @@
+"""Causal language modelling: next-token cross-entropy, perplexity, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, MinMetric
+
+from attnlab.tasks.optim import build_optimizers
+
+
+class LanguageModelTask(L.LightningModule):
+    """Trains any ``net`` mapping token ids (B, T) to logits (B, T, V).
+
+    Logs ``train/loss``, ``val/loss``, ``val/ppl``, ``val/loss_best`` and, on the test split,
+    token-weighted ``test/loss`` and ``test/ppl``.
+
+    Args:
+        net: the language model (e.g. ``attnlab.models.GPT``).
+        optimizer: partial optimizer, called with parameter groups.
+        scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
+        weight_decay: applied to weight matrices and embeddings only (not biases or norms).
+        compile: ``torch.compile`` the net at setup.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.0,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.weight_decay, self.compile_net = weight_decay, compile
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_loss_best = MinMetric()
+
+    def setup(self, stage: str) -> None:
+        if self.compile_net and stage == "fit":
+            self.net.compile()  # in place: state_dict keys keep their names
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.net(idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        return loss, y.numel()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, n = self._loss(batch)
+        self.val_loss.update(loss, n)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss))
+        if not self.trainer.sanity_checking:  # the sanity check must not count as the best
+            self.val_loss_best.update(loss)
+            self.log("val/loss_best", self.val_loss_best.compute())
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, n = self._loss(batch)
+        self.test_loss.update(loss, n)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.test_loss.compute()
+        self.test_loss.reset()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.weight_decay)

@@ -1,0 +1,127 @@
+"""``attnlab-train``: compose a run from ``conf/``, train it, test it, keep everything on disk."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from attnlab.callbacks import RunMetadata
+from attnlab.cli import config_dir, exit_on_user_error
+from attnlab.generation import generate_text
+from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
+from attnlab.utils.config import container, fill_missing, print_config_tree, resolve
+from attnlab.utils.wandb_mode import ensure_wandb_mode
+
+log = logging.getLogger("attnlab.train")
+
+
+def instantiate_group(group: DictConfig | None) -> list[Any]:
+    """Instantiate every entry of a group such as ``callbacks`` or ``logger``."""
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if node and "_target_" in node]
+
+
+def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
+    loggers = instantiate_group(cfg.get("logger"))
+    if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
+        loggers.append(CSVLogger(save_dir=out, name="csv", version=""))
+    return loggers
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Train (and test) the model the config describes; return the final metrics."""
+    ensure_wandb_mode()
+    resolve(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    out = Path(cfg.paths.output_dir)
+
+    ckpt_path = resolve_ckpt_path(
+        cfg.get("ckpt_path"), Path(cfg.paths.log_dir), f"{cfg.task_name}/runs/*/checkpoints/last.ckpt"
+    )
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
+    meta = metadata(ckpt, ckpt_path) if ckpt else {}
+
+    log.info("Instantiating datamodule <%s>", cfg.data._target_)
+    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    if meta.get("tokenizer"):
+        datamodule.use_tokenizer(meta["tokenizer"])
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
+    if meta.get("wandb_run_id") and cfg.get("logger") and "wandb" in cfg.logger:
+        with open_dict(cfg):  # continue the interrupted run's W&B run
+            cfg.logger.wandb.id = meta["wandb_run_id"]
+            cfg.logger.wandb.resume = "allow"
+    if cfg.extras.get("print_config"):
+        print_config_tree(cfg, save_to=out / "config.yaml")
+
+    log.info("Instantiating model <%s>", cfg.model.net._target_)
+    model: L.LightningModule = instantiate(cfg.model)
+    if ckpt is not None:
+        check_fits(model, ckpt["state_dict"], ckpt_path)
+        del ckpt
+
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.tokenizer.to_json()))
+    loggers = setup_loggers(cfg, out)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    for lg in loggers:
+        lg.log_hyperparams(container(cfg))
+
+    metrics: dict[str, float] = {}
+    if cfg.get("train"):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    if cfg.get("test"):
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        if not best:
+            log.warning("no best checkpoint: testing the current weights")
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=True)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    if trainer.is_global_zero:
+        finish(cfg, model, datamodule, loggers, metrics, out)
+    return metrics
+
+
+def finish(cfg: DictConfig, model: L.LightningModule, datamodule: Any, loggers: list[Logger],
+           metrics: dict[str, float], out: Path) -> None:
+    """Print a sample and the final metrics; close the W&B run with them in its summary."""
+    sample = None
+    if cfg.get("sample") and hasattr(model.net, "generate"):
+        s = cfg.sample
+        sample = generate_text(model.net, datamodule.tokenizer, s.prompt, s.max_new_tokens,
+                               s.temperature, s.top_k, s.top_p, seed=cfg.get("seed"))[0]
+        log.info("sample:\n%s\n%s\n%s", "-" * 60, sample, "-" * 60)
+    summary = " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("final: %s | params %s | outputs in %s", summary, f"{n_params:,}", out)
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            lg.experiment.summary.update({**metrics, "params": n_params})
+            if sample is not None:
+                lg.experiment.summary["sample"] = sample
+            lg.experiment.finish()
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    torch.set_float32_matmul_precision("high")
+    with exit_on_user_error():
+        metrics = train(cfg)
+    name = cfg.get("optimized_metric")
+    return metrics.get(name) if name else None
+
+
+if __name__ == "__main__":
+    main()

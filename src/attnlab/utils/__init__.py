@@ -1,0 +1,1 @@
+"""Glue for the entry points: configs, checkpoints, logging back-ends."""

@@ -1,0 +1,78 @@
+"""Finding, reading and checking checkpoints, with one clear error for each way they go wrong."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def find_last(root: Path, pattern: str) -> Path:
+    """The most recently written ``last.ckpt`` under ``root`` matching ``pattern``."""
+    found = sorted(Path(root).glob(pattern), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise CheckpointError(f"ckpt_path=last: no checkpoint matches {Path(root) / pattern}")
+    return found[-1]
+
+
+def resolve_ckpt_path(spec: str | None, root: Path, pattern: str) -> Path | None:
+    """``None``, an existing file, or ``last`` (the newest ``last.ckpt`` under ``root``)."""
+    if spec is None:
+        return None
+    if str(spec) == "last":
+        path = find_last(root, pattern)
+        log.info("ckpt_path=last -> %s", path)
+        return path
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"ckpt_path={spec}: no such file")
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"checkpoint {path} has no 'state_dict': not a Lightning checkpoint")
+    return ckpt
+
+
+def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What attnlab stored beside the weights: resolved config, tokenizer, W&B run id."""
+    meta = ckpt.get("attnlab")
+    if not isinstance(meta, dict) or "config" not in meta:
+        raise CheckpointError(f"checkpoint {path} was not written by attnlab (no run metadata)")
+    return meta
+
+
+def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Raise naming the first differences if ``state_dict`` does not fit ``model``."""
+    expected = model.state_dict()
+    problems = [f"missing {k}" for k in expected if k not in state_dict]
+    problems += [f"unexpected {k}" for k in state_dict if k not in expected]
+    problems += [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+        for k, v in state_dict.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match the configured model: "
+            + "; ".join(problems[:5]) + more
+        )
