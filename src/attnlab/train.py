@@ -16,8 +16,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attnlab.callbacks import RunMetadata
 from attnlab.cli import config_dir, exit_on_user_error
 from attnlab.generation import generate_text
-from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
-from attnlab.utils.config import container, fill_missing, print_config_tree, resolve
+from attnlab.utils.checkpoint import (
+    AtomicCheckpointIO,
+    check_fits,
+    load_checkpoint,
+    metadata,
+    resolve_ckpt_path,
+)
+from attnlab.utils.config import container, fill_missing, print_config_tree, resolve, save_config
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
 log = logging.getLogger("attnlab.train")
@@ -62,8 +68,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         with open_dict(cfg):  # continue the interrupted run's W&B run
             cfg.logger.wandb.id = meta["wandb_run_id"]
             cfg.logger.wandb.resume = "allow"
+    save_config(cfg, out / "config.yaml")
     if cfg.extras.get("print_config"):
-        print_config_tree(cfg, save_to=out / "config.yaml")
+        print_config_tree(cfg)
 
     log.info("Instantiating model <%s>", cfg.model.net._target_)
     model: L.LightningModule = instantiate(cfg.model)
@@ -74,7 +81,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_group(cfg.get("callbacks"))
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.tokenizer.to_json()))
     loggers = setup_loggers(cfg, out)
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
+    )
     for lg in loggers:
         lg.log_hyperparams(container(cfg))
 

@@ -169,8 +169,9 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        seed = self.seed * 1_000_003 + 10**12  # a stream apart from the training batches
         batches = [
-            random_batch(self.val_tokens, self.block_size, self.batch_size, self.seed * 1_000_003 + 10**12 + i)
+            random_batch(self.val_tokens, self.block_size, self.batch_size, seed + i)
             for i in range(self.val_batches)
         ]
         return DataLoader(batches, batch_size=None)

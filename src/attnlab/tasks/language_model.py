@@ -42,6 +42,7 @@ class LanguageModelTask(L.LightningModule):
         self.weight_decay, self.compile_net = weight_decay, compile
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_loss_best = MinMetric()
+        self.val_loss_best.persistent(True)  # resumed runs keep the best value seen so far
 
     def setup(self, stage: str) -> None:
         if self.compile_net and stage == "fit":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from attnlab.errors import CheckpointError
@@ -42,7 +44,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a PyTorch checkpoint "
             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
@@ -76,3 +78,22 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path
             f"checkpoint {path} does not match the configured model: "
             + "; ".join(problems[:5]) + more
         )
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write each checkpoint to a temporary file, then rename it into place.
+
+    A run killed mid-write (``kill -9``, out of memory) leaves the previous ``last.ckpt``
+    intact instead of a truncated one, so ``ckpt_path=last`` can always resume.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)

@@ -21,8 +21,8 @@ PRINT_ORDER = ("data", "model", "callbacks", "logger", "trainer", "paths", "extr
 
 
 @rank_zero_only
-def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
-    """Print the resolved config as a rich tree (main groups first); save it as YAML too."""
+def print_config_tree(cfg: DictConfig) -> None:
+    """Print the resolved config as a rich tree, main groups first."""
     tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
     keys = [k for k in PRINT_ORDER if k in cfg] + [k for k in cfg if k not in PRINT_ORDER]
     for key in keys:
@@ -31,9 +31,13 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
         text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
         branch.add(rich.syntax.Syntax(text, "yaml"))
     rich.print(tree)
-    if save_to is not None:
-        save_to.parent.mkdir(parents=True, exist_ok=True)
-        save_to.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+@rank_zero_only
+def save_config(cfg: DictConfig, path: Path) -> None:
+    """The resolved config as YAML (Hydra's ``.hydra/config.yaml`` keeps the unresolved one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def resolve(cfg: DictConfig) -> None:

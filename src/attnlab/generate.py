@@ -1,0 +1,47 @@
+"""``attnlab-generate ckpt_path=... prompt="ROMEO:" max_new_tokens=500``: sample from a language model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from attnlab.cli import config_dir, exit_on_user_error
+from attnlab.errors import ConfigError
+from attnlab.generation import generate_text
+from attnlab.utils.runs import TrainedRun
+
+
+def generate(cfg: DictConfig) -> list[str]:
+    if cfg.max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if cfg.top_k is not None and cfg.top_k <= 0:
+        raise ConfigError(f"top_k must be a positive integer or null, got {cfg.top_k}")
+    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p}")
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    net = run.net().to(cfg.device)
+    if not hasattr(net, "generate"):
+        raise ConfigError(f"checkpoint {run.path} is not a language model ({type(net).__name__})")
+    return generate_text(
+        net, run.tokenizer, str(cfg.prompt), cfg.max_new_tokens, cfg.temperature,
+        cfg.top_k, cfg.top_p, cfg.num_samples, cfg.seed, cfg.use_cache,
+    )
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="generate")
+def main(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        for i, text in enumerate(generate(cfg)):
+            if i:
+                print("-" * 60)
+            print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Rebuilding a trained run (model, tokenizer, data config) from its checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.errors import CheckpointError
+from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
+
+
+class TrainedRun:
+    """A checkpoint with the config and tokenizer it was trained with."""
+
+    def __init__(self, spec: str, log_dir: Path) -> None:
+        self.path = resolve_ckpt_path(spec, log_dir, "*/runs/*/checkpoints/last.ckpt")
+        self.ckpt = load_checkpoint(self.path)
+        meta = metadata(self.ckpt, self.path)
+        self.config: DictConfig = OmegaConf.create(meta["config"])
+        self.tokenizer_json: str | None = meta.get("tokenizer")
+
+    @property
+    def tokenizer(self) -> CharTokenizer | BPETokenizer:
+        if self.tokenizer_json is None:
+            raise CheckpointError(f"checkpoint {self.path} holds no tokenizer")
+        return tokenizer_from_json(self.tokenizer_json)
+
+    def net(self) -> nn.Module:
+        """The bare model (``model.net``) with the checkpoint's weights."""
+        net = instantiate(self.config.model.net)
+        state = {k.removeprefix("net."): v for k, v in self.ckpt["state_dict"].items()
+                 if k.startswith("net.")}
+        check_fits(net, state, self.path)
+        net.load_state_dict(state)
+        return net.eval()
+
+    def task(self) -> Any:
+        """The LightningModule with the checkpoint's weights."""
+        task = instantiate(self.config.model)
+        check_fits(task, self.ckpt["state_dict"], self.path)
+        task.load_state_dict(self.ckpt["state_dict"])
+        return task

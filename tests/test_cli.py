@@ -1,0 +1,187 @@
+"""The entry points as a user runs them: the main job, resume, generate, eval and bad input."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_ok, needs_shared, popen_cli, read_metrics, run_cli, run_dirs, tiny
+
+
+def wandb_summary(run_dir: Path) -> dict:
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    exe = Path(sys.executable).parent / "wandb"
+    out = subprocess.run([str(exe), "leet", "inspect", "--summary", "--json", str(wandb_run)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return json.loads(out)
+
+
+def test_tiny_run_leaves_checkpoints_csv_and_offline_wandb_run(trained: Path):
+    metrics = read_metrics(trained)
+    losses = [v for _, v in metrics["val/loss"]]
+    assert losses[-1] < losses[0]  # it learned something in 20 steps
+    assert {"train/loss", "val/ppl", "val/loss_best", "test/loss", "test/ppl"} <= set(metrics)
+    assert (trained / "checkpoints" / "last.ckpt").is_file()
+    assert list((trained / "checkpoints").glob("step_*.ckpt"))
+    assert (trained / "config.yaml").is_file() and (trained / ".hydra" / "config.yaml").is_file()
+    summary = wandb_summary(trained)
+    assert summary["summary"]["test/loss"] == pytest.approx(metrics["test/loss"][-1][1], rel=1e-5)
+    assert summary["config"]["model"]["net"]["n_embd"] == 32
+
+
+def test_checkpoint_loads_with_weights_only_and_carries_the_run(trained: Path):
+    ckpt = torch.load(trained / "checkpoints" / "last.ckpt", weights_only=True)
+    meta = ckpt["attnlab"]
+    assert "n_layer: 1" in meta["config"] and json.loads(meta["tokenizer"])["kind"] == "char"
+    assert meta["wandb_run_id"] in next((trained / "wandb").glob("offline-run-*")).name
+
+
+def test_generate_from_checkpoint(trained: Path):
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    args = [f"ckpt_path={ckpt}", "prompt=The", "max_new_tokens=30", "seed=1", "top_k=10"]
+    a, b = run_cli("generate", args, trained), run_cli("generate", [*args, "use_cache=false"], trained)
+    assert_ok(a)
+    assert a.stdout.startswith("The") and len(a.stdout.rstrip("\n")) >= 30
+    assert a.stdout == b.stdout
+
+
+def test_eval_reproduces_the_test_metric(trained: Path):
+    proc = run_cli("eval", [f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
+                            "trainer.limit_test_batches=2"], trained)
+    assert_ok(proc)
+    (out,) = run_dirs(trained, "eval")
+    got = json.loads((out / "metrics.json").read_text())["test/loss"]
+    best = read_metrics(trained)["test/loss"][-1][1]  # tested on the best checkpoint (= last here)
+    assert got == pytest.approx(best, rel=1e-4)
+
+
+def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path: Path):
+    args = tiny("trainer.max_steps=400", "trainer.val_check_interval=50")
+    full = run_cli("train", [*args, "task_name=full"], tmp_path)
+    assert_ok(full)
+
+    proc = popen_cli("train", [*args, "task_name=killed"], tmp_path)
+    deadline = time.time() + 120
+    while not list((tmp_path / "logs/killed/runs").glob("*/checkpoints/last.ckpt")):
+        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    (killed,) = run_dirs(tmp_path, "killed")
+    killed_step = torch.load(killed / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+    assert 0 < killed_step < 400
+
+    resumed = run_cli("train", [*args, "task_name=killed", "ckpt_path=last"], tmp_path)
+    assert_ok(resumed)
+    _, resumed_dir = run_dirs(tmp_path, "killed")
+    want, got = read_metrics(run_dirs(tmp_path, "full")[0]), read_metrics(resumed_dir)
+    for key in ("val/loss", "val/loss_best", "test/loss"):
+        assert got[key][-1][1] == pytest.approx(want[key][-1][1], rel=1e-5, abs=1e-6), key
+    assert got["val/loss"][-1][0] == want["val/loss"][-1][0] == 399  # same final step
+    # the W&B run continues under the same id
+    ids = {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("logs/killed/runs/*/wandb/offline-run-*")}
+    assert len(ids) == 1
+
+
+def test_default_main_job_composes_and_prints_a_sample(trained: Path):
+    log = next(trained.glob("*.log")).read_text()
+    assert "sample:" in log and "final:" in log and "test/loss" in log
+
+
+# ---- bad input: one readable message, non-zero exit, nothing lost -------------------------------
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    for n in needles:
+        assert n in text, f"{n!r} not in:\n{text[-3000:]}"
+
+
+@pytest.mark.parametrize(
+    "override,needles",
+    [
+        (["model=nope"], ["model", "nope"]),
+        (["model.net.n_embd=30", "model.net.n_head=4"], ["n_embd (30)", "n_head (4)"]),
+        (["model.net.block_size=0"], ["block_size must be a positive integer, got 0"]),
+        (["data.tokenizer=words"], ["data.tokenizer", "'char' or 'bpe'"]),
+        (["data.corpus=tinyshakespeare", "data.data_dir=nowhere"], ["data.data_dir=nowhere"]),
+        (["ckpt_path=last"], ["ckpt_path=last", "no checkpoint"]),
+    ],
+    ids=["unknown-group-option", "n_embd-not-divisible", "block-size", "tokenizer", "data-dir",
+         "no-last"],
+)
+def test_bad_config_is_one_clear_error(tmp_path, override, needles):
+    proc = run_cli("train", tiny(*override), tmp_path)
+    assert_user_error(proc, *needles)
+
+
+def test_empty_data_file(tmp_path):
+    (tmp_path / "input.txt").write_text("")
+    proc = run_cli("train", [*TINY, "data.corpus=tinyshakespeare", f"data.data_dir={tmp_path}"], tmp_path)
+    assert_user_error(proc, "input.txt", "empty")
+
+
+def test_corrupt_checkpoint_is_named_and_left_alone(trained: Path, tmp_path: Path):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes((trained / "checkpoints" / "last.ckpt").read_bytes()[:5000])
+    for entry, args in [("generate", [f"ckpt_path={bad}"]), ("train", [*TINY, f"ckpt_path={bad}"]),
+                        ("eval", [f"ckpt_path={bad}"])]:
+        assert_user_error(run_cli(entry, args, tmp_path), str(bad), "corrupt")
+    assert bad.stat().st_size == 5000
+
+
+def test_mismatched_checkpoint_names_the_difference(trained: Path, tmp_path: Path):
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    before = ckpt.read_bytes()
+    proc = run_cli("train", tiny("model.net.n_embd=64", f"ckpt_path={ckpt}"), tmp_path)
+    assert_user_error(proc, "does not match the configured model", "(64,)")
+    assert ckpt.read_bytes() == before
+    assert len(list((trained / "csv").glob("*"))) >= 1  # the original logs are still there
+
+
+def test_prompt_outside_the_vocabulary(trained: Path):
+    proc = run_cli("generate", [f"ckpt_path={trained / 'checkpoints/last.ckpt'}", "prompt='日本'"], trained)
+    assert_user_error(proc, "outside the model's vocabulary", "日")
+
+
+@pytest.mark.parametrize("override,needle", [("top_p=1.5", "top_p"), ("temperature=-1", "temperature")])
+def test_bad_sampling_options(trained: Path, override, needle):
+    proc = run_cli("generate", [f"ckpt_path={trained / 'checkpoints/last.ckpt'}", override], trained)
+    assert_user_error(proc, needle)
+
+
+# ---- slower paths -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ddp_cpu_trains_with_two_processes(tmp_path):
+    proc = run_cli("train", [*TINY, "trainer=ddp_cpu", "task_name=ddp"], tmp_path)
+    assert_ok(proc)
+    (run_dir,) = run_dirs(tmp_path, "ddp")
+    metrics = read_metrics(run_dir)
+    assert metrics["val/loss"][-1][1] < metrics["val/loss"][0][1]
+    assert "world_size=2" in proc.stdout + proc.stderr or "GLOBAL_RANK: 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_shakespeare_bpe_run(tmp_path):
+    data_dir = needs_shared("tinyshakespeare")
+    proc = run_cli("train", [*TINY, "data=shakespeare_bpe", f"data.data_dir={data_dir}",
+                             "data.bpe_vocab_size=512", "task_name=bpe"], tmp_path)
+    assert_ok(proc)
+    (run_dir,) = run_dirs(tmp_path, "bpe")
+    ckpt = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["state_dict"]["net.lm_head.weight"].shape[0] == 512
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("debug", ["fdr", "limit", "overfit", "profiler"])
+def test_debug_configs_run(tmp_path, debug):
+    proc = run_cli("train", [*tiny(), f"debug={debug}"], tmp_path)
+    assert_ok(proc)

@@ -1,0 +1,167 @@
+import functools
+import hashlib
+import http.server
+import itertools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.data import TextDataModule
+from attnlab.data.download import download, fetch
+from attnlab.data.text import RandomWindows
+from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.errors import AttnlabError, ConfigError, DataError
+from conftest import needs_shared
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40).encode()
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A loopback HTTP server over a directory holding ``input.txt``; yields its base URL."""
+    root = tmp_path / "www"
+    root.mkdir()
+    (root / "input.txt").write_bytes(TEXT)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+SHA = hashlib.sha256(TEXT).hexdigest()
+
+
+def test_download_checks_the_checksum(server, tmp_path):
+    dest = tmp_path / "cache" / "input.txt"
+    assert download(f"{server}/input.txt", dest, SHA).read_bytes() == TEXT
+
+
+def test_checksum_mismatch_keeps_nothing(server, tmp_path):
+    dest = tmp_path / "cache" / "input.txt"
+    with pytest.raises(DataError, match="checksum mismatch.*expected sha256 0{64}"):
+        download(f"{server}/input.txt", dest, "0" * 64)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_unreachable_source_suggests_data_dir(server, tmp_path):
+    with pytest.raises(DataError, match="data.data_dir"):
+        fetch("input.txt", f"{server}/missing.txt", SHA, None, tmp_path / "cache")
+
+
+def test_cached_download_is_reused_and_a_corrupt_cache_refetched(server, tmp_path):
+    cache = tmp_path / "cache"
+    path = fetch("input.txt", f"{server}/input.txt", SHA, None, cache)
+    path.write_bytes(b"truncated")
+    assert fetch("input.txt", f"{server}/input.txt", SHA, None, cache).read_bytes() == TEXT
+
+
+def test_datamodule_downloads_from_its_url(server, tmp_path):
+    dm = TextDataModule(cache_dir=str(tmp_path / "cache"), url=f"{server}/input.txt", sha256=SHA,
+                        block_size=8, batch_size=2)
+    dm.prepare_data()
+    dm.setup()
+    assert dm.tokenizer.decode(dm.train_tokens[:14].tolist()) == "First Citizen:"
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda d: None, "has no file input.txt"),
+        (lambda d: (d / "input.txt").write_bytes(b""), "is empty"),
+        (lambda d: (d / "input.txt").write_bytes(b"\xff\xfe\x00bad" * 10), "not UTF-8"),
+    ],
+)
+def test_bad_data_dir_is_named(tmp_path, make, match):
+    make(tmp_path)
+    dm = TextDataModule(data_dir=str(tmp_path))
+    with pytest.raises(DataError, match=match):
+        dm.setup()
+
+
+def test_data_dir_that_is_not_a_directory(tmp_path):
+    with pytest.raises(DataError, match="not a directory"):
+        TextDataModule(data_dir=str(tmp_path / "nope")).setup()
+
+
+def test_too_short_corpus_is_refused(tmp_path):
+    (tmp_path / "input.txt").write_text("tiny text")
+    with pytest.raises(DataError, match="block_size"):
+        TextDataModule(data_dir=str(tmp_path), block_size=64).setup()
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 0}, {"tokenizer": "words"}, {"val_fraction": 1.5}])
+def test_bad_data_values(kw):
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        TextDataModule(**kw)
+
+
+def test_unknown_corpus():
+    with pytest.raises(ConfigError, match="data.corpus"):
+        TextDataModule(corpus="wikipedia").setup()
+
+
+@pytest.fixture(scope="module")
+def pydoc_dm():
+    dm = TextDataModule(corpus="pydoc", block_size=32, batch_size=5, val_batches=3)
+    dm.setup()
+    return dm
+
+
+def test_builtin_corpus_windows_are_shifted_by_one(pydoc_dm):
+    x, y = next(iter(pydoc_dm.train_dataloader()))
+    assert x.shape == y.shape == (5, 32)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert len(pydoc_dm.val_dataloader()) == 3
+    assert pydoc_dm.vocab_size == len(set(pydoc_dm.tokenizer.chars)) > 60
+
+
+def test_test_split_scores_every_validation_token_once(pydoc_dm):
+    targets = torch.cat([y.flatten() for _, y in pydoc_dm.test_dataloader()])
+    assert torch.equal(targets, pydoc_dm.val_tokens[1:])
+
+
+def test_training_stream_is_deterministic_and_resumable(pydoc_dm):
+    ds = RandomWindows(pydoc_dm.train_tokens, 8, 2, seed=3)
+    first = [b[0] for b in itertools.islice(ds, 6)]
+    ds.start = 4
+    resumed = [b[0] for b in itertools.islice(ds, 2)]
+    assert torch.equal(first[4], resumed[0]) and torch.equal(first[5], resumed[1])
+    assert not torch.equal(first[0], first[1])
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters():
+    tok = CharTokenizer.fit("hello world")
+    assert tok.decode(tok.encode("low")) == "low"
+    with pytest.raises(AttnlabError, match=r"\['Z'\]"):
+        tok.encode("hello Z")
+    assert tokenizer_from_json(tok.to_json()).encode("hold") == tok.encode("hold")
+
+
+def test_bpe_tokenizer_round_trip():
+    tok = BPETokenizer.fit(TEXT.decode(), vocab_size=300)
+    text = "Before we proceed, Zebra! ünïcode"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text)  # merges were learned
+    assert tokenizer_from_json(tok.to_json()).encode(text) == ids
+
+
+def test_tinyshakespeare_from_shared_data():
+    data_dir = needs_shared("tinyshakespeare")
+    dm = TextDataModule(data_dir=str(data_dir))
+    dm.setup()
+    assert dm.vocab_size == 65
+    assert len(dm.train_tokens) + len(dm.val_tokens) == 1115394
+
+
+def test_bpe_datamodule_from_shared_data():
+    data_dir: Path = needs_shared("tinyshakespeare")
+    dm = TextDataModule(data_dir=str(data_dir), tokenizer="bpe", bpe_vocab_size=512)
+    dm.setup()
+    assert dm.vocab_size == 512
+    assert len(dm.train_tokens) < 0.6 * 1115394 * 0.9
