@@ -94,7 +94,9 @@ def test_too_short_corpus_is_refused(tmp_path):
         TextDataModule(data_dir=str(tmp_path), block_size=64).setup()
 
 
-@pytest.mark.parametrize("kw", [{"block_size": 0}, {"tokenizer": "words"}, {"val_fraction": 1.5}])
+@pytest.mark.parametrize(
+    "kw", [{"block_size": 0}, {"tokenizer": "words"}, {"val_fraction": 1.5}, {"test_stride": 65}]
+)
 def test_bad_data_values(kw):
     with pytest.raises(ConfigError, match=next(iter(kw))):
         TextDataModule(**kw)
@@ -120,9 +122,18 @@ def test_builtin_corpus_windows_are_shifted_by_one(pydoc_dm):
     assert pydoc_dm.vocab_size == len(set(pydoc_dm.tokenizer.chars)) > 60
 
 
-def test_test_split_scores_every_validation_token_once(pydoc_dm):
-    targets = torch.cat([y.flatten() for _, y in pydoc_dm.test_dataloader()])
-    assert torch.equal(targets, pydoc_dm.val_tokens[1:])
+@pytest.mark.parametrize("stride", [None, 32, 7])
+def test_test_split_scores_every_validation_token_once(stride):
+    dm = TextDataModule(corpus="pydoc", block_size=32, batch_size=5, test_stride=stride)
+    dm.setup()
+    loaders = dm.test_dataloader()
+    assert len(loaders) == (1 if stride is None else 2)
+    for loader in loaders:
+        scored = torch.cat([y[y != -100] for _, y in loader])
+        assert torch.equal(scored, dm.val_tokens[1:])
+    if stride:  # past the first window every scored target has >= T - stride tokens of context
+        x, y = next(iter(loaders[1]))
+        assert (y[1:, : 32 - stride] == -100).all() and (y[1:, 32 - stride :] != -100).all()
 
 
 def test_training_stream_is_deterministic_and_resumable(pydoc_dm):

@@ -75,6 +75,8 @@ class TextDataModule(L.LightningDataModule):
         batch_size: windows per batch.
         val_fraction: share of the text held out for validation.
         val_batches: batches in each periodic validation.
+        test_stride: also score the test split with windows sliding by this stride (see
+            ``test_dataloader``); ``None``: non-overlapping windows only.
         num_workers: DataLoader workers for the training stream.
         seed: seed of the training and validation batch streams.
     """
@@ -92,6 +94,7 @@ class TextDataModule(L.LightningDataModule):
         batch_size: int = 12,
         val_fraction: float = 0.1,
         val_batches: int = 20,
+        test_stride: int | None = None,
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
@@ -100,6 +103,10 @@ class TextDataModule(L.LightningDataModule):
                             ("val_batches", val_batches), ("bpe_vocab_size", bpe_vocab_size)]:
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
+        if test_stride is not None and not (isinstance(test_stride, int) and 0 < test_stride <= block_size):
+            raise ConfigError(
+                f"data.test_stride must be in 1..block_size ({block_size}) or null, got {test_stride!r}"
+            )
         if tokenizer not in ("char", "bpe"):
             raise ConfigError(f"data.tokenizer must be 'char' or 'bpe', got {tokenizer!r}")
         if not 0.0 < val_fraction < 1.0:
@@ -108,7 +115,7 @@ class TextDataModule(L.LightningDataModule):
         self.url, self.sha256 = url, sha256
         self.tokenizer_kind, self.bpe_vocab_size = tokenizer, bpe_vocab_size
         self.block_size, self.batch_size = block_size, batch_size
-        self.val_fraction, self.val_batches = val_fraction, val_batches
+        self.val_fraction, self.val_batches, self.test_stride = val_fraction, val_batches, test_stride
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
         self.train_tokens: Tensor | None = None
@@ -176,17 +183,31 @@ class TextDataModule(L.LightningDataModule):
         ]
         return DataLoader(batches, batch_size=None)
 
-    def test_dataloader(self) -> DataLoader:
-        """The whole validation split, each token predicted once (non-overlapping windows)."""
-        t = self.block_size
-        n_full = (len(self.val_tokens) - 1) // t
-        starts = torch.arange(n_full) * t
-        batches = [windows(self.val_tokens, s, t) for s in starts.split(self.batch_size * 4)]
-        rest = len(self.val_tokens) - 1 - n_full * t
-        if rest > 0:
-            tail = self.val_tokens[n_full * t :]
-            batches.append((tail[None, :-1], tail[None, 1:]))
-        return DataLoader(batches, batch_size=None)
+    def test_dataloader(self) -> list[DataLoader]:
+        """The whole validation split, every target scored exactly once.
+
+        Loader 0 cuts it into non-overlapping windows (a token's context is 0..T-1 tokens, as in
+        training and in nanoGPT's estimate). With ``test_stride``, loader 1 slides windows by that
+        stride and scores only targets not scored before, so each has at least ``T - stride``
+        tokens of context: the usual way to score a fixed-context model on a long text.
+        """
+        loaders = [self._scored_windows(self.block_size)]
+        if self.test_stride is not None:
+            loaders.append(self._scored_windows(self.test_stride))
+        return loaders
+
+    def _scored_windows(self, stride: int) -> DataLoader:
+        toks, t = self.val_tokens, self.block_size
+        last = len(toks) - 1 - t  # start of the last full window
+        starts = list(range(0, last + 1, stride))
+        if starts[-1] != last:
+            starts.append(last)
+        x, y = windows(toks, torch.tensor(starts), t)
+        scored_until = torch.tensor([0] + [s + t for s in starts[:-1]])  # targets before: done
+        target_pos = torch.tensor(starts)[:, None] + torch.arange(t)  # (N, T) index of y[j]
+        y = y.masked_fill(target_pos < scored_until[:, None], -100)
+        n = self.batch_size * 4
+        return DataLoader(list(zip(x.split(n), y.split(n), strict=True)), batch_size=None)
 
     # The position in the training stream travels in the checkpoint, so a resumed run continues
     # with the batch the interrupted one would have seen next.

@@ -1,0 +1,118 @@
+"""ms per training iteration of experiment=gpt_shakespeare_char inside the Lightning Trainer.
+
+Side by side in one run, fp32 and bf16-mixed: attnlab (Trainer, the experiment's config) against a
+plain PyTorch loop (nanoGPT's: get_batch, forward, backward, clip, AdamW step) on the same model.
+Run it alone: a busy second core slows torch's two threads.
+
+    uv run python benchmarks/gpt_train.py [--steps 300] [--data-dir ../shared/data/tinyshakespeare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from contextlib import nullcontext
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from attnlab.cli import config_dir
+from attnlab.utils.config import fill_missing
+
+
+class StepTimer(L.Callback):
+    """Wall time between consecutive training-batch ends: one whole iteration of the loop."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter())
+
+
+def compose_experiment(data_dir: str | None, out: str):
+    overrides = ["experiment=gpt_shakespeare_char", f"paths.output_dir={out}"]
+    overrides += [f"data.data_dir={data_dir}"] if data_dir else ["data.corpus=pydoc"]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def attnlab_ms(cfg, precision: str, steps: int, warmup: int) -> float:
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    timer = StepTimer()
+    trainer = instantiate(
+        cfg.trainer, precision=precision, max_steps=steps + warmup, limit_val_batches=0,
+        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(cfg.paths.output_dir),
+        callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=dm)
+    deltas = [b - a for a, b in zip(timer.times[warmup:-1], timer.times[warmup + 1 :], strict=True)]
+    return 1000 * statistics.median(deltas)
+
+
+def plain_loop_ms(cfg, precision: str, steps: int, warmup: int) -> float:
+    """nanoGPT's training loop around the same model and optimizer settings."""
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
+    torch.manual_seed(0)
+    net = instantiate(cfg.model.net)
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    other = [p for p in net.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99), fused=True)
+    data, t, b = dm.train_tokens, dm.block_size, dm.batch_size
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    times = []
+    for _ in range(steps + warmup):
+        ix = torch.randint(len(data) - t, (b,))
+        x = torch.stack([data[i : i + t] for i in ix])
+        y = torch.stack([data[i + 1 : i + 1 + t] for i in ix])
+        with ctx:
+            logits = net(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    deltas = [b - a for a, b in zip(times[warmup:-1], times[warmup + 1 :], strict=True)]
+    return 1000 * statistics.median(deltas)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--data-dir", default=None, help="tinyshakespeare dir; default: pydoc corpus")
+    args = parser.parse_args()
+    goals = {"32-true": 30.0, "bf16-mixed": 23.0}
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        cfg = compose_experiment(args.data_dir, out)
+        for precision in ("32-true", "bf16-mixed"):
+            ref = plain_loop_ms(cfg.copy(), precision, args.steps, args.warmup)
+            ours = attnlab_ms(cfg.copy(), precision, args.steps, args.warmup)
+            rows.append((precision, ours, ref))
+    print(f"\nGPT (gpt_shakespeare_char config), median ms per training iteration, "
+          f"{args.steps} steps, {torch.get_num_threads()} threads")
+    print(f"{'precision':<12}{'attnlab':>10}{'plain loop':>12}{'ratio':>8}{'goal':>8}")
+    for precision, ours, ref in rows:
+        mark = "ok" if ours <= goals[precision] else "MISSED"
+        print(f"{precision:<12}{ours:>10.1f}{ref:>12.1f}{ours / ref:>8.2f}{goals[precision]:>6.0f} {mark}")
+    fp32, bf16 = rows[0][1], rows[1][1]
+    print(f"bf16-mixed speed-up over fp32 (attnlab): {fp32 / bf16:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Every config composes and instantiates; schedules and W&B mode behave."""
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from attnlab.cli import config_dir
+from attnlab.tasks.schedules import WarmupCosine
+from attnlab.utils.config import fill_missing
+from attnlab.utils.wandb_mode import ensure_wandb_mode
+
+CONF = Path(config_dir())
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def composed(*overrides: str, tmp: Path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=[f"paths.output_dir={tmp}", *overrides])
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiments_build_their_model_and_data(experiment, tmp_path):
+    cfg = composed(f"experiment={experiment}", "data.corpus=pydoc", tmp=tmp_path)
+    dm = instantiate(cfg.data)
+    dm.setup()
+    fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
+    task = instantiate(cfg.model)
+    assert task.net.vocab_size == dm.vocab_size
+    assert cfg.task_name == experiment
+
+
+@pytest.mark.parametrize(
+    "group,name", [(g, n) for g in ("trainer", "logger", "callbacks", "debug", "data") for n in options(g)]
+)
+def test_every_group_option_composes(group, name, tmp_path):
+    cfg = composed(f"{group}={name}", tmp=tmp_path)
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    if group in ("callbacks", "logger"):
+        for node in (cfg[group] or {}).values():
+            assert "_target_" in node
+
+
+def test_gpt_shakespeare_recipe_is_nanogpts(tmp_path):
+    cfg = composed("experiment=gpt_shakespeare_char", tmp=tmp_path)
+    net, opt = cfg.model.net, cfg.model.optimizer
+    assert (net.n_layer, net.n_head, net.n_embd, net.block_size, net.dropout) == (4, 4, 128, 64, 0.0)
+    assert (cfg.data.batch_size, cfg.trainer.max_steps, cfg.trainer.val_check_interval) == (12, 2000, 250)
+    assert (opt.lr, list(opt.betas), cfg.model.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
+    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.data.val_batches == 20
+
+
+def nanogpt_lr(it, lr=1e-3, min_lr=1e-4, warmup=100, decay=2000):  # nanoGPT's train.get_lr
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay:
+        return min_lr
+    ratio = (it - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def test_warmup_cosine_matches_nanogpt():
+    f = WarmupCosine(100, 2000, 0.1)
+    for it in (0, 50, 99, 100, 500, 1999, 2000, 2500):
+        assert 1e-3 * f(it) == pytest.approx(nanogpt_lr(it))
+
+
+def unset(monkeypatch, *names):
+    for name in names:  # setenv first so that monkeypatch restores the original state
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):
+    unset(monkeypatch, "WANDB_MODE", "WANDB_API_KEY")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert ensure_wandb_mode() == "offline"
+
+
+def test_wandb_key_or_explicit_mode_is_respected(monkeypatch, tmp_path):
+    unset(monkeypatch, "WANDB_MODE", "WANDB_API_KEY")
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai login user password abc123\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert ensure_wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert ensure_wandb_mode() == "disabled"
