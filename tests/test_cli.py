@@ -185,3 +185,22 @@ def test_shakespeare_bpe_run(tmp_path):
 def test_debug_configs_run(tmp_path, debug):
     proc = run_cli("train", [*tiny(), f"debug={debug}"], tmp_path)
     assert_ok(proc)
+
+
+@pytest.mark.slow
+def test_multirun_gives_each_job_its_own_run(tmp_path):
+    proc = run_cli("train", ["-m", *tiny("task_name=sweep"), "model.optimizer.lr=1e-3,3e-3"], tmp_path)
+    assert_ok(proc)
+    jobs = sorted((tmp_path / "logs/sweep/multiruns").glob("*/[0-9]"))
+    assert len(jobs) == 2
+    wandb_ids = {next((j / "wandb").glob("offline-run-*")).name for j in jobs}
+    assert len(wandb_ids) == 2 and all(read_metrics(j)["test/loss"] for j in jobs)
+
+
+@pytest.mark.slow
+def test_many_loggers_write_csv_wandb_and_tensorboard(tmp_path):
+    proc = run_cli("train", tiny("logger=many", "task_name=many"), tmp_path)
+    assert_ok(proc)
+    (run_dir,) = run_dirs(tmp_path, "many")
+    assert list(run_dir.glob("tensorboard/**/events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*")) and read_metrics(run_dir)["val/loss"]
