@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from attnlab.cli import config_dir
-from attnlab.tasks.schedules import WarmupCosine
+from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
 from attnlab.utils.config import fill_missing
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
@@ -27,12 +27,14 @@ def composed(*overrides: str, tmp: Path):
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
-    cfg = composed(f"experiment={experiment}", "data.corpus=pydoc", tmp=tmp_path)
+    corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
+    cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", tmp=tmp_path)
     dm = instantiate(cfg.data)
     dm.setup()
     fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
     task = instantiate(cfg.model)
-    assert task.net.vocab_size == dm.vocab_size
+    vocab = dm.model_kwargs()["vocab_size"]
+    assert (task.net.out.weight.shape[0] if experiment.startswith("nmt_") else task.net.vocab_size) == vocab
     assert cfg.task_name == experiment
 
 
@@ -69,6 +71,15 @@ def test_warmup_cosine_matches_nanogpt():
     f = WarmupCosine(100, 2000, 0.1)
     for it in (0, 50, 99, 100, 500, 1999, 2000, 2500):
         assert 1e-3 * f(it) == pytest.approx(nanogpt_lr(it))
+
+
+def test_warmup_inverse_sqrt_is_the_papers_noam_schedule():
+    d_model, warmup = 512, 4000
+    f = WarmupInverseSqrt(warmup)
+    base = (d_model * warmup) ** -0.5
+    for step in (1, 100, 3999, 4000, 4001, 20000):  # the paper counts steps from 1
+        noam = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert base * f(step - 1) == pytest.approx(noam)
 
 
 def unset(monkeypatch, *names):

@@ -60,7 +60,8 @@ class MetricsPrinter(L.Callback):
             return
         m = trainer.callback_metrics
         parts = [f"step {trainer.global_step:>6}"]
-        parts += [f"{k} {float(m[k]):.4f}" for k in ("train/loss", "val/loss", "val/acc") if k in m]
+        shown = ("train/loss", "val/loss", "val/acc", "val/bleu")
+        parts += [f"{k} {float(m[k]):.4f}" for k in shown if k in m]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         parts.append(f"{self._ms:.1f} ms/it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,3 +47,22 @@ def exit_on_user_error() -> Iterator[None]:
         if not logging.getLogger().handlers:  # outside Hydra nobody prints log records
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """Quote free-text overrides (``text=Zwei Männer ...``) for Hydra's override grammar.
+
+    The shell strips the user's quotes, and Hydra rejects unquoted values with spaces, accents or
+    most punctuation; a value that is already quoted is left alone.
+    """
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in keys and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
+            # Hydra's quoted strings: backslashes are escaped only before a quote or at the end
+            value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+            value = value.replace("'", "\\'").replace("${", "\\${")
+            arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
+

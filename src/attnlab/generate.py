@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli import config_dir, exit_on_user_error
+from attnlab.cli import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.generation import generate_text
 from attnlab.utils.runs import TrainedRun
@@ -34,13 +35,18 @@ def generate(cfg: DictConfig) -> list[str]:
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="generate")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     torch.set_grad_enabled(False)
     with exit_on_user_error():
         for i, text in enumerate(generate(cfg)):
             if i:
                 print("-" * 60)
             print(text)
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("prompt",))
+    run()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import logging
 import os
@@ -23,15 +24,18 @@ def sha256sum(path: Path) -> str:
     return h.hexdigest()
 
 
-def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0) -> Path:
-    """Download ``url`` to ``dest`` atomically; a file failing the checksum is never kept."""
+def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0, gunzip: bool = False) -> Path:
+    """Download ``url`` to ``dest`` atomically; a file failing the checksum is never kept.
+
+    With ``gunzip`` the download is decompressed and ``sha256`` is that of the decompressed file.
+    """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.info("downloading %s -> %s", url, dest)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
-            shutil.copyfileobj(resp, out)
+            shutil.copyfileobj(gzip.GzipFile(fileobj=resp) if gunzip else resp, out)
         got = sha256sum(Path(tmp))
         if sha256 is not None and got != sha256:
             raise DataError(
@@ -39,7 +43,7 @@ def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0) ->
                 "the download was discarded"
             )
         os.replace(tmp, dest)
-    except OSError as e:  # URLError and timeouts are OSErrors
+    except (OSError, EOFError) as e:  # URLError, timeouts and bad gzip streams are OSErrors
         raise DataError(f"could not download {url}: {e}") from e
     finally:
         if os.path.exists(tmp):
@@ -53,6 +57,7 @@ def fetch(
     sha256: str | None,
     data_dir: str | os.PathLike | None,
     cache_dir: str | os.PathLike,
+    gunzip: bool = False,
 ) -> Path:
     """Path to ``filename``: from ``data_dir`` when given (offline), else cached or downloaded.
 
@@ -70,7 +75,7 @@ def fetch(
     if path.is_file() and (sha256 is None or sha256sum(path) == sha256):
         return path
     try:
-        return download(url, path, sha256)
+        return download(url, path, sha256, gunzip=gunzip)
     except DataError as e:
         raise DataError(f"{e}. Offline? Set data.data_dir to a directory holding {filename}") from e
 

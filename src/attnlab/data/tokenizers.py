@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from attnlab.errors import AttnlabError
 
@@ -78,10 +78,54 @@ class BPETokenizer:
         return json.dumps({"kind": "bpe", "tokenizer": self.tokenizer.to_str()})
 
 
-def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer:
+class SubwordTokenizer:
+    """Joint BPE over both languages of a parallel corpus, with special tokens (HF ``tokenizers``).
+
+    Words are split at spaces and punctuation; a space is kept as "▁" on the following piece
+    (SentencePiece's convention), so ``decode`` gives back detokenised text, which is what
+    sacreBLEU wants. Ids 0-3 are ``<pad>``, ``<unk>``, ``<bos>``, ``<eos>``.
+    """
+
+    specials = ("<pad>", "<unk>", "<bos>", "<eos>")
+    pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def fit(cls, lines: list[str], vocab_size: int) -> SubwordTokenizer:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation(behavior="isolated")]
+        )
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
+        )
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "subword", "tokenizer": self.tokenizer.to_str()})
+
+
+def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer | SubwordTokenizer:
     state = json.loads(s)
     if state["kind"] == "char":
         return CharTokenizer(state["chars"])
     if state["kind"] == "bpe":
         return BPETokenizer(Tokenizer.from_str(state["tokenizer"]))
+    if state["kind"] == "subword":
+        return SubwordTokenizer(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

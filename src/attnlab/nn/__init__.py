@@ -6,5 +6,13 @@ from attnlab.nn.attention import (
     causal_mask,
     scaled_dot_product_attention,
 )
+from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 
-__all__ = ["KVCache", "MultiHeadAttention", "causal_mask", "scaled_dot_product_attention"]
+__all__ = [
+    "AdditiveAttention",
+    "KVCache",
+    "MultiHeadAttention",
+    "MultiplicativeAttention",
+    "causal_mask",
+    "scaled_dot_product_attention",
+]

@@ -1,5 +1,6 @@
 """LightningModules: losses, metrics and optimizers around the models."""
 
 from attnlab.tasks.language_model import LanguageModelTask
+from attnlab.tasks.translation import TranslationTask
 
-__all__ = ["LanguageModelTask"]
+__all__ = ["LanguageModelTask", "TranslationTask"]

@@ -33,3 +33,23 @@ def warmup_cosine(
 ) -> LambdaLR:
     """``LambdaLR`` stepping ``WarmupCosine`` once per optimizer step."""
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
+
+
+class WarmupInverseSqrt:
+    """Linear warm-up to the base lr, then decay as 1/sqrt(step) (the Transformer paper's "Noam").
+
+    The paper's lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) is this schedule with a
+    base lr of (d_model * warmup_steps)^-0.5.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        step += 1
+        return min(step / self.warmup_steps, (self.warmup_steps / step) ** 0.5)
+
+
+def warmup_inverse_sqrt(optimizer: Optimizer, warmup_steps: int) -> LambdaLR:
+    """``LambdaLR`` stepping ``WarmupInverseSqrt`` once per optimizer step."""
+    return LambdaLR(optimizer, WarmupInverseSqrt(warmup_steps))

@@ -1,0 +1,186 @@
+"""RNN encoder-decoder with attention (Bahdanau et al. 2015; Luong et al. 2015).
+
+The encoder is a bidirectional GRU or LSTM. At each output step the decoder attends over all
+encoder states, so no fixed-size context vector has to carry the whole sentence:
+
+- ``attention="additive"`` (Bahdanau): attend with the previous decoder state, feed the
+  context into the RNN, read out from [state; context; input embedding];
+- ``attention="general"`` or ``"dot"`` (Luong): step the RNN first, attend with the new state,
+  read out tanh(W [state; context]) and feed that to the next step's input ("input feeding").
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from attnlab.errors import ConfigError
+from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
+
+ATTENTION_TYPES = ("additive", "general", "dot")
+
+
+class Encoder(nn.Module):
+    """Bidirectional RNN over the source; returns all states (B, S, 2E) and the final ones."""
+
+    def __init__(self, emb: nn.Embedding, rnn: str, hidden: int, n_layers: int, dropout: float) -> None:
+        super().__init__()
+        self.emb, self.drop = emb, nn.Dropout(dropout)
+        rnn_cls = nn.GRU if rnn == "gru" else nn.LSTM
+        self.rnn = rnn_cls(emb.embedding_dim, hidden, n_layers, batch_first=True, bidirectional=True,
+                           dropout=dropout if n_layers > 1 else 0.0)
+
+    def forward(self, src: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
+        lengths = (~pad).sum(1).cpu()
+        # packed, so the backward direction starts at each sentence's last real token
+        x = self.drop(self.emb(src))
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, h = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))
+        h = h[0] if isinstance(h, tuple) else h  # LSTM: (h, c)
+        final = torch.cat([h[-2], h[-1]], dim=-1)  # top layer, forward and backward (B, 2E)
+        return out, final
+
+
+class Seq2Seq(nn.Module):
+    """Attention-based RNN translation model over a joint vocabulary.
+
+    Args:
+        vocab_size, pad_id: from the data's tokenizer.
+        attention: "additive" (Bahdanau), "general" or "dot" (Luong).
+        rnn: "gru" or "lstm".
+        emb_dim: embedding size (also the read-out size, so the output layer can share weights).
+        enc_hidden: hidden size of each encoder direction.
+        dec_hidden: decoder hidden size.
+        attn_dim: hidden size of the additive attention's scoring layer.
+        n_enc_layers: encoder depth.
+        dropout: on embeddings, between encoder layers and on the read-out.
+        teacher_forcing: probability of feeding the true previous token in training (else the
+            model's own greedy prediction).
+        share_embeddings: one embedding matrix for source, target and the output layer.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int = 0,
+        attention: str = "additive",
+        rnn: str = "gru",
+        emb_dim: int = 256,
+        enc_hidden: int = 512,
+        dec_hidden: int = 512,
+        attn_dim: int = 512,
+        n_enc_layers: int = 1,
+        dropout: float = 0.3,
+        teacher_forcing: float = 1.0,
+        share_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        if attention not in ATTENTION_TYPES:
+            raise ConfigError(f"model.net.attention must be one of {ATTENTION_TYPES}, got {attention!r}")
+        if rnn not in ("gru", "lstm"):
+            raise ConfigError(f"model.net.rnn must be 'gru' or 'lstm', got {rnn!r}")
+        if not 0.0 <= teacher_forcing <= 1.0:
+            raise ConfigError(f"model.net.teacher_forcing must be in [0, 1], got {teacher_forcing}")
+        self.pad_id, self.attention_type, self.rnn_type = pad_id, attention, rnn
+        self.teacher_forcing = teacher_forcing
+        self.src_emb = nn.Embedding(vocab_size, emb_dim, padding_idx=pad_id)
+        self.tgt_emb = (
+            self.src_emb if share_embeddings else nn.Embedding(vocab_size, emb_dim, padding_idx=pad_id)
+        )
+        self.encoder = Encoder(self.src_emb, rnn, enc_hidden, n_enc_layers, dropout)
+        ctx = 2 * enc_hidden
+        self.bridge = nn.Linear(ctx, dec_hidden)  # final encoder states -> initial decoder state
+        self.bahdanau = attention == "additive"
+        if self.bahdanau:
+            self.attn: nn.Module = AdditiveAttention(dec_hidden, ctx, attn_dim)
+            cell_in, readout_in = emb_dim + ctx, dec_hidden + ctx + emb_dim
+        else:
+            self.attn = MultiplicativeAttention(dec_hidden, ctx, attention)
+            cell_in, readout_in = emb_dim + emb_dim, dec_hidden + ctx
+        self.cell = nn.GRUCell(cell_in, dec_hidden) if rnn == "gru" else nn.LSTMCell(cell_in, dec_hidden)
+        self.readout = nn.Linear(readout_in, emb_dim)
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(emb_dim, vocab_size, bias=False)
+        for emb in {self.src_emb, self.tgt_emb}:  # small, so tied output logits start near uniform
+            nn.init.normal_(emb.weight, std=emb_dim**-0.5)
+        if share_embeddings:
+            self.out.weight = self.tgt_emb.weight
+
+    # -- decoding interface (also used by training) -------------------------------------------
+    def start(self, src: Tensor) -> dict[str, Any]:
+        pad = src == self.pad_id
+        memory, final = self.encoder(src, pad)
+        h = torch.tanh(self.bridge(final))
+        state = {"memory": memory, "pad": pad, "keys": self.attn.prepare(memory), "h": h}
+        if self.rnn_type == "lstm":
+            state["c"] = torch.zeros_like(h)
+        if not self.bahdanau:
+            state["feed"] = h.new_zeros(h.size(0), self.readout.out_features)
+        return state
+
+    def _cell(self, x: Tensor, state: dict[str, Any]) -> Tensor:
+        if self.rnn_type == "lstm":
+            state["h"], state["c"] = self.cell(x, (state["h"], state["c"]))
+        else:
+            state["h"] = self.cell(x, state["h"])
+        return state["h"]
+
+    def _step(self, e: Tensor, state: dict[str, Any]) -> Tensor:
+        """One output step from the input embedding (B, E); returns the read-out (B, E)."""
+        attend = lambda q: self.attn(q, state["memory"], state["pad"], state["keys"])  # noqa: E731
+        if self.bahdanau:
+            ctx, state["weights"] = attend(state["h"])
+            h = self._cell(torch.cat([e, ctx], -1), state)
+            out = torch.tanh(self.readout(torch.cat([h, ctx, e], -1)))
+        else:
+            h = self._cell(torch.cat([e, state["feed"]], -1), state)
+            ctx, state["weights"] = attend(h)
+            out = torch.tanh(self.readout(torch.cat([h, ctx], -1)))
+            state["feed"] = out
+        return out
+
+    def step(self, tokens: Tensor, state: dict[str, Any]) -> Tensor:
+        """Logits (B, V) of the next token after ``tokens`` (B,); updates ``state``."""
+        return self.out(self._step(self.tgt_emb(tokens), state))
+
+    def reorder(self, state: dict[str, Any], index: Tensor) -> None:
+        for key, value in state.items():
+            if isinstance(value, Tensor):
+                state[key] = value[index]
+
+    # -- training ------------------------------------------------------------------------------
+    def _run(self, src: Tensor, tgt_in: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        state = self.start(src)
+        emb = self.drop(self.tgt_emb(tgt_in))  # (B, T, E)
+        forced = not self.training or self.teacher_forcing >= 1.0
+        outs, weights, logits = [], [], []
+        for t in range(tgt_in.size(1)):
+            if t > 0 and not forced and random.random() >= self.teacher_forcing:
+                e = self.drop(self.tgt_emb(logits[-1].argmax(-1)))  # the model's own guess
+            else:
+                e = emb[:, t]
+            outs.append(self._step(e, state))
+            if not forced:
+                logits.append(self.out(self.drop(outs[-1])))
+            if need_weights:
+                weights.append(state["weights"])
+        # with teacher forcing the output layer runs once over all steps: one big matmul
+        y = self.out(self.drop(torch.stack(outs, 1))) if forced else torch.stack(logits, 1)
+        return y, torch.stack(weights, 1) if need_weights else None  # (B, T, V), (B, T, S)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Tensor:
+        """Logits (B, T, V), teacher-forced with probability ``teacher_forcing``; or (N, V) at
+        the N positions where ``scored`` (B, T) is True."""
+        if scored is None:
+            return self._run(src, tgt_in)[0]
+        t = int(scored.sum(1).max())  # no steps over trailing padding: each one is a loop iteration
+        return self._run(src, tgt_in[:, :t])[0][scored[:, :t]]
+
+    def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
+        """Attention weights (B, 1, T, S), for plots."""
+        return {"attention": self._run(src, tgt_in, need_weights=True)[1][:, None]}

@@ -1,0 +1,210 @@
+"""Translation: label-smoothed cross-entropy, sacreBLEU on decoded text, alignment plots."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.text import SacreBLEUScore
+
+from attnlab.errors import ConfigError
+from attnlab.models.decoding import beam_search, greedy_decode, max_output_len
+from attnlab.tasks.optim import build_optimizers, clip_gradients
+
+log = logging.getLogger(__name__)
+
+
+class TranslationTask(L.LightningModule):
+    """Trains an encoder-decoder ``net`` (``Transformer`` or ``Seq2Seq``) on a parallel corpus.
+
+    Logs ``train/loss`` (label-smoothed), ``val/loss`` and ``val/ppl`` (plain cross-entropy per
+    target token), ``val/bleu`` (greedy decoding) and ``val/bleu_best`` each validation, and
+    ``test/loss``, ``test/ppl``, ``test/bleu`` (beam search) on the test split. BLEU is
+    sacreBLEU (13a tokenisation, cased) of the detokenised output against the raw references.
+    After each validation it plots the attention of a few fixed validation sentences (PNG files
+    under ``plot_dir`` and W&B images) and logs a table of sample translations; the test
+    translations go to ``test_translations.txt`` in the run's directory.
+
+    Args:
+        net: the translation model.
+        optimizer, scheduler, weight_decay: as in ``LanguageModelTask``.
+        label_smoothing: for the training loss.
+        beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
+        max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
+        val_bleu: decode the validation set each validation (greedy) to score BLEU.
+        plot_sentences: how many validation sentences to plot and show.
+        plot_dir: where the alignment PNGs go (``null``: no files).
+        compile: ``torch.compile`` the net at setup.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.0,
+        label_smoothing: float = 0.1,
+        beam_size: int = 5,
+        length_penalty: float = 1.0,
+        max_len_a: float = 1.5,
+        max_len_b: int = 10,
+        val_bleu: bool = True,
+        plot_sentences: int = 3,
+        plot_dir: str | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if beam_size < 1:
+            raise ConfigError(f"model.beam_size must be >= 1, got {beam_size}")
+        self.net = net
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.weight_decay, self.label_smoothing, self.compile_net = weight_decay, label_smoothing, compile
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
+        self.val_bleu_on, self.plot_sentences, self.plot_dir = val_bleu, plot_sentences, plot_dir
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_bleu, self.test_bleu = SacreBLEUScore(), SacreBLEUScore()
+        self.val_bleu_best = MaxMetric()
+        self.val_bleu_best.persistent(True)
+        self._hyps: dict[int, str] = {}
+
+    def setup(self, stage: str) -> None:
+        if self.compile_net and stage == "fit":
+            self.net.compile()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def _data(self) -> Any:
+        return self.trainer.datamodule
+
+    def _nll(self, batch: dict[str, Tensor], smoothing: float) -> tuple[Tensor, Tensor]:
+        scored = batch["tgt_out"] != self.net.pad_id
+        logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
+        loss = F.cross_entropy(logits.float(), batch["tgt_out"][scored], label_smoothing=smoothing)
+        return loss, scored.sum()
+
+    def translate_ids(self, src: Tensor, beam_size: int = 1) -> list[list[int]]:
+        """Token ids of the translations of a padded source batch (B, S)."""
+        tok = self._data.tokenizer
+        max_len = max_output_len(src, self.net.pad_id, self.max_len_a, self.max_len_b, self.net_max_len())
+        if beam_size == 1:
+            return greedy_decode(self.net, src, tok.bos_id, tok.eos_id, max_len)
+        return beam_search(self.net, src, tok.bos_id, tok.eos_id, max_len, beam_size, self.length_penalty)
+
+    def net_max_len(self) -> int:
+        return getattr(self.net, "max_len", 256) - 1
+
+    def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
+        tok = self._data.tokenizer
+        hyps = [tok.decode(ids) for ids in self.translate_ids(batch["src"], beam)]
+        refs = self._data.references(stage)
+        idx = batch["idx"].tolist()
+        metric.update(hyps, [[refs[i]] for i in idx])
+        self._hyps.update(zip(idx, hyps, strict=True))
+
+    # -- loops -----------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._nll(batch, self.label_smoothing)
+        every = self.trainer.log_every_n_steps
+        if every and (self.global_step + 1) % every == 0:
+            self.log("train/loss", loss, prog_bar=True, batch_size=batch["src"].size(0))
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, n = self._nll(batch, 0.0)
+        self.val_loss.update(loss, n)
+        if self.val_bleu_on and not self.trainer.sanity_checking:
+            self._score(self.val_bleu, batch, "val", beam=1)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        if self.trainer.sanity_checking or not self.val_bleu_on:
+            return
+        bleu = 100 * self.val_bleu.compute()
+        self.val_bleu.reset()
+        self.val_bleu_best.update(bleu)
+        self.log("val/bleu", bleu, prog_bar=True)
+        self.log("val/bleu_best", self.val_bleu_best.compute())
+        if self.trainer.is_global_zero:
+            self._show_samples()
+            self._plot_alignments()
+        self._hyps = {}
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, n = self._nll(batch, 0.0)
+        self.test_loss.update(loss, n)
+        self._score(self.test_bleu, batch, "test", beam=self.beam_size)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.test_loss.compute()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+        self.log("test/bleu", 100 * self.test_bleu.compute())
+        self.test_loss.reset()
+        self.test_bleu.reset()
+        if self.trainer.is_global_zero and self._hyps:
+            path = Path(self.trainer.default_root_dir) / "test_translations.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(self._hyps[i] + "\n" for i in sorted(self._hyps)), encoding="utf-8")
+            log.info("test translations written to %s", path)
+        self._hyps = {}
+
+    # -- what people look at ------------------------------------------------------------------------
+    def _show_samples(self) -> None:
+        data = self._data
+        rows = [(data.sources("val")[i], data.references("val")[i], self._hyps.get(i, ""))
+                for i in range(min(self.plot_sentences, len(data.references("val"))))]
+        for src, ref, hyp in rows:
+            log.info("src: %s\n    ref: %s\n    hyp: %s", src, ref, hyp)
+        for lg in self.loggers:
+            if hasattr(lg, "log_text"):
+                lg.log_text(key="val/samples", columns=["source", "reference", "translation"],
+                            data=[list(r) for r in rows], step=self.global_step)
+
+    @torch.no_grad()
+    def _plot_alignments(self) -> None:
+        if not self.plot_sentences:
+            return
+        from attnlab.plots import alignment_figure  # matplotlib only when plotting
+
+        data, tok = self._data, self._data.tokenizer
+        split = data.splits["val"]
+        images = []
+        for i in range(min(self.plot_sentences, len(split))):
+            hyp_ids = tok.encode(self._hyps[i]) if i in self._hyps else split.tgt[i]
+            src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
+            tgt_in = torch.tensor([[tok.bos_id] + hyp_ids], device=self.device)
+            maps = self.net.alignments(src, tgt_in)  # name -> (1, H, T, S)
+            src_tokens = [tok.tokenizer.id_to_token(t) for t in src[0].tolist()]
+            out_tokens = [tok.tokenizer.id_to_token(t) for t in hyp_ids] + ["<eos>"]
+            fig = alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
+            if self.plot_dir:
+                path = Path(self.plot_dir) / f"step{self.global_step:06d}_sent{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fig.savefig(path, dpi=80)
+            images.append(fig)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="val/alignments", images=images, step=self.global_step)
+        import matplotlib.pyplot as plt
+
+        for fig in images:
+            plt.close(fig)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.weight_decay)

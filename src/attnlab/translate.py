@@ -1,0 +1,81 @@
+"""``attnlab-translate ckpt_path=... text="Zwei Männer spielen Fußball."``, or ``input=F output=G``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from attnlab.cli import config_dir, exit_on_user_error, quote_free_text
+from attnlab.data.tokenizers import SubwordTokenizer
+from attnlab.errors import ConfigError, DataError
+from attnlab.translation import translate_sentences
+from attnlab.utils.runs import TrainedRun
+
+log = logging.getLogger("attnlab.translate")
+
+
+def read_input(cfg: DictConfig) -> list[str]:
+    if (cfg.text is None) == (cfg.input is None):
+        raise ConfigError('give exactly one of text="..." or input=<file with one sentence per line>')
+    if cfg.text is not None:
+        return [str(cfg.text)]
+    path = Path(str(cfg.input))
+    if not path.is_file():
+        raise DataError(f"input file {path} does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"input file {path} is not UTF-8 text: {e}") from None
+    if not lines:
+        raise DataError(f"input file {path} is empty")
+    return lines
+
+
+def translate(cfg: DictConfig) -> list[str]:
+    sentences = read_input(cfg)
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    tokenizer = run.tokenizer
+    if not isinstance(tokenizer, SubwordTokenizer):
+        raise ConfigError(f"checkpoint {run.path} is not a translation model")
+    task_cfg = run.config.model
+    beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
+    if beam < 1:
+        raise ConfigError(f"beam_size must be >= 1, got {beam}")
+    alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
+    net = run.net().to(cfg.device)
+    return translate_sentences(
+        net, tokenizer, sentences, beam, alpha, task_cfg.max_len_a, task_cfg.max_len_b,
+        run.config.data.max_len, cfg.max_tokens, cfg.device,
+    )
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="translate")
+def run(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        out = translate(cfg)
+        if cfg.output is None:
+            print("\n".join(out))
+        else:
+            path = Path(str(cfg.output))
+            if path.exists() and not cfg.overwrite:
+                raise DataError(f"output file {path} exists (set overwrite=true to replace it)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.part")
+            tmp.write_text("".join(s + "\n" for s in out), encoding="utf-8")
+            tmp.replace(path)
+            log.info("%d translations written to %s", len(out), path)
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("text", "input", "output"))
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Translating raw sentences with a trained encoder-decoder (used by ``attnlab-translate``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from attnlab.data.tokenizers import SubwordTokenizer
+from attnlab.data.translation import TokenBatchSampler, pad
+from attnlab.models.decoding import beam_search, greedy_decode, max_output_len
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def translate_sentences(
+    net: nn.Module,
+    tokenizer: SubwordTokenizer,
+    sentences: list[str],
+    beam_size: int = 5,
+    length_penalty: float = 1.0,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    max_src_len: int = 128,
+    max_tokens: int = 8192,
+    device: str = "cpu",
+) -> list[str]:
+    """Translations of ``sentences``, in order; sources longer than ``max_src_len`` tokens are cut."""
+    ids = tokenizer.encode_batch(sentences)
+    long = sum(len(s) > max_src_len - 1 for s in ids)
+    if long:
+        log.warning("truncated %d of %d sentences to %d tokens", long, len(ids), max_src_len)
+    ids = [s[: max_src_len - 1] + [tokenizer.eos_id] for s in ids]
+    out: list[str] = [""] * len(ids)
+    cap = getattr(net, "max_len", 256) - 1
+    for batch in TokenBatchSampler([len(s) for s in ids], max_tokens, shuffle=False):
+        src = pad([ids[i] for i in batch], tokenizer.pad_id).to(device)
+        max_len = max_output_len(src, tokenizer.pad_id, max_len_a, max_len_b, cap)
+        if beam_size == 1:
+            hyps = greedy_decode(net, src, tokenizer.bos_id, tokenizer.eos_id, max_len)
+        else:
+            hyps = beam_search(net, src, tokenizer.bos_id, tokenizer.eos_id, max_len, beam_size,
+                               length_penalty)
+        for i, h in zip(batch, hyps, strict=True):
+            out[i] = tokenizer.decode(h)
+    return out
