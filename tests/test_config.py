@@ -36,6 +36,8 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
     vocab = dm.model_kwargs()["vocab_size"]
     assert (task.net.out.weight.shape[0] if experiment.startswith("nmt_") else task.net.vocab_size) == vocab
     assert cfg.task_name == experiment
+    for node in cfg.callbacks.values():
+        assert instantiate(node) is not None
 
 
 @pytest.mark.parametrize(

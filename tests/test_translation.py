@@ -384,3 +384,26 @@ def test_unknown_attention_type_from_the_command_line(tmp_path):
     proc = run_cli("train", [*SEQ2SEQ_TINY, "model.net.attention=concat"], tmp_path)
     assert proc.returncode == 2
     assert "model.net.attention must be one of" in proc.stdout + proc.stderr
+
+
+def test_testing_after_fit_keeps_the_averaged_weights():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    from attnlab.callbacks import WeightAveraging
+
+    module = torch.nn.Linear(2, 2)
+    ema = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema._average_model = torch.optim.swa_utils.AveragedModel(module)
+    averaged = {k: torch.zeros_like(v) for k, v in module.state_dict().items()}
+    raw = {k: torch.ones_like(v) for k, v in module.state_dict().items()}
+    ckpt = {"state_dict": averaged, "current_model_state": raw,
+            "averaging_state": {"n_averaged": torch.tensor(3)}}
+    module.load_state_dict(averaged)  # what Lightning restores from "state_dict"
+    ema.on_load_checkpoint(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.TESTING)), module, ckpt)
+    assert (module.weight == 0).all()  # Lightning's own callback would have loaded the raw weights
+    ema.on_load_checkpoint(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)), module, ckpt)
+    assert (module.weight == 1).all()  # resuming training restores both
+

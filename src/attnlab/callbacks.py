@@ -7,7 +7,9 @@ import time
 from typing import Any
 
 import lightning as L
+from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from attnlab import __version__
@@ -69,3 +71,18 @@ class MetricsPrinter(L.Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
+
+
+class WeightAveraging(pl_callbacks.WeightAveraging):
+    """Lightning's weight averaging (EMA or SWA), validating, checkpointing and testing the average.
+
+    Lightning's callback, when it holds an averaged model, loads a checkpoint's raw weights
+    (``current_model_state``) whatever the stage, so ``trainer.test(ckpt_path="best")`` after fit
+    would test the raw weights. Outside fit the checkpoint's ``state_dict`` (the average) is kept.
+    """
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
