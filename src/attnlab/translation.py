@@ -9,7 +9,7 @@ from torch import nn
 
 from attnlab.data.tokenizers import SubwordTokenizer
 from attnlab.data.translation import TokenBatchSampler, pad
-from attnlab.models.decoding import beam_search, greedy_decode, max_output_len
+from attnlab.models.decoding import translate_batch
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,10 @@ def translate_sentences(
         log.warning("truncated %d of %d sentences to %d tokens", long, len(ids), max_src_len)
     ids = [s[: max_src_len - 1] + [tokenizer.eos_id] for s in ids]
     out: list[str] = [""] * len(ids)
-    cap = getattr(net, "max_len", 256) - 1
     for batch in TokenBatchSampler([len(s) for s in ids], max_tokens, shuffle=False):
         src = pad([ids[i] for i in batch], tokenizer.pad_id).to(device)
-        max_len = max_output_len(src, tokenizer.pad_id, max_len_a, max_len_b, cap)
-        if beam_size == 1:
-            hyps = greedy_decode(net, src, tokenizer.bos_id, tokenizer.eos_id, max_len)
-        else:
-            hyps = beam_search(net, src, tokenizer.bos_id, tokenizer.eos_id, max_len, beam_size,
-                               length_penalty)
+        hyps = translate_batch(net, src, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, beam_size,
+                               length_penalty, max_len_a, max_len_b)
         for i, h in zip(batch, hyps, strict=True):
             out[i] = tokenizer.decode(h)
     return out

@@ -91,3 +91,15 @@ def beam_search(net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int, b
                     finished[i].append((scores[i, j].item() / length_penalty(seqs.size(2), alpha),
                                         seqs[i, j].tolist()))
     return [max(f, key=lambda x: x[0])[1] for f in finished]
+
+
+def translate_batch(net: nn.Module, src: Tensor, pad: int, bos: int, eos: int, beam_size: int = 1,
+                    alpha: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
+    """Greedy (``beam_size`` 1) or beam-search translations of a padded source batch (B, S), at
+    most ``a * source length + b`` tokens long and within the positions the model has."""
+    cap = getattr(net, "max_len", 256) - 1
+    max_len = max_output_len(src, pad, max_len_a, max_len_b, cap)
+    if beam_size == 1:
+        return greedy_decode(net, src, bos, eos, max_len)
+    return beam_search(net, src, bos, eos, max_len, beam_size, alpha)
+

@@ -190,23 +190,21 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor, caches: list[KVCache] | None = None,
                start: int = 0, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """Target ids (B, T) -> logits (B, T, V) and, with ``need_weights``, cross-attention per layer."""
+        """Target ids (B, T) -> decoder states (B, T, C), which ``self.out`` maps to logits, and,
+        with ``need_weights``, the cross-attention of each layer."""
         x = self._embed(self.tgt_emb, tgt_in, start)
         weights = []
         for i, layer in enumerate(self.decoder):
             x, w = layer(x, memory, src_pad, None if caches is None else caches[i], need_weights)
             if w is not None:
                 weights.append(w)
-        return self.out(self.dec_norm(x)), weights
+        return self.dec_norm(x), weights
 
     def forward(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Tensor:
         """Teacher-forced logits (B, T, V), or (N, V) at the N positions where ``scored`` (B, T)
         is True: skipping padding saves much of the output layer and the loss."""
         memory, src_pad = self.encode(src)
-        x = self._embed(self.tgt_emb, tgt_in)
-        for layer in self.decoder:
-            x, _ = layer(x, memory, src_pad)
-        x = self.dec_norm(x)
+        x, _ = self.decode(tgt_in, memory, src_pad)
         return self.out(x if scored is None else x[scored])
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
@@ -223,9 +221,9 @@ class Transformer(nn.Module):
     def step(self, tokens: Tensor, state: dict[str, Any]) -> Tensor:
         """Logits (B, V) of the next token after ``tokens`` (B,), the newest output; updates ``state``."""
         memory, src_pad = state["memory"], state["src_pad"]
-        logits, _ = self.decode(tokens[:, None], memory, src_pad, state["caches"], state["t"])
+        x, _ = self.decode(tokens[:, None], memory, src_pad, state["caches"], state["t"])
         state["t"] += 1
-        return logits[:, -1]
+        return self.out(x[:, -1])
 
     def reorder(self, state: dict[str, Any], index: Tensor) -> None:
         """Keep the hypotheses at ``index`` (beam search)."""

@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MinMetric
 
-from attnlab.tasks.optim import build_optimizers, clip_gradients
+from attnlab.tasks.base import Task
 
 
-class LanguageModelTask(L.LightningModule):
+class LanguageModelTask(Task):
     """Trains any ``net`` mapping token ids (B, T) to logits (B, T, V).
 
     Logs ``train/loss``, ``val/loss``, ``val/ppl``, ``val/loss_best`` and, on the test split,
@@ -23,10 +22,7 @@ class LanguageModelTask(L.LightningModule):
 
     Args:
         net: the language model (e.g. ``attnlab.models.GPT``).
-        optimizer: partial optimizer, called with parameter groups.
-        scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
-        weight_decay: applied to weight matrices and embeddings only (not biases or norms).
-        compile: ``torch.compile`` the net at setup.
+        optimizer, scheduler, weight_decay, compile: see ``Task``.
     """
 
     def __init__(
@@ -37,18 +33,11 @@ class LanguageModelTask(L.LightningModule):
         weight_decay: float = 0.0,
         compile: bool = False,
     ) -> None:
-        super().__init__()
-        self.net = net
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.weight_decay, self.compile_net = weight_decay, compile
+        super().__init__(net, optimizer, scheduler, weight_decay, compile)
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
         self.val_loss_best = MinMetric()
         self.val_loss_best.persistent(True)  # resumed runs keep the best value seen so far
-
-    def setup(self, stage: str) -> None:
-        if self.compile_net and stage == "fit":
-            self.net.compile()  # in place: state_dict keys keep their names
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.net(idx)
@@ -62,11 +51,7 @@ class LanguageModelTask(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, _ = self._loss(batch)
-        # loggers only write every log_every_n_steps; each self.log call costs ~0.7 ms on CPU,
-        # a few percent of a small model's step, so log only on the steps that are written
-        every = self.trainer.log_every_n_steps
-        if every and (self.global_step + 1) % every == 0:
-            self.log("train/loss", loss, prog_bar=True)
+        self.log_train_loss(loss)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
@@ -94,9 +79,3 @@ class LanguageModelTask(L.LightningModule):
                 self.log(name, loss)
                 self.log(name.replace("loss", "ppl"), torch.exp(loss))
             metric.reset()
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.weight_decay)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,13 +14,13 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.errors import ConfigError
-from attnlab.models.decoding import beam_search, greedy_decode, max_output_len
-from attnlab.tasks.optim import build_optimizers, clip_gradients
+from attnlab.models.decoding import translate_batch
+from attnlab.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
 
-class TranslationTask(L.LightningModule):
+class TranslationTask(Task):
     """Trains an encoder-decoder ``net`` (``Transformer`` or ``Seq2Seq``) on a parallel corpus.
 
     Logs ``train/loss`` (label-smoothed), ``val/loss`` and ``val/ppl`` (plain cross-entropy per
@@ -34,14 +33,13 @@ class TranslationTask(L.LightningModule):
 
     Args:
         net: the translation model.
-        optimizer, scheduler, weight_decay: as in ``LanguageModelTask``.
+        optimizer, scheduler, weight_decay, compile: see ``Task``.
         label_smoothing: for the training loss.
         beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
         max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
         val_bleu: decode the validation set each validation (greedy) to score BLEU.
         plot_sentences: how many validation sentences to plot and show.
         plot_dir: where the alignment PNGs go (``null``: no files).
-        compile: ``torch.compile`` the net at setup.
     """
 
     def __init__(
@@ -60,14 +58,12 @@ class TranslationTask(L.LightningModule):
         plot_dir: str | None = None,
         compile: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(net, optimizer, scheduler, weight_decay, compile)
         if not 0.0 <= label_smoothing < 1.0:
             raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if beam_size < 1:
             raise ConfigError(f"model.beam_size must be >= 1, got {beam_size}")
-        self.net = net
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.weight_decay, self.label_smoothing, self.compile_net = weight_decay, label_smoothing, compile
+        self.label_smoothing = label_smoothing
         self.beam_size, self.length_penalty = beam_size, length_penalty
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         self.val_bleu_on, self.plot_sentences, self.plot_dir = val_bleu, plot_sentences, plot_dir
@@ -76,10 +72,6 @@ class TranslationTask(L.LightningModule):
         self.val_bleu_best = MaxMetric()
         self.val_bleu_best.persistent(True)
         self._hyps: dict[int, str] = {}
-
-    def setup(self, stage: str) -> None:
-        if self.compile_net and stage == "fit":
-            self.net.compile()
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -92,20 +84,11 @@ class TranslationTask(L.LightningModule):
         loss = F.cross_entropy(logits.float(), batch["tgt_out"][scored], label_smoothing=smoothing)
         return loss, scored.sum()
 
-    def translate_ids(self, src: Tensor, beam_size: int = 1) -> list[list[int]]:
-        """Token ids of the translations of a padded source batch (B, S)."""
-        tok = self._data.tokenizer
-        max_len = max_output_len(src, self.net.pad_id, self.max_len_a, self.max_len_b, self.net_max_len())
-        if beam_size == 1:
-            return greedy_decode(self.net, src, tok.bos_id, tok.eos_id, max_len)
-        return beam_search(self.net, src, tok.bos_id, tok.eos_id, max_len, beam_size, self.length_penalty)
-
-    def net_max_len(self) -> int:
-        return getattr(self.net, "max_len", 256) - 1
-
     def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
         tok = self._data.tokenizer
-        hyps = [tok.decode(ids) for ids in self.translate_ids(batch["src"], beam)]
+        ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam,
+                              self.length_penalty, self.max_len_a, self.max_len_b)
+        hyps = [tok.decode(h) for h in ids]
         refs = self._data.references(stage)
         idx = batch["idx"].tolist()
         metric.update(hyps, [[refs[i]] for i in idx])
@@ -114,9 +97,7 @@ class TranslationTask(L.LightningModule):
     # -- loops -----------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, _ = self._nll(batch, self.label_smoothing)
-        every = self.trainer.log_every_n_steps
-        if every and (self.global_step + 1) % every == 0:
-            self.log("train/loss", loss, prog_bar=True, batch_size=batch["src"].size(0))
+        self.log_train_loss(loss, batch_size=batch["src"].size(0))
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -202,9 +183,3 @@ class TranslationTask(L.LightningModule):
 
         for fig in images:
             plt.close(fig)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.weight_decay)
