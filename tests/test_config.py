@@ -1,9 +1,11 @@
-"""Every config composes and instantiates; schedules and W&B mode behave."""
+"""Every config composes and instantiates; schedules, W&B mode and the CPU settings behave."""
 
 import math
+import platform
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -11,6 +13,7 @@ from omegaconf import OmegaConf
 from attnlab.cli import config_dir
 from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
 from attnlab.utils.config import fill_missing
+from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
 CONF = Path(config_dir())
@@ -105,3 +108,15 @@ def test_wandb_key_or_explicit_mode_is_respected(monkeypatch, tmp_path):
     assert ensure_wandb_mode() == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert ensure_wandb_mode() == "disabled"
+
+
+def test_training_flushes_denormals_and_keeps_freed_memory():
+    tiny = torch.tensor([1e-39])  # a denormal float32
+    try:
+        tune_cpu_for_training()
+        assert (tiny * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert (tiny * 1.0).item() != 0.0
+    if platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory()  # glibc accepted every mallopt setting

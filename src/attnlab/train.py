@@ -24,6 +24,7 @@ from attnlab.utils.checkpoint import (
     resolve_ckpt_path,
 )
 from attnlab.utils.config import container, fill_missing, print_config_tree, resolve, save_config
+from attnlab.utils.cpu import tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
 log = logging.getLogger("attnlab.train")
@@ -46,6 +47,7 @@ def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Train (and test) the model the config describes; return the final metrics."""
     ensure_wandb_mode()
+    tune_cpu_for_training()
     resolve(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)

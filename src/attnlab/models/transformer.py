@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.nn.attention import AttentionImpl, KVCache, MultiHeadAttention
+from attnlab.nn.dropout import Dropout
 
 
 class SinusoidalPositions(nn.Module):
@@ -43,8 +44,8 @@ class LearnedPositions(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise ReLU MLP. No dropout inside (as in the paper): on CPU each dropout over the
-    wide hidden layer costs as much as a matmul, and the residual dropout regularises enough."""
+    """Position-wise ReLU MLP. No dropout inside: the paper drops only sub-layer outputs and
+    embeddings, and a mask over the 4x wider hidden layer would cost a matmul's time on CPU."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool) -> None:
         super().__init__()
-        self.norm, self.drop, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.drop, self.norm_first = nn.LayerNorm(d_model), Dropout(dropout), norm_first
 
     def forward(self, x: Tensor, f: Any) -> tuple[Tensor, Any]:
         y, extra = f(self.norm(x) if self.norm_first else x)
@@ -150,7 +151,7 @@ class Transformer(nn.Module):
         )
         pos_cls = SinusoidalPositions if positions == "sinusoidal" else LearnedPositions
         self.pos = pos_cls(d_model, max_len)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         args = (d_model, n_head, d_ff, dropout, attn_dropout, norm_first, attn_impl)
         self.encoder = nn.ModuleList(EncoderLayer(*args) for _ in range(n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(*args) for _ in range(n_dec_layers))

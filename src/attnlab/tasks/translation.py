@@ -20,6 +20,11 @@ from attnlab.tasks.base import Task
 log = logging.getLogger(__name__)
 
 
+def cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
+    """Label-smoothed cross-entropy of (N, V) logits, in fp32."""
+    return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
+
+
 class TranslationTask(Task):
     """Trains an encoder-decoder ``net`` (``Transformer`` or ``Seq2Seq``) on a parallel corpus.
 
@@ -40,6 +45,9 @@ class TranslationTask(Task):
         val_bleu: decode the validation set each validation (greedy) to score BLEU.
         plot_sentences: how many validation sentences to plot and show.
         plot_dir: where the alignment PNGs go (``null``: no files).
+        compile_loss: ``torch.compile`` the training loss. Eager, the log-softmax over the
+            vocabulary and its backward pass over (tokens, V) in fp32 took ~40% of a Transformer
+            step on CPU; compiled into fused loops it is ~6x cheaper (and ~20 s to compile).
     """
 
     def __init__(
@@ -57,8 +65,11 @@ class TranslationTask(Task):
         plot_sentences: int = 3,
         plot_dir: str | None = None,
         compile: bool = False,
+        compile_loss: bool = False,
     ) -> None:
         super().__init__(net, optimizer, scheduler, weight_decay, compile)
+        self.compile_loss = compile_loss
+        self._train_loss_fn = cross_entropy
         if not 0.0 <= label_smoothing < 1.0:
             raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if beam_size < 1:
@@ -78,11 +89,17 @@ class TranslationTask(Task):
     def _data(self) -> Any:
         return self.trainer.datamodule
 
-    def _nll(self, batch: dict[str, Tensor], smoothing: float) -> tuple[Tensor, Tensor]:
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.compile_loss and stage == "fit":
+            # dynamic: the number of scored tokens changes with every batch
+            self._train_loss_fn = torch.compile(cross_entropy, dynamic=True)
+
+    def _nll(self, batch: dict[str, Tensor], smoothing: float, loss_fn: Callable = cross_entropy
+             ) -> tuple[Tensor, Tensor]:
         scored = batch["tgt_out"] != self.net.pad_id
         logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
-        loss = F.cross_entropy(logits.float(), batch["tgt_out"][scored], label_smoothing=smoothing)
-        return loss, scored.sum()
+        return loss_fn(logits, batch["tgt_out"][scored], smoothing), scored.sum()
 
     def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
         tok = self._data.tokenizer
@@ -96,7 +113,7 @@ class TranslationTask(Task):
 
     # -- loops -----------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self._nll(batch, self.label_smoothing)
+        loss, _ = self._nll(batch, self.label_smoothing, self._train_loss_fn)
         self.log_train_loss(loss, batch_size=batch["src"].size(0))
         return loss
 

@@ -1,0 +1,44 @@
+"""Process-wide CPU settings for training."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+# mallopt parameters, from glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc reuse freed blocks instead of handing them back to the kernel.
+
+    torch's CPU allocator is plain malloc, which by default maps each block over its mmap
+    threshold afresh and unmaps it on free, so every training step faults in (and the kernel
+    zeroes) the same activations again: ~40k page faults a step for the Multi30k Transformer.
+    Serving blocks up to 32 MiB from the heap and not trimming it cut that by a third and the
+    step time by ~5% here. Returns whether the settings took (False off glibc).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    return all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, 32 << 20),  # the largest threshold glibc allows on 64-bit
+        (_M_TRIM_THRESHOLD, 1 << 30),
+        (_M_TOP_PAD, 64 << 20),
+    ))
+
+
+def tune_cpu_for_training() -> None:
+    """Flush denormal floats to zero and keep freed memory (``keep_freed_memory``).
+
+    Adam's moments of rarely seen embedding rows decay through the denormal range, where each
+    float operation costs ~100x; with both settings a Multi30k Transformer epoch took 75 s
+    instead of 90 s here, and no longer slowed down epoch after epoch.
+    """
+    torch.set_flush_denormal(True)
+    keep_freed_memory()
