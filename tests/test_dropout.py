@@ -53,3 +53,10 @@ def test_eval_mode_and_zero_probability_are_the_identity():
 def test_probability_outside_zero_one_is_a_config_error(p):
     with pytest.raises(ConfigError, match="dropout must be in"):
         Dropout(p)
+
+
+def test_probabilities_near_one_keep_one_element_in_256():
+    torch.manual_seed(2)
+    y = byte_dropout(torch.ones(1 << 16), 0.999)
+    assert (y != 0).float().mean().item() == pytest.approx(1 / 256, abs=2e-3)
+    assert y.max().item() == pytest.approx(256.0)

@@ -45,7 +45,7 @@ class LearnedPositions(nn.Module):
 
 class FeedForward(nn.Module):
     """Position-wise ReLU MLP. No dropout inside: the paper drops only sub-layer outputs and
-    embeddings, and a mask over the 4x wider hidden layer would cost a matmul's time on CPU."""
+    the embeddings."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()

@@ -23,7 +23,7 @@ def byte_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p)
-    threshold = round(p * 256)
+    threshold = min(round(p * 256), 255)  # p below 1/512 rounds to no dropout at all
     # 8 random bytes per int64 draw: full-range int64s make every byte uniform on 0..255
     n_words = -(-x.numel() // 8)
     words = torch.randint(-(2**63), 2**63 - 1, (n_words,), dtype=torch.int64)
