@@ -37,8 +37,8 @@ def tune_cpu_for_training() -> None:
     """Flush denormal floats to zero and keep freed memory (``keep_freed_memory``).
 
     Adam's moments of rarely seen embedding rows decay through the denormal range, where each
-    float operation costs ~100x; with both settings a Multi30k Transformer epoch took 75 s
-    instead of 90 s here, and no longer slowed down epoch after epoch.
+    float operation costs ~100x. With both settings the Multi30k Transformer's sixth epoch took
+    ~80 s instead of ~95 s here (its steps still slow somewhat over a run, less so).
     """
     torch.set_flush_denormal(True)
     keep_freed_memory()
