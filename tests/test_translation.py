@@ -407,4 +407,3 @@ def test_testing_after_fit_keeps_the_averaged_weights():
     assert (module.weight == 0).all()  # Lightning's own callback would have loaded the raw weights
     ema.on_load_checkpoint(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)), module, ckpt)
     assert (module.weight == 1).all()  # resuming training restores both
-

@@ -85,4 +85,3 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
                            checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
-

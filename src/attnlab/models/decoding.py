@@ -102,4 +102,3 @@ def translate_batch(net: nn.Module, src: Tensor, pad: int, bos: int, eos: int, b
     if beam_size == 1:
         return greedy_decode(net, src, bos, eos, max_len)
     return beam_search(net, src, bos, eos, max_len, beam_size, alpha)
-

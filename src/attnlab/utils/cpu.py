@@ -26,11 +26,14 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl)
         return False
-    return all(mallopt(param, value) == 1 for param, value in (
+    settings = (
         (_M_MMAP_THRESHOLD, 32 << 20),  # the largest threshold glibc allows on 64-bit
         (_M_TRIM_THRESHOLD, 1 << 30),
         (_M_TOP_PAD, 64 << 20),
-    ))
+    )
+    # apply every setting, even after one is refused
+    accepted = [mallopt(param, value) == 1 for param, value in settings]
+    return all(accepted)
 
 
 def tune_cpu_for_training() -> None:
