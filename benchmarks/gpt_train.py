@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from attnlab.cli import config_dir
+from attnlab.cli.common import config_dir
 from attnlab.utils.config import fill_missing
 
 

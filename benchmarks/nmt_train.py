@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.models import Transformer
-from attnlab.models.transformer import SinusoidalPositions
+from attnlab.nn import SinusoidalPositions
 from attnlab.tasks.translation import cross_entropy
 
 SIZE = {"d_model": 256, "n_head": 8, "layers": 3, "d_ff": 1024, "dropout": 0.1, "vocab": 8000}
@@ -83,9 +83,9 @@ def train_tokens_per_s(net: nn.Module, loss_fn: Callable, bf16: bool, batch: int
 
 
 def decoding(args: argparse.Namespace) -> None:
-    from attnlab.data.translation import TranslationDataModule, read_parallel
-    from attnlab.translation import translate_sentences
-    from attnlab.utils.runs import TrainedRun
+    from attnlab.data.text.translation import TranslationDataModule, read_parallel
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.translation import translate_sentences
 
     data = Path(args.data_dir)
     src, _ = read_parallel(data / "test_2016_flickr.de", data / "test_2016_flickr.en")

@@ -49,14 +49,14 @@ def cli_env() -> dict[str, str]:
 def run_cli(entry: str, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``attnlab-<entry>`` (as ``python -m attnlab.<entry>``) with Hydra overrides."""
     return subprocess.run(
-        [sys.executable, "-m", f"attnlab.{entry}", *args],
+        [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
         cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
     )
 
 
 def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", f"attnlab.{entry}", *args],
+        [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
         cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

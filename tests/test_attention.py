@@ -72,7 +72,11 @@ def test_sdpa_path_equals_explicit_path(causal):
             assert (w.triu(diagonal=1) == 0).all()
 
 
-def test_auto_uses_explicit_path_under_cpu_bf16_autocast(monkeypatch):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_path_follows_dtype_and_cpu(monkeypatch, native_bf16):
+    import attnlab.nn.attention as attention
+
+    monkeypatch.setattr(attention, "native_bf16_cpu", lambda: native_bf16)
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -82,7 +86,8 @@ def test_auto_uses_explicit_path_under_cpu_bf16_autocast(monkeypatch):
     assert calls == [1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         scaled_dot_product_attention(q, q, q, impl="auto")
-    assert calls == [1]
+    # bf16: the explicit path where the CPU has native bf16, SDPA where it does not
+    assert calls == ([1] if native_bf16 else [1, 1])
 
 
 def test_cached_attention_equals_full_causal_attention():

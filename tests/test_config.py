@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from attnlab.cli import config_dir
+from attnlab.cli.common import config_dir
 from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
 from attnlab.utils.config import fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training

@@ -10,8 +10,8 @@ import torch
 
 from attnlab.data import TextDataModule
 from attnlab.data.download import download, fetch
-from attnlab.data.text import RandomWindows
-from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.data.text.language_modeling import RandomWindows
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import AttnlabError, ConfigError, DataError
 from conftest import needs_shared
 

@@ -2,11 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.data.corpora import python_docs
-from attnlab.data.tokenizers import CharTokenizer
+from attnlab.data.text.corpora import python_docs
+from attnlab.data.text.tokenizers import CharTokenizer
 from attnlab.errors import ConfigError
 from attnlab.models import GPT
-from attnlab.models.gpt import sample_next
+from attnlab.models.text.gpt import sample_next
 from attnlab.nn import KVCache
 
 
@@ -19,7 +19,10 @@ def tiny_gpt(**kw) -> GPT:
 def test_logits_shape_and_weight_tying():
     net = tiny_gpt()
     assert net(torch.randint(0, 50, (3, 16))).shape == (3, 16, 50)
-    assert net.wte.weight is net.lm_head.weight
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(net.embed.unembed(h), h @ net.embed.tokens.weight.T)
+    # the output layer is the token table: no second (vocab, width) matrix anywhere
+    assert [n for n, p in net.named_parameters() if p.shape == (50, 32)] == ["embed.tokens.weight"]
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
@@ -43,7 +46,7 @@ def test_sdpa_and_math_paths_give_the_same_logits():
 def test_incremental_forward_with_cache_equals_full_forward():
     net = tiny_gpt()
     x = torch.randint(0, 50, (2, 12))
-    caches = [KVCache() for _ in net.h]
+    caches = [KVCache() for _ in net.blocks]
     parts = [net(x[:, :5], caches)] + [net(x[:, i : i + 1], caches) for i in range(5, 12)]
     torch.testing.assert_close(torch.cat(parts, 1), net(x), atol=1e-5, rtol=1e-5)
 
@@ -82,7 +85,7 @@ def test_bad_config_names_the_field(kw, field):
 
 
 def test_context_longer_than_block_size_is_refused():
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="17 tokens exceeds the 16 positions"):
         tiny_gpt()(torch.zeros(1, 17, dtype=torch.long))
 
 

@@ -12,12 +12,17 @@ import pytest
 import torch
 from torchmetrics.text import SacreBLEUScore
 
-from attnlab.data import translation as tr
-from attnlab.data.tokenizers import CharTokenizer, SubwordTokenizer
-from attnlab.data.translation import TokenBatchSampler, TranslationDataModule, read_parallel, synthetic_pairs
+from attnlab.data.text import translation as tr
+from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
+from attnlab.data.text.translation import (
+    TokenBatchSampler,
+    TranslationDataModule,
+    read_parallel,
+    synthetic_pairs,
+)
 from attnlab.errors import ConfigError, DataError
 from attnlab.models import Seq2Seq, Transformer
-from attnlab.models.decoding import beam_search, greedy_decode
+from attnlab.models.text.decoding import beam_search, greedy_decode
 from attnlab.nn import AdditiveAttention, MultiplicativeAttention
 from conftest import assert_ok, needs_shared, read_metrics, run_cli, run_dirs
 
@@ -267,7 +272,8 @@ def test_direction_is_chosen_by_config(tmp_path):
     fwd.setup(), back.setup()
     assert fwd.sources("val") == back.references("val") and fwd.references("val") == back.sources("val")
     assert fwd.tokenizer.to_json() == back.tokenizer.to_json()  # one joint vocabulary, cached
-    assert list(d.glob("bpe_multi30k_100_*.json"))
+    assert list((tmp_path / "c").glob("bpe_multi30k_100_*.json"))
+    assert not list(d.glob("bpe*"))  # nothing is written into the user's data directory
     with pytest.raises(ConfigError, match="src_lang"):
         TranslationDataModule(src_lang="fr")
 

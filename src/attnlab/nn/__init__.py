@@ -1,4 +1,4 @@
-"""Attention mechanisms and the blocks built from them."""
+"""Attention and the blocks built from it, written once for every model."""
 
 from attnlab.nn.attention import (
     KVCache,
@@ -6,15 +6,23 @@ from attnlab.nn.attention import (
     causal_mask,
     scaled_dot_product_attention,
 )
+from attnlab.nn.blocks import MLP, AttentionWeights, TransformerBlock
 from attnlab.nn.dropout import Dropout, byte_dropout
+from attnlab.nn.embedding import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 
 __all__ = [
+    "MLP",
     "AdditiveAttention",
+    "AttentionWeights",
     "Dropout",
     "KVCache",
+    "LearnedPositions",
     "MultiHeadAttention",
     "MultiplicativeAttention",
+    "SinusoidalPositions",
+    "TokenEmbedding",
+    "TransformerBlock",
     "byte_dropout",
     "causal_mask",
     "scaled_dot_product_attention",

@@ -1,10 +1,18 @@
 """Scaled dot-product and multi-head attention (Vaswani et al. 2017).
 
+Mask convention, everywhere in attnlab:
+- an attention mask is either **boolean**, True where a query may attend a key (as
+  ``F.scaled_dot_product_attention``), or **float**, added to the scores before the softmax
+  (a relative-position bias; ``-inf`` blocks); it broadcasts to (B, H, T_q, T_k);
+- a padding mask is boolean (B, T_k), True at padding keys (as ``nn.MultiheadAttention``'s
+  ``key_padding_mask``);
+- ``causal=True`` adds a bottom-right aligned causal mask (queries are the last T_q of T_k keys).
+
 Two interchangeable paths compute the same thing:
-- ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels; the fast path on GPU and in fp32 on CPU);
-- ``math``: an explicit matmul + softmax that can return the attention weights (for plots and
-  tests) and, on CPU under bf16 autocast, is faster than SDPA (see STACK-NOTES).
-``impl="auto"`` picks ``math`` when weights are wanted or when running on CPU under autocast.
+- ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels);
+- ``math``: an explicit matmul + softmax that can also return the attention weights (plots, tests).
+``impl="auto"`` picks ``math`` when the weights are wanted, and for bf16 on a CPU with native bf16
+(there the explicit path was faster; see ``benchmarks/attention_paths.py``), else ``sdpa``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
+from attnlab.utils.hardware import native_bf16_cpu
 
 AttentionImpl = Literal["auto", "sdpa", "math"]
 
@@ -30,12 +39,29 @@ def causal_mask(t_q: int, t_k: int, device: torch.device | None = None) -> Tenso
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
+def _compute_dtype(q: Tensor) -> torch.dtype:
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return q.dtype
+
+
 def _use_math(q: Tensor, impl: AttentionImpl, need_weights: bool) -> bool:
     if need_weights or impl == "math":
         return True
     if impl == "sdpa":
         return False
-    return q.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    # measured (benchmarks/attention_paths.py): under bf16 the explicit path is faster on CPUs
+    # with native bf16, and 3-4x slower on CPUs without it, where SDPA's kernels upcast
+    return q.device.type == "cpu" and _compute_dtype(q) == torch.bfloat16 and native_bf16_cpu()
+
+
+def _block(mask: Tensor | None, allowed: Tensor) -> Tensor:
+    """Combine an attention mask (bool or float, see above) with a boolean ``allowed`` mask."""
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
 
 
 def scaled_dot_product_attention(
@@ -50,7 +76,7 @@ def scaled_dot_product_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """softmax(q k^T / sqrt(d) + mask) v over (B, H, T, D) tensors.
 
-    ``mask`` is boolean and broadcastable to (B, H, T_q, T_k), True where attention is allowed.
+    ``mask``: boolean or float, broadcastable to (B, H, T_q, T_k) (see the module docstring).
     ``causal`` adds a bottom-right aligned causal mask. Returns the output (B, H, T_q, D) and,
     with ``need_weights``, the attention weights (B, H, T_q, T_k).
     """
@@ -61,14 +87,15 @@ def scaled_dot_product_attention(
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         return y, None
     if causal and t_q > 1:
-        cm = causal_mask(t_q, t_k, q.device)
-        mask = cm if mask is None else mask & cm
+        mask = _block(mask, causal_mask(t_q, t_k, q.device))
     if not use_math:
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(_compute_dtype(q))  # SDPA wants a float mask in the query's dtype
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         return y, None
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T_q, T_k)
     if mask is not None:
-        att = att.masked_fill(~mask, float("-inf"))
+        att = att.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else att + mask
     att = F.softmax(att, dim=-1)
     weights = att if need_weights else None
     if dropout_p > 0.0:
@@ -77,11 +104,20 @@ def scaled_dot_product_attention(
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, for one attention layer."""
+    """Keys and values (B, H, T, D) of one attention layer, kept across decoding steps.
 
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
+    A self-attention cache grows by the new positions at every step (``append``). A
+    cross-attention cache (``KVCache.of_memory``) holds the projected encoder output, computed
+    once per source; either kind follows the hypotheses of a beam through ``reorder``.
+    """
+
+    def __init__(self, k: Tensor | None = None, v: Tensor | None = None, static: bool = False) -> None:
+        self.k, self.v, self.static = k, v, static
+
+    @classmethod
+    def of_memory(cls, attn: MultiHeadAttention, memory: Tensor) -> KVCache:
+        """The keys and values ``attn`` computes from ``memory`` (B, S, C), for cross-attention."""
+        return cls(*attn.project_memory(memory), static=True)
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.size(-2)
@@ -94,6 +130,11 @@ class KVCache:
             self.k = torch.cat([self.k, k], dim=-2)
             self.v = torch.cat([self.v, v], dim=-2)
         return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the rows at ``index`` (beam search)."""
+        if self.k is not None:
+            self.k, self.v = self.k[index], self.v[index]
 
 
 class MultiHeadAttention(nn.Module):
@@ -133,13 +174,26 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.n_head, -1).transpose(1, 2)  # (B, H, T, D)
 
-    def _project(self, x: Tensor, memory: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        if memory is None:
-            return self.in_proj(x).split(self.d_model, dim=-1)
+    def _slice(self, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
         w, b = self.in_proj.weight, self.in_proj.bias
-        q = F.linear(x, w[: self.d_model], None if b is None else b[: self.d_model])
-        kv = F.linear(memory, w[self.d_model :], None if b is None else b[self.d_model :])
-        return (q, *kv.split(self.d_model, dim=-1))
+        return w[start:stop], None if b is None else b[start:stop]
+
+    def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, H, S, D) of ``memory`` (B, S, C)."""
+        k, v = F.linear(memory, *self._slice(self.d_model, 3 * self.d_model)).split(self.d_model, dim=-1)
+        return self._split_heads(k), self._split_heads(v)
+
+    def _qkv(self, x: Tensor, memory: Tensor | None, cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor]:
+        if cache is not None and cache.static:  # cross-attention to a memory projected once
+            return self._split_heads(F.linear(x, *self._slice(0, self.d_model))), cache.k, cache.v
+        if memory is None:  # self-attention: one matmul for q, k and v
+            q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.d_model, dim=-1))
+        else:
+            q = self._split_heads(F.linear(x, *self._slice(0, self.d_model)))
+            k, v = self.project_memory(memory)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
 
     def forward(
         self,
@@ -157,19 +211,18 @@ class MultiHeadAttention(nn.Module):
         Args:
             key_padding_mask: (B, T_k) bool, True at padding keys (ignored), as in
                 ``nn.MultiheadAttention``.
-            attn_mask: bool, broadcastable to (B, H, T_q, T_k), True where attention is allowed.
+            attn_mask: bool (True where attention is allowed) or float (added to the scores),
+                broadcastable to (B, H, T_q, T_k).
             causal: each query sees only keys at or before its own position.
-            cache: keys/values of earlier positions; the new ones are appended to it.
+            cache: a self-attention cache (the new keys/values are appended) or a cross-attention
+                cache from ``KVCache.of_memory`` (``memory`` is then not needed).
             need_weights: also return the (B, H, T_q, T_k) attention weights.
         """
         b, t, c = x.shape
-        q, k, v = (self._split_heads(z) for z in self._project(x, memory))
-        if cache is not None:
-            k, v = cache.append(k, v)
+        q, k, v = self._qkv(x, memory, cache)
         mask = attn_mask
         if key_padding_mask is not None:
-            keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
-            mask = keep if mask is None else mask & keep
+            mask = _block(mask, ~key_padding_mask[:, None, None, :])  # (B, 1, 1, T_k)
         y, weights = scaled_dot_product_attention(
             q,
             k,

@@ -63,3 +63,7 @@ def fill_missing(node: DictConfig, values: Mapping[str, Any], where: str) -> Non
 
 def container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check every value's type against the constructor it is passed to (see ``check_types``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab.data.tokenizers import BPETokenizer, CharTokenizer
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer
 
 
 def generate_text(

@@ -10,11 +10,11 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli import config_dir, exit_on_user_error, quote_free_text
-from attnlab.data.tokenizers import SubwordTokenizer
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.data.text.tokenizers import SubwordTokenizer
 from attnlab.errors import ConfigError, DataError
-from attnlab.translation import translate_sentences
-from attnlab.utils.runs import TrainedRun
+from attnlab.inference.runs import TrainedRun
+from attnlab.inference.translation import translate_sentences
 
 log = logging.getLogger("attnlab.translate")
 

@@ -9,10 +9,10 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
-from attnlab.generation import generate_text
-from attnlab.utils.runs import TrainedRun
+from attnlab.inference.generation import generate_text
+from attnlab.inference.runs import TrainedRun
 
 
 def generate(cfg: DictConfig) -> list[str]:

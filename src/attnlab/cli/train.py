@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnlab.callbacks import RunMetadata
-from attnlab.cli import config_dir, exit_on_user_error
-from attnlab.generation import generate_text
+from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.inference.generation import generate_text
 from attnlab.utils.checkpoint import (
     AtomicCheckpointIO,
     check_fits,
@@ -23,11 +24,24 @@ from attnlab.utils.checkpoint import (
     metadata,
     resolve_ckpt_path,
 )
-from attnlab.utils.config import container, fill_missing, print_config_tree, resolve, save_config
+from attnlab.utils.config import (
+    check_config,
+    container,
+    fill_missing,
+    print_config_tree,
+    resolve,
+    save_config,
+)
 from attnlab.utils.cpu import tune_cpu_for_training
+from attnlab.utils.hardware import machine_info, resolve_precision
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
 log = logging.getLogger("attnlab.train")
+
+
+def trainer_rank_zero() -> bool:
+    """Rank 0 of a multi-process run (Lightning sets these before the ranks > 0 start)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -49,6 +63,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ensure_wandb_mode()
     tune_cpu_for_training()
     resolve(cfg)
+    check_config(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
@@ -66,6 +81,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule.prepare_data()
     datamodule.setup("fit")
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
+    with open_dict(cfg):
+        cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
     if meta.get("wandb_run_id") and cfg.get("logger") and "wandb" in cfg.logger:
         with open_dict(cfg):  # continue the interrupted run's W&B run
             cfg.logger.wandb.id = meta["wandb_run_id"]
@@ -80,6 +97,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_fits(model, ckpt["state_dict"], ckpt_path)
         del ckpt
 
+    machine = machine_info()
+    if trainer_rank_zero():
+        (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
+    log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", machine["cpu"], machine["torch_threads"],
+             machine["cpu_native_bf16"], machine["gpus"] or "none")
     callbacks = instantiate_group(cfg.get("callbacks"))
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.tokenizer.to_json()))
     loggers = setup_loggers(cfg, out)
@@ -87,7 +109,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
     )
     for lg in loggers:
-        lg.log_hyperparams(container(cfg))
+        lg.log_hyperparams({**container(cfg), "machine": machine})
 
     metrics: dict[str, float] = {}
     if cfg.get("train"):

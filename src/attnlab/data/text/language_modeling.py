@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from attnlab.data.corpora import load_corpus
-from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.data.text.corpora import load_corpus
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import AttnlabError, ConfigError, DataError
 
 log = logging.getLogger(__name__)

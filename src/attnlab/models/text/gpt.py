@@ -1,50 +1,20 @@
 """GPT: a decoder-only Transformer language model (Radford et al. 2018/2019).
 
-Laid out like nanoGPT's ``model.py`` (token + learned position embeddings, pre-LN blocks,
-GELU MLP, tied input/output embeddings); the attention is ``attnlab.nn.MultiHeadAttention``.
+nanoGPT's model (token + learned position embeddings, pre-LN blocks with a GELU MLP, tied
+input/output embeddings), built from the shared blocks of ``attnlab.nn``.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
-from attnlab.nn import KVCache, MultiHeadAttention
+from attnlab.nn import KVCache, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-
-
-class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
-        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-LN Transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(
-        self, n_embd: int, n_head: int, dropout: float, bias: bool, attn_impl: AttentionImpl
-    ) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = MultiHeadAttention(n_embd, n_head, dropout=dropout, bias=bias, impl=attn_impl)
-        self.attn_dropout = nn.Dropout(dropout)
-        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
-
-    def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
-        y, _ = self.attn(self.ln_1(x), causal=True, cache=cache)
-        x = x + self.attn_dropout(y)
-        return x + self.mlp(self.ln_2(x))
+from attnlab.utils.checks import check_positive, check_probability
 
 
 class GPT(nn.Module):
@@ -73,30 +43,24 @@ class GPT(nn.Module):
         attn_impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        for name, value in [("vocab_size", vocab_size), ("block_size", block_size),
-                            ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)]:
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.net.{name} must be a positive integer, got {value!r}")
-        if n_embd % n_head != 0:
-            raise ConfigError(
-                f"model.net.n_embd ({n_embd}) must be divisible by model.net.n_head ({n_head})"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"model.net.dropout must be in [0, 1), got {dropout}")
+        check_positive("model.net", vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
+                       n_head=n_head, n_embd=n_embd)
+        check_probability("model.net", dropout=dropout)
         self.vocab_size, self.block_size = vocab_size, block_size
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(
-            Block(n_embd, n_head, dropout, bias, attn_impl) for _ in range(n_layer)
+        self.embed = TokenEmbedding(vocab_size, n_embd, LearnedPositions(n_embd, block_size), dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                n_embd, n_head, 4 * n_embd, dropout=dropout, attn_dropout=dropout, bias=bias,
+                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                norm_layer=partial(nn.LayerNorm, bias=bias),
+            )
+            for _ in range(n_layer)
         )
-        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf 2017)
+        self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
-            if name.endswith(("attn.out_proj.weight", "c_proj.weight")):
+            if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod
@@ -109,7 +73,12 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; position embeddings excluded by default, as in nanoGPT."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        return n - self.embed.positions.emb.weight.numel() if non_embedding else n
+
+    def no_weight_decay(self) -> set[str]:
+        """Nothing beyond biases and norms (which are never decayed): nanoGPT decays the
+        position table too, and the recipes here follow it."""
+        return set()
 
     def forward(self, idx: Tensor, caches: list[KVCache] | None = None) -> Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
@@ -118,14 +87,10 @@ class GPT(nn.Module):
         cached ones; their keys and values are appended to the caches.
         """
         offset = len(caches[0]) if caches else 0
-        t = idx.size(1)
-        if offset + t > self.block_size:
-            raise ValueError(f"sequence of {offset + t} tokens exceeds block_size {self.block_size}")
-        pos = torch.arange(offset, offset + t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for i, block in enumerate(self.h):
-            x = block(x, caches[i] if caches else None)
-        return self.lm_head(self.ln_f(x))
+        x = self.embed(idx, offset)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, causal=True, cache=caches[i] if caches else None)
+        return self.embed.unembed(self.norm(x))
 
     @torch.no_grad()
     def generate(
@@ -148,7 +113,7 @@ class GPT(nn.Module):
             if caches is not None and len(caches[0]) < self.block_size:
                 logits = self(idx[:, -1:], caches)
             else:
-                caches = [KVCache() for _ in self.h] if use_cache else None
+                caches = [KVCache() for _ in self.blocks] if use_cache else None
                 logits = self(idx[:, -self.block_size :], caches)
             next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat([idx, next_id], dim=1)

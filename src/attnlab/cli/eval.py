@@ -12,8 +12,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli import config_dir, exit_on_user_error
-from attnlab.utils.runs import TrainedRun
+from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab.eval")
 

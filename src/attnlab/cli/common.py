@@ -17,7 +17,7 @@ log = logging.getLogger("attnlab")
 def config_dir() -> str:
     """``conf/`` of a source checkout, or the copy packaged inside an installed wheel."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parents[1] / "conf", here / "conf"):
+    for candidate in (here.parents[2] / "conf", here.parent / "conf"):
         if (candidate / "train.yaml").is_file():
             return str(candidate)
     raise RuntimeError(f"attnlab: no conf/ directory found near {here}")

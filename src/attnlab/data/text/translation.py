@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 
 from attnlab.data.download import fetch
-from attnlab.data.tokenizers import SubwordTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class TranslationDataModule(L.LightningDataModule):
         data_dir: directory holding the corpus files; no download when set.
         cache_dir: where downloads and (when ``data_dir`` is read-only) the BPE model are kept.
         vocab_size: joint BPE vocabulary size, trained on the training split of both languages
-            and cached beside the data.
+            and cached in ``cache_dir``.
         max_tokens: token budget of a training batch (padding included, longer side).
         eval_max_tokens: token budget of a validation/test batch.
         max_len: longest sentence in tokens: longer training pairs are dropped and longer
@@ -262,15 +262,12 @@ class TranslationDataModule(L.LightningDataModule):
                 self._files(split)
 
     def _bpe_cache_path(self, train_src: list[str], train_tgt: list[str]) -> list[Path]:
-        """Where the trained BPE model is kept: beside the data, else in the cache directory."""
+        """Where the trained BPE model is kept: the cache directory, keyed by the training text."""
         h = hashlib.sha256()
         for line in sorted([*train_src, *train_tgt]):  # the same for both directions
             h.update(line.encode() + b"\n")
         name = f"bpe_{self.corpus}_{self.vocab_size_wanted}_{h.hexdigest()[:12]}.json"
-        places = [Path(self.cache_dir).expanduser()]
-        if self.data_dir is not None and self.corpus != "synthetic":
-            places.insert(0, Path(self.data_dir).expanduser())
-        return [p / name for p in places]
+        return [Path(self.cache_dir).expanduser() / name]  # never written into the user's data_dir
 
     def _fit_tokenizer(self, src: list[str], tgt: list[str]) -> SubwordTokenizer:
         candidates = self._bpe_cache_path(src, tgt)

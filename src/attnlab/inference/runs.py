@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from attnlab.data.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
 

@@ -7,9 +7,9 @@ import logging
 import torch
 from torch import nn
 
-from attnlab.data.tokenizers import SubwordTokenizer
-from attnlab.data.translation import TokenBatchSampler, pad
-from attnlab.models.decoding import translate_batch
+from attnlab.data.text.tokenizers import SubwordTokenizer
+from attnlab.data.text.translation import TokenBatchSampler, pad
+from attnlab.models.text.decoding import translate_batch
 
 log = logging.getLogger(__name__)
 

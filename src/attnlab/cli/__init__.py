@@ -1,0 +1,1 @@
+"""Entry points (``attnlab-train``, ``-eval``, ``-generate``, ``-translate``): thin Hydra mains."""

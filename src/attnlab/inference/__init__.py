@@ -1,0 +1,1 @@
+"""Using trained runs: rebuild one from its checkpoint, generate text, translate sentences."""

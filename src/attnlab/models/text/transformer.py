@@ -1,0 +1,156 @@
+"""The Transformer encoder-decoder of "Attention is all you need" (Vaswani et al. 2017).
+
+Post-LN as in the paper (``norm_first=False``) or pre-LN; sinusoidal or learned positions;
+embeddings optionally shared between source and target (a joint vocabulary), the output layer
+tied to the target embedding. Built from the shared blocks of ``attnlab.nn``.
+The decoding interface (``start`` / ``step`` / ``reorder``) is what greedy and beam search use.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.nn import (
+    KVCache,
+    LearnedPositions,
+    MultiHeadAttention,
+    SinusoidalPositions,
+    TokenEmbedding,
+    TransformerBlock,
+)
+from attnlab.nn.attention import AttentionImpl
+from attnlab.utils.checks import check_choice, check_positive, check_probability
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer over a joint vocabulary.
+
+    Args:
+        vocab_size, pad_id: from the data's tokenizer.
+        d_model, n_head, d_ff: width, heads and feed-forward width.
+        n_enc_layers, n_dec_layers: depth of each stack.
+        dropout: on embeddings and residual branches.
+        attn_dropout: on the attention weights.
+        norm_first: pre-LN (True) or the paper's post-LN (False).
+        positions: "sinusoidal" (the paper) or "learned".
+        max_len: longest sequence the positions cover.
+        share_embeddings: one embedding matrix for source and target (the output layer is always
+            tied to the target embedding).
+        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int = 0,
+        d_model: int = 256,
+        n_head: int = 8,
+        n_enc_layers: int = 3,
+        n_dec_layers: int = 3,
+        d_ff: int = 1024,
+        dropout: float = 0.1,
+        attn_dropout: float = 0.0,
+        norm_first: bool = False,
+        positions: str = "sinusoidal",
+        max_len: int = 256,
+        share_embeddings: bool = True,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        check_choice("model.net", "positions", positions, ("sinusoidal", "learned"))
+        check_positive("model.net", vocab_size=vocab_size, d_model=d_model, n_head=n_head, d_ff=d_ff,
+                       max_len=max_len, n_enc_layers=n_enc_layers, n_dec_layers=n_dec_layers)
+        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout)
+        self.pad_id, self.d_model, self.max_len = pad_id, d_model, max_len
+        pos_cls = SinusoidalPositions if positions == "sinusoidal" else LearnedPositions
+        embed = partial(TokenEmbedding, vocab_size, d_model, dropout=dropout, scale=True, padding_idx=pad_id)
+        self.src_embed = embed(pos_cls(d_model, max_len))
+        self.tgt_embed = self.src_embed if share_embeddings else embed(pos_cls(d_model, max_len))
+        block = partial(TransformerBlock, d_model, n_head, d_ff, dropout=dropout, attn_dropout=attn_dropout,
+                        norm_first=norm_first, attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                        act_layer=nn.ReLU)
+        self.encoder = nn.ModuleList(block() for _ in range(n_enc_layers))
+        self.decoder = nn.ModuleList(block(cross_attention=True) for _ in range(n_dec_layers))
+        # pre-LN stacks end un-normalised; post-LN layers already end with a norm
+        self.enc_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                nn.init.xavier_uniform_(p)
+        for embed in {self.src_embed, self.tgt_embed}:
+            # scaled by sqrt(d) in the embedding, so the inputs start at unit scale
+            nn.init.normal_(embed.weight, std=self.d_model**-0.5)
+            with torch.no_grad():
+                embed.weight[self.pad_id].zero_()
+
+    def no_weight_decay(self) -> set[str]:
+        """Learned position tables are not decayed (as timm's ``pos_embed``)."""
+        return {n for n, _ in self.named_parameters() if ".positions." in n}
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """Source ids (B, S) -> memory (B, S, C) and its padding mask (B, S), True at padding."""
+        src_pad = src == self.pad_id
+        x = self.src_embed(src)
+        for block in self.encoder:
+            x, _ = block(x, padding_mask=src_pad)
+        return self.enc_norm(x), src_pad
+
+    def decode(self, tgt_in: Tensor, memory: Tensor | None, src_pad: Tensor,
+               caches: list[tuple[KVCache, KVCache]] | None = None, start: int = 0,
+               need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """Target ids (B, T) -> decoder states (B, T, C), which ``logits`` maps to the vocabulary,
+        and, with ``need_weights``, the cross-attention (B, H, T, S) of each layer. ``caches``
+        holds each layer's (self-attention, cross-attention) caches; ``memory`` is then unused."""
+        x = self.tgt_embed(tgt_in, start)
+        weights = []
+        for i, block in enumerate(self.decoder):
+            cache, cross_cache = caches[i] if caches is not None else (None, None)
+            x, w = block(x, causal=True, cache=cache, memory=memory, memory_padding_mask=src_pad,
+                         cross_cache=cross_cache, need_weights=need_weights)
+            if need_weights:
+                weights.append(w.cross_attn)
+        return self.dec_norm(x), weights
+
+    def logits(self, x: Tensor) -> Tensor:
+        return self.tgt_embed.unembed(x)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V), or (N, V) at the N positions where ``scored`` (B, T)
+        is True: skipping padding saves much of the output layer and the loss."""
+        memory, src_pad = self.encode(src)
+        x, _ = self.decode(tgt_in, memory, src_pad)
+        return self.logits(x if scored is None else x[scored])
+
+    def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
+        """Cross-attention weights (B, H, T, S) of every decoder layer, for plots."""
+        memory, src_pad = self.encode(src)
+        _, weights = self.decode(tgt_in, memory, src_pad, need_weights=True)
+        return {f"layer {i}": w for i, w in enumerate(weights)}
+
+    # -- incremental decoding -------------------------------------------------------------------
+    def start(self, src: Tensor) -> dict[str, Any]:
+        """Encode once; each layer's cross-attention keys and values are projected here, once per
+        source, and only follow the beams from then on."""
+        memory, src_pad = self.encode(src)
+        caches = [(KVCache(), KVCache.of_memory(block.cross_attn, memory)) for block in self.decoder]
+        return {"src_pad": src_pad, "caches": caches, "t": 0}
+
+    def step(self, tokens: Tensor, state: dict[str, Any]) -> Tensor:
+        """Logits (B, V) of the next token after ``tokens`` (B,), the newest output; updates ``state``."""
+        x, _ = self.decode(tokens[:, None], None, state["src_pad"], state["caches"], state["t"])
+        state["t"] += 1
+        return self.logits(x[:, -1])
+
+    def reorder(self, state: dict[str, Any], index: Tensor) -> None:
+        """Keep the hypotheses at ``index`` (beam search)."""
+        state["src_pad"] = state["src_pad"][index]
+        for self_cache, cross_cache in state["caches"]:
+            self_cache.reorder(index)
+            cross_cache.reorder(index)

@@ -1,0 +1,128 @@
+"""The Transformer block every attention model here is built from (GPT, the Transformer, and
+the encoders to come), with its attention, MLP and norm injected as in timm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from timm.layers import DropPath
+from torch import Tensor, nn
+
+from attnlab.nn.attention import KVCache, MultiHeadAttention
+from attnlab.nn.dropout import Dropout
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: fc2(act(fc1(x)))."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_layer: Callable[[], nn.Module] = nn.GELU,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.act = act_layer()
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class AttentionWeights(NamedTuple):
+    """Attention weights (B, H, T_q, T_k) of a block's self- and cross-attention, when asked for."""
+
+    self_attn: Tensor | None = None
+    cross_attn: Tensor | None = None
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention, optional cross-attention to a memory, and an MLP, each a residual branch.
+
+    Pre-LN (``norm_first=True``; GPT, ViT, BERT-style encoders): x + drop_path(dropout(f(norm(x)))).
+    Post-LN (the 2017 paper): norm(x + dropout(f(x))). Dropout is applied to each branch's output
+    (the paper's "residual dropout"); the MLP has none inside.
+
+    Args:
+        dim: model width.
+        n_head: attention heads.
+        mlp_dim: hidden width of the MLP.
+        dropout: on each branch's output.
+        attn_dropout: on the attention weights.
+        drop_path: stochastic depth: probability of skipping a whole branch per sample.
+        norm_first: pre-LN (True) or post-LN (False).
+        cross_attention: add a branch attending to an encoder's output (decoders).
+        bias: biases in the projections and the MLP.
+        attn_layer, mlp_layer, norm_layer, act_layer: the layers, as constructors.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_head: int,
+        mlp_dim: int,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float = 0.0,
+        norm_first: bool = True,
+        cross_attention: bool = False,
+        bias: bool = True,
+        attn_layer: Callable[..., nn.Module] = MultiHeadAttention,
+        mlp_layer: Callable[..., nn.Module] = MLP,
+        norm_layer: Callable[[int], nn.Module] = nn.LayerNorm,
+        act_layer: Callable[[], nn.Module] = nn.GELU,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.norm1 = norm_layer(dim)
+        self.attn = attn_layer(dim, n_head, dropout=attn_dropout, bias=bias)
+        if cross_attention:
+            self.norm_cross = norm_layer(dim)
+            self.cross_attn = attn_layer(dim, n_head, dropout=attn_dropout, bias=bias)
+        else:
+            self.cross_attn = None
+        self.norm2 = norm_layer(dim)
+        self.mlp = mlp_layer(dim, mlp_dim, act_layer=act_layer, bias=bias)
+        self.drop = Dropout(dropout)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def _residual(self, x: Tensor, norm: nn.Module, f: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.norm_first:
+            return x + self.drop_path(self.drop(f(norm(x))))
+        return norm(x + self.drop_path(self.drop(f(x))))
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        attn_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        causal: bool = False,
+        cache: KVCache | None = None,
+        memory: Tensor | None = None,
+        memory_padding_mask: Tensor | None = None,
+        cross_cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, AttentionWeights]:
+        """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``.
+
+        Masks follow ``attnlab.nn.attention``'s convention: ``attn_mask`` bool (True = may attend)
+        or float (added to the scores), ``padding_mask`` (B, T) True at padding. ``cache`` holds
+        earlier positions' keys/values (incremental decoding); ``memory`` (B, S, C) with
+        ``memory_padding_mask`` feeds the cross-attention, or ``cross_cache`` holds its projection.
+        """
+        weights: dict[str, Tensor | None] = {}
+
+        def self_attn(h: Tensor) -> Tensor:
+            y, weights["self_attn"] = self.attn(h, attn_mask=attn_mask, key_padding_mask=padding_mask,
+                                                causal=causal, cache=cache, need_weights=need_weights)
+            return y
+
+        def cross_attn(h: Tensor) -> Tensor:
+            y, weights["cross_attn"] = self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
+                                                       cache=cross_cache, need_weights=need_weights)
+            return y
+
+        x = self._residual(x, self.norm1, self_attn)
+        if self.cross_attn is not None:
+            x = self._residual(x, self.norm_cross, cross_attn)
+        x = self._residual(x, self.norm2, self.mlp)
+        return x, AttentionWeights(**weights)

@@ -1,0 +1,81 @@
+"""Token and position embeddings, with the output layer tied to the token table."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.nn.dropout import Dropout
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sin/cos position encodings: PE[pos, 2i] = sin(pos / 10000^(2i/d)), cos for 2i+1."""
+
+    def __init__(self, dim: int, max_len: int) -> None:
+        super().__init__()
+        pos = torch.arange(max_len)[:, None]
+        freq = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
+        pe = torch.zeros(max_len, dim)
+        pe[:, 0::2] = torch.sin(pos * freq)
+        pe[:, 1::2] = torch.cos(pos * freq)
+        self.register_buffer("pe", pe, persistent=False)
+        self.max_len = max_len
+
+    def forward(self, t: int, start: int = 0) -> Tensor:
+        return self.pe[start : start + t]  # (T, C)
+
+
+class LearnedPositions(nn.Module):
+    """One learned vector per position (GPT, BERT, ViT)."""
+
+    def __init__(self, dim: int, max_len: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(max_len, dim)
+        self.max_len = max_len
+
+    def forward(self, t: int, start: int = 0) -> Tensor:
+        return self.emb(torch.arange(start, start + t, device=self.emb.weight.device))  # (T, C)
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids -> vectors, plus positions, then dropout; ``unembed`` maps states back to logits
+    with the same table (Press & Wolf 2017), so the input and output layers are tied by construction.
+
+    Args:
+        vocab_size: number of token ids.
+        dim: embedding width.
+        positions: a ``SinusoidalPositions`` or ``LearnedPositions`` (or ``None``).
+        dropout: on the sum.
+        scale: multiply token vectors by sqrt(dim) (the Transformer paper, with a small init).
+        padding_idx: id whose vector is zero and gets no gradient.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, positions: nn.Module | None = None, dropout: float = 0.0,
+                 scale: bool = False, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
+        self.positions = positions
+        self.drop = Dropout(dropout)
+        self.scale = math.sqrt(dim) if scale else 1.0
+
+    @property
+    def weight(self) -> Tensor:
+        return self.tokens.weight
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        """(B, T) ids at positions start..start+T-1 -> (B, T, C)."""
+        x = self.tokens(ids) * self.scale if self.scale != 1.0 else self.tokens(ids)
+        if self.positions is not None:
+            t = ids.size(1)
+            if start + t > self.positions.max_len:
+                raise ValueError(f"sequence of {start + t} tokens exceeds the {self.positions.max_len} "
+                                 "positions the model has")
+            x = x + self.positions(t, start)
+        return self.drop(x)
+
+    def unembed(self, x: Tensor) -> Tensor:
+        """States (..., C) -> logits (..., vocab_size) through the token table."""
+        return F.linear(x, self.tokens.weight)

@@ -1,0 +1,30 @@
+"""Range checks of constructor arguments, raising one ``ConfigError`` that names the config key.
+
+Types are checked before anything is built (``attnlab.utils.config.check_types``); these check
+the ranges a type cannot say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnlab.errors import ConfigError
+
+
+def check_positive(where: str, **values: Any) -> None:
+    """Each value must be an integer > 0; ``where`` is the config node, e.g. "model.net"."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{where}.{name} must be a positive integer, got {value!r}")
+
+
+def check_probability(where: str, **values: Any) -> None:
+    """Each value must be in [0, 1) (dropout rates, label smoothing)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ConfigError(f"{where}.{name} must be in [0, 1), got {value!r}")
+
+
+def check_choice(where: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where}.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
