@@ -9,9 +9,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 
 from attnlab.cli.common import config_dir
+from attnlab.errors import ConfigError
 from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
+from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
@@ -37,7 +40,9 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
     fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
     task = instantiate(cfg.model)
     vocab = dm.model_kwargs()["vocab_size"]
-    assert (task.net.out.weight.shape[0] if experiment.startswith("nmt_") else task.net.vocab_size) == vocab
+    ids = torch.randint(4, vocab, (2, 5))
+    logits = task.net(ids, ids) if experiment.startswith("nmt_") else task.net(ids)
+    assert logits.shape == (2, 5, vocab)
     assert cfg.task_name == experiment
     for node in cfg.callbacks.values():
         assert instantiate(node) is not None
@@ -120,3 +125,35 @@ def test_training_flushes_denormals_and_keeps_freed_memory():
     assert (tiny * 1.0).item() != 0.0
     if platform.libc_ver()[0] == "glibc":
         assert keep_freed_memory()  # glibc accepted every mallopt setting
+
+
+def test_fill_missing_fills_nested_keys_and_refuses_too_small_values():
+    node = OmegaConf.create({"text": {"vocab_size": "???", "width": 8}, "image": {"classes": "???"}})
+    fill_missing(node, {"text": {"vocab_size": 100}, "image": {"classes": 10}, "absent": 1}, "model.net")
+    assert node.text.vocab_size == 100 and node.image.classes == 10 and "absent" not in node
+    node = OmegaConf.create({"text": {"vocab_size": 50}})
+    with pytest.raises(ConfigError, match="model.net.text.vocab_size=50 is smaller than the data's"):
+        fill_missing(node, {"text": {"vocab_size": 100}}, "model.net")
+
+
+def test_checkpoints_from_before_artifacts_still_name_their_tokenizer(tmp_path):
+    old = {"attnlab": {"config": "a: 1", "tokenizer": '{"kind": "char", "chars": "ab"}'}}
+    assert metadata(old, tmp_path)["artifacts"] == {"tokenizer": '{"kind": "char", "chars": "ab"}'}
+    assert metadata({"attnlab": {"config": "a: 1", "artifacts": {}}}, tmp_path)["artifacts"] == {}
+
+
+def test_weight_decay_skips_biases_norms_and_what_the_model_declares():
+    from attnlab.models import Transformer
+    from attnlab.tasks.optim import param_groups
+
+    net = nn.Module()
+    net.net = Transformer(50, d_model=16, n_head=2, n_enc_layers=1, n_dec_layers=1, d_ff=32,
+                          positions="learned")
+    decay, no_decay = param_groups(net, 0.1)
+    names = {id(p): n for n, p in net.named_parameters()}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert {"net.src_embed.positions.emb.weight", "net.encoder.0.norm1.weight",
+            "net.encoder.0.attn.in_proj.bias"} <= skipped
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "net.src_embed.tokens.weight" in decayed and not any("positions" in n for n in decayed)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -158,22 +158,30 @@ def test_beam_search_with_beam_one_is_greedy(make):
     net, src = make(), sources(6, 7, seed=1)
     greedy = greedy_decode(net, src, BOS, EOS, max_len=12)
     assert greedy == beam_search(net, src, BOS, EOS, max_len=12, beam_size=1)
-    assert any(len(g) == 12 for g in greedy) or any(len(g) < 12 for g in greedy)
+    for s, g in zip(src, greedy, strict=True):
+        # greedy: each token is the argmax after the ones before it, and it stops at <eos> (not
+        # returned) or after max_len tokens
+        assert len(g) <= 12 and EOS not in g
+        want = g if len(g) == 12 else [*g, EOS]
+        assert net(s[None], torch.tensor([[BOS, *g]]))[0].argmax(-1).tolist()[: len(want)] == want
 
 
-def sequence_logprob(net, src: torch.Tensor, hyp: list[int]) -> float:
-    tgt_in = torch.tensor([[BOS, *hyp]])
-    logp = net(src[None], tgt_in).log_softmax(-1)[0]
-    return float(logp.gather(1, torch.tensor([*hyp, EOS])[:, None]).sum())
+@torch.no_grad()
+def sequence_logprob(net, src: torch.Tensor, hyp: list[int], max_len: int) -> float:
+    """log p(hyp <eos> | src), or log p(hyp | src) for a hypothesis cut at max_len (unfinished)."""
+    targets = [*hyp, EOS] if len(hyp) < max_len else hyp
+    logp = net(src[None], torch.tensor([[BOS, *targets[:-1]]])).log_softmax(-1)[0]
+    return float(logp.gather(1, torch.tensor(targets)[:, None]).sum())
 
 
 def test_wider_beams_find_more_likely_translations():
     net, src = tiny_transformer(), sources(6, 7, seed=2)
     greedy = greedy_decode(net, src, BOS, EOS, max_len=30)
     beam = beam_search(net, src, BOS, EOS, max_len=30, beam_size=6, alpha=0.0)
-    for i in range(6):
-        if EOS not in greedy[i] and len(greedy[i]) < 30:  # both hypotheses finished
-            assert sequence_logprob(net, src[i], beam[i]) >= sequence_logprob(net, src[i], greedy[i]) - 1e-4
+    for i in range(6):  # alpha 0: beam search ranks by total log-probability, as here
+        beam_lp, greedy_lp = (sequence_logprob(net, src[i], h[i], 30) for h in (beam, greedy))
+        assert beam_lp >= greedy_lp - 1e-4
+    assert any(len(b) < 30 for b in beam) and beam != greedy  # some finished: the comparison has teeth
 
 
 # -- BLEU and data ---------------------------------------------------------------------------------
@@ -261,7 +269,7 @@ def test_long_pairs_are_dropped_from_training_and_truncated_in_test(tmp_path, ca
 def test_a_tokenizer_that_does_not_match_is_refused():
     dm = TranslationDataModule(corpus="synthetic")
     with pytest.raises(DataError, match="not a translation vocabulary"):
-        dm.use_tokenizer(CharTokenizer.fit("abc").to_json())
+        dm.load_artifacts({"tokenizer": CharTokenizer.fit("abc").to_json()})
 
 
 def test_direction_is_chosen_by_config(tmp_path):

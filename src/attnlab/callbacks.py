@@ -20,12 +20,14 @@ log = logging.getLogger(__name__)
 class RunMetadata(L.Callback):
     """Store what is needed to rebuild and resume the run inside each checkpoint.
 
-    ``checkpoint["attnlab"]`` holds the resolved config (YAML), the tokenizer (JSON) and the
-    W&B run id: plain strings, so the checkpoint still loads with ``weights_only=True``.
+    ``checkpoint["attnlab"]`` holds the resolved config (YAML), the DataModule's artifacts (a
+    tokenizer, class names, ...; see ``attnlab.data.base.DataModule``), the machine it ran on and
+    the W&B run id: plain containers, so the checkpoint still loads with ``weights_only=True``.
     """
 
-    def __init__(self, config_yaml: str, tokenizer_json: str | None = None) -> None:
-        self.config_yaml, self.tokenizer_json = config_yaml, tokenizer_json
+    def __init__(self, config_yaml: str, artifacts: dict[str, Any] | None = None,
+                 machine: dict[str, Any] | None = None) -> None:
+        self.config_yaml, self.artifacts, self.machine = config_yaml, artifacts or {}, machine or {}
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -35,7 +37,8 @@ class RunMetadata(L.Callback):
         checkpoint["attnlab"] = {
             "version": __version__,
             "config": self.config_yaml,
-            "tokenizer": self.tokenizer_json,
+            "artifacts": self.artifacts,
+            "machine": self.machine,
             "wandb_run_id": wandb_id,
         }
 

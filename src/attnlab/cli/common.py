@@ -8,8 +8,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
 
 from attnlab.errors import AttnlabError
+from attnlab.utils.hardware import resolve_precision
 
 log = logging.getLogger("attnlab")
 
@@ -66,3 +72,16 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
         out.append(arg)
     return out
 
+
+
+def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
+    """The ``trainer`` node instantiated, with ``precision: auto`` resolved for this machine.
+
+    A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
+    """
+    from attnlab.utils.config import trainer_errors
+
+    with open_dict(cfg):
+        cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
+    with trainer_errors():
+        return instantiate(cfg.trainer, **kwargs)

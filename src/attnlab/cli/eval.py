@@ -7,12 +7,11 @@ import logging
 from pathlib import Path
 
 import hydra
-import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error
 from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab.eval")
@@ -23,15 +22,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     log.info("evaluating %s", run.path)
     data_cfg = OmegaConf.merge(run.config.data, cfg.get("data") or {})
     datamodule = instantiate(data_cfg)
-    if run.tokenizer_json:
-        datamodule.use_tokenizer(run.tokenizer_json)
+    if run.artifacts:
+        datamodule.load_artifacts(run.artifacts)
     datamodule.prepare_data()
     datamodule.setup("test")
     task = run.task()
     out = Path(cfg.paths.output_dir)
-    trainer: L.Trainer = instantiate(
-        cfg.trainer, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[]
-    )
+    trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[])
     trainer.test(task, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (out / "metrics.json").write_text(json.dumps({"ckpt_path": str(run.path), **metrics}, indent=2))

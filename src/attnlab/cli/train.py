@@ -28,6 +28,7 @@ from attnlab.utils.config import (
     check_config,
     container,
     fill_missing,
+    instantiate_trainer,
     print_config_tree,
     resolve,
     save_config,
@@ -76,12 +77,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
-    if meta.get("tokenizer"):
-        datamodule.use_tokenizer(meta["tokenizer"])
+    if meta.get("artifacts"):
+        datamodule.load_artifacts(meta["artifacts"])
     datamodule.prepare_data()
     datamodule.setup("fit")
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
-    with open_dict(cfg):
+    with open_dict(cfg):  # resolved before the config is saved, so the run records the choice
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
     if meta.get("wandb_run_id") and cfg.get("logger") and "wandb" in cfg.logger:
         with open_dict(cfg):  # continue the interrupted run's W&B run
@@ -103,9 +104,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", machine["cpu"], machine["torch_threads"],
              machine["cpu_native_bf16"], machine["gpus"] or "none")
     callbacks = instantiate_group(cfg.get("callbacks"))
-    callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.tokenizer.to_json()))
+    callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     loggers = setup_loggers(cfg, out)
-    trainer: L.Trainer = instantiate(
+    trainer: L.Trainer = instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
     )
     for lg in loggers:

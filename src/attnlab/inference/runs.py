@@ -1,4 +1,4 @@
-"""Rebuilding a trained run (model, tokenizer, data config) from its checkpoint."""
+"""Rebuilding a trained run (model, data artifacts, data config) from its checkpoint."""
 
 from __future__ import annotations
 
@@ -9,26 +9,26 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
 
 
 class TrainedRun:
-    """A checkpoint with the config and tokenizer it was trained with."""
+    """A checkpoint with the config and the data artifacts (e.g. tokenizer) it was trained with."""
 
     def __init__(self, spec: str, log_dir: Path) -> None:
         self.path = resolve_ckpt_path(spec, log_dir, "*/runs/*/checkpoints/last.ckpt")
         self.ckpt = load_checkpoint(self.path)
         meta = metadata(self.ckpt, self.path)
         self.config: DictConfig = OmegaConf.create(meta["config"])
-        self.tokenizer_json: str | None = meta.get("tokenizer")
+        self.artifacts: dict[str, Any] = meta["artifacts"]
 
     @property
-    def tokenizer(self) -> CharTokenizer | BPETokenizer:
-        if self.tokenizer_json is None:
-            raise CheckpointError(f"checkpoint {self.path} holds no tokenizer")
-        return tokenizer_from_json(self.tokenizer_json)
+    def tokenizer(self) -> CharTokenizer | BPETokenizer | SubwordTokenizer:
+        if "tokenizer" not in self.artifacts:
+            raise CheckpointError(f"checkpoint {self.path} holds no tokenizer (not a text model)")
+        return tokenizer_from_json(self.artifacts["tokenizer"])
 
     def net(self) -> nn.Module:
         """The bare model (``model.net``) with the checkpoint's weights."""

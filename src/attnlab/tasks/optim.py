@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
+from attnlab.errors import ConfigError
+
+
+def no_weight_decay(module: nn.Module) -> set[str]:
+    """Names (relative to ``module``) of the parameters its submodules exclude from weight decay
+    through a timm-style ``no_weight_decay()`` (position tables, class tokens, ...)."""
+    names: set[str] = set()
+    for prefix, m in module.named_modules():
+        declared = getattr(m, "no_weight_decay", None)
+        if callable(declared):
+            names |= {f"{prefix}.{n}" if prefix else n for n in declared()}
+    return names
+
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings; leave biases and norm gains alone (as nanoGPT, timm)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    """Decay matrices and embeddings; leave biases, norm gains and what the model declares in
+    ``no_weight_decay()`` alone (as nanoGPT, timm)."""
+    excluded = no_weight_decay(module)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if p.dim() >= 2 and n not in excluded]
+    no_decay = [p for n, p in named if p.dim() < 2 or n in excluded]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -27,10 +43,29 @@ def build_optimizers(
     scheduler: Callable[..., Any] | None,
     weight_decay: float,
 ) -> dict[str, Any]:
-    opt = optimizer(param_groups(module, weight_decay))
+    """The configured optimizer (and scheduler) for ``module``.
+
+    Range errors the constructors raise (torch's ``ValueError("Invalid learning rate: -1.0")``)
+    become a ``ConfigError`` naming the config node; the types were checked before the run.
+    """
+    with config_node("model.optimizer"):
+        opt = optimizer(param_groups(module, weight_decay))
     if scheduler is None:
         return {"optimizer": opt}
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
+    with config_node("model.scheduler"):
+        sched = scheduler(opt)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@contextmanager
+def config_node(where: str) -> Iterator[None]:
+    """Re-raise a constructor's ``ValueError`` as a ``ConfigError`` prefixed with ``where``."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from e
 
 
 def clip_gradients(

@@ -11,6 +11,17 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from attnlab.errors import ConfigError
+
+
+def check_steps(name: str, value: int, low: int) -> None:
+    """``model.scheduler.<name>`` must be an integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        bound = "a non-negative" if low == 0 else "a positive"
+        # total_steps follows trainer.max_steps unless set, and -1 there means "no limit"
+        why = " (set it, or model.scheduler=null, when trainer.max_steps=-1)" if name == "total_steps" else ""
+        raise ConfigError(f"model.scheduler.{name}={value!r}: must be {bound} integer{why}")
+
 
 class WarmupCosine:
     """Linear warm-up to the base lr, then cosine decay to ``min_lr_ratio`` x base lr (nanoGPT)."""
@@ -32,6 +43,11 @@ def warmup_cosine(
     optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
 ) -> LambdaLR:
     """``LambdaLR`` stepping ``WarmupCosine`` once per optimizer step."""
+    check_steps("warmup_steps", warmup_steps, 0)
+    check_steps("total_steps", total_steps, 1)
+    ratio = min_lr_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ConfigError(f"model.scheduler.min_lr_ratio={ratio!r}: must be in [0, 1]")
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 
@@ -52,4 +68,5 @@ class WarmupInverseSqrt:
 
 def warmup_inverse_sqrt(optimizer: Optimizer, warmup_steps: int) -> LambdaLR:
     """``LambdaLR`` stepping ``WarmupInverseSqrt`` once per optimizer step."""
+    check_steps("warmup_steps", warmup_steps, 1)  # the decay divides by it
     return LambdaLR(optimizer, WarmupInverseSqrt(warmup_steps))

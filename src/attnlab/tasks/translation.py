@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,11 @@ class TranslationTask(Task):
     After each validation it plots the attention of a few fixed validation sentences (PNG files
     under ``plot_dir`` and W&B images) and logs a table of sample translations; the test
     translations go to ``test_translations.txt`` in the run's directory.
+
+    Under DDP each process scores its share of the sentences (see ``TokenBatchSampler``): the
+    loss and BLEU metrics (torchmetrics) add up their states over all processes when computed,
+    so every process logs the same, global, values; the translations are gathered to process 0,
+    which writes the file and shows the samples.
 
     Args:
         net: the translation model.
@@ -101,6 +106,17 @@ class TranslationTask(Task):
         logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
         return loss_fn(logits, batch["tgt_out"][scored], smoothing), scored.sum()
 
+    def _gather_hyps(self, indices: Iterable[int] | None = None) -> dict[int, str]:
+        """The translations of all processes (of ``indices`` only, when given), by sentence index.
+        Every process must call it (a collective call under DDP); each gets the whole dict."""
+        mine = self._hyps if indices is None else {i: self._hyps[i] for i in indices if i in self._hyps}
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return dict(mine)
+        parts: list[dict[int, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {i: h for part in parts if part for i, h in part.items()}
+
     def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
         tok = self._data.tokenizer
         ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam,
@@ -118,12 +134,16 @@ class TranslationTask(Task):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
+            return
         loss, n = self._nll(batch, 0.0)
         self.val_loss.update(loss, n)
         if self.val_bleu_on and not self.trainer.sanity_checking:
             self._score(self.val_bleu, batch, "val", beam=1)
 
     def on_validation_epoch_end(self) -> None:
+        # the metrics' compute() sums their states over the processes: the values logged below
+        # are global and the same everywhere (no sync_dist needed, whatever Lightning's hint says)
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
@@ -135,12 +155,15 @@ class TranslationTask(Task):
         self.val_bleu_best.update(bleu)
         self.log("val/bleu", bleu, prog_bar=True)
         self.log("val/bleu_best", self.val_bleu_best.compute())
+        shown = self._gather_hyps(range(min(self.plot_sentences, len(self._data.references("val")))))
         if self.trainer.is_global_zero:
-            self._show_samples()
-            self._plot_alignments()
+            self._show_samples(shown)
+            self._plot_alignments(shown)
         self._hyps = {}
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if batch.get("repeat"):
+            return
         loss, n = self._nll(batch, 0.0)
         self.test_loss.update(loss, n)
         self._score(self.test_bleu, batch, "test", beam=self.beam_size)
@@ -152,17 +175,18 @@ class TranslationTask(Task):
         self.log("test/bleu", 100 * self.test_bleu.compute())
         self.test_loss.reset()
         self.test_bleu.reset()
-        if self.trainer.is_global_zero and self._hyps:
+        hyps = self._gather_hyps()
+        if self.trainer.is_global_zero and hyps:
             path = Path(self.trainer.default_root_dir) / "test_translations.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(self._hyps[i] + "\n" for i in sorted(self._hyps)), encoding="utf-8")
+            path.write_text("".join(hyps[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
             log.info("test translations written to %s", path)
         self._hyps = {}
 
     # -- what people look at ------------------------------------------------------------------------
-    def _show_samples(self) -> None:
+    def _show_samples(self, hyps: dict[int, str]) -> None:
         data = self._data
-        rows = [(data.sources("val")[i], data.references("val")[i], self._hyps.get(i, ""))
+        rows = [(data.sources("val")[i], data.references("val")[i], hyps.get(i, ""))
                 for i in range(min(self.plot_sentences, len(data.references("val"))))]
         for src, ref, hyp in rows:
             log.info("src: %s\n    ref: %s\n    hyp: %s", src, ref, hyp)
@@ -172,7 +196,7 @@ class TranslationTask(Task):
                             data=[list(r) for r in rows], step=self.global_step)
 
     @torch.no_grad()
-    def _plot_alignments(self) -> None:
+    def _plot_alignments(self, hyps: dict[int, str]) -> None:
         if not self.plot_sentences:
             return
         from attnlab.plots import alignment_figure  # matplotlib only when plotting
@@ -181,7 +205,7 @@ class TranslationTask(Task):
         split = data.splits["val"]
         images = []
         for i in range(min(self.plot_sentences, len(split))):
-            hyp_ids = tok.encode(self._hyps[i]) if i in self._hyps else split.tgt[i]
+            hyp_ids = tok.encode(hyps[i]) if i in hyps else split.tgt[i]
             src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
             tgt_in = torch.tensor([[tok.bos_id] + hyp_ids], device=self.device)
             maps = self.net.alignments(src, tgt_in)  # name -> (1, H, T, S)

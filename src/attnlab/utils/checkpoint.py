@@ -55,10 +55,12 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
-    """What attnlab stored beside the weights: resolved config, tokenizer, W&B run id."""
+    """What attnlab stored beside the weights: resolved config, data artifacts, W&B run id."""
     meta = ckpt.get("attnlab")
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {path} was not written by attnlab (no run metadata)")
+    if "artifacts" not in meta:  # written before artifacts: only text runs, with a tokenizer
+        meta["artifacts"] = {"tokenizer": meta["tokenizer"]} if meta.get("tokenizer") else {}
     return meta
 
 

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+import os
+import types
+from collections import abc
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path, PurePath
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import lightning as L
 import rich
 import rich.syntax
 import rich.tree
+from hydra.utils import get_object, instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
 
-from attnlab.errors import ConfigError
+from attnlab.errors import AttnlabError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +59,15 @@ def resolve(cfg: DictConfig) -> None:
 
 
 def fill_missing(node: DictConfig, values: Mapping[str, Any], where: str) -> None:
-    """Set the ``???`` fields of ``node`` from ``values`` (e.g. the data's vocab_size)."""
+    """Set the ``???`` fields of ``node`` from ``values`` (e.g. the data's vocab_size), recursing
+    into nested mappings (``{"text": {"vocab_size": 8000}}`` fills ``<where>.text.vocab_size``)."""
     with open_dict(node):
         for key, value in values.items():
             if key not in node.keys():
                 continue
-            if OmegaConf.is_missing(node, key):
+            if isinstance(value, Mapping) and isinstance(node[key], DictConfig):
+                fill_missing(node[key], value, f"{where}.{key}")
+            elif OmegaConf.is_missing(node, key):
                 node[key] = value
                 log.info("%s.%s = %s (from the data)", where, key, value)
             elif node[key] is not None and node[key] < value:
@@ -65,5 +78,283 @@ def container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
+    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``trainer_errors``."""
+    with trainer_errors():
+        return instantiate(node, **kwargs)
+
+
+@contextmanager
+def trainer_errors() -> Iterator[None]:
+    """Turn Lightning's complaints about a ``Trainer`` value (``MisconfigurationException``,
+    ``ValueError``: ``max_steps=-5``, an unknown precision) into one ``ConfigError`` line
+    prefixed ``trainer: ``, also through Hydra's wrapping."""
+    try:
+        yield
+    except Exception as e:
+        cause: BaseException | None = e
+        while cause is not None:
+            if isinstance(cause, AttnlabError):
+                raise
+            if isinstance(cause, (MisconfigurationException, ValueError)):
+                raise ConfigError(f"trainer: {one_line(cause)}") from e
+            cause = cause.__cause__
+        raise
+
+
+# ---- checking values against the constructors they are passed to ---------------------------------
+
+HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+NoneType = type(None)
+LIST_TYPES = (list, tuple, abc.Sequence, abc.MutableSequence)
+DICT_TYPES = (dict, abc.Mapping, abc.MutableMapping)
+NAMES = {bool: "a bool", int: "an int", float: "a float", str: "a string"}
+PLURALS = {bool: "bools", int: "ints", float: "floats", str: "strings"}
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Check every value's type against the constructor it is passed to (see ``check_types``)."""
+    """Check every value's type against the constructor it is passed to (see ``check_types``).
+
+    Walks every node with a ``_target_`` (nested ones and list items too) before anything is
+    built, so ``model.optimizer.lr=abc`` is one line naming the key instead of a traceback from
+    inside torch. Missing (``???``) values are left for later (filled from the data). The
+    trainer and the model come first: other nodes take values from them by interpolation
+    (``total_steps: ${trainer.max_steps}``, ``block_size: ${model.net.block_size}``), and the
+    error should name the key the user set.
+    """
+    first = [k for k in ("trainer", "model") if k in cfg]
+    for key in [*first, *(k for k in cfg.keys() if k not in first)]:
+        if key in HYDRA_KEYS or key == "hydra":
+            continue
+        child = _get(cfg, key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            _walk(child, str(key))
+
+
+def _walk(node: Any, path: str) -> None:
+    if isinstance(node, DictConfig):
+        if node._is_none() or node._is_missing():
+            return
+        if "_target_" in node:
+            check_types(node, path)
+        for key in node.keys():
+            if key in HYDRA_KEYS:
+                continue
+            child = _get(node, key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                _walk(child, f"{path}.{key}")
+    elif isinstance(node, ListConfig):
+        if node._is_none() or node._is_missing():
+            return
+        for i in range(len(node)):
+            child = _get(node, i)
+            if isinstance(child, (DictConfig, ListConfig)):
+                _walk(child, f"{path}[{i}]")
+
+
+_MISSING = object()
+
+
+def _get(node: DictConfig | ListConfig, key: Any) -> Any:
+    """``node[key]``, or ``_MISSING`` for a ``???`` value (also through an interpolation)."""
+    if OmegaConf.is_missing(node, key):
+        return _MISSING
+    try:
+        return node[key]
+    except MissingMandatoryValue:
+        return _MISSING
+
+
+def check_types(node: DictConfig, path: str) -> None:
+    """Check the keys and values of one ``_target_`` node against the target's signature."""
+    target = node._target_
+    if not isinstance(target, str):
+        return
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {one_line(cause)}") from e
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins and the like: nothing to check against
+        return
+    params = {
+        name: p for name, p in sig.parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    hints = _type_hints(obj.__init__ if inspect.isclass(obj) else obj, sig)
+    for key in node.keys():
+        key = str(key)
+        if key in HYDRA_KEYS:
+            continue
+        value = _get(node, key)
+        if key not in params:
+            if takes_kwargs:
+                continue
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = (f" (did you mean {close[0]}?)" if close else
+                    f" (its parameters: {', '.join(params)})" if len(params) <= 15 else "")
+            shown = "" if value is _MISSING else f"={show(value)}"
+            raise ConfigError(f"{path}.{key}{shown}: {target} has no parameter {key!r}{hint}")
+        if value is _MISSING or key not in hints:
+            continue
+        if value is None and params[key].default is None:
+            continue
+        tp = hints[key]
+        extra = EXTRA_CHOICES.get(key, ()) if _is_trainer(obj) else ()
+        if isinstance(value, str) and value in extra:
+            continue
+        if _checkable(tp) and not _accepts(value, tp):
+            raise ConfigError(
+                f"{path}.{key}={show(value)}: expected {describe(tp, extra)} ({target} {key})"
+            )
+
+
+def _type_hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
+    """The parameters' annotations, evaluated; one by one where some cannot be (names imported
+    only for type checkers), leaving those out."""
+    try:
+        return get_type_hints(fn)
+    except Exception:
+        pass
+    hints = {}
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    for name, p in sig.parameters.items():
+        if p.annotation is inspect.Parameter.empty:
+            continue
+        try:
+            hints[name] = eval(p.annotation, namespace) if isinstance(p.annotation, str) else p.annotation
+        except Exception:
+            continue
+    return hints
+
+
+# values of ours that a constructor does not know: resolved before it is called
+EXTRA_CHOICES = {"precision": ("auto",)}  # attnlab.utils.hardware.resolve_precision
+
+
+def _is_trainer(obj: Any) -> bool:
+    return inspect.isclass(obj) and issubclass(obj, L.Trainer)
+
+
+def show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    return repr(value)
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _is_target(value: Any) -> bool:
+    """A node Hydra turns into an object (checked on its own by the walk)."""
+    return isinstance(value, DictConfig) and not value._is_none() and "_target_" in value
+
+
+def _is_union(origin: Any) -> bool:
+    return origin is Union or origin is types.UnionType
+
+
+def _checkable(tp: Any) -> bool:
+    """Whether ``tp`` says something a config value can be checked against (else accept anything)."""
+    origin = get_origin(tp)
+    if _is_union(origin):
+        return any(_checkable(a) for a in get_args(tp) if a is not NoneType)
+    return origin is Literal or tp in NAMES or (origin or tp) in LIST_TYPES or (origin or tp) in DICT_TYPES
+
+
+def _accepts(value: Any, tp: Any) -> bool:
+    """Whether the config value ``value`` fits the annotation ``tp``."""
+    if tp is Any or isinstance(tp, TypeVar):
+        return True
+    origin, args = get_origin(tp), get_args(tp)
+    if _is_union(origin):
+        return any(_accepts(value, a) for a in args)
+    if origin is Literal:
+        return any(type(value) is type(c) and value == c for c in args)
+    if tp is NoneType or tp is None:
+        return value is None
+    if _is_target(value):
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    kind = origin or tp
+    if kind in LIST_TYPES:
+        if not isinstance(value, ListConfig) or value._is_none():
+            return False
+        items = [_get(value, i) for i in range(len(value))]
+        if kind is tuple and args and args[-1] is not Ellipsis:
+            return len(items) == len(args) and all(
+                v is _MISSING or _accepts(v, a) for v, a in zip(items, args, strict=True)
+            )
+        return not args or all(v is _MISSING or _accepts(v, args[0]) for v in items)
+    if kind in DICT_TYPES:
+        if not isinstance(value, DictConfig) or value._is_none():
+            return False
+        return len(args) < 2 or all(
+            v is _MISSING or _accepts(v, args[1]) for v in (_get(value, k) for k in value.keys())
+        )
+    if not inspect.isclass(kind):  # a typing form we do not know: do not guess
+        return True
+    if issubclass(kind, (os.PathLike, PurePath)) and isinstance(value, str):
+        return True
+    try:
+        return isinstance(value, kind)
+    except TypeError:  # e.g. a protocol that is not runtime-checkable
+        return True
+
+
+def describe(tp: Any, extra: tuple[Any, ...] = ()) -> str:
+    """What ``tp`` expects, in words: "an int or null", "one of 'auto', 'sdpa', 'math'"."""
+    phrases: list[str] = []
+    choices: list[Any] = []
+    nullable = _phrases(tp, phrases, choices)
+    choices += [c for c in extra if c not in choices]
+    parts = ([f"one of {', '.join(map(repr, choices))}" if len(choices) > 1 else repr(choices[0])]
+             if choices else [])
+    parts += [p for i, p in enumerate(phrases) if p not in phrases[:i]]
+    if not parts:
+        parts = [f"a {getattr(get_origin(tp) or tp, '__name__', str(tp))}"]
+    if nullable:
+        parts.append("null")
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+
+
+def _phrases(tp: Any, phrases: list[str], choices: list[Any]) -> bool:
+    """Collect the words for each checkable member of ``tp``; return whether None is allowed."""
+    origin, args = get_origin(tp), get_args(tp)
+    if _is_union(origin):
+        return any([_phrases(a, phrases, choices) for a in args])
+    if origin is Literal:
+        choices.extend(c for c in args if c not in choices)
+    elif tp is NoneType or tp is None:
+        return True
+    elif tp in NAMES:
+        phrases.append(NAMES[tp])
+    elif (origin or tp) in LIST_TYPES:
+        if (origin or tp) is tuple and args and args[-1] is not Ellipsis:
+            items = {_plural(a) for a in args}
+            phrases.append(f"a list of {len(args)} {items.pop() if len(items) == 1 else 'items'}")
+        else:
+            phrases.append(f"a list of {_plural(args[0])}" if args else "a list")
+    elif (origin or tp) in DICT_TYPES:
+        phrases.append("a mapping")
+    return False
+
+
+def _plural(tp: Any) -> str:
+    words: list[str] = []
+    _phrases(tp, words, [])
+    named = [t for t in PLURALS if NAMES[t] in words]
+    return PLURALS[named[0]] if len(named) == 1 and len(words) == 1 else "items"

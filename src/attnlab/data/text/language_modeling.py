@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from attnlab.data.base import DataModule
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import AttnlabError, ConfigError, DataError
@@ -56,7 +58,7 @@ class RandomWindows(IterableDataset):
             yield random_batch(self.tokens, self.block_size, self.batch_size, self.seed * 1_000_003 + index)
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(DataModule):
     """Character- or BPE-level language modelling on a text corpus.
 
     The first ``1 - val_fraction`` of the text trains, the rest validates. Validation during
@@ -131,9 +133,13 @@ class TextDataModule(L.LightningDataModule):
         """Model constructor arguments that the data decides."""
         return {"vocab_size": self.vocab_size}
 
-    def use_tokenizer(self, state: str) -> None:
+    def artifacts(self) -> dict[str, Any]:
+        assert self.tokenizer is not None, "call setup() first"
+        return {"tokenizer": self.tokenizer.to_json()}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
-        self.tokenizer = tokenizer_from_json(state)
+        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
         load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)

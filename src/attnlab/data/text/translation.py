@@ -8,12 +8,14 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from attnlab.data.base import DataModule
 from attnlab.data.download import fetch
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
@@ -82,21 +84,56 @@ class ParallelSplit:
         return len(self.src)
 
 
-class TokenBatchSampler(Sampler[list[int]]):
-    """Batches of similar-length pairs holding at most ``max_tokens`` tokens each (with padding).
+class RepeatedBatch(list):
+    """An evaluation batch repeated only so that every process runs as many steps (not to be scored)."""
 
-    Pairs are sorted by length (with a little noise when shuffling, so batches differ between
-    epochs), cut into batches, and the batch order is shuffled with ``seed + epoch``.
+
+class TokenBatchSampler(DistributedSampler):
+    """Batches of similar-length pairs holding at most ``max_tokens`` tokens each (with padding),
+    shared out between ``num_replicas`` processes.
+
+    Every process builds the same global list of batches from ``(seed, epoch)``: pairs sorted by
+    length (with a little noise when shuffling, so batches differ between epochs), cut into
+    batches, and, when shuffling, the batch order shuffled. Process ``rank`` then takes batches
+    ``rank, rank + num_replicas, ...``, so every process gets the same number of batches:
+
+    - training (``shuffle=True``): the list is padded to a multiple of ``num_replicas`` by
+      repeating its first batches (as ``DistributedSampler`` pads samples);
+    - evaluation (``shuffle=False``): no pair is repeated; the list is brought to a multiple of
+      ``num_replicas`` by halving its largest batches, in length order. Only where that cannot be
+      done (fewer pairs than processes, say) are batches repeated, as ``RepeatedBatch``, which the
+      collate function marks ``repeat`` for the task to skip.
+
+    Equal counts matter under DDP: a process with an extra step would wait forever for the others
+    in the step's collective calls (the gradient all-reduce, or the buffer broadcast of DDP's
+    forward, which also runs in validation).
+
+    It is a ``DistributedSampler`` (yielding lists of indices) for Lightning's sake: a loader whose
+    ``sampler`` is one is left alone by Lightning (no sampler injection, whatever
+    ``use_distributed_sampler`` says), and Lightning calls its ``set_epoch`` at every epoch. Use it
+    as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset indexed by whole
+    batches (``PairBatches``). With the defaults (one process) it is a plain batch sampler.
     """
 
-    def __init__(self, lengths: list[int], max_tokens: int, shuffle: bool, seed: int = 0) -> None:
-        self.lengths, self.max_tokens, self.shuffle, self.seed = lengths, max_tokens, shuffle, seed
-        self.epoch = 0
+    def __init__(
+        self,
+        lengths: list[int],
+        max_tokens: int,
+        shuffle: bool,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed)
+        self.lengths, self.max_tokens = lengths, max_tokens
+        self._cache: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _batches(self) -> list[list[int]]:
+    def global_batches(self) -> list[list[int]]:
+        """The batches of all processes for this epoch, before padding."""
         rng = random.Random(self.seed + self.epoch)
         noise = [rng.random() if self.shuffle else 0.0 for _ in self.lengths]
         order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i] + noise[i], i))
@@ -114,11 +151,29 @@ class TokenBatchSampler(Sampler[list[int]]):
             rng.shuffle(batches)
         return batches
 
+    def _shard(self) -> list[list[int]]:
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        batches, w = self.global_batches(), self.num_replicas
+        if not batches:
+            return []
+        if not self.shuffle:
+            while len(batches) % w and max(map(len, batches)) > 1:
+                i = max(range(len(batches)), key=lambda j: len(batches[j]))  # the first largest
+                half = len(batches[i]) // 2
+                batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+        missing = -len(batches) % w
+        repeat = list if self.shuffle else RepeatedBatch
+        batches = batches + [repeat(batches[k % len(batches)]) for k in range(missing)]
+        shard = batches[self.rank :: w]
+        self._cache = (self.epoch, shard)
+        return shard
+
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._batches())
+        return iter(self._shard())
 
     def __len__(self) -> int:
-        return len(self._batches())
+        return len(self._shard())
 
 
 def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
@@ -131,12 +186,13 @@ def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
 
 
 class Collate:
-    """Pad a batch: ``src`` (B, S); ``tgt_in`` = <bos> y and ``tgt_out`` = y <eos> (B, T); ``idx``."""
+    """Pad a batch: ``src`` (B, S); ``tgt_in`` = <bos> y and ``tgt_out`` = y <eos> (B, T); ``idx``;
+    ``repeat``: whether it is a ``RepeatedBatch`` (evaluation padding, not to be scored)."""
 
     def __init__(self, split: ParallelSplit, bos: int, eos: int, pad_id: int) -> None:
         self.split, self.bos, self.eos, self.pad_id = split, bos, eos, pad_id
 
-    def __call__(self, idx: list[int]) -> dict[str, Tensor]:
+    def __call__(self, idx: list[int]) -> dict[str, Any]:
         src = [self.split.src[i] + [self.eos] for i in idx]
         tgt = [self.split.tgt[i] for i in idx]
         return {
@@ -144,10 +200,25 @@ class Collate:
             "tgt_in": pad([[self.bos] + t for t in tgt], self.pad_id),
             "tgt_out": pad([t + [self.eos] for t in tgt], self.pad_id),
             "idx": torch.tensor(idx),
+            "repeat": isinstance(idx, RepeatedBatch),
         }
 
 
-class TranslationDataModule(L.LightningDataModule):
+class PairBatches(Dataset):
+    """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the padded batch of those
+    pairs. For a loader with ``sampler=TokenBatchSampler(...)`` and ``batch_size=None``."""
+
+    def __init__(self, collate: Collate) -> None:
+        self.collate = collate
+
+    def __getitem__(self, idx: list[int]) -> dict[str, Any]:
+        return self.collate(idx)
+
+    def __len__(self) -> int:
+        return len(self.collate.split)
+
+
+class TranslationDataModule(DataModule):
     """A parallel corpus, in either direction, with a joint BPE vocabulary.
 
     Args:
@@ -208,16 +279,19 @@ class TranslationDataModule(L.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: SubwordTokenizer | None = None
         self.splits: dict[str, ParallelSplit] = {}
-        self._train_sampler: TokenBatchSampler | None = None
 
     # -- what the model and the entry points need -------------------------------------------
     def model_kwargs(self) -> dict[str, int]:
         assert self.tokenizer is not None, "call setup() first"
         return {"vocab_size": self.tokenizer.vocab_size, "pad_id": self.tokenizer.pad_id}
 
-    def use_tokenizer(self, state: str) -> None:
+    def artifacts(self) -> dict[str, Any]:
+        assert self.tokenizer is not None, "call setup() first"
+        return {"tokenizer": self.tokenizer.to_json()}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
-        tok = tokenizer_from_json(state)
+        tok = tokenizer_from_json(artifacts["tokenizer"])
         if not isinstance(tok, SubwordTokenizer):
             raise DataError(
                 f"the checkpoint's tokenizer is a {type(tok).__name__}, not a translation vocabulary"
@@ -329,17 +403,29 @@ class TranslationDataModule(L.LightningDataModule):
         return ParallelSplit(src, tgt, src_text, tgt_text)
 
     # -- loaders -----------------------------------------------------------------------------
+    def _rank_world(self) -> tuple[int, int]:
+        """This process's rank and the number of processes (the trainer's, else torch.distributed's)."""
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
     def _loader(self, stage: str, shuffle: bool) -> DataLoader:
+        """Token-budget batches of a split; under DDP each process gets its share (see
+        ``TokenBatchSampler``: training batches reshuffled every epoch, every evaluation pair
+        scored once). The sampler shards the batches itself, so Lightning injects none."""
         split = self.splits[stage]
         assert self.tokenizer is not None
         lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
         budget = self.max_tokens if stage == "train" else self.eval_max_tokens
-        sampler = TokenBatchSampler(lengths, budget, shuffle=shuffle, seed=self.seed)
+        rank, world = self._rank_world()
+        sampler = TokenBatchSampler(lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world,
+                                    rank=rank)
         tok = self.tokenizer
         return DataLoader(
-            range(len(split)), batch_sampler=sampler,
-            collate_fn=Collate(split, tok.bos_id, tok.eos_id, tok.pad_id),
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id)), sampler=sampler,
+            batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -1,0 +1,264 @@
+"""Data parallelism: token-budget batches sharded over processes, and `trainer=ddp_cpu` end to end."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.trainer.states import RunningStage
+from torchmetrics.text import SacreBLEUScore
+from torchmetrics.utilities.data import dim_zero_sum
+
+from attnlab.data.text.translation import (
+    RepeatedBatch,
+    TokenBatchSampler,
+    TranslationDataModule,
+    synthetic_pairs,
+)
+from conftest import assert_ok, read_metrics, run_cli, run_dirs, tiny
+from test_translation import fake_multi30k
+
+LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
+
+
+def shards(world: int, shuffle: bool, lengths: list[int] = LENGTHS, max_tokens: int = 200, seed: int = 3,
+           epoch: int = 0) -> list[list[list[int]]]:
+    out = []
+    for rank in range(world):
+        sampler = TokenBatchSampler(lengths, max_tokens, shuffle, seed=seed, num_replicas=world, rank=rank)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+# -- the sampler -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_training_shards_are_disjoint_equal_and_cover_every_pair(world):
+    parts = shards(world, shuffle=True)
+    assert len({len(p) for p in parts}) == 1  # equal step counts: DDP never waits on a missing step
+    everyone = TokenBatchSampler(LENGTHS, 200, True, seed=3).global_batches()
+    assert sorted(i for b in everyone for i in b) == list(range(len(LENGTHS)))
+    padding = -len(everyone) % world
+    assert padding < world
+    # together the processes take every batch once, plus the first `padding` batches again
+    taken = sorted(tuple(b) for p in parts for b in p)
+    assert taken == sorted(tuple(b) for b in everyone + everyone[:padding])
+    assert all(not isinstance(b, RepeatedBatch) for p in parts for b in p)  # repeats train too
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_evaluation_shards_score_every_pair_exactly_once_in_length_order(world):
+    for lengths in (LENGTHS, LENGTHS[:7]):  # (7 short pairs fit one batch: it is halved to share)
+        parts = shards(world, shuffle=False, lengths=lengths)
+        assert len({len(p) for p in parts}) == 1
+        taken = sorted(i for p in parts for b in p for i in b)
+        assert taken == list(range(len(lengths)))  # no repeats, none missing
+        for p in parts:  # not shuffled: each process goes from short to long
+            longest = [max(lengths[i] for i in b) for b in p]
+            assert longest == sorted(longest)
+    assert shards(world, shuffle=False) == shards(world, shuffle=False, epoch=5, seed=9)
+
+
+def test_evaluation_with_fewer_pairs_than_processes_pads_with_marked_repeats():
+    parts = shards(3, shuffle=False, lengths=[5, 6])
+    assert [len(p) for p in parts] == [1, 1, 1]
+    scored = [b for p in parts for b in p if not isinstance(b, RepeatedBatch)]
+    assert sorted(i for b in scored for i in b) == [0, 1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_batches_are_reshuffled_each_epoch_and_reproducible_from_the_seed(world):
+    first = shards(world, shuffle=True)
+    assert shards(world, shuffle=True) == first
+    assert shards(world, shuffle=True, epoch=1) != first
+    assert shards(world, shuffle=True, seed=4) != first
+    for shuffle in (True, False):
+        for p in shards(world, shuffle=shuffle, epoch=2):
+            assert all(len(b) * max(LENGTHS[i] for i in b) <= 200 for b in p)
+
+
+def test_lightning_keeps_the_sampler_and_sets_its_epoch(tmp_path):
+    """Under DDP Lightning replaces a loader's sampler with its DistributedSampler unless the
+    sampler is one already; and it calls set_epoch only on ``loader.sampler`` (or
+    ``loader.batch_sampler.sampler``), never on a custom batch sampler."""
+    dm = TranslationDataModule(corpus="synthetic", synthetic_size=100, vocab_size=200, max_len=40,
+                               max_tokens=64, eval_max_tokens=64, cache_dir=str(tmp_path))
+    dm.setup()
+    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer._accelerator_connector.is_distributed
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=2)
+    loader = dm.train_dataloader()
+    connector = trainer._data_connector
+    assert not connector._requires_distributed_sampler(loader)
+    assert connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING) is loader
+    assert loader.sampler.rank == 1 and loader.sampler.num_replicas == 2
+    before = [b["idx"].tolist() for b in loader]
+    _set_sampler_epoch(loader, 1)  # what the fit loop calls at the start of each epoch
+    assert loader.sampler.epoch == 1 and [b["idx"].tolist() for b in loader] != before
+
+
+def test_the_datamodule_shards_by_the_trainers_rank(tmp_path):
+    dm = TranslationDataModule(corpus="synthetic", synthetic_size=300, vocab_size=200, max_len=40,
+                               max_tokens=64, eval_max_tokens=128, cache_dir=str(tmp_path))
+    dm.setup()
+    train, val = [], []
+    for rank in range(2):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        train.append([b["idx"].tolist() for b in dm.train_dataloader()])
+        val.append([b["idx"].tolist() for b in dm.val_dataloader() if not b["repeat"]])
+    assert len(train[0]) == len(train[1]) and len(val[0]) == len(val[1])
+    n_val = len(dm.splits["val"])
+    assert sorted(i for v in val for b in v for i in b) == list(range(n_val))
+    assert {i for b in train[0] for i in b} | {i for b in train[1] for i in b} == set(range(300))
+    dm.trainer = None  # no trainer, no process group: the whole split
+    assert sorted(i for b in dm.val_dataloader() for i in b["idx"].tolist()) == list(range(n_val))
+
+
+def test_bleu_of_shards_merged_is_the_bleu_of_the_whole():
+    """What DDP does to the metric at compute(): its states (n-gram counts, lengths) are summed over
+    the processes, so BLEU of the merged halves is corpus BLEU, not an average of two BLEUs."""
+    src, refs = synthetic_pairs(40, seed=5)
+    hyps = [" ".join(r.split()[: 1 + i % 4]) + "." for i, r in enumerate(refs)]  # partly right
+    whole, halves = SacreBLEUScore(), [SacreBLEUScore(), SacreBLEUScore()]
+    whole.update(hyps, [[r] for r in refs])
+    for k, half in enumerate(halves):
+        half.update(hyps[k::2], [[r] for r in refs[k::2]])
+    assert all(fx is dim_zero_sum for fx in whole._reductions.values())  # how DDP merges them
+    for name in whole._defaults:  # what the sync does: gather every process's state, then sum
+        setattr(halves[0], name, getattr(halves[0], name) + getattr(halves[1], name))
+    assert 0 < float(whole.compute()) < 1
+    assert float(halves[0].compute()) == pytest.approx(float(whole.compute()), abs=1e-6)
+
+
+# -- trainer=ddp_cpu end to end (two gloo processes) -----------------------------------------------
+QUIET = ["logger=csv", "extras.print_config=false", "~callbacks.rich_progress_bar",
+         "~callbacks.model_summary"]
+# GPT, 30 steps of a global batch of 8 windows, validated every 10 steps on 32 windows
+GPT = [*tiny("trainer.max_steps=30", "model.optimizer.lr=1e-2"), "logger=csv"]
+# the synthetic translation task, 30 steps of 512 target tokens, validated every 10 steps
+NMT = ["experiment=nmt_synthetic", *QUIET, "data.synthetic_size=600", "data.eval_max_tokens=512",
+       "model.net.d_model=32", "model.net.d_ff=64", "model.net.n_enc_layers=1", "model.net.n_dec_layers=1",
+       "model.scheduler.warmup_steps=5", "model.beam_size=2", "model.plot_sentences=1",
+       "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null"]
+TINY_TRANSFORMER = ["model.net.d_model=32", "model.net.n_head=2", "model.net.d_ff=64",
+                    "model.net.n_enc_layers=1", "model.net.n_dec_layers=1", "model.compile_loss=false"]
+TINY_SEQ2SEQ = ["model.net.emb_dim=16", "model.net.enc_hidden=16", "model.net.dec_hidden=32",
+                "model.net.attn_dim=16"]
+MULTI30K = {"nmt_transformer_multi30k": TINY_TRANSFORMER, "nmt_bahdanau_multi30k": TINY_SEQ2SEQ,
+            "nmt_luong_multi30k": TINY_SEQ2SEQ}
+
+# every command-line run of this file, by name (= its task_name): two processes, and one process
+# with the same global batch (twice the per-process batch) to compare with
+RUNS = {
+    "nmt_two": [*NMT, "trainer=ddp_cpu", "data.max_tokens=256"],  # then tested again by one process
+    "gpt_two": [*GPT, "trainer=ddp_cpu", "data.batch_size=4", "data.val_batches=8"],
+    **{name: [f"experiment={name}", "trainer=ddp_cpu", *QUIET, *model, "data.vocab_size=100",
+              "data.max_tokens=256", "trainer.max_steps=6", "trainer.val_check_interval=3",
+              "trainer.check_val_every_n_epoch=null", "model.beam_size=2", "model.plot_sentences=1",
+              "trainer.num_sanity_val_steps=1"] for name, model in MULTI30K.items()},
+    "gpt_one": [*GPT, "data.batch_size=8", "data.val_batches=4"],
+    "nmt_one": [*NMT, "data.max_tokens=512"],
+}
+
+
+def uses(*names: str):
+    """Declares the runs a test reads (see ``runs``)."""
+    def mark(test):
+        test.runs = names
+        return test
+    return mark
+
+
+def launch(name: str, cwd: Path) -> Path:
+    args = [*RUNS[name], f"task_name={name}"]
+    if name in MULTI30K:  # 300 / 20 / 20 pairs of the synthetic language pair
+        args += [f"data.data_dir={fake_multi30k(cwd / 'multi30k')}", f"data.cache_dir={cwd}"]
+    assert_ok(run_cli("train", args, cwd))
+    if name == "nmt_two":  # its best checkpoint, tested by one process
+        (best,) = (run_dirs(cwd, name)[0] / "checkpoints").glob("step_*.ckpt")
+        assert_ok(run_cli("eval", [f"ckpt_path={best}"], cwd))
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The runs the selected tests use, started together, two at a time; ``runs(name)`` waits for
+    one and gives its directory. Most of a run's minute here goes to importing torch and Lightning
+    in one process while the other waits (the second process starts after the first's setup), so
+    two runs at once keep both cores busy: this file's runs take about half the time in a row."""
+    wanted: set[str] = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted.update(getattr(getattr(item, "function", None), "runs", ()))
+        wanted.update(v for v in params.values() if isinstance(v, str) and v in RUNS)
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(launch, name, tmp_path_factory.mktemp(name))
+               for name in RUNS if name in wanted}
+    try:
+        yield lambda name: futures[name].result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def finished_run(cwd: Path, task_name: str) -> tuple[Path, dict[str, list[tuple[int, float]]]]:
+    (run_dir,) = run_dirs(cwd, task_name)
+    return run_dir, read_metrics(run_dir)
+
+
+def check_translations(run_dir: Path, metrics: dict, refs: list[str]) -> list[str]:
+    """test_translations.txt holds one line per test sentence, and test/bleu scores all of them."""
+    hyps = (run_dir / "test_translations.txt").read_text(encoding="utf-8").split("\n")
+    assert hyps[-1] == "" and len(hyps[:-1]) == len(refs)
+    bleu = SacreBLEUScore()
+    bleu.update(hyps[:-1], [[r] for r in refs])
+    assert metrics["test/bleu"][-1][1] == pytest.approx(100 * float(bleu.compute()), abs=1e-3)
+    return hyps[:-1]
+
+
+@pytest.mark.slow
+@uses("gpt_two")
+def test_ddp_cpu_trains_gpt(runs):
+    _, m = finished_run(runs("gpt_two"), "gpt_two")
+    assert len(m["val/loss"]) == 3 and m["train/loss"]
+    assert "test/loss" in m and "test/ppl" in m
+
+
+@pytest.mark.slow
+@uses("nmt_two")
+def test_ddp_cpu_trains_and_tests_synthetic_translation(runs):
+    cwd = runs("nmt_two")
+    run_dir, m = finished_run(cwd, "nmt_two")
+    assert len(m["val/loss"]) == 3 and "test/loss" in m
+    refs = synthetic_pairs(60, seed=2)[1]
+    hyps = check_translations(run_dir, m, refs)
+    assert list((run_dir / "alignments").glob("*.png"))  # drawn by process 0, from gathered outputs
+    # one process testing the same checkpoint gets the same figures and translations: each of the
+    # two processes scored its half of the test set, and every sentence was counted once
+    eval_dir, e = finished_run(cwd, "eval")
+    for key in ("test/loss", "test/bleu"):
+        assert m[key][-1][1] == pytest.approx(e[key][-1][1], abs=1e-4), key
+    assert check_translations(eval_dir, e, refs) == hyps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", list(MULTI30K))
+def test_ddp_cpu_trains_the_multi30k_experiments(runs, experiment):
+    run_dir, m = finished_run(runs(experiment), experiment)
+    assert m["val/loss"] and "test/loss" in m and "test/bleu" in m
+    check_translations(run_dir, m, synthetic_pairs(20, 2)[1])
+
+
+@pytest.mark.slow
+@uses("gpt_one", "gpt_two", "nmt_one", "nmt_two")
+def test_two_processes_follow_one_process_with_the_same_global_batch(runs):
+    for name in ("gpt", "nmt"):
+        one = finished_run(runs(f"{name}_one"), f"{name}_one")[1]["val/loss"]
+        two = finished_run(runs(f"{name}_two"), f"{name}_two")[1]["val/loss"]
+        print(name, one, two)
+        assert [s for s, _ in one] == [s for s, _ in two]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True)) < 0.1
