@@ -1,0 +1,30 @@
+"""What every attnlab DataModule declares beyond Lightning's hooks, so train, eval and every
+inference CLI handle text, images and image-text pairs the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+
+class DataModule(L.LightningDataModule):
+    """A LightningDataModule that can describe and rebuild its data side.
+
+    - ``model_kwargs()``: model constructor arguments the data decides, filled into the ``???``
+      fields of ``model.net``; nested for models made of parts, e.g.
+      ``{"vocab_size": 8000}`` or ``{"text": {"vocab_size": 8000}}``.
+    - ``artifacts()``: what inference needs to rebuild the data side without the training data,
+      as JSON-able values (a tokenizer for text; class names, image size and normalisation for
+      images; both for image-text). Stored in every checkpoint.
+    - ``load_artifacts(artifacts)``: use them instead of fitting anew (resuming, eval, inference).
+    """
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def artifacts(self) -> dict[str, Any]:
+        return {}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Text data: corpora, tokenizers, language-modelling windows and parallel corpora."""
