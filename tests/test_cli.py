@@ -37,7 +37,8 @@ def test_tiny_run_leaves_checkpoints_csv_and_offline_wandb_run(trained: Path):
 def test_checkpoint_loads_with_weights_only_and_carries_the_run(trained: Path):
     ckpt = torch.load(trained / "checkpoints" / "last.ckpt", weights_only=True)
     meta = ckpt["attnlab"]
-    assert "n_layer: 1" in meta["config"] and json.loads(meta["tokenizer"])["kind"] == "char"
+    assert "n_layer: 1" in meta["config"] and json.loads(meta["artifacts"]["tokenizer"])["kind"] == "char"
+    assert meta["machine"]["cpu"]
     assert meta["wandb_run_id"] in next((trained / "wandb").glob("offline-run-*")).name
 
 
@@ -177,7 +178,7 @@ def test_shakespeare_bpe_run(tmp_path):
     assert_ok(proc)
     (run_dir,) = run_dirs(tmp_path, "bpe")
     ckpt = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)
-    assert ckpt["state_dict"]["net.lm_head.weight"].shape[0] == 512
+    assert ckpt["state_dict"]["net.embed.tokens.weight"].shape[0] == 512
 
 
 @pytest.mark.slow

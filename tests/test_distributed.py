@@ -265,9 +265,17 @@ def test_ddp_cpu_trains_the_multi30k_experiments(runs, experiment):
 @pytest.mark.slow
 @uses("gpt_one", "gpt_two", "nmt_one", "nmt_two")
 def test_two_processes_follow_one_process_with_the_same_global_batch(runs):
+    """Two processes with half the batch each (GPT: 16 windows, not 32; translation: 256 tokens,
+    not 512) train like one process with the whole batch: the same validation loss at each of the
+    3 validations, within 0.1. They start from the same weights but see different batches (and GPT
+    validates on different windows), so the curves agree only as far as that noise lets them. The
+    noise, measured here over seeds 1337 (the test's), 1 and 2, while the loss falls from 4.6 to
+    3.4: largest |one - two| of GPT 0.061 (seed 1337: 0.014, 0.061, 0.055), of translation
+    0.045 (seed 1337: 0.036, 0.034, 0.045)."""
     for name in ("gpt", "nmt"):
         one = finished_run(runs(f"{name}_one"), f"{name}_one")[1]["val/loss"]
         two = finished_run(runs(f"{name}_two"), f"{name}_two")[1]["val/loss"]
-        print(name, one, two)
-        assert [s for s, _ in one] == [s for s, _ in two]
-        assert max(abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True)) < 0.1
+        assert [s for s, _ in one] == [s for s, _ in two] and len(one) == 3
+        assert one[-1][1] < one[0][1] - 0.3  # a curve, not a plateau
+        gaps = [abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True)]
+        assert max(gaps) < 0.1, (name, one, two)

@@ -172,6 +172,10 @@ class TokenBatchSampler(DistributedSampler):
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._shard())
 
+    def batch(self, k: int) -> list[int]:
+        """This process's ``k``-th batch of the current epoch."""
+        return self._shard()[k]
+
     def __len__(self) -> int:
         return len(self._shard())
 
@@ -206,16 +210,21 @@ class Collate:
 
 class PairBatches(Dataset):
     """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the padded batch of those
-    pairs. For a loader with ``sampler=TokenBatchSampler(...)`` and ``batch_size=None``."""
+    pairs, for a loader with ``sampler=TokenBatchSampler(...)`` and ``batch_size=None``.
+    ``dataset[k]`` (an int) is the sampler's ``k``-th batch: Lightning's ``overfit_batches`` swaps
+    the sampler for a ``SequentialSampler`` over the dataset, which then yields the first batches
+    of epoch 0, the same ones every epoch."""
 
-    def __init__(self, collate: Collate) -> None:
-        self.collate = collate
+    def __init__(self, collate: Collate, sampler: TokenBatchSampler) -> None:
+        self.collate, self.sampler = collate, sampler
 
-    def __getitem__(self, idx: list[int]) -> dict[str, Any]:
+    def __getitem__(self, idx: list[int] | int) -> dict[str, Any]:
+        if isinstance(idx, int):
+            idx = self.sampler.batch(idx)
         return self.collate(idx)
 
     def __len__(self) -> int:
-        return len(self.collate.split)
+        return len(self.sampler)
 
 
 class TranslationDataModule(DataModule):
@@ -424,7 +433,7 @@ class TranslationDataModule(DataModule):
                                     rank=rank)
         tok = self.tokenizer
         return DataLoader(
-            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id)), sampler=sampler,
+            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler=sampler,
             batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
