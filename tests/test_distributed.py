@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,6 +102,28 @@ def test_lightning_keeps_the_sampler_and_sets_its_epoch(tmp_path):
     assert loader.sampler.epoch == 1 and [b["idx"].tolist() for b in loader] != before
 
 
+def test_overfit_batches_swaps_in_a_sequential_sampler_of_the_first_batches(tmp_path):
+    """``trainer.overfit_batches`` (``debug=overfit``) replaces the loader's sampler with a
+    ``SequentialSampler`` over the dataset, which yields batch numbers: the loader must then give
+    the sampler's batches of epoch 0, in order, every epoch."""
+    from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches
+    from lightning.pytorch.utilities import CombinedLoader
+
+    dm = TranslationDataModule(corpus="synthetic", synthetic_size=100, vocab_size=200, max_len=40,
+                               max_tokens=64, eval_max_tokens=64, cache_dir=str(tmp_path))
+    dm.setup()
+    loader = dm.train_dataloader()
+    first = [b["idx"].tolist() for b in loader]
+    combined = CombinedLoader(loader)
+    with pytest.warns(UserWarning, match="overfit"):
+        _resolve_overfit_batches(combined, RunningStage.TRAINING)
+    (swapped,) = combined.flattened
+    assert type(swapped.sampler).__name__ == "SequentialSampler"
+    assert [b["idx"].tolist() for b in swapped] == first
+    _set_sampler_epoch(swapped, 1)  # a SequentialSampler has no epoch: the same batches again
+    assert [b["idx"].tolist() for b in swapped] == first
+
+
 def test_the_datamodule_shards_by_the_trainers_rank(tmp_path):
     dm = TranslationDataModule(corpus="synthetic", synthetic_size=300, vocab_size=200, max_len=40,
                                max_tokens=64, eval_max_tokens=128, cache_dir=str(tmp_path))
@@ -198,20 +219,13 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         params = getattr(getattr(item, "callspec", None), "params", {})
         wanted.update(getattr(getattr(item, "function", None), "runs", ()))
         wanted.update(v for v in params.values() if isinstance(v, str) and v in RUNS)
-    with pytest.MonkeyPatch.context() as env:
-        if os.environ.get("PYTHONDONTWRITEBYTECODE"):
-            # an environment that keeps Python from caching bytecode (as this project's machines,
-            # whose venv has none): each of the ~13 processes would compile torch, Lightning and
-            # torchmetrics from source, ~20 s of CPU; with a cache shared by the runs, ~9 s
-            env.delenv("PYTHONDONTWRITEBYTECODE")
-            env.setenv("PYTHONPYCACHEPREFIX", str(tmp_path_factory.mktemp("pycache")))
-        pool = ThreadPoolExecutor(max_workers=2)
-        futures = {name: pool.submit(launch, name, tmp_path_factory.mktemp(name))
-                   for name in RUNS if name in wanted}
-        try:
-            yield lambda name: futures[name].result()
-        finally:
-            pool.shutdown(cancel_futures=True)
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(launch, name, tmp_path_factory.mktemp(name))
+               for name in RUNS if name in wanted}
+    try:
+        yield lambda name: futures[name].result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def finished_run(cwd: Path, task_name: str) -> tuple[Path, dict[str, list[tuple[int, float]]]]:

@@ -79,9 +79,9 @@ def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
 
     A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
     """
-    from attnlab.utils.config import trainer_errors
+    from attnlab.utils.config import constructor_errors
 
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
-    with trainer_errors():
+    with constructor_errors("trainer"):
         return instantiate(cfg.trainer, **kwargs)

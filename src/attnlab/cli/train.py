@@ -26,6 +26,7 @@ from attnlab.utils.checkpoint import (
 )
 from attnlab.utils.config import (
     check_config,
+    constructor_errors,
     container,
     fill_missing,
     instantiate_trainer,
@@ -45,15 +46,19 @@ def trainer_rank_zero() -> bool:
     return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
 
 
-def instantiate_group(group: DictConfig | None) -> list[Any]:
-    """Instantiate every entry of a group such as ``callbacks`` or ``logger``."""
-    if not group:
-        return []
-    return [instantiate(node) for node in group.values() if node and "_target_" in node]
+def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
+    """Instantiate every entry of a group such as ``callbacks`` or ``logger``; a value the
+    constructor refuses is a one-line error naming ``<name>.<entry>``."""
+    objects = []
+    for key, node in (cfg.get(name) or {}).items():
+        if node and "_target_" in node:
+            with constructor_errors(f"{name}.{key}"):
+                objects.append(instantiate(node))
+    return objects
 
 
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
-    loggers = instantiate_group(cfg.get("logger"))
+    loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
         loggers.append(CSVLogger(save_dir=out, name="csv", version=""))
     return loggers
@@ -103,7 +108,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
     log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", machine["cpu"], machine["torch_threads"],
              machine["cpu_native_bf16"], machine["gpus"] or "none")
-    callbacks = instantiate_group(cfg.get("callbacks"))
+    callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     loggers = setup_loggers(cfg, out)
     trainer: L.Trainer = instantiate_trainer(

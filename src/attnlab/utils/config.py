@@ -79,16 +79,16 @@ def container(cfg: DictConfig) -> dict[str, Any]:
 
 
 def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
-    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``trainer_errors``."""
-    with trainer_errors():
+    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``constructor_errors``."""
+    with constructor_errors("trainer"):
         return instantiate(node, **kwargs)
 
 
 @contextmanager
-def trainer_errors() -> Iterator[None]:
-    """Turn Lightning's complaints about a ``Trainer`` value (``MisconfigurationException``,
-    ``ValueError``: ``max_steps=-5``, an unknown precision) into one ``ConfigError`` line
-    prefixed ``trainer: ``, also through Hydra's wrapping."""
+def constructor_errors(key: str) -> Iterator[None]:
+    """Turn a constructor's complaint about a value (Lightning's ``MisconfigurationException``,
+    ``ValueError``: ``trainer.max_steps=-5``, ``callbacks.model_checkpoint.save_top_k=-5``) into
+    one ``ConfigError`` line prefixed with the config ``key``, also through Hydra's wrapping."""
     try:
         yield
     except Exception as e:
@@ -97,7 +97,7 @@ def trainer_errors() -> Iterator[None]:
             if isinstance(cause, AttnlabError):
                 raise
             if isinstance(cause, (MisconfigurationException, ValueError)):
-                raise ConfigError(f"trainer: {one_line(cause)}") from e
+                raise ConfigError(f"{key}: {one_line(cause)}") from e
             cause = cause.__cause__
         raise
 

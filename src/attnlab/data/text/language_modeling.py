@@ -7,7 +7,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info

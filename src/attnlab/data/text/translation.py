@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
