@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 
 from attnlab.cli.common import config_dir
 from attnlab.utils.config import fill_missing
+from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 
 class StepTimer(L.Callback):
@@ -95,12 +96,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--data-dir", default=None, help="tinyshakespeare dir; default: pydoc corpus")
+    parser.add_argument("--bf16", action="store_true",
+                        help="measure bf16-mixed also on a CPU without native bf16 (it crawls there)")
     args = parser.parse_args()
-    goals = {"32-true": 30.0, "bf16-mixed": 23.0}
+    precisions = ["32-true"]
+    if args.bf16 or native_bf16_cpu():
+        precisions.append("bf16-mixed")
+    else:
+        print(f"{cpu_model()} has no native bf16: fp32 only (--bf16 to measure it anyway)")
+    goal = 1.10  # the Trainer's overhead: at most 10% over the plain loop, on any machine
     rows = []
     with tempfile.TemporaryDirectory() as out:
         cfg = compose_experiment(args.data_dir, out)
-        for precision in ("32-true", "bf16-mixed"):
+        for precision in precisions:
             ref = plain_loop_ms(cfg.copy(), precision, args.steps, args.warmup)
             ours = attnlab_ms(cfg.copy(), precision, args.steps, args.warmup)
             rows.append((precision, ours, ref))
@@ -108,10 +116,10 @@ def main() -> None:
           f"{args.steps} steps, {torch.get_num_threads()} threads")
     print(f"{'precision':<12}{'attnlab':>10}{'plain loop':>12}{'ratio':>8}{'goal':>8}")
     for precision, ours, ref in rows:
-        mark = "ok" if ours <= goals[precision] else "MISSED"
-        print(f"{precision:<12}{ours:>10.1f}{ref:>12.1f}{ours / ref:>8.2f}{goals[precision]:>6.0f} {mark}")
-    fp32, bf16 = rows[0][1], rows[1][1]
-    print(f"bf16-mixed speed-up over fp32 (attnlab): {fp32 / bf16:.2f}x")
+        mark = "ok" if ours / ref <= goal else "MISSED"
+        print(f"{precision:<12}{ours:>10.1f}{ref:>12.1f}{ours / ref:>8.2f}{goal:>7.2f}x {mark}")
+    if len(rows) == 2:
+        print(f"bf16-mixed speed-up over fp32 (attnlab): {rows[0][1] / rows[1][1]:.2f}x")
 
 
 if __name__ == "__main__":
