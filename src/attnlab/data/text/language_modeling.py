@@ -15,6 +15,7 @@ from attnlab.data.base import DataModule
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import AttnlabError, ConfigError, DataError
+from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,8 @@ class TextDataModule(DataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        for name, value in [("block_size", block_size), ("batch_size", batch_size),
-                            ("val_batches", val_batches), ("bpe_vocab_size", bpe_vocab_size)]:
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
+        check_positive("data", block_size=block_size, batch_size=batch_size, val_batches=val_batches,
+                       bpe_vocab_size=bpe_vocab_size)
         if test_stride is not None and not (isinstance(test_stride, int) and 0 < test_stride <= block_size):
             raise ConfigError(
                 f"data.test_stride must be in 1..block_size ({block_size}) or null, got {test_stride!r}"

@@ -47,12 +47,34 @@ class CharTokenizer:
         return json.dumps({"kind": "char", "chars": self.chars})
 
 
-class BPETokenizer:
-    """Byte-level BPE (GPT-2 style) trained with HF ``tokenizers``; any text encodes."""
+class HFTokenizer:
+    """A trained HF ``tokenizers`` model behind ``encode``/``decode``/``to_json``; subclasses say
+    how it is trained (``fit``) and which ``kind`` a checkpoint records."""
+
+    kind = ""
+    skip_special_tokens = False
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "tokenizer": self.tokenizer.to_str()})
+
+
+class BPETokenizer(HFTokenizer):
+    """Byte-level BPE (GPT-2 style); any text encodes."""
+
+    kind = "bpe"
 
     @classmethod
     def fit(cls, text: str, vocab_size: int) -> BPETokenizer:
@@ -68,30 +90,19 @@ class BPETokenizer:
         tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
         return cls(tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": "bpe", "tokenizer": self.tokenizer.to_str()})
-
-
-class SubwordTokenizer:
-    """Joint BPE over both languages of a parallel corpus, with special tokens (HF ``tokenizers``).
+class SubwordTokenizer(HFTokenizer):
+    """Joint BPE over both languages of a parallel corpus, with special tokens.
 
     Words are split at spaces and punctuation; a space is kept as "▁" on the following piece
     (SentencePiece's convention), so ``decode`` gives back detokenised text, which is what
-    sacreBLEU wants. Ids 0-3 are ``<pad>``, ``<unk>``, ``<bos>``, ``<eos>``.
+    sacreBLEU wants. Ids 0-3 are ``<pad>``, ``<unk>``, ``<bos>``, ``<eos>``; ``decode`` drops them.
     """
 
+    kind = "subword"
+    skip_special_tokens = True
     specials = ("<pad>", "<unk>", "<bos>", "<eos>")
     pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size()
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> SubwordTokenizer:
@@ -107,25 +118,12 @@ class SubwordTokenizer:
         tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
         return cls(tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": "subword", "tokenizer": self.tokenizer.to_str()})
-
 
 def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer | SubwordTokenizer:
     state = json.loads(s)
     if state["kind"] == "char":
         return CharTokenizer(state["chars"])
-    if state["kind"] == "bpe":
-        return BPETokenizer(Tokenizer.from_str(state["tokenizer"]))
-    if state["kind"] == "subword":
-        return SubwordTokenizer(Tokenizer.from_str(state["tokenizer"]))
+    for cls in (BPETokenizer, SubwordTokenizer):
+        if state["kind"] == cls.kind:
+            return cls(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

@@ -18,6 +18,7 @@ from attnlab.data.base import DataModule
 from attnlab.data.download import fetch
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
+from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
 
@@ -270,11 +271,8 @@ class TranslationDataModule(DataModule):
                 f"data.src_lang/data.tgt_lang must be {langs[0]!r} and {langs[1]!r} in either order "
                 f"for corpus {corpus!r}, got {src_lang!r} -> {tgt_lang!r}"
             )
-        for name, value in [("vocab_size", vocab_size), ("max_tokens", max_tokens),
-                            ("eval_max_tokens", eval_max_tokens), ("max_len", max_len),
-                            ("synthetic_size", synthetic_size)]:
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
+        check_positive("data", vocab_size=vocab_size, max_tokens=max_tokens, eval_max_tokens=eval_max_tokens,
+                       max_len=max_len, synthetic_size=synthetic_size)
         if max_tokens < max_len + 2:
             raise ConfigError(
                 f"data.max_tokens ({max_tokens}) must be at least data.max_len + 2 ({max_len + 2})"
