@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from attnlab.errors import AttnlabError
@@ -73,15 +72,13 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
     return out
 
 
-
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The ``trainer`` node instantiated, with ``precision: auto`` resolved for this machine.
 
     A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
     """
-    from attnlab.utils.config import constructor_errors
+    from attnlab.utils.config import instantiate_trainer
 
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
-    with constructor_errors("trainer"):
-        return instantiate(cfg.trainer, **kwargs)
+    return instantiate_trainer(cfg.trainer, **kwargs)

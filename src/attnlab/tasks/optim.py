@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
-from attnlab.errors import ConfigError
+from attnlab.utils.config import constructor_errors
 
 
 def no_weight_decay(module: nn.Module) -> set[str]:
@@ -48,24 +47,13 @@ def build_optimizers(
     Range errors the constructors raise (torch's ``ValueError("Invalid learning rate: -1.0")``)
     become a ``ConfigError`` naming the config node; the types were checked before the run.
     """
-    with config_node("model.optimizer"):
+    with constructor_errors("model.optimizer"):
         opt = optimizer(param_groups(module, weight_decay))
     if scheduler is None:
         return {"optimizer": opt}
-    with config_node("model.scheduler"):
+    with constructor_errors("model.scheduler"):
         sched = scheduler(opt)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-@contextmanager
-def config_node(where: str) -> Iterator[None]:
-    """Re-raise a constructor's ``ValueError`` as a ``ConfigError`` prefixed with ``where``."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from e
 
 
 def clip_gradients(
