@@ -1,4 +1,4 @@
-"""Attention pictures (matplotlib, no display needed)."""
+"""Attention pictures and confusion matrices (matplotlib, no display needed)."""
 
 from __future__ import annotations
 
@@ -31,5 +31,47 @@ def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens:
             ax.set_xticks(range(s), src_tokens if r == n_rows - 1 else [""] * s, rotation=90, fontsize=7)
             ax.set_yticks(range(t), out_tokens if c == 0 else [""] * t, fontsize=7)
             ax.set_title(name if weights.size(0) == 1 else f"{name}, head {c}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: list[str]) -> Figure:
+    """One row per image: the image, then each attention map laid over it.
+
+    ``images``: (B, C, H, W) in [0, 1]; ``maps``: name -> (B, h, w) non-negative weights over the
+    image's patches (stretched to the image); ``captions``: one per image (label, prediction).
+    """
+    n, cols = images.size(0), 1 + len(maps)
+    fig, axes = plt.subplots(n, cols, figsize=(2.2 * cols, 2.3 * n), squeeze=False)
+    for i in range(n):
+        img = images[i].permute(1, 2, 0).numpy()
+        cmap = "gray" if img.shape[2] == 1 else None
+        h, w = img.shape[:2]
+        axes[i][0].imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
+        axes[i][0].set_title(captions[i], fontsize=7)
+        for j, (name, m) in enumerate(maps.items(), start=1):
+            ax = axes[i][j]
+            ax.imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
+            ax.imshow((m[i] / m[i].max().clamp_min(1e-12)).numpy(), cmap="inferno", alpha=0.6,
+                      extent=(-0.5, w - 0.5, h - 0.5, -0.5), interpolation="nearest", vmin=0.0, vmax=1.0)
+            ax.set_title(name, fontsize=7)
+        for ax in axes[i]:
+            ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def confusion_matrix_figure(matrix: Tensor, classes: list[str]) -> Figure:
+    """Counts of (true class, predicted class), rows true, columns predicted."""
+    k = len(classes)
+    fig, ax = plt.subplots(figsize=(1.5 + 0.5 * k, 1.2 + 0.5 * k))
+    ax.imshow(matrix.numpy(), cmap="Blues")
+    for r in range(k):
+        for c in range(k):
+            ax.text(c, r, str(int(matrix[r, c])), ha="center", va="center", fontsize=6)
+    ax.set_xticks(range(k), classes, rotation=90, fontsize=7)
+    ax.set_yticks(range(k), classes, fontsize=7)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
     fig.tight_layout()
     return fig

@@ -3,5 +3,16 @@
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
 from attnlab.models.text.transformer import Transformer
+from attnlab.models.vision.swin import SwinTransformer
+from attnlab.models.vision.timm_model import TimmModel
+from attnlab.models.vision.vit import DistilledVisionTransformer, VisionTransformer
 
-__all__ = ["GPT", "Seq2Seq", "Transformer"]
+__all__ = [
+    "GPT",
+    "DistilledVisionTransformer",
+    "Seq2Seq",
+    "SwinTransformer",
+    "TimmModel",
+    "Transformer",
+    "VisionTransformer",
+]

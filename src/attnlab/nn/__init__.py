@@ -8,8 +8,9 @@ from attnlab.nn.attention import (
 )
 from attnlab.nn.blocks import MLP, AttentionWeights, TransformerBlock
 from attnlab.nn.dropout import Dropout, byte_dropout
-from attnlab.nn.embedding import LearnedPositions, SinusoidalPositions, TokenEmbedding
+from attnlab.nn.embedding import LearnedPositions, PatchEmbedding, SinusoidalPositions, TokenEmbedding
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
+from attnlab.nn.window_attention import WindowAttention
 
 __all__ = [
     "MLP",
@@ -20,9 +21,11 @@ __all__ = [
     "LearnedPositions",
     "MultiHeadAttention",
     "MultiplicativeAttention",
+    "PatchEmbedding",
     "SinusoidalPositions",
     "TokenEmbedding",
     "TransformerBlock",
+    "WindowAttention",
     "byte_dropout",
     "causal_mask",
     "scaled_dot_product_attention",

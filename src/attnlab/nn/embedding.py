@@ -1,13 +1,16 @@
-"""Token and position embeddings, with the output layer tied to the token table."""
+"""Token and position embeddings (the output layer tied to the token table), and patch
+embeddings for images."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.errors import ConfigError
 from attnlab.nn.dropout import Dropout
 
 
@@ -79,3 +82,37 @@ class TokenEmbedding(nn.Module):
     def unembed(self, x: Tensor) -> Tensor:
         """States (..., C) -> logits (..., vocab_size) through the token table."""
         return F.linear(x, self.tokens.weight)
+
+
+class PatchEmbedding(nn.Module):
+    """An image cut into non-overlapping ``patch_size`` squares, each projected to ``dim``
+    (Dosovitskiy et al. 2020): a strided convolution, then an optional norm (Swin has one).
+
+    Args:
+        img_size: height and width of the input images.
+        patch_size: side of a patch; must divide ``img_size``.
+        in_chans: image channels.
+        dim: embedding width.
+        norm_layer: applied to each patch embedding, or ``None``.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
+                 norm_layer: Callable[[int], nn.Module] | None = None) -> None:
+        super().__init__()
+        if img_size % patch_size != 0:
+            raise ConfigError(
+                f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
+            )
+        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = norm_layer(dim) if norm_layer else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
+        b, c, h, w = x.shape
+        if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
+            raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
+                             f"got ({c}, {h}, {w})")
+        return self.norm(self.proj(x).flatten(2).transpose(1, 2))  # (B, N, D)

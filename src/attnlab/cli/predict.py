@@ -1,0 +1,48 @@
+"""``attnlab-predict ckpt_path=... image=path.png`` (or a folder): the top-k classes of each image."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.errors import CheckpointError, ConfigError
+from attnlab.inference.classification import classify, image_files, load_image
+from attnlab.inference.runs import TrainedRun
+
+
+def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
+    if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
+        raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
+    files = image_files(Path(str(cfg.image)).expanduser())
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    if "classes" not in run.artifacts:
+        raise CheckpointError(f"checkpoint {run.path} is not an image classifier")
+    net = run.net().to(cfg.device)
+    results = []
+    for start in range(0, len(files), cfg.batch_size):
+        chunk = files[start : start + cfg.batch_size]
+        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(cfg.device)
+        results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+    return results
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="predict")
+def run(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        for path, top in predict(cfg):
+            print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("image",))
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Image classification data: images decoded once into uint8 tensors, a seeded validation split
+carved from the training set, timm's augmentation per image and mixup/cutmix per batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
+from timm.data import Mixup
+from timm.data.auto_augment import rand_augment_transform
+from timm.data.random_erasing import RandomErasing
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from attnlab.data.base import DataModule
+from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset, load_image_folder
+from attnlab.errors import ConfigError
+from attnlab.utils.checks import check_choice, check_positive, check_probability
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("mnist", "fashion_mnist", "cifar10", "image_folder")
+
+
+class RandAugment:
+    """timm's RandAugment (``rand-m9-mstd0.5-inc1``, ...) on a (C, H, W) uint8 tensor."""
+
+    def __init__(self, config: str, mean: list[float]) -> None:
+        # magnitude_max 9: at magnitude 10 timm's increasing posterize keeps 0 bits, which Pillow refuses
+        hparams = {"img_mean": tuple(round(255 * m) for m in mean), "magnitude_max": 9}
+        try:
+            self.transform = rand_augment_transform(config, hparams)
+        except (AssertionError, ValueError, KeyError, IndexError) as e:
+            raise ConfigError(
+                f"data.rand_augment={config!r} is not a timm RandAugment string "
+                f"(e.g. 'rand-m9-mstd0.5-inc1'): {e}"
+            ) from e
+
+    def __call__(self, x: Tensor) -> Tensor:
+        array = x.permute(1, 2, 0).numpy()
+        img = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
+        out = np.asarray(self.transform(img))
+        return torch.from_numpy(out.copy()).reshape(x.shape[1], x.shape[2], -1).permute(2, 0, 1)
+
+
+class LabelledImages(Dataset):
+    """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform."""
+
+    def __init__(self, images: Tensor, labels: Tensor, transform: Any = None) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        x = self.images[i]
+        return (self.transform(x) if self.transform else x), self.labels[i]
+
+
+class ImageClassificationDataModule(DataModule):
+    """Labelled images for classification.
+
+    Images are kept as uint8 tensors; per-channel normalisation (the training split's mean and
+    std), random erasing and mixup/cutmix run on whole batches after they reach the device.
+
+    Args:
+        dataset: "mnist", "fashion_mnist" (the IDX files), "cifar10" (torchvision) or
+            "image_folder" (``data_dir/train/<class>/<image>``, optional ``data_dir/test/...``).
+        data_dir: directory with the files (no download when set).
+        cache_dir: where downloads are kept.
+        url: override the download location of the IDX files (a base URL).
+        img_size: resize images to this side once, at setup; ``None`` keeps the native size.
+        val_size: images carved (seeded) out of the training split to validate and select on.
+        batch_size: images per batch.
+        crop_padding: random crop after padding by this many pixels (0: none).
+        hflip: probability of a horizontal flip (0 for digits).
+        rand_augment: a timm RandAugment string, e.g. "rand-m9-mstd0.5-inc1", or ``None``.
+        random_erasing: probability of timm's random erasing per image.
+        mixup_alpha, cutmix_alpha: timm's Mixup; both 0 turns it off.
+        mixup_prob: probability of mixing a batch; mixup_switch_prob: of cutmix instead of mixup.
+        num_workers: DataLoader workers.
+        seed: of the validation split and the shuffling.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "fashion_mnist",
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        url: str | None = None,
+        img_size: int | None = None,
+        val_size: int = 5000,
+        batch_size: int = 128,
+        crop_padding: int = 0,
+        hflip: float = 0.0,
+        rand_augment: str | None = None,
+        random_erasing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
+        num_workers: int = 0,
+        seed: int = 1337,
+    ) -> None:
+        super().__init__()
+        check_choice("data", "dataset", dataset, DATASETS)
+        check_positive("data", val_size=val_size, batch_size=batch_size)
+        if img_size is not None:
+            check_positive("data", img_size=img_size)
+        check_probability("data", hflip=hflip, random_erasing=random_erasing)
+        if crop_padding < 0 or mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= mixup_prob <= 1:
+            raise ConfigError(
+                "data.crop_padding, data.mixup_alpha and data.cutmix_alpha must be >= 0 and "
+                f"data.mixup_prob in [0, 1], got {crop_padding}, {mixup_alpha}, {cutmix_alpha}, "
+                f"{mixup_prob}"
+            )
+        if (mixup_alpha or cutmix_alpha) and batch_size % 2:
+            raise ConfigError(
+                f"data.batch_size must be even with mixup/cutmix (pairs are mixed), got {batch_size}"
+            )
+        self.dataset, self.data_dir, self.cache_dir, self.url = dataset, data_dir, cache_dir, url
+        self.img_size, self.val_size, self.batch_size = img_size, val_size, batch_size
+        self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
+        self.random_erasing = random_erasing
+        self.mixup_args = dict(
+            mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob
+        )
+        self.num_workers, self.seed = num_workers, seed
+        self.classes: list[str] | None = None
+        self.mean: list[float] | None = None
+        self.std: list[float] | None = None
+        self.splits: dict[str, LabelledImages] = {}
+        self.mixup: Mixup | None = None
+
+    # --- what the model and inference need -------------------------------------------------
+
+    @property
+    def in_chans(self) -> int:
+        return self.splits["train"].images.size(1)
+
+    @property
+    def size(self) -> int:
+        return self.splits["train"].images.size(-1)
+
+    def model_kwargs(self) -> dict[str, int]:
+        return {"num_classes": len(self.classes), "img_size": self.size, "in_chans": self.in_chans}
+
+    def artifacts(self) -> dict[str, Any]:
+        return {
+            "classes": self.classes,
+            "img_size": self.size,
+            "in_chans": self.in_chans,
+            "mean": self.mean,
+            "std": self.std,
+        }
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        """Keep the checkpoint's normalisation (resuming and evaluating see the same inputs)."""
+        self.mean, self.std = artifacts["mean"], artifacts["std"]
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def _load(self) -> ImageSplits:
+        if self.dataset in ("mnist", "fashion_mnist"):
+            return load_idx_dataset(self.dataset, self.data_dir, self.cache_dir, self.url)
+        if self.dataset == "cifar10":
+            return load_cifar10(self.data_dir, self.cache_dir)
+        return load_image_folder(self.data_dir)
+
+    def prepare_data(self) -> None:
+        if self.dataset != "image_folder":
+            self._load()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        data = self._load()
+        images, labels = self._resize(data.train_images), data.train_labels
+        if self.val_size >= len(labels):
+            raise ConfigError(
+                f"data.val_size ({self.val_size}) must be smaller than the training split "
+                f"({len(labels)} images)"
+            )
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
+        val, train = order[: self.val_size], order[self.val_size :]
+        self.classes = data.classes
+        if self.mean is None:
+            pixels = images[train].float().div_(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
+            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).tolist()
+        self.splits["train"] = LabelledImages(images[train], labels[train])
+        self.splits["train"].transform = self._train_transform()
+        self.splits["val"] = LabelledImages(images[val], labels[val])
+        if data.test_images is not None:
+            self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
+        else:
+            log.warning("%s has no test split: the test stage scores the validation split", self.data_dir)
+            self.splits["test"] = self.splits["val"]
+        if self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]:
+            self.mixup = Mixup(**self.mixup_args, label_smoothing=0.0, num_classes=len(self.classes))
+        log.info(
+            "%s: %d train / %d val / %d test images of %s, %d classes",
+            self.dataset,
+            len(train),
+            len(val),
+            len(self.splits["test"]),
+            tuple(images.shape[1:]),
+            len(self.classes),
+        )
+
+    def _resize(self, images: Tensor) -> Tensor:
+        if self.img_size is None or images.shape[-1] == images.shape[-2] == self.img_size:
+            return images
+        return TF.resize(images, [self.img_size, self.img_size], antialias=True)
+
+    def _train_transform(self) -> Any:
+        steps: list[Any] = []
+        if self.crop_padding:
+            steps.append(T.RandomCrop(self.size, padding=self.crop_padding))
+        if self.hflip:
+            steps.append(T.RandomHorizontalFlip(self.hflip))
+        if self.rand_augment:
+            steps.append(RandAugment(self.rand_augment, self.mean))
+        return T.Compose(steps) if steps else None
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def normalize(self, images: Tensor) -> Tensor:
+        """uint8 (B, C, H, W) -> float, standardised per channel with the training statistics."""
+        mean = torch.tensor(self.mean, device=images.device)[:, None, None]
+        std = torch.tensor(self.std, device=images.device)[:, None, None]
+        return (images.float() / 255 - mean) / std
+
+    def on_after_batch_transfer(
+        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
+    ) -> tuple[Tensor, Tensor]:
+        images, labels = batch
+        x = self.normalize(images)
+        if self.trainer is not None and self.trainer.training:
+            if self.random_erasing:  # in place, per image; fills with noise made on the batch's device
+                x = RandomErasing(self.random_erasing, mode="pixel", device=x.device)(x)
+            if self.mixup is not None:
+                x, labels = self.mixup(x, labels)  # labels become (B, num_classes) mixtures
+        return x, labels
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -1,0 +1,157 @@
+"""Image classification datasets decoded once into uint8 tensors (N, C, H, W) and labels."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+
+from attnlab.data.download import fetch
+from attnlab.data.vision.idx import read_idx
+from attnlab.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ImageSplits:
+    """A labelled training split and an optional labelled test split, with the class names."""
+
+    train_images: Tensor  # (N, C, H, W) uint8
+    train_labels: Tensor  # (N,) int64
+    test_images: Tensor | None
+    test_labels: Tensor | None
+    classes: list[str]
+
+
+# file -> sha256 of the gzipped original
+IDX_DATASETS = {
+    "mnist": {
+        "url": "https://ossci-datasets.s3.amazonaws.com/mnist/",
+        "classes": [str(i) for i in range(10)],
+        "files": {
+            "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+            "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+            "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+            "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+        },
+    },
+    "fashion_mnist": {
+        "url": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        "classes": [
+            "T-shirt/top",
+            "Trouser",
+            "Pullover",
+            "Dress",
+            "Coat",
+            "Sandal",
+            "Shirt",
+            "Sneaker",
+            "Bag",
+            "Ankle boot",
+        ],
+        "files": {
+            "train-images-idx3-ubyte.gz": "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
+            "train-labels-idx1-ubyte.gz": "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
+            "t10k-images-idx3-ubyte.gz": "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",
+            "t10k-labels-idx1-ubyte.gz": "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",
+        },
+    },
+}
+
+
+def load_idx_dataset(name: str, data_dir: str | None, cache_dir: str, url: str | None = None) -> ImageSplits:
+    """MNIST or Fashion-MNIST from the four original IDX ``.gz`` files: read from ``data_dir``,
+    or downloaded (checksummed) into ``cache_dir/name``."""
+    spec = IDX_DATASETS[name]
+    base = url or spec["url"]
+    paths = {f: fetch(f, base + f, sha, data_dir, Path(cache_dir) / name) for f, sha in spec["files"].items()}
+
+    def split(prefix: str) -> tuple[Tensor, Tensor]:
+        images = read_idx(paths[f"{prefix}-images-idx3-ubyte.gz"], ndim=3)
+        labels = read_idx(paths[f"{prefix}-labels-idx1-ubyte.gz"], ndim=1).long()
+        if len(images) != len(labels):
+            raise DataError(f"{name}: {len(images)} {prefix} images but {len(labels)} labels")
+        if labels.min() < 0 or labels.max() >= len(spec["classes"]):
+            raise DataError(f"{name}: {prefix} labels outside 0..{len(spec['classes']) - 1}")
+        return images[:, None].contiguous(), labels  # (N, 1, H, W)
+
+    train, test = split("train"), split("t10k")
+    return ImageSplits(*train, *test, list(spec["classes"]))
+
+
+def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
+    """CIFAR-10 through torchvision: its python pickles under ``data_dir`` (offline), else
+    downloaded (torchvision checks the archive's MD5) into ``cache_dir``."""
+    from torchvision.datasets import CIFAR10
+
+    root = data_dir if data_dir is not None else cache_dir
+    try:
+        train = CIFAR10(root, train=True, download=data_dir is None)
+        test = CIFAR10(root, train=False, download=data_dir is None)
+    except (RuntimeError, OSError) as e:  # torchvision: "Dataset not found or corrupted"
+        raise DataError(f"CIFAR-10 under {root}: {e} (expected torchvision's cifar-10-batches-py/)") from e
+
+    def tensors(ds: CIFAR10) -> tuple[Tensor, Tensor]:
+        return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
+
+    return ImageSplits(*tensors(train), *tensors(test), list(train.classes))
+
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def read_image(path: Path, channels: int | None = None) -> Tensor:
+    """One image file -> (C, H, W) uint8; converted to ``channels`` (1: grayscale, 3: RGB) when given."""
+    try:
+        with Image.open(path) as img:
+            img.load()
+            mode = {1: "L", 3: "RGB"}.get(channels or 0, "RGB" if img.mode not in ("L", "I;16") else "L")
+            array = np.asarray(img.convert(mode))
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable image ({e})") from e
+    return torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
+
+
+def load_image_folder(root: str | None) -> ImageSplits:
+    """An ImageFolder tree: ``root/train/<class>/<image>`` and, optionally, ``root/test/<class>/...``
+    (the class folders of ``test`` must be those of ``train``). All images must share one size."""
+    if root is None:
+        raise DataError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
+    base = Path(root).expanduser()
+    train_dir = base / "train"
+    if not train_dir.is_dir():
+        raise DataError(f"data.data_dir={root}: no train/ folder (expected {train_dir}/<class>/<image>)")
+    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(f"{train_dir}: no class folders")
+
+    def split(folder: Path) -> tuple[Tensor, Tensor]:
+        images, labels = [], []
+        for label, name in enumerate(classes):
+            for f in sorted((folder / name).glob("*")):
+                if f.suffix.lower() in IMAGE_SUFFIXES:
+                    images.append(read_image(f))
+                    labels.append(label)
+        if not images:
+            raise DataError(f"{folder}: no images in its class folders")
+        shapes = {tuple(img.shape) for img in images}
+        if len(shapes) > 1:
+            raise DataError(
+                f"{folder}: images of different sizes or channels {sorted(shapes)[:3]}; "
+                "resize them to one size first"
+            )
+        return torch.stack(images), torch.tensor(labels)
+
+    test_dir = base / "test"
+    if test_dir.is_dir():
+        extra = sorted(p.name for p in test_dir.iterdir() if p.is_dir() and p.name not in classes)
+        if extra:
+            raise DataError(f"{test_dir}: class folders {extra} are not in {train_dir}")
+        return ImageSplits(*split(train_dir), *split(test_dir), classes)
+    return ImageSplits(*split(train_dir), None, None, classes)

@@ -1,0 +1,70 @@
+"""Classifying image files with a trained run: the checkpoint's channels, size and normalisation."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as TF
+from torch import Tensor, nn
+
+from attnlab.data.vision.datasets import IMAGE_SUFFIXES, read_image
+from attnlab.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def image_files(path: Path) -> list[Path]:
+    """``path`` itself, or the images in the folder ``path`` (sorted)."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise DataError(f"image={path}: a folder without images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        return files
+    if not path.is_file():
+        raise DataError(f"image={path}: no such file or folder")
+    return [path]
+
+
+def load_image(path: Path, artifacts: dict[str, Any]) -> Tensor:
+    """(C, H, W) uint8 as the model saw in training: converted to its channels and resized to its
+    size, each change noted on the log."""
+    channels, size = artifacts["in_chans"], artifacts["img_size"]
+    native = read_image(path)
+    image = read_image(path, channels) if native.size(0) != channels else native
+    if native.size(0) != channels:
+        log.info(
+            "note: %s has %d channel(s); the model takes %s: converted",
+            path,
+            native.size(0),
+            "grayscale" if channels == 1 else "RGB",
+        )
+    if image.shape[-2:] != (size, size):
+        log.info(
+            "note: %s is %dx%d; the model takes %dx%d: resized",
+            path,
+            image.size(2),
+            image.size(1),
+            size,
+            size,
+        )
+        image = TF.resize(image, [size, size], antialias=True)
+    return image
+
+
+@torch.no_grad()
+def classify(
+    net: nn.Module, images: Tensor, artifacts: dict[str, Any], top_k: int
+) -> list[list[tuple[str, float]]]:
+    """uint8 (B, C, H, W) -> per image the ``top_k`` (class, probability) pairs, most likely first."""
+    mean = torch.tensor(artifacts["mean"], device=images.device)[:, None, None]
+    std = torch.tensor(artifacts["std"], device=images.device)[:, None, None]
+    probs = net((images.float() / 255 - mean) / std).float().softmax(-1)
+    p, idx = probs.topk(min(top_k, probs.size(-1)), dim=-1)
+    classes = artifacts["classes"]
+    return [
+        [(classes[i], float(q)) for q, i in zip(row_p.tolist(), row_i.tolist(), strict=True)]
+        for row_p, row_i in zip(p, idx, strict=True)
+    ]

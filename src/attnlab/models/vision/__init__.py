@@ -1,0 +1,1 @@
+"""Vision models: ViT, DeiT's distilled ViT, Swin, and any timm model."""

@@ -1,0 +1,231 @@
+"""Swin Transformer (Liu et al. 2021): attention inside local windows that shift between
+blocks, and patch merging between stages, which halves the map and doubles the width.
+
+Each block is the ViT block with ``WindowAttention`` in place of global attention
+(``attnlab.nn.window_attention``). Weights copy from timm's ``swin_*`` models
+(``attnlab.models.vision.timm_weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.errors import ConfigError
+from attnlab.models.vision.vit import _init_weights, drop_path_rates
+from attnlab.nn import PatchEmbedding, TransformerBlock
+from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.window_attention import WindowAttention, window_reverse
+from attnlab.utils.checks import check_positive, check_probability
+
+
+class PatchMerging(nn.Module):
+    """(B, S * S, C) -> (B, S/2 * S/2, out_dim): each 2 x 2 group of tokens concatenated (4C),
+    normalised and projected."""
+
+    def __init__(self, dim: int, out_dim: int, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.norm = nn.LayerNorm(4 * dim)
+        self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, _, c = x.shape
+        x = x.view(b, self.size, self.size, c)
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
+        return self.reduction(self.norm(x.view(b, -1, 4 * c)))  # (B, S/2 * S/2, out_dim)
+
+
+class SwinStage(nn.Module):
+    """Patch merging (all stages but the first), then blocks whose windows shift every other block.
+
+    A map no larger than the window is one window, which cannot shift (as in the paper and timm).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        out_dim: int,
+        size: int,
+        depth: int,
+        n_head: int,
+        window: int,
+        mlp_ratio: float,
+        drop_path: Sequence[float],
+        downsample: bool,
+        dropout: float,
+        attn_dropout: float,
+        attn_impl: AttentionImpl,
+    ) -> None:
+        super().__init__()
+        self.downsample = PatchMerging(dim, out_dim, size) if downsample else nn.Identity()
+        self.size = size // 2 if downsample else size
+        window = min(window, self.size)
+        shift = window // 2 if self.size > window else 0
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                out_dim,
+                n_head,
+                int(out_dim * mlp_ratio),
+                dropout=dropout,
+                drop_path=drop_path[i],
+                attn_dropout=attn_dropout,
+                attn_layer=partial(
+                    WindowAttention,
+                    size=self.size,
+                    window=window,
+                    shift=shift if i % 2 else 0,
+                    impl=attn_impl,
+                ),
+            )
+            for i in range(depth)
+        )
+
+    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+        x, maps = self.downsample(x), []
+        for block in self.blocks:
+            x, weights = block(x, need_weights=need_weights)
+            maps.append(weights.self_attn)
+        return x, maps
+
+
+class SwinTransformer(nn.Module):
+    """Swin classifier over ``num_classes`` classes.
+
+    Args:
+        num_classes, img_size, in_chans: from the data when left ``???``.
+        patch_size: side of a patch; must divide ``img_size``.
+        dim: width of the first stage; each later stage doubles it.
+        depths: blocks per stage.
+        n_heads: attention heads per stage.
+        window_size: side of an attention window, in tokens; must divide every stage's map
+            (or exceed it: the whole map is then one window).
+        mlp_ratio, dropout, attn_dropout, drop_path, attn_impl: as ``VisionTransformer``.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        img_size: int,
+        in_chans: int,
+        patch_size: int = 4,
+        dim: int = 96,
+        depths: Sequence[int] = (2, 2, 6, 2),
+        n_heads: Sequence[int] = (3, 6, 12, 24),
+        window_size: int = 7,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float = 0.1,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive(
+            "model.net",
+            num_classes=num_classes,
+            img_size=img_size,
+            in_chans=in_chans,
+            patch_size=patch_size,
+            dim=dim,
+            window_size=window_size,
+        )
+        check_positive(
+            "model.net",
+            **{f"depths[{i}]": d for i, d in enumerate(depths)},
+            **{f"n_heads[{i}]": h for i, h in enumerate(n_heads)},
+        )
+        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+        if len(depths) != len(n_heads):
+            raise ConfigError(
+                f"model.net.depths ({len(depths)} stages) and model.net.n_heads "
+                f"({len(n_heads)}) must have one entry per stage"
+            )
+        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
+        self.patch_embed = PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer=nn.LayerNorm)
+        rates = drop_path_rates(drop_path, sum(depths))
+        sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
+        stages, in_dim = [], dim
+        for i, (depth, n_head) in enumerate(zip(depths, n_heads, strict=True)):
+            out_dim = dim * 2**i
+            stages.append(
+                SwinStage(
+                    in_dim,
+                    out_dim,
+                    sizes[i - 1] if i else sizes[0],
+                    depth,
+                    n_head,
+                    window_size,
+                    mlp_ratio,
+                    rates[sum(depths[:i]) : sum(depths[: i + 1])],
+                    downsample=i > 0,
+                    dropout=dropout,
+                    attn_dropout=attn_dropout,
+                    attn_impl=attn_impl,
+                )
+            )
+            in_dim = out_dim
+        self.layers = nn.ModuleList(stages)
+        self.norm = nn.LayerNorm(in_dim)
+        self.head = nn.Linear(in_dim, num_classes)
+        self.apply(_init_weights)
+
+    @staticmethod
+    def _stage_sizes(grid: int, n_stages: int, window: int) -> list[int]:
+        """Side of each stage's map; every one must split into whole windows."""
+        sizes = [grid]
+        for i in range(1, n_stages):
+            if sizes[-1] % 2:
+                raise ConfigError(
+                    f"model.net: stage {i + 1} merges 2x2 patches but stage {i}'s map is "
+                    f"{sizes[-1]}x{sizes[-1]} tokens; choose img_size / patch_size divisible "
+                    f"by {2 ** (n_stages - 1)}"
+                )
+            sizes.append(sizes[-1] // 2)
+        for i, size in enumerate(sizes):
+            if size > window and size % window:
+                raise ConfigError(
+                    f"model.net.window_size ({window}) does not divide the feature map of stage "
+                    f"{i + 1} ({size}x{size} tokens); choose a window size dividing {size}"
+                )
+        return sizes
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> normalised token states of the last stage (B, S * S, D)."""
+        x = self.patch_embed(images)
+        for stage in self.layers:
+            x, _ = stage(x)
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Token states (B, T, D) -> logits (B, num_classes), or the average-pooled features."""
+        x = x.mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    @torch.no_grad()
+    def attention_maps(self, images: Tensor) -> list[Tensor]:
+        """Every block's per-window attention weights (B * nW, H, N, N), first block first."""
+        x, maps = self.patch_embed(images), []
+        for stage in self.layers:
+            x, weights = stage(x, need_weights=True)
+            maps += weights
+        return maps
+
+    @torch.no_grad()
+    def patch_attention(self, images: Tensor) -> dict[str, Tensor]:
+        """Attention inside the windows of the first stage's blocks: how much each patch gets,
+        averaged over the heads and the queries of its window, as maps (B, grid, grid)."""
+        maps, stage = self.attention_maps(images), self.layers[0]
+        out = {}
+        for i, (block, weights) in enumerate(zip(stage.blocks, maps, strict=False)):
+            attn = block.attn
+            received = weights.mean(dim=(1, 2))[..., None]  # (B * nW, N, 1)
+            grid = window_reverse(received, attn.window, attn.size, attn.size)[..., 0]  # (B, S, S), shifted
+            grid = torch.roll(grid, shifts=(attn.shift, attn.shift), dims=(1, 2))
+            out[f"{'shifted ' if attn.shift else ''}windows, block {i + 1}"] = grid
+        return out

@@ -1,0 +1,54 @@
+"""Any timm model as a network on the platform: ``model/net=timm model.net.name=resnet18``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import timm
+from torch import Tensor, nn
+
+from attnlab.errors import ConfigError
+
+
+class TimmModel(nn.Module):
+    """``timm.create_model(name)`` with the data's classes, channels and (where the model takes
+    one) image size, randomly initialised; trains on the same tasks as attnlab's own models.
+
+    Args:
+        name: a timm model name (``timm.list_models()``), e.g. "resnet18", "vit_tiny_patch16_224".
+        num_classes, img_size, in_chans: from the data when left ``???``.
+        kwargs: further arguments of the timm model (``{patch_size: 4, drop_path_rate: 0.1}``).
+    """
+
+    def __init__(
+        self, name: str, num_classes: int, img_size: int, in_chans: int, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        if not timm.is_model(name):
+            close = timm.list_models(f"*{name}*")[:5]
+            hint = f" (close: {', '.join(close)})" if close else " (timm.list_models() lists them)"
+            raise ConfigError(f"model.net.name={name!r} is not a timm model{hint}")
+        self.name, self.num_classes, self.img_size, self.in_chans = name, num_classes, img_size, in_chans
+        args = {"num_classes": num_classes, "in_chans": in_chans, **(kwargs or {})}
+        try:
+            self.model = timm.create_model(name, pretrained=False, img_size=img_size, **args)
+        except TypeError as e:  # convnets take any image size and have no img_size argument
+            if "img_size" not in str(e):
+                raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e}") from e
+            try:
+                self.model = timm.create_model(name, pretrained=False, **args)
+            except TypeError as e2:
+                raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e2}") from e2
+
+    def no_weight_decay(self) -> set[str]:
+        declared = getattr(self.model, "no_weight_decay", None)
+        return {f"model.{n}" for n in declared()} if callable(declared) else set()
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        return self.model.forward_features(images)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        return self.model.forward_head(x, pre_logits=pre_logits)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)

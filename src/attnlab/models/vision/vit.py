@@ -1,0 +1,194 @@
+"""ViT (Dosovitskiy et al. 2020) and DeiT's distilled ViT (Touvron et al. 2021).
+
+An image becomes a sequence: patch embeddings behind a learned [CLS] token (DeiT adds a
+distillation token), plus learned positions, through pre-LN Transformer blocks; the head reads
+the [CLS] token. Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
+(``attnlab.models.vision.timm_weights``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.nn import Dropout, MultiHeadAttention, PatchEmbedding, TransformerBlock
+from attnlab.nn.attention import AttentionImpl
+from attnlab.utils.checks import check_positive, check_probability
+
+
+def drop_path_rates(rate: float, depth: int) -> list[float]:
+    """Stochastic depth rising linearly from 0 at the first block to ``rate`` at the last."""
+    return torch.linspace(0.0, rate, depth).tolist()
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier over ``num_classes`` classes.
+
+    Args:
+        num_classes, img_size, in_chans: from the data when left ``???``.
+        patch_size: side of a patch; must divide ``img_size``.
+        dim: model width.
+        depth: number of blocks.
+        n_head: attention heads; must divide ``dim``.
+        mlp_ratio: MLP hidden width over ``dim``.
+        dropout: on the embeddings and each residual branch.
+        attn_dropout: on the attention weights.
+        drop_path: stochastic depth of the last block (linear from 0).
+        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+    """
+
+    num_prefix_tokens = 1  # [CLS]
+
+    def __init__(
+        self,
+        num_classes: int,
+        img_size: int,
+        in_chans: int,
+        patch_size: int = 4,
+        dim: int = 192,
+        depth: int = 12,
+        n_head: int = 3,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float = 0.0,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive(
+            "model.net",
+            num_classes=num_classes,
+            img_size=img_size,
+            in_chans=in_chans,
+            patch_size=patch_size,
+            dim=dim,
+            depth=depth,
+            n_head=n_head,
+        )
+        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
+        self.patch_embed = PatchEmbedding(img_size, patch_size, in_chans, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(
+            torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)
+        )
+        self.pos_drop = Dropout(dropout)
+        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                dim,
+                n_head,
+                int(dim * mlp_ratio),
+                dropout=dropout,
+                attn_dropout=attn_dropout,
+                drop_path=rate,
+                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                norm_layer=norm_layer,
+            )
+            for rate in drop_path_rates(drop_path, depth)
+        )
+        self.norm = norm_layer(dim)
+        self.head = nn.Linear(dim, num_classes)
+        self.add_extras(dim, num_classes)
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():
+            if name in self.no_weight_decay():  # the position table and the prefix tokens
+                nn.init.trunc_normal_(p, std=0.02)
+
+    def add_extras(self, dim: int, num_classes: int) -> None:
+        """Parameters a variant adds (DeiT: the distillation token and its head)."""
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    def prefix_tokens(self, b: int) -> Tensor:
+        return self.cls_token.expand(b, -1, -1)  # (B, 1, D)
+
+    def tokens(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, T, D): prefix tokens and patches, with positions."""
+        x = self.patch_embed(images)  # (B, N, D)
+        x = torch.cat([self.prefix_tokens(x.size(0)), x], dim=1) + self.pos_embed
+        return self.pos_drop(x)
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> normalised token states (B, T, D)."""
+        x = self.tokens(images)
+        for block in self.blocks:
+            x, _ = block(x)
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Token states (B, T, D) -> logits (B, num_classes), or the pooled (B, D) features."""
+        x = x[:, 0]  # [CLS]
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    @torch.no_grad()
+    def attention_maps(self, images: Tensor) -> list[Tensor]:
+        """Every block's attention weights (B, H, T, T), first block first."""
+        x, maps = self.tokens(images), []
+        for block in self.blocks:
+            x, weights = block(x, need_weights=True)
+            maps.append(weights.self_attn)
+        return maps
+
+    @torch.no_grad()
+    def patch_attention(self, images: Tensor) -> dict[str, Tensor]:
+        """How much attention each patch gets from [CLS], each map (B, grid, grid): in the last
+        block (mean over heads), and through all blocks by attention rollout."""
+        maps, p, g = self.attention_maps(images), self.num_prefix_tokens, self.patch_embed.grid_size
+        last = maps[-1].mean(1)[:, 0, p:]
+        rollout = attention_rollout(maps)[:, 0, p:]
+        return {"[CLS], last block": last.reshape(-1, g, g), "rollout": rollout.reshape(-1, g, g)}
+
+
+def attention_rollout(maps: list[Tensor]) -> Tensor:
+    """Attention rollout (Abnar & Zuidema 2020): per block the head-averaged weights plus the
+    identity (the residual path), rows renormalised, multiplied through the blocks: (B, T, T)."""
+    rollout = None
+    for weights in maps:  # (B, H, T, T)
+        a = weights.mean(1) + torch.eye(weights.size(-1), device=weights.device)
+        a = a / a.sum(-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout
+    return rollout
+
+
+class DistilledVisionTransformer(VisionTransformer):
+    """DeiT: a ViT with a second, distillation token whose head learns from a teacher's
+    predictions; at inference the two heads' logits are averaged.
+
+    Args: as ``VisionTransformer``.
+    """
+
+    num_prefix_tokens = 2  # [CLS], [DIST]
+
+    def add_extras(self, dim: int, num_classes: int) -> None:
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.head_dist = nn.Linear(dim, num_classes)
+
+    def no_weight_decay(self) -> set[str]:
+        return super().no_weight_decay() | {"dist_token"}
+
+    def prefix_tokens(self, b: int) -> Tensor:
+        return torch.cat([self.cls_token, self.dist_token], dim=1).expand(b, -1, -1)  # (B, 2, D)
+
+    def forward_heads(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits of the class head and of the distillation head, each (B, num_classes)."""
+        x = self.forward_features(images)
+        return self.head(x[:, 0]), self.head_dist(x[:, 1])
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if pre_logits:
+            return (x[:, 0] + x[:, 1]) / 2
+        return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

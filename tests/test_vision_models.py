@@ -1,0 +1,187 @@
+"""ViT, DeiT and Swin: shapes, the window machinery, and equality with timm's models."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+from attnlab.errors import ConfigError
+from attnlab.models import DistilledVisionTransformer, SwinTransformer, TimmModel, VisionTransformer
+from attnlab.models.vision.timm_weights import load_timm_weights
+from attnlab.nn.window_attention import (
+    WindowAttention,
+    relative_position_index,
+    shifted_window_mask,
+    window_partition,
+    window_reverse,
+)
+
+VIT = dict(num_classes=10, img_size=28, in_chans=1, patch_size=7, dim=48, depth=2, n_head=3)
+SWIN = dict(
+    num_classes=10,
+    img_size=32,
+    in_chans=3,
+    patch_size=2,
+    dim=24,
+    depths=(2, 2, 2),
+    n_heads=(2, 4, 8),
+    window_size=4,
+)
+
+
+def timm_vit(name: str) -> torch.nn.Module:
+    return timm.create_model(
+        name,
+        pretrained=False,
+        num_classes=10,
+        img_size=28,
+        in_chans=1,
+        patch_size=7,
+        embed_dim=48,
+        depth=2,
+        num_heads=3,
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    ("ours", "name"),
+    [
+        (VisionTransformer, "vit_tiny_patch16_224"),
+        (DistilledVisionTransformer, "deit_tiny_distilled_patch16_224"),
+    ],
+)
+def test_vit_and_deit_equal_timm_with_copied_weights(ours, name):
+    torch.manual_seed(0)
+    reference = timm_vit(name)
+    model = load_timm_weights(ours(**VIT), reference).eval()
+    x = torch.randn(4, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.forward_features(x), reference.forward_features(x), atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model.forward_head(model.forward_features(x), pre_logits=True),
+            reference.forward_head(reference.forward_features(x), pre_logits=True),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_swin_equals_timm_with_copied_weights():
+    torch.manual_seed(0)
+    reference = timm.create_model(
+        "swin_tiny_patch4_window7_224",
+        pretrained=False,
+        num_classes=10,
+        img_size=32,
+        in_chans=3,
+        patch_size=2,
+        embed_dim=24,
+        depths=(2, 2, 2),
+        num_heads=(2, 4, 8),
+        window_size=4,
+    ).eval()
+    model = load_timm_weights(SwinTransformer(**SWIN), reference).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        torch.testing.assert_close(features, reference.forward_features(x).flatten(1, 2), atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=0)
+
+
+def test_patch_count_and_shapes():
+    model = VisionTransformer(**VIT)
+    assert model.patch_embed.num_patches == 16
+    x = torch.randn(2, 1, 28, 28)
+    assert model.forward_features(x).shape == (2, 17, 48)
+    assert model(x).shape == (2, 10)
+    maps = model.attention_maps(x)
+    assert len(maps) == 2 and maps[0].shape == (2, 3, 17, 17)
+    torch.testing.assert_close(maps[0].sum(-1), torch.ones(2, 3, 17))
+    deit = DistilledVisionTransformer(**VIT)
+    assert deit.forward_features(x).shape == (2, 18, 48)
+    cls_logits, dist_logits = deit.forward_heads(x)
+    torch.testing.assert_close(deit(x), (cls_logits + dist_logits) / 2)
+    swin = SwinTransformer(**SWIN)
+    assert swin.forward_features(torch.randn(2, 3, 32, 32)).shape == (2, 16, 96)  # 16x16 -> 8x8 -> 4x4
+    assert [m.shape for m in swin.attention_maps(torch.randn(2, 3, 32, 32))[::2]] == [
+        (2 * 16, 2, 16, 16),
+        (2 * 4, 4, 16, 16),
+        (2 * 1, 8, 16, 16),
+    ]
+
+
+def test_window_partition_round_trip():
+    x = torch.randn(2, 8, 12, 5)
+    windows = window_partition(x, 4)
+    assert windows.shape == (2 * 6, 16, 5)
+    torch.testing.assert_close(windows[1].view(4, 4, 5), x[0, :4, 4:8])  # second window: next to the right
+    torch.testing.assert_close(window_reverse(windows, 4, 8, 12), x)
+
+
+def test_relative_position_index_counts_offsets():
+    idx = relative_position_index(3)
+    assert idx.shape == (9, 9) and idx.min() == 0 and idx.max() == 24
+    assert (idx.diagonal() == 12).all()  # offset (0, 0): the table's centre
+    assert idx[0, 8] == 0 and idx[8, 0] == 24  # (-2, -2) and (+2, +2)
+
+
+def test_shift_mask_separates_regions_that_wrapped_around():
+    mask = shifted_window_mask(8, 4, 2)  # 4 windows of 16 tokens
+    assert mask[0].all()  # the top-left window holds one region only
+    last = mask[-1]  # the bottom-right window mixes 4 regions, 4 tokens each
+    assert last.sum() == 4 * 16 and last[0, 0] and not last[0, 2] and not last[0, 8]
+
+
+def test_shifted_windows_do_not_see_across_window_borders():
+    """Changing a token in one window leaves a non-neighbouring window's output unchanged, with
+    and without the shift (the shift moves windows by half; tokens that wrapped are masked)."""
+    torch.manual_seed(0)
+    for shift in (0, 2):
+        attn = WindowAttention(16, 2, size=8, window=4, shift=shift).eval()
+        x = torch.randn(1, 8, 8, 16)
+        y = attn(x.view(1, 64, 16))[0].view(8, 8, 16)
+        x2 = x.clone()
+        x2[0, 0, 0] += 10.0  # top-left corner token
+        y2 = attn(x2.view(1, 64, 16))[0].view(8, 8, 16)
+        changed = (y2 - y).abs().sum(-1) > 1e-6
+        if shift == 0:
+            assert changed[:4, :4].all() and not changed[4:].any() and not changed[:, 4:].any()
+        else:  # the corner wrapped to the bottom-right window, but only its region sees it
+            assert changed.sum() > 0 and not changed[2:6, 2:6].any()
+            assert changed[:2, :2].all() and not changed[6:, 6:].any()
+
+
+def test_first_swin_block_output_of_a_far_window_ignores_a_changed_pixel():
+    torch.manual_seed(0)
+    model = SwinTransformer(**SWIN).eval()
+    x = torch.randn(1, 3, 32, 32)
+    block = model.layers[0].blocks[0]
+    tokens = model.patch_embed(x)
+    y = block(tokens)[0].view(16, 16, -1)
+    x2 = x.clone()
+    x2[0, :, 0, 0] += 5.0  # a pixel of patch (0, 0), in the first window
+    y2 = block(model.patch_embed(x2))[0].view(16, 16, -1)
+    changed = (y2 - y).abs().sum(-1) > 1e-6
+    assert changed[:4, :4].any() and not changed[4:].any() and not changed[:, 4:].any()
+
+
+def test_bad_sizes_are_config_errors():
+    with pytest.raises(ConfigError, match="img_size.*divisible by model.net.patch_size"):
+        VisionTransformer(**{**VIT, "patch_size": 5})
+    with pytest.raises(ConfigError, match=r"window_size \(3\) does not divide the feature map of stage 1"):
+        SwinTransformer(**{**SWIN, "window_size": 3})
+    with pytest.raises(ConfigError, match="not a timm model"):
+        TimmModel("no_such_net", num_classes=10, img_size=32, in_chans=3)
+
+
+def test_timm_model_takes_the_data_shape():
+    net = TimmModel("resnet10t", num_classes=7, img_size=32, in_chans=1)
+    assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)
+    vit = TimmModel(
+        "vit_tiny_patch16_224", num_classes=5, img_size=32, in_chans=3, kwargs={"patch_size": 8, "depth": 1}
+    )
+    assert vit(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+    assert "model.pos_embed" in vit.no_weight_decay()
