@@ -80,6 +80,15 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str, status: int = 2) -> None:
+    """Exit status 2 (Hydra's own errors: 1), no traceback, and the needles in the output."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == status, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    for n in needles:
+        assert n in text, f"{n!r} not in:\n{text[-3000:]}"
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished tiny run of the default experiment; returns its output directory."""
@@ -95,3 +104,48 @@ def needs_shared(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"needs the shared dataset {path} (not present outside the team's machines)")
     return path
+
+
+def write_idx(path: Path, array, gz: bool = True) -> Path:
+    """An IDX file (gzipped when ``gz``) holding a uint8 numpy array."""
+    import gzip
+    import struct
+
+    data = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def write_idx_dataset(
+    folder: Path, n_train: int = 60, n_test: int = 20, classes: int = 10, seed: int = 0
+) -> Path:
+    """A tiny MNIST-like dataset: 28x28 images whose class is written in their brightness pattern."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = (np.arange(n) % classes).astype(np.uint8)
+        images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+        for i, y in enumerate(labels):
+            images[i, 2 * y : 2 * y + 6, 4:24] = 250  # a bright bar whose height gives the class
+        write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", images)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return folder
+
+
+def write_image_folder(root: Path, classes: tuple[str, ...] = ("cat", "dog"), per_class: int = 12,
+                       size: int = 16, mode: str = "RGB", test: bool = True) -> Path:
+    """root/train/<class>/<i>.png (and root/test/...): images whose mean colour gives the class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test") if test else ("train",):
+        for c, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                base = 40 + 150 * c / max(1, len(classes) - 1)
+                px = np.clip(rng.normal(base, 20, (size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(px).convert(mode).save(root / split / name / f"{i}.png")
+    return root

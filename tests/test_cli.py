@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_ok, needs_shared, popen_cli, read_metrics, run_cli, run_dirs, tiny
+from conftest import (
+    TINY,
+    assert_ok,
+    assert_user_error,
+    needs_shared,
+    popen_cli,
+    read_metrics,
+    run_cli,
+    run_dirs,
+    tiny,
+)
 
 
 def wandb_summary(run_dir: Path) -> dict:
@@ -96,15 +106,6 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
 
 
 # ---- bad input: one readable message, non-zero exit, nothing lost -------------------------------
-
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str, status: int = 2) -> None:
-    """Exit status 2 (Hydra's own errors: 1), no traceback, and the needles in the output."""
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == status, text[-2000:]
-    assert "Traceback" not in text, text[-3000:]
-    for n in needles:
-        assert n in text, f"{n!r} not in:\n{text[-3000:]}"
-
 
 @pytest.mark.parametrize(
     "override,needles",

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.errors import CheckpointError, ConfigError
 from attnlab.utils.checks import check_probability
 
 log = logging.getLogger(__name__)
@@ -85,11 +85,18 @@ def load_teacher(
     """
     from attnlab.inference.runs import TrainedRun
     from attnlab.models.vision.timm_model import TimmModel
+    from attnlab.utils.checkpoint import find_last
 
     if sum(x is not None for x in (run, ckpt_path, timm_name)) != 1:
         raise ConfigError("model.distillation.teacher: set exactly one of run, ckpt_path and timm_name")
     if run is not None:
-        return _checked_classifier(TrainedRun("last", Path(log_dir) / run).net(), f"run {run}")
+        try:
+            ckpt_path = str(find_last(Path(log_dir), f"{run}/runs/*/checkpoints/last.ckpt"))
+        except CheckpointError:
+            raise ConfigError(
+                f"model.distillation.teacher.run={run}: no checkpoint of a run of that task under "
+                f"{log_dir}; train the teacher first"
+            ) from None
     if ckpt_path is not None:
         return _checked_classifier(TrainedRun(ckpt_path, Path(log_dir)).net(), ckpt_path)
     if weights is None:

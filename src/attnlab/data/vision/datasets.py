@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,22 +86,71 @@ def load_idx_dataset(name: str, data_dir: str | None, cache_dir: str, url: str |
     return ImageSplits(*train, *test, list(spec["classes"]))
 
 
+CIFAR10_FOLDER = "cifar-10-batches-py"
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, strings and numpy arrays only: a batch file cannot run code."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing {module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_cifar_batches(folder: Path) -> ImageSplits:
+    """CIFAR-10's python version: pickles ``data_batch_1..5``, ``test_batch`` (``data``: N x 3072
+    uint8 rows, ``labels``) and ``batches.meta`` (``label_names``)."""
+
+    def unpickle(name: str) -> dict:
+        path = folder / name
+        try:
+            with open(path, "rb") as f:
+                return _ArrayUnpickler(f, encoding="latin1").load()
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing (expected CIFAR-10's python version in {folder})") from None
+        except (pickle.UnpicklingError, EOFError, ValueError) as e:
+            raise DataError(f"{path}: not a CIFAR-10 batch ({e})") from e
+
+    def split(names: list[str]) -> tuple[Tensor, Tensor]:
+        batches = [unpickle(n) for n in names]
+        try:
+            data = np.concatenate([b["data"] for b in batches]).reshape(-1, 3, 32, 32)
+            labels = torch.tensor([y for b in batches for y in b["labels"]])
+        except (KeyError, ValueError) as e:
+            raise DataError(f"{folder}: CIFAR-10 batches without 3072-byte rows and labels ({e})") from e
+        return torch.from_numpy(data.copy()), labels
+
+    train = split([f"data_batch_{i}" for i in range(1, 6)])
+    test = split(["test_batch"])
+    return ImageSplits(*train, *test, list(unpickle("batches.meta")["label_names"]))
+
+
 def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
-    """CIFAR-10 through torchvision: its python pickles under ``data_dir`` (offline), else
-    downloaded (torchvision checks the archive's MD5) into ``cache_dir``."""
+    """CIFAR-10 from ``data_dir/cifar-10-batches-py`` (offline), or downloaded by torchvision
+    (which checks the archive's MD5) into ``cache_dir``."""
+    if data_dir is not None:
+        folder = Path(data_dir).expanduser() / CIFAR10_FOLDER
+        if not folder.is_dir():
+            raise DataError(f"data.data_dir={data_dir} has no {CIFAR10_FOLDER}/ folder (expected {folder})")
+        return read_cifar_batches(folder)
     from torchvision.datasets import CIFAR10
 
-    root = data_dir if data_dir is not None else cache_dir
     try:
-        train = CIFAR10(root, train=True, download=data_dir is None)
-        test = CIFAR10(root, train=False, download=data_dir is None)
-    except (RuntimeError, OSError) as e:  # torchvision: "Dataset not found or corrupted"
-        raise DataError(f"CIFAR-10 under {root}: {e} (expected torchvision's cifar-10-batches-py/)") from e
-
-    def tensors(ds: CIFAR10) -> tuple[Tensor, Tensor]:
-        return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
-
-    return ImageSplits(*tensors(train), *tensors(test), list(train.classes))
+        CIFAR10(cache_dir, train=True, download=True)
+    except (RuntimeError, OSError) as e:
+        raise DataError(
+            f"could not download CIFAR-10 into {cache_dir}: {e}. Offline? Set data.data_dir to "
+            f"a directory holding {CIFAR10_FOLDER}/"
+        ) from e
+    return read_cifar_batches(Path(cache_dir) / CIFAR10_FOLDER)
 
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}

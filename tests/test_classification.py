@@ -1,0 +1,203 @@
+"""Image classification end to end: the loss, DeiT distillation, training, prediction, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from attnlab.errors import ConfigError
+from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTransformer
+from attnlab.tasks.distillation import HardDistillation
+from conftest import (
+    assert_ok,
+    assert_user_error,
+    needs_shared,
+    read_metrics,
+    run_cli,
+    run_dirs,
+    write_idx_dataset,
+    write_image_folder,
+)
+
+SMALL = dict(num_classes=10, img_size=28, in_chans=1, patch_size=7, dim=32, depth=2, n_head=2)
+
+# a ViT small enough for a few CPU steps on 16x16 ImageFolder pictures
+TINY_VISION = [
+    "experiment=vit_fashion_mnist",
+    "data=image_folder",
+    "data.val_size=4",
+    "data.batch_size=8",
+    "model.net.patch_size=4",
+    "model.net.dim=16",
+    "model.net.depth=1",
+    "model.net.n_head=2",
+    "model.plot_images=2",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+    "logger=csv",
+    "extras.print_config=false",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+]
+
+
+class FixedTeacher(torch.nn.Module):
+    num_classes, in_chans, img_size = 10, 1, 28
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+def test_distillation_loss_learns_the_teachers_argmax():
+    torch.manual_seed(0)
+    teacher_logits = torch.randn(4, 10)
+    distill = HardDistillation(FixedTeacher(teacher_logits), alpha=0.3)
+    cls, dist, labels = torch.randn(4, 10), torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    expected = 0.7 * F.cross_entropy(cls, labels) + 0.3 * F.cross_entropy(dist, teacher_logits.argmax(-1))
+    torch.testing.assert_close(distill.loss(cls, dist, labels, torch.zeros(4, 1, 28, 28)), expected)
+    # not the labels, not the teacher's probabilities: its hard decision
+    wrong = 0.7 * F.cross_entropy(cls, labels) + 0.3 * F.cross_entropy(dist, labels)
+    assert not torch.allclose(distill.loss(cls, dist, labels, torch.zeros(4, 1, 28, 28)), wrong)
+
+
+def test_teacher_of_other_classes_or_size_and_students_without_a_token_are_refused():
+    student = DistilledVisionTransformer(**SMALL)
+    HardDistillation(FixedTeacher(torch.zeros(1, 10))).check_student(student)
+    other = FixedTeacher(torch.zeros(1, 7))
+    other.num_classes = 7
+    with pytest.raises(ConfigError, match="teacher predicts 7 classes of 1x28x28 images, the student 10"):
+        HardDistillation(other).check_student(student)
+    bigger = FixedTeacher(torch.zeros(1, 10))
+    bigger.img_size = 32
+    with pytest.raises(ConfigError, match="1x32x32"):
+        HardDistillation(bigger).check_student(student)
+    with pytest.raises(ConfigError, match="needs a student with a distillation token"):
+        HardDistillation(FixedTeacher(torch.zeros(1, 10))).check_student(VisionTransformer(**SMALL))
+
+
+@pytest.mark.parametrize("kind", ["vit", "deit", "swin"])
+def test_loss_falls_on_a_real_batch(kind):
+    from attnlab.data.vision.datasets import load_idx_dataset
+
+    splits = load_idx_dataset("fashion_mnist", str(needs_shared("fashion_mnist")), "data")
+    x = (splits.train_images[:64].float() / 255 - 0.286) / 0.353
+    y = splits.train_labels[:64]
+    torch.manual_seed(0)
+    if kind == "swin":
+        x = F.interpolate(x, size=32, mode="bilinear")
+        net = SwinTransformer(
+            10, 32, 1, patch_size=4, dim=32, depths=(2, 2), n_heads=(2, 4), window_size=4, drop_path=0.0
+        )
+    else:
+        net = (DistilledVisionTransformer if kind == "deit" else VisionTransformer)(**SMALL)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses[::8]
+
+
+def test_train_then_predict_on_an_image_folder(tmp_path):
+    data = write_image_folder(tmp_path / "pets", classes=("cat", "dog"))
+    proc = run_cli("train", [*TINY_VISION, f"data.data_dir={data}", "task_name=pets"], tmp_path)
+    assert_ok(proc)
+    (run_dir,) = run_dirs(tmp_path, "pets")
+    metrics = read_metrics(run_dir)
+    for key in ("train/loss", "val/acc", "val/acc_top5", "val/acc_best", "test/acc", "test/acc_class/cat"):
+        assert key in metrics, sorted(metrics)
+    assert (run_dir / "confusion_matrix.csv").read_text().splitlines()[0] == "true\\predicted,cat,dog"
+    assert sorted(p.name for p in (run_dir / "attention").glob("*.png")) == [
+        "step000003.png",
+        "step000006.png",
+    ]
+
+    gray = tmp_path / "gray.png"  # the model takes RGB: converted, and said so
+    Image.open(next((data / "test" / "dog").glob("*.png"))).convert("L").save(gray)
+    proc = run_cli("predict", ["ckpt_path=last", f"image={gray}"], tmp_path)
+    assert_ok(proc)
+    assert "converted" in proc.stderr
+    line = proc.stdout.strip()
+    assert line.startswith(f"{gray}: ") and {"cat", "dog"} <= set(line.replace(",", " ").split())
+    probs = [float(t) for t in line.split(": ", 1)[1].replace(",", " ").split() if t[0].isdigit()]
+    assert len(probs) == 2 and abs(sum(probs) - 1) < 1e-3  # top_k 5 clipped to the 2 classes
+    proc = run_cli("predict", ["ckpt_path=last", f"image={data / 'test' / 'cat'}", "top_k=1"], tmp_path)
+    assert_ok(proc)
+    assert len(proc.stdout.strip().splitlines()) == 12
+    (tmp_path / "notes.png").write_text("not an image")
+    assert_user_error(
+        run_cli("predict", ["ckpt_path=last", f"image={tmp_path / 'notes.png'}"], tmp_path),
+        "notes.png: not a readable image",
+    )
+
+
+def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(tmp_path):
+    data = write_image_folder(tmp_path / "pets", classes=("cat", "dog"))
+    teacher = ["model/net=timm", "model.net.name=resnet10t", "model.plot_images=0"]
+    args = [
+        a for a in TINY_VISION if not a.startswith("model.net.")
+    ] + teacher  # timm's net takes none of them
+    assert_ok(
+        run_cli(
+            "train",
+            [*args, f"data.data_dir={data}", "task_name=teacher", "trainer.max_steps=3", "test=false"],
+            tmp_path,
+        )
+    )
+    deit = [
+        "model/net=deit_mini",
+        "+model.distillation._target_=attnlab.tasks.distillation.HardDistillation",
+        "+model.distillation.teacher._target_=attnlab.tasks.distillation.load_teacher",
+        "+model.distillation.teacher.run=teacher",
+        "+model.distillation.teacher.log_dir=logs",
+        "model.net.dim=16",
+        "model.net.depth=1",
+        "model.net.n_head=2",
+    ]
+    proc = run_cli("train", [*TINY_VISION, *deit, f"data.data_dir={data}", "task_name=student"], tmp_path)
+    assert_ok(proc)
+    assert "test/acc" in read_metrics(run_dirs(tmp_path, "student")[0])
+    three = write_image_folder(tmp_path / "three", classes=("a", "b", "c"))
+    proc = run_cli("train", [*TINY_VISION, *deit, f"data.data_dir={three}", "task_name=student3"], tmp_path)
+    assert_user_error(proc, "teacher predicts 2 classes of 3x16x16 images, the student 3 classes")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["model.net.patch_size=5"], ["img_size (16) must be divisible by model.net.patch_size (5)"]),
+        (
+            ["model/net=swin_mini", "model.net.dim=8", "model.net.window_size=3"],
+            ["model.net.window_size (3) does not divide the feature map of stage 1 (8x8 tokens)"],
+        ),
+    ],
+)
+def test_bad_model_sizes_are_one_line_errors(tmp_path, overrides, needles):
+    data = write_image_folder(tmp_path / "pets", per_class=3)
+    base = (
+        [a for a in TINY_VISION if not a.startswith("model.net.")]
+        if "model/net=swin_mini" in overrides
+        else TINY_VISION
+    )
+    proc = run_cli("train", [*base, f"data.data_dir={data}", "data.val_size=2", *overrides], tmp_path)
+    assert_user_error(proc, *needles)
+
+
+def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
+    folder = write_idx_dataset(tmp_path / "fm")
+    path = folder / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:100])
+    proc = run_cli(
+        "train", ["experiment=vit_fashion_mnist", f"data.data_dir={folder}", "logger=csv"], tmp_path
+    )
+    assert_user_error(proc, "train-images-idx3-ubyte.gz: cannot be read as gzip")
