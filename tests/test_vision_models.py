@@ -100,6 +100,8 @@ def test_patch_count_and_shapes():
     maps = model.attention_maps(x)
     assert len(maps) == 2 and maps[0].shape == (2, 3, 17, 17)
     torch.testing.assert_close(maps[0].sum(-1), torch.ones(2, 3, 17))
+    pictures = model.patch_attention(x)
+    assert {k: v.shape for k, v in pictures.items()} == {"[CLS], last block": (2, 4, 4), "rollout": (2, 4, 4)}
     deit = DistilledVisionTransformer(**VIT)
     assert deit.forward_features(x).shape == (2, 18, 48)
     cls_logits, dist_logits = deit.forward_heads(x)
@@ -111,6 +113,11 @@ def test_patch_count_and_shapes():
         (2 * 4, 4, 16, 16),
         (2 * 1, 8, 16, 16),
     ]
+    windows = swin.patch_attention(torch.randn(2, 3, 32, 32))
+    assert list(windows) == ["windows, block 1", "shifted windows, block 2"]
+    plain, shifted = windows.values()  # each window shares out its queries' average attention, 1
+    torch.testing.assert_close(plain.view(2, 4, 4, 4, 4).sum(dim=(2, 4)), torch.ones(2, 4, 4))
+    torch.testing.assert_close(shifted.sum(dim=(1, 2)), torch.full((2,), 16.0))
 
 
 def test_window_partition_round_trip():

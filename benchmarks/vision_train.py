@@ -1,0 +1,159 @@
+"""Training images/s of our ViT, DeiT and Swin against timm's models of the same configuration,
+side by side in one run, in fp32 and (where the CPU multiplies bf16 natively, or with --bf16)
+under bf16 autocast; and how fast the Fashion-MNIST loader feeds augmented batches.
+
+The configurations are the Fashion-MNIST experiments' (model/net/vit_mini, deit_mini,
+swin_mini): forward, cross-entropy, backward and a fused AdamW step on random images. Goal: our
+models at least as fast as timm's (ratio >= 1.0).
+
+Run it alone: a busy second core slows torch's two threads.
+
+    uv run python benchmarks/vision_train.py [--data-dir ../shared/data/fashion_mnist]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import nullcontext
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTransformer
+from attnlab.utils.hardware import cpu_model, native_bf16_cpu
+
+VIT = dict(patch_size=4, dim=128, depth=6, n_head=4, mlp_ratio=2.0)
+SWIN = dict(patch_size=2, dim=48, depths=(2, 2, 2), n_heads=(3, 6, 12), window_size=4)
+
+
+def pairs() -> list[tuple[str, int, callable, callable]]:
+    """(name, image size, our model, timm's model), 1 channel, 10 classes, no stochastic depth."""
+    timm_vit = dict(
+        img_size=28,
+        in_chans=1,
+        num_classes=10,
+        patch_size=4,
+        embed_dim=128,
+        depth=6,
+        num_heads=4,
+        mlp_ratio=2.0,
+    )
+    return [
+        (
+            "ViT",
+            28,
+            lambda: VisionTransformer(10, 28, 1, **VIT),
+            lambda: timm.create_model("vit_tiny_patch16_224", **timm_vit),
+        ),
+        (
+            "DeiT",
+            28,
+            lambda: DistilledVisionTransformer(10, 28, 1, **VIT),
+            lambda: timm.create_model("deit_tiny_distilled_patch16_224", **timm_vit),
+        ),
+        (
+            "Swin",
+            32,
+            lambda: SwinTransformer(10, 32, 1, drop_path=0.0, **SWIN),
+            lambda: timm.create_model(
+                "swin_tiny_patch4_window7_224",
+                img_size=32,
+                in_chans=1,
+                num_classes=10,
+                patch_size=2,
+                embed_dim=48,
+                depths=(2, 2, 2),
+                num_heads=(3, 6, 12),
+                window_size=4,
+                drop_path_rate=0.0,
+            ),
+        ),
+    ]
+
+
+def images_per_s(net: nn.Module, size: int, bf16: bool, batch: int, steps: int) -> float:
+    torch.manual_seed(0)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    x, y = torch.randn(batch, 1, size, size), torch.randint(0, 10, (batch,))
+    times = []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16) if bf16 else nullcontext():
+            out = net(x)
+        # timm's distilled ViT returns both heads' logits while training; ours averages in forward
+        logits = (out[0] + out[1]) / 2 if isinstance(out, tuple) else out
+        F.cross_entropy(logits.float(), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
+
+
+def loader_images_per_s(data_dir: str, batch: int, batches: int) -> float:
+    from attnlab.data import ImageClassificationDataModule
+
+    dm = ImageClassificationDataModule(
+        "fashion_mnist",
+        data_dir,
+        batch_size=batch,
+        crop_padding=2,
+        hflip=0.5,
+        rand_augment="rand-m9-mstd0.5-inc1",
+        random_erasing=0.25,
+        mixup_alpha=0.8,
+        cutmix_alpha=1.0,
+    )
+    dm.setup("fit")
+    dm.trainer = type("Training", (), {"training": True})()
+    it = iter(dm.train_dataloader())
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        dm.on_after_batch_transfer(next(it), 0)
+    return batch * batches / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX files, for the loader figure")
+    p.add_argument(
+        "--bf16", action="store_true", help="measure bf16 also on a CPU without native bf16 (it crawls)"
+    )
+    args = p.parse_args()
+    precisions = [False]
+    if args.bf16 or native_bf16_cpu():
+        precisions.append(True)
+    else:
+        print(f"{cpu_model()} has no native bf16: fp32 only (--bf16 to measure it anyway)")
+    torch.set_float32_matmul_precision("high")
+    print(
+        f"training images/s, batch {args.batch}, {args.steps} steps, {torch.get_num_threads()} threads, "
+        f"{cpu_model()}"
+    )
+    print(f"{'model':<6} {'precision':<10} {'attnlab':>9} {'timm':>9} {'ratio':>7} {'goal':>6}")
+    for name, size, ours, theirs in pairs():
+        for bf16 in precisions:
+            a = images_per_s(ours(), size, bf16, args.batch, args.steps)
+            r = images_per_s(theirs(), size, bf16, args.batch, args.steps)
+            verdict = "ok" if a / r >= 1.0 else "MISSED"
+            print(
+                f"{name:<6} {'bf16-mixed' if bf16 else '32-true':<10} {a:9.0f} {r:9.0f} {a / r:7.2f} "
+                f"{1.0:5.1f}x {verdict}"
+            )
+    if args.data_dir:
+        rate = loader_images_per_s(args.data_dir, args.batch, 20)
+        print(
+            f"\nFashion-MNIST loader (crop, flip, RandAugment, erasing, mixup/cutmix): {rate:,.0f} images/s, "
+            "in the training process (num_workers 0)"
+        )
+
+
+if __name__ == "__main__":
+    main()
