@@ -167,6 +167,12 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
     proc = run_cli("train", [*TINY_VISION, *deit, f"data.data_dir={data}", "task_name=student"], tmp_path)
     assert_ok(proc)
     assert "test/acc" in read_metrics(run_dirs(tmp_path, "student")[0])
+    proc = run_cli(
+        "eval", ["ckpt_path=last"], tmp_path
+    )  # the newest run: the student, tested without its teacher
+    assert_ok(proc)
+    (metrics,) = (tmp_path / "logs" / "eval" / "runs").glob("*/metrics.json")
+    assert "student" in metrics.read_text() and '"test/acc"' in metrics.read_text()
     three = write_image_folder(tmp_path / "three", classes=("a", "b", "c"))
     proc = run_cli("train", [*TINY_VISION, *deit, f"data.data_dir={three}", "task_name=student3"], tmp_path)
     assert_user_error(proc, "teacher predicts 2 classes of 3x16x16 images, the student 3 classes")
@@ -201,3 +207,21 @@ def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
         "train", ["experiment=vit_fashion_mnist", f"data.data_dir={folder}", "logger=csv"], tmp_path
     )
     assert_user_error(proc, "train-images-idx3-ubyte.gz: cannot be read as gzip")
+
+
+def test_timm_teacher_from_a_weights_file(tmp_path):
+    import timm
+
+    from attnlab.tasks.distillation import load_teacher
+
+    reference = timm.create_model("resnet10t", num_classes=10, in_chans=1).eval()
+    torch.save(reference.state_dict(), tmp_path / "teacher.pth")
+    teacher = load_teacher(timm_name="resnet10t", weights=str(tmp_path / "teacher.pth"))
+    assert (teacher.num_classes, teacher.in_chans) == (10, 1)
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(teacher(x), reference(x))
+    HardDistillation(teacher).check_student(DistilledVisionTransformer(**SMALL))  # a convnet takes any size
+    with pytest.raises(ConfigError, match="needs trained weights"):
+        load_teacher(timm_name="resnet10t")
+    with pytest.raises(ConfigError, match="exactly one of run, ckpt_path and timm_name"):
+        load_teacher(run="a", timm_name="resnet10t")

@@ -40,8 +40,12 @@ class TrainedRun:
         return net.eval()
 
     def task(self) -> Any:
-        """The LightningModule with the checkpoint's weights."""
-        task = instantiate(self.config.model)
+        """The LightningModule with the checkpoint's weights (without what only training needs:
+        a distillation teacher)."""
+        model_cfg = self.config.model.copy()
+        if model_cfg.get("distillation") is not None:
+            model_cfg.distillation = None
+        task = instantiate(model_cfg)
         check_fits(task, self.ckpt["state_dict"], self.path)
         task.load_state_dict(self.ckpt["state_dict"])
         return task

@@ -118,7 +118,7 @@ def load_teacher(
     model = TimmModel(timm_name, num_classes=head.size(0), img_size=img_size, in_chans=first.size(1))
     model.model.load_state_dict(state)
     model.img_size = None  # unknown: any size goes through a convnet
-    return model
+    return model.eval()
 
 
 def _checked_classifier(net: nn.Module, where: str) -> nn.Module:
