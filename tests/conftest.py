@@ -149,3 +149,47 @@ def write_image_folder(root: Path, classes: tuple[str, ...] = ("cat", "dog"), pe
                 px = np.clip(rng.normal(base, 20, (size, size, 3)), 0, 255).astype(np.uint8)
                 Image.fromarray(px).convert(mode).save(root / split / name / f"{i}.png")
     return root
+
+
+def write_cifar(folder: Path, n: int = 4) -> Path:
+    """CIFAR-10's python version in miniature: five training batches and a test batch of ``n``."""
+    import pickle
+
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": list(range(n))}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    names = ["airplane", "automobile", "bird", "cat"][:n]
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": names}))
+    return folder
+
+
+VISION_NETS = {
+    "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2"],
+    "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_heads=[1,2,2]"],
+    "convnet": ["model.net.name=test_resnet"],
+}
+
+
+def vision_overrides(experiment: str, tmp: Path) -> list[str]:
+    """Tiny nets on fake data (no download) for a vision experiment; DeiT's teacher is a timm
+    ResNet from a weights file."""
+    import timm
+    import torch
+
+    if "cifar" in experiment:
+        data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
+    else:
+        data = write_idx_dataset(tmp / "idx")
+    out = [f"data.data_dir={data}", "data.batch_size=8", "data.val_size=10", "model.plot_images=0"]
+    kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
+    out += VISION_NETS["vit" if kind == "deit" else kind]
+    if kind == "deit":
+        weights = tmp / "teacher.pth"
+        torch.save(timm.create_model("test_resnet", num_classes=10, in_chans=1).state_dict(), weights)
+        out += ["model.distillation.teacher.run=null", "+model.distillation.teacher.timm_name=test_resnet",
+                f"+model.distillation.teacher.weights={weights}"]
+    return out

@@ -143,7 +143,7 @@ def test_train_then_predict_on_an_image_folder(tmp_path):
 
 def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(tmp_path):
     data = write_image_folder(tmp_path / "pets", classes=("cat", "dog"))
-    teacher = ["model/net=timm", "model.net.name=resnet10t", "model.plot_images=0"]
+    teacher = ["model/net=timm", "model.net.name=test_resnet", "model.plot_images=0"]
     args = [
         a for a in TINY_VISION if not a.startswith("model.net.")
     ] + teacher  # timm's net takes none of them
@@ -214,14 +214,14 @@ def test_timm_teacher_from_a_weights_file(tmp_path):
 
     from attnlab.tasks.distillation import load_teacher
 
-    reference = timm.create_model("resnet10t", num_classes=10, in_chans=1).eval()
+    reference = timm.create_model("test_resnet", num_classes=10, in_chans=1).eval()
     torch.save(reference.state_dict(), tmp_path / "teacher.pth")
-    teacher = load_teacher(timm_name="resnet10t", weights=str(tmp_path / "teacher.pth"))
+    teacher = load_teacher(timm_name="test_resnet", weights=str(tmp_path / "teacher.pth"))
     assert (teacher.num_classes, teacher.in_chans) == (10, 1)
     x = torch.randn(2, 1, 28, 28)
     torch.testing.assert_close(teacher(x), reference(x))
     HardDistillation(teacher).check_student(DistilledVisionTransformer(**SMALL))  # a convnet takes any size
     with pytest.raises(ConfigError, match="needs trained weights"):
-        load_teacher(timm_name="resnet10t")
+        load_teacher(timm_name="test_resnet")
     with pytest.raises(ConfigError, match="exactly one of run, ckpt_path and timm_name"):
-        load_teacher(run="a", timm_name="resnet10t")
+        load_teacher(run="a", timm_name="test_resnet")

@@ -18,6 +18,7 @@ from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
+from conftest import vision_overrides
 
 CONF = Path(config_dir())
 
@@ -33,16 +34,24 @@ def composed(*overrides: str, tmp: Path):
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
-    corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
-    cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", tmp=tmp_path)
+    text = experiment.startswith(("nmt_", "gpt_"))
+    if text:
+        corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
+        cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", tmp=tmp_path)
+    else:
+        cfg = composed(f"experiment={experiment}", *vision_overrides(experiment, tmp_path), tmp=tmp_path)
     dm = instantiate(cfg.data)
     dm.setup()
     fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
     task = instantiate(cfg.model)
-    vocab = dm.model_kwargs()["vocab_size"]
-    ids = torch.randint(4, vocab, (2, 5))
-    logits = task.net(ids, ids) if experiment.startswith("nmt_") else task.net(ids)
-    assert logits.shape == (2, 5, vocab)
+    if text:
+        vocab = dm.model_kwargs()["vocab_size"]
+        ids = torch.randint(4, vocab, (2, 5))
+        logits = task.net(ids, ids) if experiment.startswith("nmt_") else task.net(ids)
+        assert logits.shape == (2, 5, vocab)
+    else:
+        images, _ = next(iter(dm.val_dataloader()))
+        assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))
     assert cfg.task_name == experiment
     for node in cfg.callbacks.values():
         assert instantiate(node) is not None

@@ -1,7 +1,8 @@
 """Every debug config (fdr, limit, overfit, profiler) runs with every experiment, at a tiny size.
 
-In-process (Hydra's compose API, then ``attnlab.cli.train.train``): 24 runs, no interpreter start-up
-each. GPT experiments read Python's docs instead of their corpus; Multi30k ones a tiny fake corpus.
+In-process (Hydra's compose API, then ``attnlab.cli.train.train``), no interpreter start-up each.
+GPT experiments read Python's docs instead of their corpus; Multi30k ones a tiny fake corpus;
+vision ones tiny fake IDX or CIFAR files.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from attnlab.cli.common import config_dir
 from attnlab.cli.train import train
 from attnlab.data.text.translation import synthetic_pairs
+from conftest import vision_overrides
 
 CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -42,6 +44,8 @@ def fake_multi30k(d: Path) -> Path:
 
 
 def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
+    if not experiment.startswith(("gpt_", "nmt_")):
+        return vision_overrides(experiment, tmp)
     if experiment.startswith("gpt_"):
         return GPT_TINY
     arch = "transformer" if "transformer" in experiment or experiment == "nmt_synthetic" else "seq2seq"

@@ -18,7 +18,7 @@ from attnlab.data.vision import datasets
 from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, load_image_folder, read_image
 from attnlab.data.vision.idx import read_idx
 from attnlab.errors import ConfigError, DataError
-from conftest import needs_shared, write_idx, write_idx_dataset, write_image_folder
+from conftest import needs_shared, write_cifar, write_idx, write_idx_dataset, write_image_folder
 
 
 def test_idx_reader_against_a_hand_made_file(tmp_path):
@@ -89,18 +89,6 @@ def test_idx_download_checks_sha256(idx_server, tmp_path, monkeypatch):
     monkeypatch.setitem(datasets.IDX_DATASETS["mnist"], "files", files)
     with pytest.raises(DataError, match="checksum mismatch"):
         load_idx_dataset("mnist", None, str(tmp_path / "cache2"), url=url)
-
-
-def write_cifar(folder, n=4):
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": list(range(n))}
-        (folder / name).write_bytes(pickle.dumps(batch))
-    (folder / "batches.meta").write_bytes(
-        pickle.dumps({"label_names": ["airplane", "automobile", "bird", "cat"]})
-    )
-    return folder
 
 
 def test_cifar10_reader_on_a_tiny_fixture_in_its_format(tmp_path):

@@ -185,7 +185,7 @@ def test_bad_sizes_are_config_errors():
 
 
 def test_timm_model_takes_the_data_shape():
-    net = TimmModel("resnet10t", num_classes=7, img_size=32, in_chans=1)
+    net = TimmModel("test_resnet", num_classes=7, img_size=32, in_chans=1)
     assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)
     vit = TimmModel(
         "vit_tiny_patch16_224", num_classes=5, img_size=32, in_chans=3, kwargs={"patch_size": 8, "depth": 1}
