@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -105,19 +106,23 @@ def load_teacher(
             "(a random one teaches nothing); give a .pth or .safetensors file"
         )
     state = _read_state_dict(Path(weights))
-    head = next(
-        (v for k, v in state.items() if k.endswith(("fc.weight", "head.weight", "classifier.weight"))), None
-    )
+    heads = [v for k, v in state.items() if k.endswith(("fc.weight", "head.weight", "classifier.weight"))]
     first = next((v for v in state.values() if v.dim() == 4), None)
-    if head is None or first is None:
+    if not heads or first is None:
         raise ConfigError(
             f"model.distillation.teacher.weights={weights}: no classifier head or first "
             "convolution found in it"
         )
-    img_size = 224  # convnets take any size; TimmModel only needs it for models with positions
-    model = TimmModel(timm_name, num_classes=head.size(0), img_size=img_size, in_chans=first.size(1))
-    model.model.load_state_dict(state)
-    model.img_size = None  # unknown: any size goes through a convnet
+    # convnets take any image size; TimmModel needs one only for models with position tables
+    model = TimmModel(timm_name, num_classes=heads[-1].size(0), img_size=224, in_chans=first.size(1))
+    try:
+        model.model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.distillation.teacher.weights={weights} does not fit timm's {timm_name}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    model.img_size = None  # any size goes through a convnet
     return model.eval()
 
 
@@ -134,5 +139,10 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+        loader = load_file
+    else:
+        loader = partial(torch.load, map_location="cpu", weights_only=True)
+    try:
+        return loader(path)
+    except Exception as e:  # a corrupt or foreign file: pickle, zip and safetensors errors vary
+        raise ConfigError(f"model.distillation.teacher.weights={path}: not a state dict ({e})") from e

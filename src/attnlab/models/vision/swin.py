@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
-from attnlab.models.vision.vit import _init_weights, drop_path_rates
+from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import PatchEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
@@ -170,7 +170,7 @@ class SwinTransformer(nn.Module):
         self.layers = nn.ModuleList(stages)
         self.norm = nn.LayerNorm(in_dim)
         self.head = nn.Linear(in_dim, num_classes)
-        self.apply(_init_weights)
+        self.apply(init_linear)
 
     @staticmethod
     def _stage_sizes(grid: int, n_stages: int, window: int) -> list[int]:

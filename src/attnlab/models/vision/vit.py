@@ -92,7 +92,7 @@ class VisionTransformer(nn.Module):
         self.norm = norm_layer(dim)
         self.head = nn.Linear(dim, num_classes)
         self.add_extras(dim, num_classes)
-        self.apply(_init_weights)
+        self.apply(init_linear)
         for name, p in self.named_parameters():
             if name in self.no_weight_decay():  # the position table and the prefix tokens
                 nn.init.trunc_normal_(p, std=0.02)
@@ -187,7 +187,8 @@ class DistilledVisionTransformer(VisionTransformer):
         return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_linear(module: nn.Module) -> None:
+    """Linear layers: truncated normal weights (std 0.02), zero biases, as timm's ViT and Swin."""
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
