@@ -19,7 +19,7 @@ from attnlab.data.text.translation import (
     TranslationDataModule,
     synthetic_pairs,
 )
-from conftest import assert_ok, read_metrics, run_cli, run_dirs, tiny
+from conftest import assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
 from test_translation import fake_multi30k
 
 LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
@@ -184,6 +184,11 @@ RUNS = {
               "data.max_tokens=256", "trainer.max_steps=6", "trainer.val_check_interval=3",
               "trainer.check_val_every_n_epoch=null", "model.beam_size=2", "model.plot_sentences=1",
               "trainer.num_sanity_val_steps=1"] for name, model in MULTI30K.items()},
+    # a ViT on fake Fashion-MNIST files: samplers from Lightning, metrics and the confusion matrix synced
+    "vit_two": ["experiment=vit_fashion_mnist", "trainer=ddp_cpu", *QUIET, "model.net.dim=16",
+                "model.net.depth=1", "model.net.n_head=2", "model.plot_images=2", "data.batch_size=8",
+                "data.val_size=10", "trainer.max_steps=6", "trainer.val_check_interval=3",
+                "trainer.num_sanity_val_steps=1"],
     "gpt_one": [*GPT, "data.batch_size=32", "data.val_batches=16"],
     "nmt_one": [*NMT, "data.max_tokens=512"],
 }
@@ -201,6 +206,8 @@ def launch(name: str, cwd: Path) -> Path:
     args = [*RUNS[name], f"task_name={name}"]
     if name in MULTI30K:  # 300 / 20 / 20 pairs of the synthetic language pair
         args += [f"data.data_dir={fake_multi30k(cwd / 'multi30k')}", f"data.cache_dir={cwd}"]
+    if name == "vit_two":  # 60 training and 20 test images
+        args += [f"data.data_dir={write_idx_dataset(cwd / 'fashion_mnist')}"]
     assert_ok(run_cli("train", args, cwd))
     if name == "nmt_two":  # its best checkpoint, tested by one process
         (best,) = (run_dirs(cwd, name)[0] / "checkpoints").glob("step_*.ckpt")
@@ -274,6 +281,16 @@ def test_ddp_cpu_trains_the_multi30k_experiments(runs, experiment):
     run_dir, m = finished_run(runs(experiment), experiment)
     assert m["val/loss"] and "test/loss" in m and "test/bleu" in m
     check_translations(run_dir, m, synthetic_pairs(20, 2)[1])
+
+
+@pytest.mark.slow
+@uses("vit_two")
+def test_ddp_cpu_trains_and_tests_a_vision_transformer(runs):
+    run_dir, m = finished_run(runs("vit_two"), "vit_two")
+    assert len(m["val/acc"]) == 2 and "test/acc_top5" in m
+    matrix = (run_dir / "confusion_matrix.csv").read_text().splitlines()[1:]
+    assert sum(int(v) for row in matrix for v in row.split(",")[1:]) == 20  # every test image, once
+    assert len(list((run_dir / "attention").glob("*.png"))) == 2  # drawn by process 0
 
 
 @pytest.mark.slow
