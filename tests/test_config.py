@@ -125,6 +125,7 @@ def test_wandb_key_or_explicit_mode_is_respected(monkeypatch, tmp_path):
 
 
 def test_training_flushes_denormals_and_keeps_freed_memory():
+    torch.set_flush_denormal(False)  # other tests may have trained in this process
     tiny = torch.tensor([1e-39])  # a denormal float32
     try:
         tune_cpu_for_training()
