@@ -65,6 +65,8 @@ def test_debug_config_runs_with_experiment(experiment, debug, tmp_path, monkeypa
                  "trainer.enable_progress_bar=false", *tiny_overrides(experiment, tmp_path)]
     if debug == "limit":  # anomaly detection is on in fdr too; over 20 RNN steps it costs a minute
         overrides.append("trainer.detect_anomaly=false")
+    if debug == "overfit":  # the config as shipped, over fewer of its 200 steps: the suite's time
+        overrides += ["trainer.max_steps=60", "trainer.val_check_interval=30"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     logging.getLogger("lightning").setLevel(logging.WARNING)
