@@ -52,7 +52,8 @@ def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: 
         for j, (name, m) in enumerate(maps.items(), start=1):
             ax = axes[i][j]
             ax.imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
-            ax.imshow((m[i] / m[i].max().clamp_min(1e-12)).numpy(), cmap="inferno", alpha=0.6,
+            lo, hi = m[i].min(), m[i].max()  # stretched per image: rollout sits on a large constant
+            ax.imshow(((m[i] - lo) / (hi - lo).clamp_min(1e-12)).numpy(), cmap="inferno", alpha=0.6,
                       extent=(-0.5, w - 0.5, h - 0.5, -0.5), interpolation="nearest", vmin=0.0, vmax=1.0)
             ax.set_title(name, fontsize=7)
         for ax in axes[i]:
