@@ -173,7 +173,7 @@ class ImageClassificationDataModule(DataModule):
         return load_image_folder(self.data_dir)
 
     def prepare_data(self) -> None:
-        if self.dataset != "image_folder":
+        if self.dataset != "image_folder" and self.data_dir is None:  # download once, on one process
             self._load()
 
     def setup(self, stage: str | None = None) -> None:
