@@ -17,6 +17,7 @@ from conftest import (
     read_metrics,
     run_cli,
     run_dirs,
+    write_idx_dataset,
     write_image_folder,
 )
 
@@ -256,3 +257,11 @@ def test_timm_teacher_from_a_weights_file(tmp_path):
         load_teacher(timm_name="test_resnet")
     with pytest.raises(ConfigError, match="exactly one of run, ckpt_path and timm_name"):
         load_teacher(run="a", timm_name="test_resnet")
+
+
+def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
+    folder = write_idx_dataset(tmp_path / "fm")
+    path = folder / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:100])
+    args = ["experiment=vit_fashion_mnist", f"data.data_dir={folder}", "logger=csv"]
+    assert_user_error(run_cli("train", args, tmp_path), "train-images-idx3-ubyte.gz: cannot be read as gzip")
