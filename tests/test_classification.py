@@ -11,6 +11,7 @@ from attnlab.errors import ConfigError
 from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTransformer
 from attnlab.tasks.distillation import HardDistillation
 from conftest import (
+    VISION_NETS,
     assert_ok,
     assert_user_error,
     needs_shared,
@@ -30,9 +31,7 @@ TINY_VISION = [
     "data.val_size=4",
     "data.batch_size=8",
     "model.net.patch_size=4",
-    "model.net.dim=16",
-    "model.net.depth=1",
-    "model.net.n_head=2",
+    *VISION_NETS["vit"],
     "model.plot_images=2",
     "trainer.max_steps=6",
     "trainer.val_check_interval=3",
@@ -199,9 +198,7 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
         "+model.distillation.teacher._target_=attnlab.tasks.distillation.load_teacher",
         "+model.distillation.teacher.run=teacher",
         f"+model.distillation.teacher.log_dir={tmp_path / 'logs'}",
-        "model.net.dim=16",
-        "model.net.depth=1",
-        "model.net.n_head=2",
+        *VISION_NETS["vit"],  # again after model/net=deit_mini, which resets the sizes
     ]
     metrics = train_here(tmp_path, "student", *TINY_VISION, *deit, f"data.data_dir={data}")
     assert "test/acc" in metrics

@@ -19,7 +19,7 @@ from attnlab.data.text.translation import (
     TranslationDataModule,
     synthetic_pairs,
 )
-from conftest import assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
+from conftest import VISION_NETS, assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
 from test_translation import fake_multi30k
 
 LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
@@ -185,8 +185,8 @@ RUNS = {
               "trainer.check_val_every_n_epoch=null", "model.beam_size=2", "model.plot_sentences=1",
               "trainer.num_sanity_val_steps=1"] for name, model in MULTI30K.items()},
     # a ViT on fake Fashion-MNIST files: samplers from Lightning, metrics and the confusion matrix synced
-    "vit_two": ["experiment=vit_fashion_mnist", "trainer=ddp_cpu", *QUIET, "model.net.dim=16",
-                "model.net.depth=1", "model.net.n_head=2", "model.plot_images=2", "data.batch_size=8",
+    "vit_two": ["experiment=vit_fashion_mnist", "trainer=ddp_cpu", *QUIET, *VISION_NETS["vit"],
+                "model.plot_images=2", "data.batch_size=8",
                 "data.val_size=10", "trainer.max_steps=6", "trainer.val_check_interval=3",
                 "trainer.num_sanity_val_steps=1"],
     "gpt_one": [*GPT, "data.batch_size=32", "data.val_batches=16"],
