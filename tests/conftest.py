@@ -193,3 +193,35 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
         out += ["model.distillation.teacher.run=null", "+model.distillation.teacher.timm_name=test_resnet",
                 f"+model.distillation.teacher.weights={weights}"]
     return out
+
+
+BERT_TINY = ["model.net.encoder.dim=16", "model.net.encoder.depth=1", "model.net.encoder.n_head=2",
+             "model.net.encoder.mlp_dim=32", "model.net.encoder.max_len=32"]
+CONLL_FIXTURE = ROOT / "tests" / "fixtures" / "conll"
+
+
+def write_sst2(folder: Path, n: int = 48) -> Path:
+    """GLUE-format SST-2 lookalikes (alps_train.tsv, alps_dev.tsv, dev.tsv): each sentence's
+    label is the sentiment of its adjective."""
+    import random
+
+    rng = random.Random(0)
+    words = {1: ["good", "great", "superb", "moving"], 0: ["bad", "awful", "dull", "boring"]}
+    nouns = ["film", "movie", "plot", "cast", "script", "ending"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, size in (("alps_train.tsv", n), ("alps_dev.tsv", n // 4), ("dev.tsv", n // 4)):
+        rows = ["sentence\tlabel"]
+        for i in range(size):
+            label = i % 2
+            rows.append(f"the {rng.choice(nouns)} was {rng.choice(words[label])} and the "
+                        f"{rng.choice(nouns)} too \t{label}")
+        (folder / name).write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def bert_overrides(experiment: str, tmp: Path) -> list[str]:
+    """A one-block BERT on fake SST-2 files or the CoNLL fixture (no download, no pre-training run)."""
+    data = CONLL_FIXTURE if "ner" in experiment else write_sst2(tmp / "sst2")
+    out = [f"data.data_dir={data}", "data.vocab_size=120", "data.batch_size=8", "model.plot_sentences=0",
+           *BERT_TINY]
+    return out + (["model.pretrained_ckpt=null"] if "finetune" in experiment else [])

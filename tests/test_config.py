@@ -18,7 +18,7 @@ from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
-from conftest import vision_overrides
+from conftest import bert_overrides, vision_overrides
 
 CONF = Path(config_dir())
 
@@ -34,10 +34,12 @@ def composed(*overrides: str, tmp: Path):
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
-    text = experiment.startswith(("nmt_", "gpt_"))
+    text, bert = experiment.startswith(("nmt_", "gpt_")), experiment.startswith("bert_")
     if text:
         corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
         cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", tmp=tmp_path)
+    elif bert:
+        cfg = composed(f"experiment={experiment}", *bert_overrides(experiment, tmp_path), tmp=tmp_path)
     else:
         cfg = composed(f"experiment={experiment}", *vision_overrides(experiment, tmp_path), tmp=tmp_path)
     dm = instantiate(cfg.data)
@@ -49,6 +51,14 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         ids = torch.randint(4, vocab, (2, 5))
         logits = task.net(ids, ids) if experiment.startswith("nmt_") else task.net(ids)
         assert logits.shape == (2, 5, vocab)
+    elif bert:
+        batch = next(iter(dm.val_dataloader()))
+        out = task.net(batch["ids"], batch["segments"])
+        if "pretrain" in experiment:
+            assert out[0].shape[:2] == batch["ids"].shape and out[1].shape == (len(batch["ids"]), 2)
+        else:
+            per_token = "ner" in experiment
+            assert out.shape == (*batch["ids"].shape[: 1 + per_token], dm.num_classes)
     else:
         images, _ = next(iter(dm.val_dataloader()))
         assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))

@@ -76,3 +76,16 @@ def confusion_matrix_figure(matrix: Tensor, classes: list[str]) -> Figure:
     ax.set_ylabel("true")
     fig.tight_layout()
     return fig
+
+
+def cls_attention_figure(weights: Tensor, tokens: list[str]) -> Figure:
+    """How much [CLS] attends to each token (columns) in each layer (rows), averaged over heads;
+    ``weights`` is (layers, T)."""
+    n_layers, t = weights.shape
+    fig, ax = plt.subplots(figsize=(1.5 + 0.3 * t, 0.8 + 0.35 * n_layers))
+    ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
+    ax.set_xticks(range(t), tokens, rotation=90, fontsize=8)
+    ax.set_yticks(range(n_layers), [f"layer {i}" for i in range(n_layers)], fontsize=8)
+    ax.set_title("[CLS] attention over the tokens (mean over heads)", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -22,7 +22,9 @@ from attnlab.utils.checkpoint import (
     check_fits,
     load_checkpoint,
     metadata,
+    pretrained_artifacts,
     resolve_ckpt_path,
+    resolve_pretrained,
 )
 from attnlab.utils.config import (
     check_config,
@@ -84,6 +86,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     if meta.get("artifacts"):
         datamodule.load_artifacts(meta["artifacts"])
+    if cfg.model.get("pretrained_ckpt"):  # fine-tuning: the pre-training run's weights and tokenizer
+        with open_dict(cfg):  # the file, not a task name, goes into the saved config
+            spec = cfg.model.pretrained_ckpt
+            cfg.model.pretrained_ckpt = str(resolve_pretrained(spec, Path(cfg.paths.log_dir)))
+        if not meta.get("artifacts"):
+            datamodule.load_artifacts(pretrained_artifacts(Path(cfg.model.pretrained_ckpt)))
     datamodule.prepare_data()
     datamodule.setup("fit")
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")

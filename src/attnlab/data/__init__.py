@@ -1,7 +1,16 @@
 """DataModules, datasets, tokenizers and downloads."""
 
+from attnlab.data.text.classification import SentenceClassificationDataModule, TokenClassificationDataModule
 from attnlab.data.text.language_modeling import TextDataModule
+from attnlab.data.text.masked_lm import MaskedLMDataModule
 from attnlab.data.text.translation import TranslationDataModule
 from attnlab.data.vision.classification import ImageClassificationDataModule
 
-__all__ = ["ImageClassificationDataModule", "TextDataModule", "TranslationDataModule"]
+__all__ = [
+    "ImageClassificationDataModule",
+    "MaskedLMDataModule",
+    "SentenceClassificationDataModule",
+    "TextDataModule",
+    "TokenClassificationDataModule",
+    "TranslationDataModule",
+]

@@ -41,10 +41,11 @@ class TrainedRun:
 
     def task(self) -> Any:
         """The LightningModule with the checkpoint's weights (without what only training needs:
-        a distillation teacher)."""
+        a distillation teacher, the pre-trained weights it started from)."""
         model_cfg = self.config.model.copy()
-        if model_cfg.get("distillation") is not None:
-            model_cfg.distillation = None
+        for training_only in ("distillation", "pretrained_ckpt"):
+            if model_cfg.get(training_only) is not None:
+                model_cfg[training_only] = None
         task = instantiate(model_cfg)
         check_fits(task, self.ckpt["state_dict"], self.path)
         task.load_state_dict(self.ckpt["state_dict"])

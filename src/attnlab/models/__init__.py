@@ -1,5 +1,6 @@
 """Architectures as plain ``nn.Module``s (no Lightning)."""
 
+from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier, BertTokenClassifier
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
 from attnlab.models.text.transformer import Transformer
@@ -8,6 +9,10 @@ from attnlab.models.vision.timm_model import TimmModel
 from attnlab.models.vision.vit import DistilledVisionTransformer, VisionTransformer
 
 __all__ = [
+    "Bert",
+    "BertPreTraining",
+    "BertSequenceClassifier",
+    "BertTokenClassifier",
     "GPT",
     "DistilledVisionTransformer",
     "Seq2Seq",

@@ -2,6 +2,9 @@
 
 from attnlab.tasks.classification import ImageClassificationTask
 from attnlab.tasks.language_model import LanguageModelTask
+from attnlab.tasks.masked_lm import MaskedLMTask
+from attnlab.tasks.text_classification import TextClassificationTask
 from attnlab.tasks.translation import TranslationTask
 
-__all__ = ["ImageClassificationTask", "LanguageModelTask", "TranslationTask"]
+__all__ = ["ImageClassificationTask", "LanguageModelTask", "MaskedLMTask", "TextClassificationTask",
+           "TranslationTask"]

@@ -64,6 +64,30 @@ def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     return meta
 
 
+def resolve_pretrained(spec: str, log_dir: Path) -> Path:
+    """``model.pretrained_ckpt``: a checkpoint file, or the name of a task whose newest run's
+    ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if "/" not in spec and not spec.endswith(".ckpt"):
+        try:
+            return find_last(log_dir, f"{spec}/runs/*/checkpoints/last.ckpt")
+        except CheckpointError:
+            raise CheckpointError(f"model.pretrained_ckpt={spec}: no run of that task under {log_dir} "
+                                  "(pre-train first) and no such file") from None
+    raise CheckpointError(f"model.pretrained_ckpt={spec}: no such file")
+
+
+def pretrained_artifacts(path: Path) -> dict[str, Any]:
+    """The data artifacts a fine-tuning run takes over from its pre-training checkpoint: the
+    tokenizer, not the classes."""
+    artifacts = metadata(load_checkpoint(path), path)["artifacts"]
+    if "tokenizer" not in artifacts:
+        raise CheckpointError(f"model.pretrained_ckpt={path} holds no tokenizer: not a text pre-training run")
+    return {"tokenizer": artifacts["tokenizer"]}
+
+
 def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Raise naming the first differences if ``state_dict`` does not fit ``model``."""
     expected = model.state_dict()

@@ -119,11 +119,37 @@ class SubwordTokenizer(HFTokenizer):
         return cls(tok)
 
 
-def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer | SubwordTokenizer:
+class WordPieceTokenizer(HFTokenizer):
+    """BERT's WordPiece: lower-cased, split at spaces and punctuation, words cut into pieces
+    ("##" marks a continuation). Ids 0-4 are ``[PAD] [UNK] [CLS] [SEP] [MASK]``; ``encode`` adds
+    none of them (the data builds ``[CLS] A [SEP] B [SEP]`` itself), ``decode`` drops them."""
+
+    kind = "wordpiece"
+    skip_special_tokens = True
+    specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    pad_id, unk_id, cls_id, sep_id, mask_id = 0, 1, 2, 3, 4
+
+    @classmethod
+    def fit(cls, lines: list[str], vocab_size: int) -> WordPieceTokenizer:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
+        )
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
+
+    def token(self, i: int) -> str:
+        return self.tokenizer.id_to_token(i)
+
+
+def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer | SubwordTokenizer | WordPieceTokenizer:
     state = json.loads(s)
     if state["kind"] == "char":
         return CharTokenizer(state["chars"])
-    for cls in (BPETokenizer, SubwordTokenizer):
+    for cls in (BPETokenizer, SubwordTokenizer, WordPieceTokenizer):
         if state["kind"] == cls.kind:
             return cls(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

@@ -1,1 +1,2 @@
-"""Text models: GPT (decoder-only), the Transformer encoder-decoder, RNN seq2seq with attention."""
+"""Text models: GPT (decoder-only), BERT (encoder-only), the Transformer encoder-decoder, RNN
+seq2seq with attention."""

@@ -1,0 +1,50 @@
+"""``attnlab-classify ckpt_path=... text="..."`` (or ``input=<file> output=<file>``): the label
+of each sentence, with its probability, from any sentence-classification run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.errors import CheckpointError, ConfigError
+from attnlab.inference.runs import TrainedRun
+from attnlab.inference.text_classification import classify_sentences, read_sentences
+from attnlab.models import BertSequenceClassifier
+
+
+def classify(cfg: DictConfig) -> list[tuple[str, float]]:
+    if (cfg.text is None) == (cfg.input is None):
+        raise ConfigError("give either text=<sentence> or input=<file, one sentence per line>")
+    sentences = [str(cfg.text)] if cfg.text is not None else read_sentences(Path(str(cfg.input)))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    net = run.net()
+    if not isinstance(net, BertSequenceClassifier) or "classes" not in run.artifacts:
+        raise CheckpointError(f"checkpoint {run.path} is not a sentence-classification run")
+    return classify_sentences(net, run.tokenizer, sentences, run.artifacts["classes"],
+                              run.artifacts.get("max_len", net.encoder.max_len), cfg.batch_size)
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="classify")
+def run(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        lines = [f"{label}\t{p:.4f}" for label, p in classify(cfg)]
+        if cfg.output is not None:
+            Path(str(cfg.output)).write_text("\n".join(lines) + "\n", encoding="utf-8")
+            print(f"{len(lines)} labels written to {cfg.output}", file=sys.stderr)
+        else:
+            print("\n".join(lines))
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("text",))
+    run()
+
+
+if __name__ == "__main__":
+    main()

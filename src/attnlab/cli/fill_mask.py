@@ -1,0 +1,43 @@
+"""``attnlab-fill-mask ckpt_path=... text="the movie was [MASK] ."``: the top-k fillings of each
+[MASK] of a BERT pre-training run, with their probabilities."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.errors import CheckpointError, ConfigError
+from attnlab.inference.runs import TrainedRun
+from attnlab.inference.text_classification import fill_mask
+
+
+def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
+    if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
+        raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    net = run.net()
+    if not hasattr(net, "mlm"):
+        raise CheckpointError(f"checkpoint {run.path} is not a BERT pre-training run (no masked-LM head)")
+    return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="fill_mask")
+def run(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        for n, top in enumerate(fill(cfg)):
+            print(f"[MASK] {n + 1}: " + ", ".join(f"{token} {p:.3f}" for token, p in top))
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("text",))
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Labelled text for fine-tuning: a label per sentence (or sentence pair) from GLUE-format TSV,
+or a label per word from CoNLL files, as ``[CLS] A [SEP] (B [SEP])`` batches of WordPiece ids."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from attnlab.data.base import DataModule
+from attnlab.data.text.formats import read_conll, read_tsv
+from attnlab.data.text.glue import data_file
+from attnlab.data.text.masked_lm import pad
+from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
+from attnlab.errors import DataError
+from attnlab.utils.checks import check_positive
+
+log = logging.getLogger(__name__)
+
+Item = tuple[list[int], list[int], Any]  # ids, segment ids, label(s)
+
+
+def collate(items: list[Item]) -> dict[str, Tensor]:
+    labels = [it[2] for it in items]
+    return {
+        "ids": pad([it[0] for it in items], WordPieceTokenizer.pad_id),
+        "segments": pad([it[1] for it in items]),
+        "labels": pad(labels, -100) if isinstance(labels[0], list) else torch.tensor(labels),
+    }
+
+
+class LabelledTextDataModule(DataModule):
+    """What sentence and token classification share: splits from three files in ``data_dir``,
+    the tokenizer (a pre-trained model's, or WordPiece trained on the training split), batches.
+
+    Args:
+        train_file, val_file, test_file: file names in ``data_dir`` (or known downloads). Select
+            models on ``val_file``; ``test_file`` is scored once, at the end.
+        data_dir: directory holding them.
+        cache_dir: where downloads are kept.
+        vocab_size: WordPiece vocabulary trained when no pre-trained tokenizer is given.
+        max_len: inputs are cut to this many tokens, specials included.
+        batch_size: examples per batch.
+        class_names: names of the labels in id order (default: the ids, or the tags).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, train_file: str, val_file: str, test_file: str, data_dir: str | None = None,
+                 cache_dir: str = "data", vocab_size: int = 8000, max_len: int = 64, batch_size: int = 32,
+                 class_names: list[str] | None = None, num_workers: int = 0) -> None:
+        super().__init__()
+        check_positive("data", vocab_size=vocab_size, max_len=max_len, batch_size=batch_size)
+        self.files = {"train": train_file, "val": val_file, "test": test_file}
+        self.data_dir, self.cache_dir = data_dir, cache_dir
+        self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
+        self.classes: list[str] | None = list(class_names) if class_names else None
+        self.num_workers = num_workers
+        self.tokenizer: WordPieceTokenizer | None = None
+        self.splits: dict[str, list[Item]] = {}
+
+    # -- what a subclass says -----------------------------------------------------------------------
+    def read(self, path: Path) -> list[Any]:
+        """The examples of one file."""
+        raise NotImplementedError
+
+    def texts(self, examples: list[Any]) -> list[str]:
+        """Text to train a tokenizer on."""
+        raise NotImplementedError
+
+    def fit_classes(self, examples: list[Any]) -> list[str]:
+        raise NotImplementedError
+
+    def encode(self, examples: list[Any], path: Path) -> list[Item]:
+        raise NotImplementedError
+
+    # -- shared --------------------------------------------------------------------------------------
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id},
+                "num_classes": self.num_classes}
+
+    def artifacts(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.to_json(), "classes": self.classes, "max_len": self.max_len}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        """A checkpoint's tokenizer (a pre-training run's has no classes: those come from the data)."""
+        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+        if artifacts.get("classes"):
+            self.classes = list(artifacts["classes"])
+
+    def _path(self, split: str) -> Path:
+        return data_file(self.files[split], self.data_dir, self.cache_dir)
+
+    def prepare_data(self) -> None:
+        for split in self.files:
+            self._path(split)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        raw = {split: self.read(self._path(split)) for split in self.files}
+        if self.tokenizer is None:
+            self.tokenizer = WordPieceTokenizer.fit(self.texts(raw["train"]), self.vocab_size)
+        if not isinstance(self.tokenizer, WordPieceTokenizer):
+            raise DataError(f"the checkpoint's tokenizer is a {self.tokenizer.kind} one; "
+                            "BERT tasks need WordPiece")
+        if self.classes is None:
+            self.classes = self.fit_classes(raw["train"])
+        self.splits = {split: self.encode(raw[split], self._path(split)) for split in self.files}
+        log.info("%s: %d train / %d val / %d test examples, %d classes, vocab %d", type(self).__name__,
+                 *(len(self.splits[s]) for s in ("train", "val", "test")), self.num_classes,
+                 self.tokenizer.vocab_size)
+
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def examples(self, n: int) -> list[Item]:
+        """The first ``n`` validation examples (the same ones every time: attention pictures)."""
+        return self.splits["val"][:n]
+
+
+class SentenceClassificationDataModule(LabelledTextDataModule):
+    """GLUE-format TSV (``sentence`` or ``sentence1``/``sentence2``, integer ``label``): SST-2,
+    and any single-sentence or pair task in that format."""
+
+    def read(self, path: Path) -> list[Any]:
+        return read_tsv(path)
+
+    def texts(self, examples: list[Any]) -> list[str]:
+        return [t for e in examples for t in (e.text, e.text_pair) if t]
+
+    def fit_classes(self, examples: list[Any]) -> list[str]:
+        return [str(i) for i in range(max(e.label for e in examples) + 1)]
+
+    def encode(self, examples: list[Any], path: Path) -> list[Item]:
+        budget = self.max_len - (3 if examples[0].text_pair is not None else 2)
+        a_ids = self.tokenizer.encode_batch([e.text for e in examples])
+        b_ids = (self.tokenizer.encode_batch([e.text_pair for e in examples])
+                 if examples[0].text_pair is not None else None)
+        tok, items = WordPieceTokenizer, []
+        for n, e in enumerate(examples):
+            if not 0 <= e.label < self.num_classes:
+                raise DataError(f"{path}: label {e.label} is outside the {self.num_classes} classes "
+                                f"{self.classes}")
+            a = a_ids[n]
+            if b_ids is None:
+                ids = [tok.cls_id, *a[:budget], tok.sep_id]
+                segments = [0] * len(ids)
+            else:
+                b = b_ids[n]
+                while len(a) + len(b) > budget:
+                    a, b = (a[:-1], b) if len(a) > len(b) else (a, b[:-1])
+                ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
+                segments = [0] * (len(a) + 2) + [1] * (len(b) + 1)
+            items.append((ids, segments, e.label))
+        return items
+
+
+class TokenClassificationDataModule(LabelledTextDataModule):
+    """CoNLL files (``word ... tag`` per line, blank lines between sentences): one label per word,
+    on its first WordPiece; the other pieces and the specials are not scored (-100)."""
+
+    def read(self, path: Path) -> list[Any]:
+        return read_conll(path)
+
+    def texts(self, examples: list[Any]) -> list[str]:
+        return [" ".join(words) for words, _ in examples]
+
+    def fit_classes(self, examples: list[Any]) -> list[str]:
+        return sorted({tag for _, tags in examples for tag in tags})
+
+    def encode(self, examples: list[Any], path: Path) -> list[Item]:
+        index = {c: i for i, c in enumerate(self.classes)}
+        tok, items = WordPieceTokenizer, []
+        for words, tags in examples:
+            unknown = sorted(set(tags) - set(index))
+            if unknown:
+                raise DataError(f"{path}: tags {unknown} do not occur in the training file "
+                                f"(classes {self.classes})")
+            ids, labels = [tok.cls_id], [-100]
+            for word, tag in zip(words, tags, strict=True):
+                pieces = self.tokenizer.encode(word) or [tok.unk_id]
+                ids += pieces
+                labels += [index[tag]] + [-100] * (len(pieces) - 1)
+            ids, labels = ids[: self.max_len - 1] + [tok.sep_id], labels[: self.max_len - 1] + [-100]
+            items.append((ids, [0] * len(ids), labels))
+        return items

@@ -1,0 +1,243 @@
+"""BERT pre-training data: segment pairs for next-sentence prediction, masked afresh every batch.
+
+A document (sentences of token ids) is cut in two: A before the cut, B after it (the true next
+segment) or, half of the time, the part after a cut in another document (a random segment, the
+same length distribution, so length gives nothing away). A document of one sentence is cut inside
+it. Each pair becomes ``[CLS] A [SEP] B [SEP]`` with segment ids 0 then 1. Then 15% of the
+ordinary tokens are chosen for prediction: 80% become ``[MASK]``, 10% a random token, 10% stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from attnlab.data.base import DataModule
+from attnlab.data.text.formats import read_corpus
+from attnlab.data.text.glue import data_file
+from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
+from attnlab.errors import ConfigError, DataError
+from attnlab.utils.checks import check_positive
+
+log = logging.getLogger(__name__)
+
+IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as Hugging Face's BertForPreTraining
+N_SPECIALS = len(WordPieceTokenizer.specials)  # ids below this are special tokens, never masked
+Document = list[list[int]]
+
+
+def split_document(doc: Document, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Cut a document in two at a random sentence boundary (inside its sentence if it has one)."""
+    if len(doc) >= 2:
+        k = rng.randint(1, len(doc) - 1)
+        return [t for s in doc[:k] for t in s], [t for s in doc[k:] for t in s]
+    k = rng.randint(1, len(doc[0]) - 1)
+    return doc[0][:k], doc[0][k:]
+
+
+def join_pair(a: list[int], b: list[int], max_len: int) -> tuple[list[int], list[int]]:
+    """``[CLS] A [SEP] B [SEP]`` and its segment ids, cut to ``max_len`` by trimming the longer
+    segment on the side away from the cut."""
+    a, b = list(a), list(b)
+    while len(a) + len(b) > max_len - 3:
+        if len(a) > len(b):
+            a.pop(0)
+        else:
+            b.pop()
+    tok = WordPieceTokenizer
+    ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
+    return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
+
+
+def make_pair(docs: list[Document], i: int, rng: random.Random,
+              max_len: int) -> tuple[list[int], list[int], int]:
+    """Ids, segment ids and NSP label of a pair whose A comes from document ``i``."""
+    a, b = split_document(docs[i], rng)
+    label = IS_NEXT
+    if rng.random() < 0.5 and len(docs) > 1:
+        j = rng.randrange(len(docs) - 1)
+        _, b = split_document(docs[j + (j >= i)], rng)  # any document but i
+        label = NOT_NEXT
+    ids, segments = join_pair(a, b, max_len)
+    return ids, segments, label
+
+
+def mask_tokens(ids: Tensor, vocab_size: int, prob: float = 0.15,
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Inputs with 15% of the ordinary tokens replaced (80% [MASK], 10% random, 10% kept), and
+    the labels: the original id where chosen, -100 elsewhere. Special tokens and padding (ids
+    below ``N_SPECIALS``) are never chosen."""
+    u = torch.rand(ids.shape, generator=generator)
+    chosen = (u < prob) & (ids >= N_SPECIALS)
+    labels = ids.masked_fill(~chosen, -100)
+    how = torch.rand(ids.shape, generator=generator)
+    inputs = ids.masked_fill(chosen & (how < 0.8), WordPieceTokenizer.mask_id)
+    random_ids = torch.randint(N_SPECIALS, vocab_size, ids.shape, generator=generator)
+    swap = chosen & (how >= 0.8) & (how < 0.9)
+    inputs = torch.where(swap, random_ids, inputs)
+    return inputs, labels
+
+
+def pad(rows: list[list[int]], value: int = 0) -> Tensor:
+    out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = torch.tensor(row)
+    return out
+
+
+@dataclass
+class PairCollator:
+    """Pads a list of (ids, segments, nsp label) and masks it (global RNG: a fresh draw per batch)."""
+
+    vocab_size: int
+    mask_prob: float = 0.15
+
+    def __call__(self, items: list[tuple[list[int], list[int], int]],
+                 generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
+        inputs, labels = mask_tokens(ids, self.vocab_size, self.mask_prob, generator)
+        return {
+            "ids": inputs,
+            "segments": pad([it[1] for it in items]),
+            "mlm_labels": labels,
+            "nsp_labels": torch.tensor([it[2] for it in items]),
+        }
+
+
+class SegmentPairs(Dataset):
+    """One pair per document, drawn anew at every access (so every epoch sees new cuts, new
+    random partners and, through the collator, new masks)."""
+
+    def __init__(self, docs: list[Document], max_len: int) -> None:
+        self.docs, self.max_len = docs, max_len
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int], int]:
+        rng = random.Random(int(torch.randint(2**62, ()).item()))  # seeded by seed_everything
+        return make_pair(self.docs, i, rng, self.max_len)
+
+
+class MaskedLMDataModule(DataModule):
+    """BERT pre-training (MLM + NSP) on a text corpus.
+
+    Args:
+        files: corpus files in ``data_dir``: plain text (one sentence per line, documents
+            separated by blank lines) or GLUE ``.tsv`` (each row's ``sentence``, its label unread).
+        data_dir: directory holding them; without it the known SST-2 files are downloaded.
+        cache_dir: where downloads are kept.
+        vocab_size: size of the WordPiece vocabulary trained on the training documents.
+        max_len: longest pair in tokens, specials included.
+        batch_size: pairs per batch.
+        mask_prob: share of the ordinary tokens chosen for prediction.
+        val_fraction: share of the documents held out (seeded) for validation.
+        val_batches: at most this many validation batches (masked once, the same every time).
+        num_workers: DataLoader workers.
+        seed: of the validation split and its fixed masks.
+    """
+
+    def __init__(
+        self,
+        files: list[str],
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        vocab_size: int = 8000,
+        max_len: int = 64,
+        batch_size: int = 64,
+        mask_prob: float = 0.15,
+        val_fraction: float = 0.05,
+        val_batches: int = 20,
+        num_workers: int = 0,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        check_positive("data", vocab_size=vocab_size, max_len=max_len, batch_size=batch_size,
+                       val_batches=val_batches)
+        if not files:
+            raise ConfigError("data.files must name at least one corpus file")
+        if max_len < 5:
+            raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
+        if not 0.0 < mask_prob < 1.0 or not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.mask_prob ({mask_prob}) and data.val_fraction ({val_fraction}) "
+                              "must be between 0 and 1")
+        self.files, self.data_dir, self.cache_dir = list(files), data_dir, cache_dir
+        self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
+        self.mask_prob, self.val_fraction, self.val_batches = mask_prob, val_fraction, val_batches
+        self.num_workers, self.seed = num_workers, seed
+        self.tokenizer: WordPieceTokenizer | None = None
+        self.train_docs: list[Document] | None = None
+        self.val_docs: list[Document] = []
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id}}
+
+    def artifacts(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.to_json()}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+
+    def prepare_data(self) -> None:
+        for name in self.files:
+            data_file(name, self.data_dir, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_docs is not None:
+            return
+        docs = [d for name in self.files for d in read_corpus(data_file(name, self.data_dir, self.cache_dir))]
+        if len(docs) < 2:
+            raise DataError(f"the corpus ({', '.join(self.files)}) holds {len(docs)} document(s); "
+                            "pre-training needs at least two")
+        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        n_val = max(1, int(len(docs) * self.val_fraction))
+        val, train = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val:]]
+        if self.tokenizer is None:
+            self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size)
+        self.train_docs, self.val_docs = self._encode(train), self._encode(val)
+        if not self.train_docs or not self.val_docs:
+            raise DataError(f"the corpus ({', '.join(self.files)}) has too few documents of two or more "
+                            "tokens for a training and a validation split")
+        log.info("corpus %s: %d train / %d val documents, vocab %d", ", ".join(self.files),
+                 len(self.train_docs), len(self.val_docs), self.tokenizer.vocab_size)
+
+    def _encode(self, docs: list[list[str]]) -> list[Document]:
+        """Token ids of each document, without those too short to cut in two."""
+        flat = self.tokenizer.encode_batch([s for d in docs for s in d])
+        out, k = [], 0
+        for d in docs:
+            sentences = [ids for ids in flat[k : k + len(d)] if ids]
+            k += len(d)
+            if sum(map(len, sentences)) >= 2:
+                out.append(sentences)
+        return out
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            SegmentPairs(self.train_docs, self.max_len), batch_size=self.batch_size, shuffle=True,
+            drop_last=True, collate_fn=PairCollator(self.tokenizer.vocab_size, self.mask_prob),
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Fixed pairs and masks, so every validation scores the same predictions."""
+        rng, g = random.Random(self.seed), torch.Generator().manual_seed(self.seed)
+        collate = PairCollator(self.tokenizer.vocab_size, self.mask_prob)
+        n = min(len(self.val_docs), self.val_batches * self.batch_size)
+        pairs = [make_pair(self.val_docs, i, rng, self.max_len) for i in range(n)]
+        batches = [collate(pairs[i : i + self.batch_size], g) for i in range(0, n, self.batch_size)]
+        return DataLoader(batches, batch_size=None)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def examples(self, n: int) -> list[tuple[list[int], list[int], int]]:
+        """The first ``n`` validation pairs, unmasked (the same ones every time: attention pictures)."""
+        rng = random.Random(self.seed)
+        return [make_pair(self.val_docs, i, rng, self.max_len) for i in range(min(n, len(self.val_docs)))]

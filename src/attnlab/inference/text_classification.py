@@ -1,0 +1,71 @@
+"""Filling masks and classifying sentences with trained BERT runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from attnlab.data.text.tokenizers import WordPieceTokenizer
+from attnlab.errors import DataError
+
+MASK = "[MASK]"
+
+
+def encode_sentence(tokenizer: WordPieceTokenizer, text: str, max_len: int) -> list[int]:
+    """``[CLS] text [SEP]`` cut to ``max_len`` tokens. ``[MASK]`` in the text becomes the mask
+    token (WordPiece alone would split it into "[", "mask", "]")."""
+    ids = [WordPieceTokenizer.cls_id]
+    for k, part in enumerate(text.split(MASK)):
+        if k:
+            ids.append(WordPieceTokenizer.mask_id)
+        ids += tokenizer.encode(part)
+    return ids[: max_len - 1] + [WordPieceTokenizer.sep_id]
+
+
+@torch.no_grad()
+def fill_mask(net: nn.Module, tokenizer: WordPieceTokenizer, text: str, top_k: int,
+              max_len: int) -> list[list[tuple[str, float]]]:
+    """For each ``[MASK]`` in ``text``, the ``top_k`` most likely tokens and their probabilities."""
+    if MASK not in text:
+        raise DataError(f"text={text!r} has no {MASK} to fill")
+    ids = torch.tensor([encode_sentence(tokenizer, text, max_len)])
+    masked = ids == WordPieceTokenizer.mask_id
+    if not masked.any():
+        raise DataError(f"text={text!r}: every {MASK} lies beyond the model's {max_len} tokens")
+    logits, _ = net(ids, torch.zeros_like(ids), masked)  # (N, V)
+    probs = logits.float().softmax(-1)
+    probs[:, : len(WordPieceTokenizer.specials)] = 0.0  # a filling is a word piece, not a special
+    top = probs.topk(min(top_k, probs.size(-1)), dim=-1)
+    return [[(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]
+            for ix, pv in zip(top.indices, top.values, strict=True)]
+
+
+def read_sentences(path: Path) -> list[str]:
+    """One sentence per line of a UTF-8 file (empty lines kept: each line gets a label)."""
+    if not path.is_file():
+        raise DataError(f"input={path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"input={path} is not UTF-8 text ({e})") from e
+    if not any(line.strip() for line in lines):
+        raise DataError(f"input={path} is empty; expected one sentence per line")
+    return lines
+
+
+@torch.no_grad()
+def classify_sentences(net: nn.Module, tokenizer: WordPieceTokenizer, sentences: list[str],
+                       classes: list[str], max_len: int, batch_size: int = 64) -> list[tuple[str, float]]:
+    """The most likely class of each sentence and its probability."""
+    from attnlab.data.text.masked_lm import pad
+
+    out: list[tuple[str, float]] = []
+    for start in range(0, len(sentences), batch_size):
+        rows = [encode_sentence(tokenizer, s, max_len) for s in sentences[start : start + batch_size]]
+        ids = pad(rows, WordPieceTokenizer.pad_id)
+        probs = net(ids, torch.zeros_like(ids)).float().softmax(-1)
+        p, k = probs.max(-1)
+        out += [(classes[i], v) for i, v in zip(k.tolist(), p.tolist(), strict=True)]
+    return out

@@ -1,0 +1,90 @@
+"""Fine-tuning a text encoder: a label per sentence (SST-2) or per token (tagging), cross-entropy,
+accuracy and macro F1; the encoder optionally starts from a pre-training run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from attnlab.tasks.encoder import Batch, EncoderTask
+from attnlab.utils.checkpoint import check_fits, load_checkpoint, resolve_pretrained
+
+log = logging.getLogger(__name__)
+
+
+def load_encoder(encoder: nn.Module, path: str) -> None:
+    """Copy the encoder (``net.encoder.*``) of a pre-training checkpoint into ``encoder``; a
+    checkpoint of another size or vocabulary is refused, naming the tensors that differ."""
+    state = load_checkpoint(resolve_pretrained(path, Path("logs")))["state_dict"]
+    state = {k.removeprefix("net.encoder."): v for k, v in state.items() if k.startswith("net.encoder.")}
+    check_fits(encoder, state, f"{path} (model.pretrained_ckpt)")
+    encoder.load_state_dict(state)
+    log.info("encoder weights loaded from %s", path)
+
+
+class TextClassificationTask(EncoderTask):
+    """Trains a net mapping (ids, segments) to logits (B, K) per sequence or (B, T, K) per token;
+    labels of -100 are not scored.
+
+    Logs ``train/loss``; ``val/loss``, ``val/acc``, ``val/f1`` (macro), ``val/acc_best``; and
+    ``test/loss``, ``test/acc``, ``test/f1``.
+
+    Args:
+        net: a ``BertSequenceClassifier`` or ``BertTokenClassifier`` (anything with ``encoder``
+            and ``num_classes``).
+        optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir: see ``EncoderTask``.
+        pretrained_ckpt: a pre-training run's checkpoint whose encoder (and, through the data,
+            tokenizer) this run starts from; ``None``: from scratch.
+    """
+
+    best = ("acc", "max")
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.01,
+        compile: bool = False,
+        pretrained_ckpt: str | None = None,
+        plot_sentences: int = 2,
+        plot_dir: str | None = None,
+    ) -> None:
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir)
+        if pretrained_ckpt:
+            load_encoder(net.encoder, pretrained_ckpt)
+
+    def make_metrics(self) -> dict[str, Metric]:
+        k = self.net.num_classes
+        return {
+            "loss": MeanMetric(),
+            "acc": MulticlassAccuracy(k, average="micro", ignore_index=-100),
+            "f1": MulticlassF1Score(k, average="macro", ignore_index=-100),
+        }
+
+    def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
+        return self.net(ids, segments)
+
+    def _step(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        logits = self(batch["ids"], batch["segments"]).float()
+        logits, labels = logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1)
+        return F.cross_entropy(logits, labels, ignore_index=-100), logits, labels
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss, _, _ = self._step(batch)
+        self.log_train_loss(loss)
+        return loss
+
+    def evaluate(self, batch: Batch, metrics: nn.ModuleDict) -> None:
+        loss, logits, labels = self._step(batch)
+        metrics["loss"].update(loss, (labels != -100).sum())
+        metrics["acc"].update(logits, labels)
+        metrics["f1"].update(logits, labels)
