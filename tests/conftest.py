@@ -222,6 +222,6 @@ def write_sst2(folder: Path, n: int = 48) -> Path:
 def bert_overrides(experiment: str, tmp: Path) -> list[str]:
     """A one-block BERT on fake SST-2 files or the CoNLL fixture (no download, no pre-training run)."""
     data = CONLL_FIXTURE if "ner" in experiment else write_sst2(tmp / "sst2")
-    out = [f"data.data_dir={data}", "data.vocab_size=120", "data.batch_size=8", "model.plot_sentences=0",
+    out = [f"data.data_dir={data}", "data.vocab_size=120", "data.max_tokens=128", "model.plot_sentences=0",
            *BERT_TINY]
     return out + (["model.pretrained_ckpt=null"] if "finetune" in experiment else [])

@@ -39,7 +39,7 @@ from conftest import (
 from test_classification import assert_refused, train_here
 
 TOK = WordPieceTokenizer
-TINY_RUN = [*BERT_TINY, "data.vocab_size=120", "data.batch_size=8", "model.plot_sentences=0",
+TINY_RUN = [*BERT_TINY, "data.vocab_size=120", "data.max_tokens=128", "model.plot_sentences=0",
             "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=2",
             "logger=csv",
             "~callbacks.rich_progress_bar", "~callbacks.model_summary", "extras.print_config=false"]
@@ -143,11 +143,11 @@ def corpus_docs() -> list[list[list[int]]]:
 def test_segment_pairs_are_balanced_and_segment_ids_right():
     torch.manual_seed(0)
     docs = [d for d in corpus_docs() if sum(map(len, d)) >= 2]
-    pairs = SegmentPairs(docs, max_len=20)
+    pairs = SegmentPairs(docs, max_len=20, vocab_size=100)
     labels = []
     for i in range(len(docs)):
         for _ in range(4):
-            ids, segments, label = pairs[i]
+            ids, segments, label = pairs.pair(i)
             labels.append(label)
             assert len(ids) <= 20 and ids[0] == TOK.cls_id and ids[-1] == TOK.sep_id
             first_sep = ids.index(TOK.sep_id)
@@ -174,14 +174,17 @@ def test_corpus_formats(tmp_path):
 def test_pretraining_data_batches(tmp_path):
     sst = write_sst2(tmp_path / "sst", n=200)
     dm = MaskedLMDataModule(files=["alps_train.tsv", "alps_dev.tsv"], data_dir=str(sst), vocab_size=100,
-                            max_len=16, batch_size=8, val_fraction=0.1)
+                            max_len=16, max_tokens=64, val_fraction=0.1)
     dm.setup()
     assert dm.model_kwargs()["encoder"]["pad_id"] == TOK.pad_id
     assert [dm.tokenizer.token(i) for i in range(N_SPECIALS)] == list(TOK.specials)
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"ids", "segments", "mlm_labels", "nsp_labels"}
     assert batch["ids"].shape == batch["segments"].shape == batch["mlm_labels"].shape
-    assert batch["ids"].shape[1] <= 16
+    assert batch["ids"].shape[1] <= 16 and len(batch["ids"]) >= 64 // 16  # budget: about 64 tokens
+    sep = batch["ids"] == TOK.sep_id
+    in_b = (torch.cumsum(sep, 1) - sep.long() >= 1) & (batch["ids"] != TOK.pad_id)  # after the first [SEP]
+    assert torch.equal(batch["segments"].bool(), in_b)
     v1, v2 = (next(iter(dm.val_dataloader())) for _ in range(2))
     assert torch.equal(v1["ids"], v2["ids"])  # validation masks are fixed
 
@@ -350,7 +353,7 @@ def test_model_rejects_bad_sizes():
 def test_pretraining_loss_falls_on_sst2_sentences(tmp_path):
     sst = needs_shared("sst2_glue")
     train_here(tmp_path, "pre", "experiment=bert_pretrain_sst2", f"data.data_dir={sst}", *BERT_TINY,
-               "data.batch_size=32", "data.vocab_size=2000", "model.plot_sentences=0",
+               "data.max_tokens=1024", "data.vocab_size=2000", "model.plot_sentences=0",
                "trainer.max_steps=200", "trainer.val_check_interval=100", "model.scheduler.warmup_steps=20",
                "logger=csv", "~callbacks.rich_progress_bar", "extras.print_config=false", "test=false")
     val = dict(read_metrics(run_dirs(tmp_path, "pre")[-1])["val/mlm_loss"])

@@ -13,12 +13,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torchmetrics.text import SacreBLEUScore
 from torchmetrics.utilities.data import dim_zero_sum
 
-from attnlab.data.text.translation import (
-    RepeatedBatch,
-    TokenBatchSampler,
-    TranslationDataModule,
-    synthetic_pairs,
-)
+from attnlab.data.text.batching import RepeatedBatch, TokenBatchSampler
+from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
 from conftest import VISION_NETS, assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
 from test_translation import fake_multi30k
 

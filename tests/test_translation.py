@@ -13,13 +13,9 @@ import torch
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.data.text import translation as tr
+from attnlab.data.text.batching import TokenBatchSampler
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
-from attnlab.data.text.translation import (
-    TokenBatchSampler,
-    TranslationDataModule,
-    read_parallel,
-    synthetic_pairs,
-)
+from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
 from attnlab.errors import ConfigError, DataError
 from attnlab.models import Seq2Seq, Transformer
 from attnlab.models.text.decoding import beam_search, greedy_decode

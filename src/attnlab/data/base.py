@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 
 
 class DataModule(L.LightningDataModule):
@@ -28,3 +29,12 @@ class DataModule(L.LightningDataModule):
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         pass
+
+    def rank_world(self) -> tuple[int, int]:
+        """This process's rank and the number of processes (the trainer's, else torch.distributed's),
+        for samplers that shard batches themselves."""
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1

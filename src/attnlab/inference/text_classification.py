@@ -59,7 +59,7 @@ def read_sentences(path: Path) -> list[str]:
 def classify_sentences(net: nn.Module, tokenizer: WordPieceTokenizer, sentences: list[str],
                        classes: list[str], max_len: int, batch_size: int = 64) -> list[tuple[str, float]]:
     """The most likely class of each sentence and its probability."""
-    from attnlab.data.text.masked_lm import pad
+    from attnlab.data.text.batching import pad
 
     out: list[tuple[str, float]] = []
     for start in range(0, len(sentences), batch_size):

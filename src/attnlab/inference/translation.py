@@ -7,8 +7,8 @@ import logging
 import torch
 from torch import nn
 
+from attnlab.data.text.batching import TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer
-from attnlab.data.text.translation import TokenBatchSampler, pad
 from attnlab.models.text.decoding import translate_batch
 
 log = logging.getLogger(__name__)

@@ -4,6 +4,7 @@ or a label per word from CoNLL files, as ``[CLS] A [SEP] (B [SEP])`` batches of 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
+from attnlab.data.text.batching import PairBatches, TokenBatchSampler, pad
 from attnlab.data.text.formats import read_conll, read_tsv
 from attnlab.data.text.glue import data_file
-from attnlab.data.text.masked_lm import pad
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,13 @@ log = logging.getLogger(__name__)
 Item = tuple[list[int], list[int], Any]  # ids, segment ids, label(s)
 
 
-def collate(items: list[Item]) -> dict[str, Tensor]:
+def collate(split: list[Item], idx: list[int]) -> dict[str, Tensor]:
+    """The padded batch of ``split``'s examples ``idx``."""
+    items = [split[i] for i in idx]
     labels = [it[2] for it in items]
     return {
         "ids": pad([it[0] for it in items], WordPieceTokenizer.pad_id),
-        "segments": pad([it[1] for it in items]),
+        "segments": pad([it[1] for it in items], 0),
         "labels": pad(labels, -100) if isinstance(labels[0], list) else torch.tensor(labels),
     }
 
@@ -44,21 +47,25 @@ class LabelledTextDataModule(DataModule):
         cache_dir: where downloads are kept.
         vocab_size: WordPiece vocabulary trained when no pre-trained tokenizer is given.
         max_len: inputs are cut to this many tokens, specials included.
-        batch_size: examples per batch.
+        max_tokens: tokens per batch, padding included: batches hold examples of similar
+            length, as many as fit (shuffled every epoch in training).
         class_names: names of the labels in id order (default: the ids, or the tags).
         num_workers: DataLoader workers.
     """
 
     def __init__(self, train_file: str, val_file: str, test_file: str, data_dir: str | None = None,
-                 cache_dir: str = "data", vocab_size: int = 8000, max_len: int = 64, batch_size: int = 32,
-                 class_names: list[str] | None = None, num_workers: int = 0) -> None:
+                 cache_dir: str = "data", vocab_size: int = 8000, max_len: int = 64, max_tokens: int = 2048,
+                 class_names: list[str] | None = None, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
-        check_positive("data", vocab_size=vocab_size, max_len=max_len, batch_size=batch_size)
+        check_positive("data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens)
+        if max_tokens < max_len:
+            raise ConfigError(f"data.max_tokens ({max_tokens}) must hold an example of data.max_len "
+                              f"({max_len})")
         self.files = {"train": train_file, "val": val_file, "test": test_file}
         self.data_dir, self.cache_dir = data_dir, cache_dir
-        self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
+        self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.classes: list[str] | None = list(class_names) if class_names else None
-        self.num_workers = num_workers
+        self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
         self.splits: dict[str, list[Item]] = {}
 
@@ -119,7 +126,11 @@ class LabelledTextDataModule(DataModule):
                  self.tokenizer.vocab_size)
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate,
+        items = self.splits[split]
+        rank, world = self.rank_world()
+        lengths = [len(it[0]) for it in items]
+        sampler = TokenBatchSampler(lengths, self.max_tokens, shuffle, self.seed, world, rank)
+        return DataLoader(PairBatches(partial(collate, items), sampler), sampler=sampler, batch_size=None,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
+from attnlab.data.text.batching import PairBatches, TokenBatchSampler, pad
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -84,45 +85,42 @@ def mask_tokens(ids: Tensor, vocab_size: int, prob: float = 0.15,
     return inputs, labels
 
 
-def pad(rows: list[list[int]], value: int = 0) -> Tensor:
-    out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
-    for r, row in enumerate(rows):
-        out[r, : len(row)] = torch.tensor(row)
-    return out
-
-
 @dataclass
-class PairCollator:
-    """Pads a list of (ids, segments, nsp label) and masks it (global RNG: a fresh draw per batch)."""
+class SegmentPairs:
+    """Batches of pairs, one per document index, masked: ``pairs([i, j, ...])``.
 
+    Training (``fixed=False``): each call draws new cuts, random partners and masks from the
+    global RNG (seeded by ``seed_everything``), so every epoch sees new ones. Evaluation
+    (``fixed=True``): document ``i``'s pair and the batch's masks are seeded by ``seed`` and the
+    indices, so every validation scores the same predictions, however the batches are cut.
+    """
+
+    docs: list[Document]
+    max_len: int
     vocab_size: int
     mask_prob: float = 0.15
+    fixed: bool = False
+    seed: int = 0
 
-    def __call__(self, items: list[tuple[list[int], list[int], int]],
-                 generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    def lengths(self) -> list[int]:
+        """About each document's pair length (the sampler's budget unit)."""
+        return [min(sum(map(len, d)) + 3, self.max_len) for d in self.docs]
+
+    def pair(self, i: int) -> tuple[list[int], list[int], int]:
+        seed = self.seed * 1_000_003 + i if self.fixed else int(torch.randint(2**62, ()).item())
+        return make_pair(self.docs, i, random.Random(seed), self.max_len)
+
+    def __call__(self, idx: list[int]) -> dict[str, Tensor]:
+        items = [self.pair(i) for i in idx]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + idx[0]) if self.fixed else None
         ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
         inputs, labels = mask_tokens(ids, self.vocab_size, self.mask_prob, generator)
         return {
             "ids": inputs,
-            "segments": pad([it[1] for it in items]),
+            "segments": pad([it[1] for it in items], 0),
             "mlm_labels": labels,
             "nsp_labels": torch.tensor([it[2] for it in items]),
         }
-
-
-class SegmentPairs(Dataset):
-    """One pair per document, drawn anew at every access (so every epoch sees new cuts, new
-    random partners and, through the collator, new masks)."""
-
-    def __init__(self, docs: list[Document], max_len: int) -> None:
-        self.docs, self.max_len = docs, max_len
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int], int]:
-        rng = random.Random(int(torch.randint(2**62, ()).item()))  # seeded by seed_everything
-        return make_pair(self.docs, i, rng, self.max_len)
 
 
 class MaskedLMDataModule(DataModule):
@@ -135,10 +133,12 @@ class MaskedLMDataModule(DataModule):
         cache_dir: where downloads are kept.
         vocab_size: size of the WordPiece vocabulary trained on the training documents.
         max_len: longest pair in tokens, specials included.
-        batch_size: pairs per batch.
+        max_tokens: tokens per batch, padding included: batches hold documents of similar
+            length (few short pairs padded to a long one), as many as fit.
         mask_prob: share of the ordinary tokens chosen for prediction.
         val_fraction: share of the documents held out (seeded) for validation.
-        val_batches: at most this many validation batches (masked once, the same every time).
+        val_docs: at most this many held-out documents are scored at each validation (their
+            pairs and masks the same every time).
         num_workers: DataLoader workers.
         seed: of the validation split and its fixed masks.
     """
@@ -150,26 +150,28 @@ class MaskedLMDataModule(DataModule):
         cache_dir: str = "data",
         vocab_size: int = 8000,
         max_len: int = 64,
-        batch_size: int = 64,
+        max_tokens: int = 4096,
         mask_prob: float = 0.15,
         val_fraction: float = 0.05,
-        val_batches: int = 20,
+        val_docs: int = 2000,
         num_workers: int = 0,
         seed: int = 1234,
     ) -> None:
         super().__init__()
-        check_positive("data", vocab_size=vocab_size, max_len=max_len, batch_size=batch_size,
-                       val_batches=val_batches)
+        check_positive("data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens,
+                       val_docs=val_docs)
         if not files:
             raise ConfigError("data.files must name at least one corpus file")
         if max_len < 5:
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
+        if max_tokens < max_len:
+            raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
         if not 0.0 < mask_prob < 1.0 or not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.mask_prob ({mask_prob}) and data.val_fraction ({val_fraction}) "
                               "must be between 0 and 1")
         self.files, self.data_dir, self.cache_dir = list(files), data_dir, cache_dir
-        self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
-        self.mask_prob, self.val_fraction, self.val_batches = mask_prob, val_fraction, val_batches
+        self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
+        self.mask_prob, self.val_fraction, self.val_docs_scored = mask_prob, val_fraction, val_docs
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
         self.train_docs: list[Document] | None = None
@@ -218,26 +220,27 @@ class MaskedLMDataModule(DataModule):
                 out.append(sentences)
         return out
 
+    def _loader(self, pairs: SegmentPairs, shuffle: bool) -> DataLoader:
+        rank, world = self.rank_world()
+        sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, shuffle, self.seed, world, rank)
+        return DataLoader(PairBatches(pairs, sampler), sampler=sampler, batch_size=None,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            SegmentPairs(self.train_docs, self.max_len), batch_size=self.batch_size, shuffle=True,
-            drop_last=True, collate_fn=PairCollator(self.tokenizer.vocab_size, self.mask_prob),
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-        )
+        return self._loader(SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size,
+                                         self.mask_prob), shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        """Fixed pairs and masks, so every validation scores the same predictions."""
-        rng, g = random.Random(self.seed), torch.Generator().manual_seed(self.seed)
-        collate = PairCollator(self.tokenizer.vocab_size, self.mask_prob)
-        n = min(len(self.val_docs), self.val_batches * self.batch_size)
-        pairs = [make_pair(self.val_docs, i, rng, self.max_len) for i in range(n)]
-        batches = [collate(pairs[i : i + self.batch_size], g) for i in range(0, n, self.batch_size)]
-        return DataLoader(batches, batch_size=None)
+        """The first ``val_docs`` held-out documents, with fixed pairs and masks."""
+        docs = self.val_docs[: self.val_docs_scored]
+        return self._loader(SegmentPairs(docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob,
+                                         fixed=True, seed=self.seed), shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
     def examples(self, n: int) -> list[tuple[list[int], list[int], int]]:
         """The first ``n`` validation pairs, unmasked (the same ones every time: attention pictures)."""
-        rng = random.Random(self.seed)
-        return [make_pair(self.val_docs, i, rng, self.max_len) for i in range(min(n, len(self.val_docs)))]
+        pairs = SegmentPairs(self.val_docs, self.max_len, self.tokenizer.vocab_size, fixed=True,
+                             seed=self.seed)
+        return [pairs.pair(i) for i in range(min(n, len(self.val_docs)))]

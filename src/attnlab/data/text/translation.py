@@ -5,17 +5,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
 from attnlab.data.download import fetch
+from attnlab.data.text.batching import PairBatches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_positive
@@ -84,111 +83,6 @@ class ParallelSplit:
         return len(self.src)
 
 
-class RepeatedBatch(list):
-    """An evaluation batch repeated only so that every process runs as many steps (not to be scored)."""
-
-
-class TokenBatchSampler(DistributedSampler):
-    """Batches of similar-length pairs holding at most ``max_tokens`` tokens each (with padding),
-    shared out between ``num_replicas`` processes.
-
-    Every process builds the same global list of batches from ``(seed, epoch)``: pairs sorted by
-    length (with a little noise when shuffling, so batches differ between epochs), cut into
-    batches, and, when shuffling, the batch order shuffled. Process ``rank`` then takes batches
-    ``rank, rank + num_replicas, ...``, so every process gets the same number of batches:
-
-    - training (``shuffle=True``): the list is padded to a multiple of ``num_replicas`` by
-      repeating its first batches (as ``DistributedSampler`` pads samples);
-    - evaluation (``shuffle=False``): no pair is repeated; the list is brought to a multiple of
-      ``num_replicas`` by halving its largest batches, in length order. Only where that cannot be
-      done (fewer pairs than processes, say) are batches repeated, as ``RepeatedBatch``, which the
-      collate function marks ``repeat`` for the task to skip.
-
-    Equal counts matter under DDP: a process with an extra step would wait forever for the others
-    in the step's collective calls (the gradient all-reduce, or the buffer broadcast of DDP's
-    forward, which also runs in validation).
-
-    It is a ``DistributedSampler`` (yielding lists of indices) for Lightning's sake: a loader whose
-    ``sampler`` is one is left alone by Lightning (no sampler injection, whatever
-    ``use_distributed_sampler`` says), and Lightning calls its ``set_epoch`` at every epoch. Use it
-    as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset indexed by whole
-    batches (``PairBatches``). With the defaults (one process) it is a plain batch sampler.
-    """
-
-    def __init__(
-        self,
-        lengths: list[int],
-        max_tokens: int,
-        shuffle: bool,
-        seed: int = 0,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed)
-        self.lengths, self.max_tokens = lengths, max_tokens
-        self._cache: tuple[int, list[list[int]]] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def global_batches(self) -> list[list[int]]:
-        """The batches of all processes for this epoch, before padding."""
-        rng = random.Random(self.seed + self.epoch)
-        noise = [rng.random() if self.shuffle else 0.0 for _ in self.lengths]
-        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i] + noise[i], i))
-        batches, batch, longest = [], [], 0
-        for i in order:
-            longest_if_added = max(longest, self.lengths[i])
-            if batch and longest_if_added * (len(batch) + 1) > self.max_tokens:
-                batches.append(batch)
-                batch, longest_if_added = [], self.lengths[i]
-            batch.append(i)
-            longest = longest_if_added
-        if batch:
-            batches.append(batch)
-        if self.shuffle:
-            rng.shuffle(batches)
-        return batches
-
-    def _shard(self) -> list[list[int]]:
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
-        batches, w = self.global_batches(), self.num_replicas
-        if not batches:
-            return []
-        if not self.shuffle:
-            while len(batches) % w and max(map(len, batches)) > 1:
-                i = max(range(len(batches)), key=lambda j: len(batches[j]))  # the first largest
-                half = len(batches[i]) // 2
-                batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
-        missing = -len(batches) % w
-        repeat = list if self.shuffle else RepeatedBatch
-        batches = batches + [repeat(batches[k % len(batches)]) for k in range(missing)]
-        shard = batches[self.rank :: w]
-        self._cache = (self.epoch, shard)
-        return shard
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._shard())
-
-    def batch(self, k: int) -> list[int]:
-        """This process's ``k``-th batch of the current epoch."""
-        return self._shard()[k]
-
-    def __len__(self) -> int:
-        return len(self._shard())
-
-
-def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
-    """(B, T) ids, padded to the longest. (Rounding T up to a multiple of 8 was measured here:
-    18% fewer target tokens/s, the extra padding costing more than the shapes save.)"""
-    out = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
-
-
 class Collate:
     """Pad a batch: ``src`` (B, S); ``tgt_in`` = <bos> y and ``tgt_out`` = y <eos> (B, T); ``idx``;
     ``repeat``: whether it is a ``RepeatedBatch`` (evaluation padding, not to be scored)."""
@@ -206,25 +100,6 @@ class Collate:
             "idx": torch.tensor(idx),
             "repeat": isinstance(idx, RepeatedBatch),
         }
-
-
-class PairBatches(Dataset):
-    """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the padded batch of those
-    pairs, for a loader with ``sampler=TokenBatchSampler(...)`` and ``batch_size=None``.
-    ``dataset[k]`` (an int) is the sampler's ``k``-th batch: Lightning's ``overfit_batches`` swaps
-    the sampler for a ``SequentialSampler`` over the dataset, which then yields the first batches
-    of epoch 0, the same ones every epoch."""
-
-    def __init__(self, collate: Collate, sampler: TokenBatchSampler) -> None:
-        self.collate, self.sampler = collate, sampler
-
-    def __getitem__(self, idx: list[int] | int) -> dict[str, Any]:
-        if isinstance(idx, int):
-            idx = self.sampler.batch(idx)
-        return self.collate(idx)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
 
 class TranslationDataModule(DataModule):
@@ -409,14 +284,6 @@ class TranslationDataModule(DataModule):
         return ParallelSplit(src, tgt, src_text, tgt_text)
 
     # -- loaders -----------------------------------------------------------------------------
-    def _rank_world(self) -> tuple[int, int]:
-        """This process's rank and the number of processes (the trainer's, else torch.distributed's)."""
-        if self.trainer is not None:
-            return self.trainer.global_rank, self.trainer.world_size
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return 0, 1
-
     def _loader(self, stage: str, shuffle: bool) -> DataLoader:
         """Token-budget batches of a split; under DDP each process gets its share (see
         ``TokenBatchSampler``: training batches reshuffled every epoch, every evaluation pair
@@ -425,7 +292,7 @@ class TranslationDataModule(DataModule):
         assert self.tokenizer is not None
         lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
         budget = self.max_tokens if stage == "train" else self.eval_max_tokens
-        rank, world = self._rank_world()
+        rank, world = self.rank_world()
         sampler = TokenBatchSampler(lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world,
                                     rank=rank)
         tok = self.tokenizer
