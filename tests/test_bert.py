@@ -255,6 +255,12 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     metrics = read_metrics(run)
     assert metrics["test/acc"][-1][1] > 0.9 and "test/f1" in metrics  # the adjective gives the label away
     assert list((run / "attention").glob("*_cls.png"))
+    from attnlab.cli.eval import evaluate  # attnlab-eval rebuilds data and model from the checkpoint
+
+    best = next((run / "checkpoints").glob("step_*.ckpt"))
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"ckpt_path={best}", f"paths.output_dir={tmp_path / 'eval'}"])
+    assert evaluate(cfg)["test/acc"] == pytest.approx(metrics["test/acc"][-1][1])
     inputs = tmp_path / "in.txt"
     inputs.write_text("the film was great and the plot too\nthe movie was awful and the cast too\n")
     out = tmp_path / "labels.tsv"
@@ -262,10 +268,10 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     proc = run_cli("classify", [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     labels = [line.split("\t") for line in out.read_text().splitlines()]
-    assert [lab for lab, _ in labels] == ["positive", "negative"]
+    assert [lab for lab, _ in labels] == ["1", "0"]  # GLUE's labels: 1 positive, 0 negative
     assert all(0.5 < float(p) <= 1 for _, p in labels)
     proc = run_cli("classify", [f"ckpt_path={ckpt}", "text=the plot was dull and the ending too"], tmp_path)
-    assert proc.returncode == 0 and proc.stdout.startswith("negative\t"), proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.startswith("0\t"), proc.stdout + proc.stderr[-2000:]
 
 
 def test_fill_mask_gives_top_k_candidates(pretrained):

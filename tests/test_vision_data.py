@@ -15,6 +15,7 @@ import torch
 
 from attnlab.data import ImageClassificationDataModule
 from attnlab.data.vision import datasets
+from attnlab.data.vision.classification import random_crop_flip
 from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, load_image_folder, read_image
 from attnlab.data.vision.idx import read_idx
 from attnlab.errors import ConfigError, DataError
@@ -155,6 +156,22 @@ def test_datamodule_split_normalisation_and_mixup(tmp_path):
     x, y = dm.on_after_batch_transfer((images, labels), 0)
     assert x.shape == (8, 1, 28, 28) and y.shape == (8, 10)  # mixed label distributions
     torch.testing.assert_close(y.sum(1), torch.ones(8))
+
+
+def test_batch_crop_and_flip_are_per_image_shifts_and_mirrors():
+    torch.manual_seed(0)
+    images = torch.randint(1, 256, (32, 2, 6, 6), dtype=torch.uint8)
+    out = random_crop_flip(images, 2, 0.5)
+    padded = torch.nn.functional.pad(images, (2,) * 4)
+    seen = set()
+    for b in range(32):
+        crops = {(y, x, 0): padded[b, :, y : y + 6, x : x + 6] for y in range(5) for x in range(5)}
+        crops |= {(y, x, 1): c.flip(-1) for (y, x, _), c in crops.items()}
+        match = [k for k, c in crops.items() if torch.equal(out[b], c)]
+        assert match, b  # every image is its own shifted (and maybe mirrored) copy
+        seen.add(match[0])
+    assert len(seen) > 10 and {f for _, _, f in seen} == {0, 1}  # drawn per image
+    assert torch.equal(random_crop_flip(images, 0, 1.0), images.flip(-1))
 
 
 def test_datamodule_resizes_once_and_keeps_checkpoint_statistics(tmp_path):

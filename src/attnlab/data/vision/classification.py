@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from timm.data import Mixup
@@ -48,6 +47,24 @@ class RandAugment:
         return torch.from_numpy(out.copy()).reshape(x.shape[1], x.shape[2], -1).permute(2, 0, 1)
 
 
+def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
+    """A random ``padding``-pixel shift (a crop of the zero-padded image) and a horizontal flip
+    with probability ``flip``, each drawn per image, done on the whole (B, C, H, W) batch at once
+    (per image through torchvision it took ~15% of a small ViT's training step)."""
+    b, _, h, w = images.shape
+    if padding:
+        padded = torch.nn.functional.pad(images, (padding,) * 4)
+        dy, dx = (torch.randint(0, 2 * padding + 1, (b, 1), device=images.device) for _ in range(2))
+        rows = dy + torch.arange(h, device=images.device)  # (B, H)
+        cols = dx + torch.arange(w, device=images.device)  # (B, W)
+        batch = torch.arange(b, device=images.device)[:, None, None]
+        images = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+    if flip:
+        flipped = torch.rand(b, device=images.device) < flip
+        images = torch.where(flipped[:, None, None, None], images.flip(-1), images)
+    return images
+
+
 class LabelledImages(Dataset):
     """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform."""
 
@@ -65,8 +82,9 @@ class LabelledImages(Dataset):
 class ImageClassificationDataModule(DataModule):
     """Labelled images for classification.
 
-    Images are kept as uint8 tensors; per-channel normalisation (the training split's mean and
-    std), random erasing and mixup/cutmix run on whole batches after they reach the device.
+    Images are kept as uint8 tensors; RandAugment runs per image in the loader; random crops and
+    flips, per-channel normalisation (the training split's mean and std), random erasing and
+    mixup/cutmix run on whole batches after they reach the device.
 
     Args:
         dataset: "mnist", "fashion_mnist" (the IDX files), "cifar10" (torchvision) or
@@ -218,14 +236,7 @@ class ImageClassificationDataModule(DataModule):
         return TF.resize(images, [self.img_size, self.img_size], antialias=True)
 
     def _train_transform(self) -> Any:
-        steps: list[Any] = []
-        if self.crop_padding:
-            steps.append(T.RandomCrop(self.size, padding=self.crop_padding))
-        if self.hflip:
-            steps.append(T.RandomHorizontalFlip(self.hflip))
-        if self.rand_augment:
-            steps.append(RandAugment(self.rand_augment, self.mean))
-        return T.Compose(steps) if steps else None
+        return RandAugment(self.rand_augment, self.mean) if self.rand_augment else None
 
     # --- batches ---------------------------------------------------------------------------
 
@@ -239,8 +250,11 @@ class ImageClassificationDataModule(DataModule):
         self, batch: tuple[Tensor, Tensor], dataloader_idx: int
     ) -> tuple[Tensor, Tensor]:
         images, labels = batch
+        training = self.trainer is not None and self.trainer.training
+        if training and (self.crop_padding or self.hflip):
+            images = random_crop_flip(images, self.crop_padding, self.hflip)
         x = self.normalize(images)
-        if self.trainer is not None and self.trainer.training:
+        if training:
             if self.random_erasing:  # in place, per image; fills with noise made on the batch's device
                 x = RandomErasing(self.random_erasing, mode="pixel", device=x.device)(x)
             if self.mixup is not None:
