@@ -91,8 +91,9 @@ class SegmentPairs:
 
     Training (``fixed=False``): each call draws new cuts, random partners and masks from the
     global RNG (seeded by ``seed_everything``), so every epoch sees new ones. Evaluation
-    (``fixed=True``): document ``i``'s pair and the batch's masks are seeded by ``seed`` and the
-    indices, so every validation scores the same predictions, however the batches are cut.
+    (``fixed=True``): document ``i``'s pair is seeded by ``seed`` and ``i``, a batch's masks by
+    ``seed`` and its first index; evaluation batches are cut the same way every time, so every
+    validation scores the same predictions.
     """
 
     docs: list[Document]
