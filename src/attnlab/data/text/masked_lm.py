@@ -1,10 +1,11 @@
 """BERT pre-training data: segment pairs for next-sentence prediction, masked afresh every batch.
 
 A document (sentences of token ids) is cut in two: A before the cut, B after it (the true next
-segment) or, half of the time, the part after a cut in another document (a random segment, the
-same length distribution, so length gives nothing away). A document of one sentence is cut inside
-it. Each pair becomes ``[CLS] A [SEP] B [SEP]`` with segment ids 0 then 1. Then 15% of the
-ordinary tokens are chosen for prediction: 80% become ``[MASK]``, 10% a random token, 10% stay.
+segment) or, half of the time, the part after a cut in another document, no longer than the true B
+(so length gives nothing away, and a pair is never longer than its document). A document of one
+sentence is cut inside it. Each pair becomes ``[CLS] A [SEP] B [SEP]`` with segment ids 0 then 1.
+Then 15% of the ordinary tokens are chosen for prediction: 80% become ``[MASK]``, 10% a random
+token, 10% stay.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def make_pair(docs: list[Document], i: int, rng: random.Random,
     label = IS_NEXT
     if rng.random() < 0.5 and len(docs) > 1:
         j = rng.randrange(len(docs) - 1)
-        _, b = split_document(docs[j + (j >= i)], rng)  # any document but i
-        label = NOT_NEXT
+        _, other = split_document(docs[j + (j >= i)], rng)  # any document but i
+        # no longer than the true B: a pair is never longer than its document, which is what
+        # the batch sampler budgets for (and the length says nothing of the label)
+        b, label = other[: len(b)], NOT_NEXT
     ids, segments = join_pair(a, b, max_len)
     return ids, segments, label
 
@@ -104,7 +107,7 @@ class SegmentPairs:
     seed: int = 0
 
     def lengths(self) -> list[int]:
-        """About each document's pair length (the sampler's budget unit)."""
+        """Each document's pair length, an upper bound (the sampler's budget unit)."""
         return [min(sum(map(len, d)) + 3, self.max_len) for d in self.docs]
 
     def pair(self, i: int) -> tuple[list[int], list[int], int]:
