@@ -196,7 +196,7 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
 
 
 BERT_TINY = ["model.net.encoder.dim=16", "model.net.encoder.depth=1", "model.net.encoder.n_head=2",
-             "model.net.encoder.mlp_dim=32", "model.net.encoder.max_len=32"]
+             "model.net.encoder.mlp_dim=32"]
 CONLL_FIXTURE = ROOT / "tests" / "fixtures" / "conll"
 
 

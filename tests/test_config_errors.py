@@ -90,8 +90,9 @@ def test_wrong_type_is_one_line_naming_key_value_and_type(experiment, override, 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_shipped_experiments_pass(experiment):
     cfg = composed(f"experiment={experiment}")
-    filled_by_data = "vocab_size" if "vocab_size" in cfg.model.net.keys() else "num_classes"
-    assert cfg.trainer.precision == "auto" and cfg.model.net._get_node(filled_by_data)._is_missing()
+    net = cfg.model.net.encoder if "encoder" in cfg.model.net else cfg.model.net  # BERT: the encoder's
+    filled_by_data = "vocab_size" if "vocab_size" in net.keys() else "num_classes"
+    assert cfg.trainer.precision == "auto" and net._get_node(filled_by_data)._is_missing()
     check_config(cfg)
 
 
