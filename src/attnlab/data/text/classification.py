@@ -51,6 +51,7 @@ class LabelledTextDataModule(DataModule):
             length, as many as fit (shuffled every epoch in training).
         class_names: names of the labels in id order (default: the ids, or the tags).
         num_workers: DataLoader workers.
+        seed: of the training batches' order.
     """
 
     def __init__(self, train_file: str, val_file: str, test_file: str, data_dir: str | None = None,
