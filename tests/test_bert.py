@@ -332,7 +332,7 @@ def test_fill_mask_without_mask_and_classify_bad_inputs(pretrained, tmp_path):
                    classify_cfg(f"ckpt_path={ckpt}", f"input={latin}"))
     assert_refused("is not a sentence-classification run", classify,
                    classify_cfg(f"ckpt_path={ckpt}", "text=fine"))
-    assert_refused("either text=", classify, classify_cfg(f"ckpt_path={ckpt}"))
+    assert_refused("exactly one of text=", classify, classify_cfg(f"ckpt_path={ckpt}"))
 
 
 def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):

@@ -10,17 +10,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
-from attnlab.errors import CheckpointError, ConfigError
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text, read_sentences
+from attnlab.errors import CheckpointError
 from attnlab.inference.runs import TrainedRun
-from attnlab.inference.text_classification import classify_sentences, read_sentences
+from attnlab.inference.text_classification import classify_sentences
 from attnlab.models import BertSequenceClassifier
 
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
-    if (cfg.text is None) == (cfg.input is None):
-        raise ConfigError("give either text=<sentence> or input=<file, one sentence per line>")
-    sentences = [str(cfg.text)] if cfg.text is not None else read_sentences(Path(str(cfg.input)))
+    sentences = read_sentences(cfg)
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     net = run.net()
     if not isinstance(net, BertSequenceClassifier) or "classes" not in run.artifacts:

@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig, open_dict
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, ConfigError, DataError
 from attnlab.utils.hardware import resolve_precision
 
 log = logging.getLogger("attnlab")
@@ -70,6 +70,25 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
             arg = f"{key}='{value}'"
         out.append(arg)
     return out
+
+
+def read_sentences(cfg: DictConfig) -> list[str]:
+    """The sentences of ``text="..."`` or ``input=<file, one per line>`` (exactly one of the two);
+    every line of the file is kept, so the output has one line per input line."""
+    if (cfg.text is None) == (cfg.input is None):
+        raise ConfigError('give exactly one of text="..." or input=<file with one sentence per line>')
+    if cfg.text is not None:
+        return [str(cfg.text)]
+    path = Path(str(cfg.input))
+    if not path.is_file():
+        raise DataError(f"input={path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"input={path} is not UTF-8 text ({e})") from None
+    if not any(line.strip() for line in lines):
+        raise DataError(f"input={path} is empty; expected one sentence per line")
+    return lines
 
 
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:

@@ -10,7 +10,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text, read_sentences
 from attnlab.data.text.tokenizers import SubwordTokenizer
 from attnlab.errors import ConfigError, DataError
 from attnlab.inference.runs import TrainedRun
@@ -19,25 +19,8 @@ from attnlab.inference.translation import translate_sentences
 log = logging.getLogger("attnlab.translate")
 
 
-def read_input(cfg: DictConfig) -> list[str]:
-    if (cfg.text is None) == (cfg.input is None):
-        raise ConfigError('give exactly one of text="..." or input=<file with one sentence per line>')
-    if cfg.text is not None:
-        return [str(cfg.text)]
-    path = Path(str(cfg.input))
-    if not path.is_file():
-        raise DataError(f"input file {path} does not exist")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"input file {path} is not UTF-8 text: {e}") from None
-    if not lines:
-        raise DataError(f"input file {path} is empty")
-    return lines
-
-
 def translate(cfg: DictConfig) -> list[str]:
-    sentences = read_input(cfg)
+    sentences = read_sentences(cfg)
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     tokenizer = run.tokenizer
     if not isinstance(tokenizer, SubwordTokenizer):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -40,19 +38,6 @@ def fill_mask(net: nn.Module, tokenizer: WordPieceTokenizer, text: str, top_k: i
     top = probs.topk(min(top_k, probs.size(-1)), dim=-1)
     return [[(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]
             for ix, pv in zip(top.indices, top.values, strict=True)]
-
-
-def read_sentences(path: Path) -> list[str]:
-    """One sentence per line of a UTF-8 file (empty lines kept: each line gets a label)."""
-    if not path.is_file():
-        raise DataError(f"input={path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"input={path} is not UTF-8 text ({e})") from e
-    if not any(line.strip() for line in lines):
-        raise DataError(f"input={path} is empty; expected one sentence per line")
-    return lines
 
 
 @torch.no_grad()
