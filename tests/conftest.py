@@ -168,9 +168,9 @@ def write_cifar(folder: Path, n: int = 4) -> Path:
 
 
 VISION_NETS = {
-    "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2"],
+    "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
     "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_heads=[1,2,2]"],
-    "convnet": ["model.net.name=test_resnet"],
+    "convnet": ["model.net.widths=[4,8]"],
 }
 
 

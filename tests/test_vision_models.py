@@ -7,8 +7,9 @@ import timm
 import torch
 
 from attnlab.errors import ConfigError
-from attnlab.models import DistilledVisionTransformer, SwinTransformer, TimmModel, VisionTransformer
+from attnlab.models import ConvNet, DistilledVisionTransformer, SwinTransformer, TimmModel, VisionTransformer
 from attnlab.models.vision.timm_weights import load_timm_weights
+from attnlab.nn import ConvStem
 from attnlab.nn.window_attention import (
     WindowAttention,
     relative_position_index,
@@ -118,6 +119,32 @@ def test_patch_count_and_shapes():
     plain, shifted = windows.values()  # each window shares out its queries' average attention, 1
     torch.testing.assert_close(plain.view(2, 4, 4, 4, 4).sum(dim=(2, 4)), torch.ones(2, 4, 4))
     torch.testing.assert_close(shifted.sum(dim=(1, 2)), torch.full((2,), 16.0))
+
+
+def test_conv_stem_gives_the_patch_tokens_row_by_row():
+    vit = VisionTransformer(**{**VIT, "patch_size": 4, "stem": "conv"}).eval()
+    assert isinstance(vit.patch_embed, ConvStem) and vit.patch_embed.num_patches == 49
+    x = torch.randn(2, 1, 28, 28)
+    assert vit.forward_features(x).shape == (2, 50, 48) and vit(x).shape == (2, 10)
+    tokens = vit.patch_embed(x)  # (B, 49, D): a change in the top-left patch stays near it
+    x2 = x.clone()
+    x2[:, :, :4, :4] += 1.0
+    changed = (vit.patch_embed(x2) - tokens).abs().amax(dim=(0, 2)).view(7, 7) > 0
+    assert changed[0, 0] and not changed[2:].any() and not changed[:, 2:].any()
+    with pytest.raises(ConfigError, match=r"patch_size \(7\) must be a power of two"):
+        VisionTransformer(**{**VIT, "stem": "conv"})
+    with pytest.raises(ConfigError, match="model.net.stem must be one of 'patch', 'conv'"):
+        VisionTransformer(**{**VIT, "stem": "hybrid"})
+
+
+def test_convnet_keeps_resolution_in_its_first_stage():
+    net = ConvNet(num_classes=10, img_size=28, in_chans=1, widths=(8, 16, 32)).eval()
+    x = torch.randn(2, 1, 28, 28)
+    assert net.forward_features(x).shape == (2, 32, 7, 7)
+    assert net.forward_head(net.forward_features(x), pre_logits=True).shape == (2, 32)
+    assert net(x).shape == (2, 10)
+    with pytest.raises(ConfigError, match=r"widths\[1\] must be a positive integer"):
+        ConvNet(num_classes=10, img_size=28, in_chans=1, widths=(8, 0))
 
 
 def test_window_partition_round_trip():

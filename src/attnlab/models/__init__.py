@@ -4,6 +4,7 @@ from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifi
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
 from attnlab.models.text.transformer import Transformer
+from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.swin import SwinTransformer
 from attnlab.models.vision.timm_model import TimmModel
 from attnlab.models.vision.vit import DistilledVisionTransformer, VisionTransformer
@@ -13,6 +14,7 @@ __all__ = [
     "BertPreTraining",
     "BertSequenceClassifier",
     "BertTokenClassifier",
+    "ConvNet",
     "GPT",
     "DistilledVisionTransformer",
     "Seq2Seq",

@@ -8,7 +8,13 @@ from attnlab.nn.attention import (
 )
 from attnlab.nn.blocks import MLP, AttentionWeights, TransformerBlock
 from attnlab.nn.dropout import Dropout, byte_dropout
-from attnlab.nn.embedding import LearnedPositions, PatchEmbedding, SinusoidalPositions, TokenEmbedding
+from attnlab.nn.embedding import (
+    ConvStem,
+    LearnedPositions,
+    PatchEmbedding,
+    SinusoidalPositions,
+    TokenEmbedding,
+)
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 from attnlab.nn.window_attention import WindowAttention
 
@@ -16,6 +22,7 @@ __all__ = [
     "MLP",
     "AdditiveAttention",
     "AttentionWeights",
+    "ConvStem",
     "Dropout",
     "KVCache",
     "LearnedPositions",

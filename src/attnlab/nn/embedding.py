@@ -116,3 +116,44 @@ class PatchEmbedding(nn.Module):
             raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
                              f"got ({c}, {h}, {w})")
         return self.norm(self.proj(x).flatten(2).transpose(1, 2))  # (B, N, D)
+
+
+class ConvStem(nn.Module):
+    """Patch embedding by a few stride-2 3x3 convolutions (conv-BN-ReLU) and a 1x1 projection,
+    instead of one ``patch_size``-strided layer: ViT's "hybrid" input (Dosovitskiy et al. 2020,
+    section 3.1) in the form of Xiao et al. 2021 ("Early convolutions help transformers see
+    better"), which makes a ViT train faster and more robustly on small data. Same tokens out
+    as ``PatchEmbedding``: (B, N, D), N = (img_size / patch_size)^2.
+
+    Args: as ``PatchEmbedding``; ``patch_size`` must be a power of two (one conv per halving);
+    the convolutions widen from ``dim / patch_size`` channels to ``dim / 2``.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int) -> None:
+        super().__init__()
+        if patch_size < 2 or patch_size & (patch_size - 1):
+            raise ConfigError(
+                f"model.net.patch_size ({patch_size}) must be a power of two >= 2 for a conv stem"
+            )
+        if img_size % patch_size != 0:
+            raise ConfigError(
+                f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
+            )
+        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        layers, chans, width = [], in_chans, max(dim // patch_size, 8)
+        for _ in range(patch_size.bit_length() - 1):  # log2(patch_size) halvings
+            layers += [nn.Conv2d(chans, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
+                       nn.ReLU(inplace=True)]
+            chans, width = width, width * 2
+        self.convs = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(chans, dim, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
+        b, c, h, w = x.shape
+        if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
+            raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
+                             f"got ({c}, {h}, {w})")
+        return self.proj(self.convs(x)).flatten(2).transpose(1, 2)  # (B, N, D)

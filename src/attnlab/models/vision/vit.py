@@ -9,13 +9,14 @@ the [CLS] token. Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` mod
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import Dropout, MultiHeadAttention, PatchEmbedding, TransformerBlock
+from attnlab.nn import ConvStem, Dropout, MultiHeadAttention, PatchEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -37,6 +38,8 @@ class VisionTransformer(nn.Module):
         attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last block (linear from 0).
         attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        stem: "patch" (one linear map per patch, as the paper and timm) or "conv" (a few stride-2
+            convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data).
     """
 
     num_prefix_tokens = 1  # [CLS]
@@ -55,8 +58,10 @@ class VisionTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.0,
         attn_impl: AttentionImpl = "auto",
+        stem: Literal["patch", "conv"] = "patch",
     ) -> None:
         super().__init__()
+        check_choice("model.net", "stem", stem, ("patch", "conv"))
         check_positive(
             "model.net",
             num_classes=num_classes,
@@ -69,7 +74,8 @@ class VisionTransformer(nn.Module):
         )
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        self.patch_embed = PatchEmbedding(img_size, patch_size, in_chans, dim)
+        embedding = ConvStem if stem == "conv" else PatchEmbedding
+        self.patch_embed = embedding(img_size, patch_size, in_chans, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)

@@ -1,0 +1,65 @@
+"""A small VGG-style convnet for small images: DeiT's teacher on MNIST-sized data.
+
+timm's ImageNet convnets shrink a 28x28 image to 1x1 before their last stage (a stride-4 stem, then
+three more halvings); this one keeps full resolution in its first stage and halves twice, so the
+teacher sees the image at the scale of the student's 4-pixel patches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.utils.checks import check_positive, check_probability
+
+
+def conv_bn_relu(in_chans: int, out_chans: int) -> nn.Sequential:
+    conv = nn.Conv2d(in_chans, out_chans, 3, padding=1, bias=False)
+    return nn.Sequential(conv, nn.BatchNorm2d(out_chans), nn.ReLU(inplace=True))
+
+
+class ConvNet(nn.Module):
+    """Stages of two 3x3 conv-BN-ReLU layers, 2x2 max-pooling between stages, global average
+    pooling and a linear head.
+
+    Args:
+        num_classes, img_size, in_chans: from the data when left ``???``.
+        widths: channels of each stage (each stage after the first halves the resolution).
+        dropout: before the head.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        img_size: int,
+        in_chans: int,
+        widths: Sequence[int] = (32, 64, 128),
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        check_positive("model.net", num_classes=num_classes, img_size=img_size, in_chans=in_chans)
+        check_positive("model.net", **{f"widths[{i}]": w for i, w in enumerate(widths)})
+        check_probability("model.net", dropout=dropout)
+        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
+        stages, chans = [], in_chans
+        for i, width in enumerate(widths):
+            pool = [nn.MaxPool2d(2)] if i > 0 else []
+            stages.append(nn.Sequential(*pool, conv_bn_relu(chans, width), conv_bn_relu(width, width)))
+            chans = width
+        self.stages = nn.Sequential(*stages)
+        self.head_drop = nn.Dropout(dropout)
+        self.head = nn.Linear(chans, num_classes)
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        # channels-last is the layout oneDNN's CPU convolutions are fastest in
+        x = images.contiguous(memory_format=torch.channels_last)
+        return self.stages(x)  # (B, C, H / 2^(stages-1), W / 2^(stages-1))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.head_drop(x.mean(dim=(2, 3)))  # (B, C)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(images))
