@@ -195,6 +195,42 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     return out
 
 
+def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv") -> Path:
+    """An image-caption file (CSV or JSONL) of ``n`` small PNGs, the first ``missing`` absent."""
+    import json
+
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = f"img{i}.png"
+        if i >= missing:
+            Image.new("RGB", (20, 16), (20 * i, 100, 200 - 10 * i)).save(folder / name)
+        rows.append((name, f"a picture number {i} with a long caption about many things"))
+    path = folder / f"pairs{suffix}"
+    if suffix == ".csv":
+        path.write_text("image,caption\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    else:
+        path.write_text("".join(json.dumps({"image": a, "caption": b}) + "\n" for a, b in rows))
+    return path
+
+
+CLIP_TINY = ["model.net.image.dim=16", "model.net.image.depth=1", "model.net.image.n_head=2",
+             "model.net.text.dim=16", "model.net.text.depth=1", "model.net.text.n_head=2",
+             "model.net.embed_dim=8", "model.plot_pairs=2", "data.batch_size=8", "data.vocab_size=300"]
+
+
+def clip_overrides(experiment: str, tmp: Path) -> list[str]:
+    """Tiny CLIP towers on fake IDX files (generated captions) or a fake pairs file."""
+    if experiment == "clip_pairs":
+        data = [f"data.pairs_file={write_pairs(tmp / 'pairs', n=24)}", "data.img_size=16", "data.val_size=6",
+                "data.num_workers=0"]
+    else:
+        data = [f"data.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
+    return [*CLIP_TINY, *data]
+
+
 BERT_TINY = ["model.net.encoder.dim=16", "model.net.encoder.depth=1", "model.net.encoder.n_head=2",
              "model.net.encoder.mlp_dim=32"]
 CONLL_FIXTURE = ROOT / "tests" / "fixtures" / "conll"

@@ -270,6 +270,10 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     labels = [line.split("\t") for line in out.read_text().splitlines()]
     assert [lab for lab, _ in labels] == ["1", "0"]  # GLUE's labels: 1 positive, 0 negative
     assert all(0.5 < float(p) <= 1 for _, p in labels)
+    written = out.read_text()
+    again = run_cli("classify", [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"], tmp_path)
+    assert again.returncode == 2 and f"output={out} exists (set overwrite=true" in again.stderr
+    assert out.read_text() == written  # never replaced without being asked
     proc = run_cli("classify", [f"ckpt_path={ckpt}", "text=the plot was dull and the ending too"], tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("0\t"), proc.stdout + proc.stderr[-2000:]
 

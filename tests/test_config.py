@@ -18,7 +18,7 @@ from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
-from conftest import bert_overrides, vision_overrides
+from conftest import bert_overrides, clip_overrides, vision_overrides
 
 CONF = Path(config_dir())
 
@@ -35,11 +35,14 @@ def composed(*overrides: str, tmp: Path):
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
     text, bert = experiment.startswith(("nmt_", "gpt_")), experiment.startswith("bert_")
+    clip = experiment.startswith("clip_")
     if text:
         corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
         cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", tmp=tmp_path)
     elif bert:
         cfg = composed(f"experiment={experiment}", *bert_overrides(experiment, tmp_path), tmp=tmp_path)
+    elif clip:
+        cfg = composed(f"experiment={experiment}", *clip_overrides(experiment, tmp_path), tmp=tmp_path)
     else:
         cfg = composed(f"experiment={experiment}", *vision_overrides(experiment, tmp_path), tmp=tmp_path)
     dm = instantiate(cfg.data)
@@ -59,6 +62,10 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         else:
             per_token = "ner" in experiment
             assert out.shape == (*batch["ids"].shape[: 1 + per_token], dm.num_classes)
+    elif clip:
+        images, tokens, _ = next(iter(dm.val_dataloader()))
+        image_features, text_features, scale = task.net(dm.normalize(images), tokens)
+        assert image_features.shape == text_features.shape == (len(images), cfg.model.net.embed_dim)
     else:
         images, _ = next(iter(dm.val_dataloader()))
         assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))

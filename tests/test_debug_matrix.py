@@ -2,7 +2,8 @@
 
 In-process (Hydra's compose API, then ``attnlab.cli.train.train``), no interpreter start-up each.
 GPT experiments read Python's docs instead of their corpus; Multi30k ones a tiny fake corpus;
-vision ones tiny fake IDX or CIFAR files; BERT ones fake SST-2 files or the CoNLL fixture.
+vision ones tiny fake IDX or CIFAR files, CLIP ones also a fake pairs file; BERT ones fake SST-2
+files or the CoNLL fixture.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from attnlab.cli.common import config_dir
 from attnlab.cli.train import train
 from attnlab.data.text.translation import synthetic_pairs
-from conftest import bert_overrides, vision_overrides
+from conftest import bert_overrides, clip_overrides, vision_overrides
 
 CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -46,6 +47,8 @@ def fake_multi30k(d: Path) -> Path:
 def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
     if experiment.startswith("bert_"):
         return bert_overrides(experiment, tmp)
+    if experiment.startswith("clip_"):
+        return clip_overrides(experiment, tmp)
     if not experiment.startswith(("gpt_", "nmt_")):
         return vision_overrides(experiment, tmp)
     if experiment.startswith("gpt_"):

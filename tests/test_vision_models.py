@@ -130,7 +130,7 @@ def test_conv_stem_gives_the_patch_tokens_row_by_row():
     x2 = x.clone()
     x2[:, :, :4, :4] += 1.0
     changed = (vit.patch_embed(x2) - tokens).abs().amax(dim=(0, 2)).view(7, 7) > 0
-    assert changed[0, 0] and not changed[2:].any() and not changed[:, 2:].any()
+    assert changed[0, 0] and not changed[4:].any() and not changed[:, 4:].any()  # a 4-token reach
     with pytest.raises(ConfigError, match=r"patch_size \(7\) must be a power of two"):
         VisionTransformer(**{**VIT, "stem": "conv"})
     with pytest.raises(ConfigError, match="model.net.stem must be one of 'patch', 'conv'"):

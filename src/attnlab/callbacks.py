@@ -65,7 +65,7 @@ class MetricsPrinter(L.Callback):
             return
         m = trainer.callback_metrics
         parts = [f"step {trainer.global_step:>6}"]
-        shown = ("train/loss", "val/loss", "val/acc", "val/bleu")
+        shown = ("train/loss", "val/loss", "val/acc", "val/bleu", "val/zeroshot_acc")
         parts += [f"{k} {float(m[k]):.4f}" for k in shown if k in m]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")

@@ -82,10 +82,33 @@ def cls_attention_figure(weights: Tensor, tokens: list[str]) -> Figure:
     """How much [CLS] attends to each token (columns) in each layer (rows), averaged over heads;
     ``weights`` is (layers, T)."""
     n_layers, t = weights.shape
-    fig, ax = plt.subplots(figsize=(1.5 + 0.3 * t, 0.8 + 0.35 * n_layers))
+    fig, ax = plt.subplots(figsize=(max(3.5, 1.5 + 0.3 * t), 0.8 + 0.35 * n_layers))  # room for the title
     ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
     ax.set_xticks(range(t), tokens, rotation=90, fontsize=8)
     ax.set_yticks(range(n_layers), [f"layer {i}" for i in range(n_layers)], fontsize=8)
     ax.set_title("[CLS] attention over the tokens (mean over heads)", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figure:
+    """CLIP's cosine similarities (n captions x n images, ``sim`` is images x captions), with the
+    images above their columns; ``images`` (n, C, H, W) in [0, 1]. The diagonal holds the pairs."""
+    n = len(captions)
+    fig = plt.figure(figsize=(2.5 + 0.9 * n, 1.5 + 0.45 * n))
+    grid = fig.add_gridspec(2, n, height_ratios=[1, 0.5 * n], hspace=0.05, wspace=0.05)
+    for j in range(n):
+        ax = fig.add_subplot(grid[0, j])
+        picture = images[j].permute(1, 2, 0).squeeze(-1).numpy()
+        ax.imshow(picture, cmap="gray" if picture.ndim == 2 else None)
+        ax.axis("off")
+    ax = fig.add_subplot(grid[1, :])
+    ax.imshow(sim.t().numpy(), cmap="viridis", aspect="auto")
+    for r in range(n):
+        for c in range(n):
+            ax.text(c, r, f"{sim[c, r]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(n), captions, fontsize=8)
+    ax.set_xticks([])
+    ax.set_title("cosine similarity: captions (rows) x images (columns)", fontsize=9)
+    fig.subplots_adjust(left=0.35, right=0.98, top=0.95, bottom=0.08)
     return fig

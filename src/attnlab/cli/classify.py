@@ -10,7 +10,14 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text, read_sentences
+from attnlab.cli.common import (
+    config_dir,
+    exit_on_user_error,
+    free_output,
+    quote_free_text,
+    read_sentences,
+    write_lines,
+)
 from attnlab.errors import CheckpointError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.text_classification import classify_sentences
@@ -31,12 +38,13 @@ def classify(cfg: DictConfig) -> list[tuple[str, float]]:
 def run(cfg: DictConfig) -> None:
     torch.set_grad_enabled(False)
     with exit_on_user_error():
+        path = free_output(cfg)
         lines = [f"{label}\t{p:.4f}" for label, p in classify(cfg)]
-        if cfg.output is not None:
-            Path(str(cfg.output)).write_text("\n".join(lines) + "\n", encoding="utf-8")
-            print(f"{len(lines)} labels written to {cfg.output}", file=sys.stderr)
-        else:
+        if path is None:
             print("\n".join(lines))
+        else:
+            write_lines(path, lines)
+            print(f"{len(lines)} labels written to {path}", file=sys.stderr)
 
 
 def main() -> None:

@@ -91,6 +91,25 @@ def read_sentences(cfg: DictConfig) -> list[str]:
     return lines
 
 
+def free_output(cfg: DictConfig) -> Path | None:
+    """``output=<file>`` as a path (``None`` when printing), refused before any work when the file
+    exists and ``overwrite`` is not set: a finished output is never replaced by accident."""
+    if cfg.output is None:
+        return None
+    path = Path(str(cfg.output))
+    if path.exists() and not cfg.overwrite:
+        raise DataError(f"output={path} exists (set overwrite=true to replace it)")
+    return path
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """One line each, written whole or not at all (through a temporary file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.part")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The ``trainer`` node instantiated, with ``precision: auto`` resolved for this machine.
 

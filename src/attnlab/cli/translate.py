@@ -10,9 +10,16 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text, read_sentences
+from attnlab.cli.common import (
+    config_dir,
+    exit_on_user_error,
+    free_output,
+    quote_free_text,
+    read_sentences,
+    write_lines,
+)
 from attnlab.data.text.tokenizers import SubwordTokenizer
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import ConfigError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.translation import translate_sentences
 
@@ -41,17 +48,12 @@ def translate(cfg: DictConfig) -> list[str]:
 def run(cfg: DictConfig) -> None:
     torch.set_grad_enabled(False)
     with exit_on_user_error():
+        path = free_output(cfg)
         out = translate(cfg)
-        if cfg.output is None:
+        if path is None:
             print("\n".join(out))
         else:
-            path = Path(str(cfg.output))
-            if path.exists() and not cfg.overwrite:
-                raise DataError(f"output file {path} exists (set overwrite=true to replace it)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.part")
-            tmp.write_text("".join(s + "\n" for s in out), encoding="utf-8")
-            tmp.replace(path)
+            write_lines(path, out)
             log.info("%d translations written to %s", len(out), path)
 
 

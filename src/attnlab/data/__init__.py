@@ -1,5 +1,6 @@
 """DataModules, datasets, tokenizers and downloads."""
 
+from attnlab.data.multimodal.image_text import ImageTextDataModule
 from attnlab.data.text.classification import SentenceClassificationDataModule, TokenClassificationDataModule
 from attnlab.data.text.language_modeling import TextDataModule
 from attnlab.data.text.masked_lm import MaskedLMDataModule
@@ -8,6 +9,7 @@ from attnlab.data.vision.classification import ImageClassificationDataModule
 
 __all__ = [
     "ImageClassificationDataModule",
+    "ImageTextDataModule",
     "MaskedLMDataModule",
     "SentenceClassificationDataModule",
     "TextDataModule",

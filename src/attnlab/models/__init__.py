@@ -1,5 +1,6 @@
 """Architectures as plain ``nn.Module``s (no Lightning)."""
 
+from attnlab.models.multimodal.clip import CLIP, TextTransformer
 from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier, BertTokenClassifier
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
@@ -14,11 +15,13 @@ __all__ = [
     "BertPreTraining",
     "BertSequenceClassifier",
     "BertTokenClassifier",
+    "CLIP",
     "ConvNet",
     "GPT",
     "DistilledVisionTransformer",
     "Seq2Seq",
     "SwinTransformer",
+    "TextTransformer",
     "TimmModel",
     "Transformer",
     "VisionTransformer",

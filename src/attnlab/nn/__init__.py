@@ -14,6 +14,7 @@ from attnlab.nn.embedding import (
     PatchEmbedding,
     SinusoidalPositions,
     TokenEmbedding,
+    conv_bn_relu,
 )
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 from attnlab.nn.window_attention import WindowAttention
@@ -35,5 +36,6 @@ __all__ = [
     "WindowAttention",
     "byte_dropout",
     "causal_mask",
+    "conv_bn_relu",
     "scaled_dot_product_attention",
 ]

@@ -119,14 +119,15 @@ class PatchEmbedding(nn.Module):
 
 
 class ConvStem(nn.Module):
-    """Patch embedding by a few stride-2 3x3 convolutions (conv-BN-ReLU) and a 1x1 projection,
-    instead of one ``patch_size``-strided layer: ViT's "hybrid" input (Dosovitskiy et al. 2020,
-    section 3.1) in the form of Xiao et al. 2021 ("Early convolutions help transformers see
-    better"), which makes a ViT train faster and more robustly on small data. Same tokens out
-    as ``PatchEmbedding``: (B, N, D), N = (img_size / patch_size)^2.
+    """Patch embedding by a small convolutional stem instead of one ``patch_size``-strided layer:
+    ViT's "hybrid" input (Dosovitskiy et al. 2020, section 3.1), convolutions as in Xiao et al.
+    2021 ("Early convolutions help transformers see better"), which make a ViT learn much faster on
+    small data. Each halving of the resolution is a stride-2 and a stride-1 3x3 conv-BN-ReLU; a 1x1
+    convolution projects to ``dim``. Same tokens out as ``PatchEmbedding``: (B, N, D) with
+    N = (img_size / patch_size)^2, row by row.
 
-    Args: as ``PatchEmbedding``; ``patch_size`` must be a power of two (one conv per halving);
-    the convolutions widen from ``dim / patch_size`` channels to ``dim / 2``.
+    Args: as ``PatchEmbedding``; ``patch_size`` must be a power of two (one stage per halving);
+    the stages widen from ``dim / patch_size`` channels (at least 8) to ``dim / 2``.
     """
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int) -> None:
@@ -144,8 +145,7 @@ class ConvStem(nn.Module):
         self.num_patches = self.grid_size**2
         layers, chans, width = [], in_chans, max(dim // patch_size, 8)
         for _ in range(patch_size.bit_length() - 1):  # log2(patch_size) halvings
-            layers += [nn.Conv2d(chans, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
-                       nn.ReLU(inplace=True)]
+            layers += [conv_bn_relu(chans, width, stride=2), conv_bn_relu(width, width)]
             chans, width = width, width * 2
         self.convs = nn.Sequential(*layers)
         self.proj = nn.Conv2d(chans, dim, kernel_size=1)
@@ -157,3 +157,9 @@ class ConvStem(nn.Module):
             raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
                              f"got ({c}, {h}, {w})")
         return self.proj(self.convs(x)).flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+def conv_bn_relu(in_chans: int, out_chans: int, stride: int = 1) -> nn.Sequential:
+    """A 3x3 convolution (padding 1, no bias), batch norm and ReLU."""
+    conv = nn.Conv2d(in_chans, out_chans, 3, stride=stride, padding=1, bias=False)
+    return nn.Sequential(conv, nn.BatchNorm2d(out_chans), nn.ReLU(inplace=True))

@@ -1,10 +1,11 @@
 """LightningModules: losses, metrics and optimizers around the models."""
 
 from attnlab.tasks.classification import ImageClassificationTask
+from attnlab.tasks.contrastive import ContrastiveTask
 from attnlab.tasks.language_model import LanguageModelTask
 from attnlab.tasks.masked_lm import MaskedLMTask
 from attnlab.tasks.text_classification import TextClassificationTask
 from attnlab.tasks.translation import TranslationTask
 
-__all__ = ["ImageClassificationTask", "LanguageModelTask", "MaskedLMTask", "TextClassificationTask",
-           "TranslationTask"]
+__all__ = ["ContrastiveTask", "ImageClassificationTask", "LanguageModelTask", "MaskedLMTask",
+           "TextClassificationTask", "TranslationTask"]

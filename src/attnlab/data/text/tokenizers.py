@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
+import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from attnlab.errors import AttnlabError
@@ -145,11 +146,49 @@ class WordPieceTokenizer(HFTokenizer):
         return self.tokenizer.id_to_token(i)
 
 
-def tokenizer_from_json(s: str) -> CharTokenizer | BPETokenizer | SubwordTokenizer | WordPieceTokenizer:
+class CaptionTokenizer(HFTokenizer):
+    """CLIP's kind of text encoding: lower-cased byte-level BPE (any text encodes, nothing is
+    unknown), each caption framed as ``<sot> ... <eot>`` and cut to a context length. Ids 0-2 are
+    ``<pad>``, ``<sot>``, ``<eot>``; ``decode`` drops them."""
+
+    kind = "caption"
+    skip_special_tokens = True
+    specials = ("<pad>", "<sot>", "<eot>")
+    pad_id, sot_id, eot_id = 0, 1, 2
+
+    @classmethod
+    def fit(cls, lines: list[str], vocab_size: int) -> CaptionTokenizer:
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(cls.specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
+
+    def encode_captions(self, captions: list[str], context_length: int) -> tuple[torch.Tensor, int]:
+        """Right-padded (N, context_length) ids, each caption ``<sot> ... <eot>``; captions too long
+        lose their last words (``<eot>`` is kept). Returns the ids and how many were cut."""
+        out = torch.full((len(captions), context_length), self.pad_id, dtype=torch.long)
+        cut = 0
+        for i, ids in enumerate(self.encode_batch(captions)):
+            if len(ids) > context_length - 2:
+                ids, cut = ids[: context_length - 2], cut + 1
+            row = [self.sot_id, *ids, self.eot_id]
+            out[i, : len(row)] = torch.tensor(row)
+        return out, cut
+
+
+def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:
     state = json.loads(s)
     if state["kind"] == "char":
         return CharTokenizer(state["chars"])
-    for cls in (BPETokenizer, SubwordTokenizer, WordPieceTokenizer):
+    for cls in (BPETokenizer, SubwordTokenizer, WordPieceTokenizer, CaptionTokenizer):
         if state["kind"] == cls.kind:
             return cls(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

@@ -12,12 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from attnlab.nn import conv_bn_relu
 from attnlab.utils.checks import check_positive, check_probability
-
-
-def conv_bn_relu(in_chans: int, out_chans: int) -> nn.Sequential:
-    conv = nn.Conv2d(in_chans, out_chans, 3, padding=1, bias=False)
-    return nn.Sequential(conv, nn.BatchNorm2d(out_chans), nn.ReLU(inplace=True))
 
 
 class ConvNet(nn.Module):
@@ -50,6 +46,7 @@ class ConvNet(nn.Module):
             chans = width
         self.stages = nn.Sequential(*stages)
         self.head_drop = nn.Dropout(dropout)
+        self.num_features = chans  # what forward_head(pre_logits=True) returns, as in timm
         self.head = nn.Linear(chans, num_classes)
 
     def forward_features(self, images: Tensor) -> Tensor:

@@ -96,7 +96,8 @@ class SwinTransformer(nn.Module):
     """Swin classifier over ``num_classes`` classes.
 
     Args:
-        num_classes, img_size, in_chans: from the data when left ``???``.
+        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``
+            leaves out the head (a backbone: CLIP's image tower), as in timm.
         patch_size: side of a patch; must divide ``img_size``.
         dim: width of the first stage; each later stage doubles it.
         depths: blocks per stage.
@@ -125,7 +126,6 @@ class SwinTransformer(nn.Module):
         super().__init__()
         check_positive(
             "model.net",
-            num_classes=num_classes,
             img_size=img_size,
             in_chans=in_chans,
             patch_size=patch_size,
@@ -137,6 +137,8 @@ class SwinTransformer(nn.Module):
             **{f"depths[{i}]": d for i, d in enumerate(depths)},
             **{f"n_heads[{i}]": h for i, h in enumerate(n_heads)},
         )
+        if num_classes < 0:
+            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         if len(depths) != len(n_heads):
             raise ConfigError(
@@ -169,7 +171,8 @@ class SwinTransformer(nn.Module):
             in_dim = out_dim
         self.layers = nn.ModuleList(stages)
         self.norm = nn.LayerNorm(in_dim)
-        self.head = nn.Linear(in_dim, num_classes)
+        self.num_features = in_dim  # what forward_head(pre_logits=True) returns, as in timm
+        self.head = nn.Linear(in_dim, num_classes) if num_classes else nn.Identity()
         self.apply(init_linear)
 
     @staticmethod

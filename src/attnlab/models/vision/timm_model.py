@@ -40,6 +40,11 @@ class TimmModel(nn.Module):
             except TypeError as e2:
                 raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e2}") from e2
 
+    @property
+    def num_features(self) -> int:
+        """Width of ``forward_head(x, pre_logits=True)``."""
+        return getattr(self.model, "head_hidden_size", None) or self.model.num_features
+
     def no_weight_decay(self) -> set[str]:
         declared = getattr(self.model, "no_weight_decay", None)
         return {f"model.{n}" for n in declared()} if callable(declared) else set()

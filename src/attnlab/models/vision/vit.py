@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from attnlab.errors import ConfigError
 from attnlab.nn import ConvStem, Dropout, MultiHeadAttention, PatchEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -28,7 +29,8 @@ class VisionTransformer(nn.Module):
     """ViT classifier over ``num_classes`` classes.
 
     Args:
-        num_classes, img_size, in_chans: from the data when left ``???``.
+        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``
+            leaves out the head (a backbone: CLIP's image tower), as in timm.
         patch_size: side of a patch; must divide ``img_size``.
         dim: model width.
         depth: number of blocks.
@@ -64,7 +66,6 @@ class VisionTransformer(nn.Module):
         check_choice("model.net", "stem", stem, ("patch", "conv"))
         check_positive(
             "model.net",
-            num_classes=num_classes,
             img_size=img_size,
             in_chans=in_chans,
             patch_size=patch_size,
@@ -72,6 +73,8 @@ class VisionTransformer(nn.Module):
             depth=depth,
             n_head=n_head,
         )
+        if num_classes < 0:
+            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         embedding = ConvStem if stem == "conv" else PatchEmbedding
@@ -96,7 +99,8 @@ class VisionTransformer(nn.Module):
             for rate in drop_path_rates(drop_path, depth)
         )
         self.norm = norm_layer(dim)
-        self.head = nn.Linear(dim, num_classes)
+        self.num_features = dim  # what forward_head(pre_logits=True) returns, as in timm
+        self.head = nn.Linear(dim, num_classes) if num_classes else nn.Identity()
         self.add_extras(dim, num_classes)
         self.apply(init_linear)
         for name, p in self.named_parameters():

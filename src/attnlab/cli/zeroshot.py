@@ -1,0 +1,106 @@
+"""``attnlab-zeroshot ckpt_path=... image=path.png labels="t-shirt,sneaker"``: label probabilities
+of an image (or each image of a folder); ``split=test [templates=<file>]``: top-1 and top-5
+zero-shot accuracy on the run's test split."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
+
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.errors import CheckpointError, ConfigError
+from attnlab.inference.classification import image_files, load_image
+from attnlab.inference.runs import TrainedRun
+from attnlab.inference.zeroshot import class_embeddings, parse_labels, read_templates, zeroshot_probs
+from attnlab.models import CLIP
+from attnlab.tasks.contrastive import zeroshot_accuracy
+
+
+def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    net = run.net()
+    if not isinstance(net, CLIP):
+        raise CheckpointError(f"checkpoint {run.path} is not a CLIP run")
+    templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
+    return run, net.to(cfg.device), templates
+
+
+def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
+    """Per image file, the labels with their probabilities, most likely first."""
+    labels = parse_labels(cfg.labels)
+    run, net, templates = load_clip(cfg)
+    files = image_files(Path(str(cfg.image)).expanduser())
+    classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
+    mean = torch.tensor(run.artifacts["mean"], device=cfg.device)[:, None, None]
+    std = torch.tensor(run.artifacts["std"], device=cfg.device)[:, None, None]
+    results = []
+    for start in range(0, len(files), cfg.batch_size):
+        chunk = files[start : start + cfg.batch_size]
+        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(cfg.device)
+        probs = zeroshot_probs(net, (images.float() / 255 - mean) / std, classifier)
+        for path, row in zip(chunk, probs.tolist(), strict=True):
+            results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
+    return results
+
+
+def score_split(cfg: DictConfig) -> dict[str, float]:
+    """Top-1 and top-5 zero-shot accuracy on the run's ``split`` with the templates."""
+    if cfg.split not in ("val", "test"):
+        raise ConfigError(f"split must be 'val' or 'test', got {cfg.split!r}")
+    run, net, templates = load_clip(cfg)
+    if not run.artifacts.get("classes"):
+        raise CheckpointError(f"checkpoint {run.path}: its data has no classes to classify into")
+    data_cfg = run.config.data.copy()
+    if cfg.data_dir is not None:
+        with open_dict(data_cfg):
+            data_cfg.data_dir = str(cfg.data_dir)
+    data = instantiate(data_cfg)
+    data.load_artifacts(run.artifacts)
+    data.setup("test")
+    classes = run.artifacts["classes"]
+    classifier = class_embeddings(net, data.tokenizer, data.context_length, classes, templates)
+    features, labels = [], []
+    loader = data.test_dataloader() if cfg.split == "test" else data.val_dataloader()
+    for images, _, batch_labels in loader:
+        features.append(net.encode_image(data.normalize(images.to(cfg.device))).float())
+        labels.append(batch_labels.to(cfg.device))
+    acc = zeroshot_accuracy(torch.cat(features), classifier, torch.cat(labels))
+    return {
+        "top1": acc[1],
+        "top5": acc[5],
+        "images": float(sum(len(x) for x in labels)),
+        "templates": float(len(templates)),
+    }
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="zeroshot")
+def run(cfg: DictConfig) -> None:
+    torch.set_grad_enabled(False)
+    with exit_on_user_error():
+        if (cfg.image is None) == (cfg.split is None):
+            raise ConfigError(
+                'give exactly one of image=<file or folder> (with labels="a,b,c") or split=test'
+            )
+        if cfg.split is not None:
+            r = score_split(cfg)
+            print(
+                f"zero-shot {cfg.split}: top-1 {r['top1']:.4f}, top-5 {r['top5']:.4f} "
+                f"({int(r['images'])} images, {int(r['templates'])} templates)"
+            )
+            return
+        for path, probs in label_images(cfg):
+            print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in probs[: cfg.top_k]))
+
+
+def main() -> None:
+    sys.argv = quote_free_text(sys.argv, ("image", "labels", "templates"))
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Data of more than one modality: image-caption pairs for CLIP."""

@@ -1,0 +1,366 @@
+"""Image-caption pairs for CLIP: from a CSV or JSONL file of (image path, caption) rows, as
+Flickr8k/COCO-style sets come, or built from Fashion-MNIST / MNIST with generated captions."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from attnlab.data.base import DataModule
+from attnlab.data.multimodal import captions as cap
+from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
+from attnlab.data.vision.classification import random_crop_flip
+from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.errors import ConfigError, DataError
+from attnlab.utils.checks import check_choice, check_positive, check_probability
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("fashion_mnist", "mnist", "pairs")
+
+
+class GeneratedCaptions(Dataset):
+    """(uint8 image, caption, label) of labelled images; a training draw phrases each image with
+    a random template, evaluation always with the same, fullest one."""
+
+    eval_template = "this {c} is {brightness}, {size} and {width}"
+
+    def __init__(
+        self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], train: bool
+    ) -> None:
+        self.images, self.labels, self.levels, self.phrases, self.train = (
+            images,
+            labels,
+            levels,
+            phrases,
+            train,
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def caption(self, i: int) -> str:
+        if self.train:
+            template = cap.TRAIN_TEMPLATES[int(torch.randint(len(cap.TRAIN_TEMPLATES), ()))]
+        else:
+            template = self.eval_template
+        return cap.caption(self.phrases[self.labels[i]], self.levels[i].tolist(), template)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, str, int]:
+        return self.images[i], self.caption(i), int(self.labels[i])
+
+
+class CaptionedFiles(Dataset):
+    """(uint8 image, caption, -1) from image files, decoded and resized when read."""
+
+    def __init__(self, paths: list[Path], captions: list[str], img_size: int, in_chans: int) -> None:
+        self.paths, self.captions, self.img_size, self.in_chans = paths, captions, img_size, in_chans
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def caption(self, i: int) -> str:
+        return self.captions[i]
+
+    def __getitem__(self, i: int) -> tuple[Tensor, str, int]:
+        with Image.open(self.paths[i]) as im:
+            image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
+        image = TF.resize(image, self.img_size, antialias=True)
+        return TF.center_crop(image, [self.img_size, self.img_size]), self.captions[i], -1
+
+
+def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str, int]]:
+    """(image, caption, line) rows of a CSV (with a header) or JSONL file."""
+    if not path.is_file():
+        raise DataError(f"data.pairs_file={path}: no such file")
+    rows = []
+    with path.open(encoding="utf-8", newline="") as f:
+        if path.suffix == ".jsonl":
+            for line, text in enumerate(f, 1):
+                if text.strip():
+                    try:
+                        row = json.loads(text)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{line}: not a JSON object ({e.msg})") from None
+                    rows.append((row, line))
+        else:
+            reader = csv.DictReader(f)
+            rows = [(row, line) for line, row in enumerate(reader, 2)]
+    out = []
+    for row, line in rows:
+        if not isinstance(row, dict) or image_key not in row or caption_key not in row:
+            raise DataError(f"{path}:{line}: expected the fields {image_key!r} and {caption_key!r}")
+        if not str(row[caption_key] or "").strip():
+            raise DataError(f"{path}:{line}: empty caption")
+        out.append((str(row[image_key]), str(row[caption_key]).strip(), line))
+    if not out:
+        raise DataError(f"{path}: no image-caption rows")
+    return out
+
+
+class ImageTextDataModule(DataModule):
+    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP.
+
+    Sources: "fashion_mnist" / "mnist" (the IDX files; captions from the label and measured
+    attributes, ``attnlab.data.multimodal.captions``; the held-out prompt templates and the class
+    names serve zero-shot evaluation), or "pairs" (``pairs_file``: CSV with a header, or JSONL;
+    image paths relative to the file; labels unknown, so no zero-shot).
+
+    Args:
+        source: see above.
+        data_dir, cache_dir, url: the IDX files (as ``ImageClassificationDataModule``).
+        pairs_file, test_file: the "pairs" rows; test rows default to the validation split.
+        image_key, caption_key: the columns (fields) of a pairs file.
+        on_missing: "skip" or "error": what to do with listed images that are missing or unreadable.
+        img_size, in_chans: pairs images are converted and resized to these.
+        val_size: items carved (seeded) out of the training split.
+        batch_size: pairs per batch.
+        context_length: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are cut.
+        vocab_size: of the byte-level BPE fitted on the training captions.
+        crop_padding, hflip: training augmentation of the images.
+        num_workers, seed: loaders; the validation split and shuffling.
+    """
+
+    def __init__(
+        self,
+        source: str = "fashion_mnist",
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        url: str | None = None,
+        pairs_file: str | None = None,
+        test_file: str | None = None,
+        image_key: str = "image",
+        caption_key: str = "caption",
+        on_missing: str = "error",
+        img_size: int = 64,
+        in_chans: int = 3,
+        val_size: int = 5000,
+        batch_size: int = 128,
+        context_length: int = 24,
+        vocab_size: int = 512,
+        crop_padding: int = 0,
+        hflip: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 1337,
+    ) -> None:
+        super().__init__()
+        check_choice("data", "source", source, SOURCES)
+        check_choice("data", "on_missing", on_missing, ("skip", "error"))
+        check_positive(
+            "data",
+            img_size=img_size,
+            in_chans=in_chans,
+            val_size=val_size,
+            batch_size=batch_size,
+            context_length=context_length,
+            vocab_size=vocab_size,
+        )
+        check_probability("data", hflip=hflip)
+        if context_length < 3:
+            raise ConfigError(
+                f"data.context_length must be >= 3 (<sot>, a token, <eot>), got {context_length}"
+            )
+        if source == "pairs" and pairs_file is None:
+            raise ConfigError(
+                "data.pairs_file: a CSV or JSONL file of image-caption rows is needed with data.source=pairs"
+            )
+        self.source, self.data_dir, self.cache_dir, self.url = source, data_dir, cache_dir, url
+        self.pairs_file, self.test_file, self.image_key, self.caption_key = (
+            pairs_file,
+            test_file,
+            image_key,
+            caption_key,
+        )
+        self.on_missing, self.img_size, self.in_chans = on_missing, img_size, in_chans
+        self.val_size, self.batch_size, self.context_length = val_size, batch_size, context_length
+        self.vocab_size, self.crop_padding, self.hflip = vocab_size, crop_padding, hflip
+        self.num_workers, self.seed = num_workers, seed
+        self.tokenizer: CaptionTokenizer | None = None
+        self.classes: list[str] | None = None  # caption phrases of the classes (zero-shot), if known
+        self.templates: list[str] = list(cap.ZEROSHOT_TEMPLATES)
+        self.mean: list[float] | None = None
+        self.std: list[float] | None = None
+        self.splits: dict[str, Dataset] = {}
+        self.truncated = 0
+
+    # --- what the model and inference need -------------------------------------------------
+
+    def model_kwargs(self) -> dict[str, Any]:
+        image = self.splits["train"][0][0]
+        return {
+            "image": {"img_size": image.size(-1), "in_chans": image.size(0)},
+            "text": {
+                "vocab_size": self.tokenizer.vocab_size,
+                "context_length": self.context_length,
+                "pad_id": CaptionTokenizer.pad_id,
+            },
+        }
+
+    def artifacts(self) -> dict[str, Any]:
+        image = self.splits["train"][0][0]
+        return {
+            "tokenizer": self.tokenizer.to_json(),
+            "context_length": self.context_length,
+            "classes": self.classes,
+            "templates": self.templates,
+            "img_size": image.size(-1),
+            "in_chans": image.size(0),
+            "mean": self.mean,
+            "std": self.std,
+        }
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+        self.mean, self.std = artifacts["mean"], artifacts["std"]
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        if self.source != "pairs" and self.data_dir is None:  # download once, on one process
+            load_idx_dataset(self.source, None, self.cache_dir, self.url)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        corpus = self._setup_generated() if self.source != "pairs" else self._setup_pairs()
+        if self.tokenizer is None:
+            self.tokenizer = CaptionTokenizer.fit(corpus, self.vocab_size)
+        _, self.truncated = self.tokenizer.encode_captions(corpus, self.context_length)
+        if self.truncated:
+            log.warning(
+                "%d of %d training captions are longer than data.context_length=%d tokens: cut",
+                self.truncated,
+                len(corpus),
+                self.context_length,
+            )
+        log.info(
+            "%s: %d train / %d val / %d test pairs, a %d-token caption vocabulary",
+            self.source,
+            len(self.splits["train"]),
+            len(self.splits["val"]),
+            len(self.splits["test"]),
+            self.tokenizer.vocab_size,
+        )
+
+    def _split(self, n: int) -> tuple[Tensor, Tensor]:
+        if self.val_size >= n:
+            raise ConfigError(
+                f"data.val_size ({self.val_size}) must be smaller than the training split ({n})"
+            )
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+        return order[self.val_size :], order[: self.val_size]
+
+    def _setup_generated(self) -> list[str]:
+        data = load_idx_dataset(self.source, self.data_dir, self.cache_dir, self.url)
+        train, val = self._split(len(data.train_labels))
+        self.classes = cap.class_phrases(self.source, data.classes)
+        values = cap.measure(data.train_images)
+        cuts = cap.tertile_cuts(values[train], data.train_labels[train], len(self.classes))
+        levels = cap.attribute_levels(values, data.train_labels, cuts)
+        test_levels = cap.attribute_levels(cap.measure(data.test_images), data.test_labels, cuts)
+        images, labels = data.train_images, data.train_labels
+        self.splits = {
+            "train": GeneratedCaptions(images[train], labels[train], levels[train], self.classes, train=True),
+            "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes, train=False),
+            "test": GeneratedCaptions(
+                data.test_images, data.test_labels, test_levels, self.classes, train=False
+            ),
+        }
+        if self.mean is None:
+            pixels = images[train].float().div_(255).transpose(0, 1).flatten(1)
+            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).tolist()
+        return cap.caption_corpus(self.classes)
+
+    def _readable(
+        self, rows: list[tuple[str, str, int]], root: Path, where: Path
+    ) -> tuple[list[Path], list[str]]:
+        paths, texts, bad = [], [], []
+        for image, text, _ in rows:
+            path = root / image
+            try:
+                with Image.open(path) as im:
+                    im.verify()
+            except (OSError, UnidentifiedImageError):
+                bad.append(path)
+                continue
+            paths.append(path)
+            texts.append(text)
+        if bad:
+            what = f"{where}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
+            what += f" (first: {bad[0]})"
+            if self.on_missing == "error":
+                raise DataError(f"{what}; set data.on_missing=skip to leave them out")
+            log.warning("%s: skipped", what)
+        if not paths:
+            raise DataError(f"{where}: none of the listed images can be read")
+        return paths, texts
+
+    def _setup_pairs(self) -> list[str]:
+        path = Path(self.pairs_file)
+        paths, texts = self._readable(read_pairs(path, self.image_key, self.caption_key), path.parent, path)
+        train, val = self._split(len(paths))
+        files = [
+            CaptionedFiles([paths[i] for i in idx], [texts[i] for i in idx], self.img_size, self.in_chans)
+            for idx in (train.tolist(), val.tolist())
+        ]
+        self.splits = {"train": files[0], "val": files[1], "test": files[1]}
+        if self.test_file is not None:
+            test = Path(self.test_file)
+            tpaths, ttexts = self._readable(
+                read_pairs(test, self.image_key, self.caption_key), test.parent, test
+            )
+            self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
+        if self.mean is None:
+            sample = torch.stack([files[0][i][0] for i in range(min(len(files[0]), 512))])
+            pixels = sample.float().div_(255).transpose(0, 1).flatten(1)
+            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).clamp(min=1e-3).tolist()
+        return files[0].captions
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def collate(self, items: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
+        images, texts, labels = zip(*items, strict=True)
+        tokens, _ = self.tokenizer.encode_captions(list(texts), self.context_length)
+        return torch.stack(images), tokens, torch.tensor(labels)
+
+    def normalize(self, images: Tensor) -> Tensor:
+        mean = torch.tensor(self.mean, device=images.device)[:, None, None]
+        std = torch.tensor(self.std, device=images.device)[:, None, None]
+        return (images.float() / 255 - mean) / std
+
+    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor, Tensor], dataloader_idx: int) -> tuple:
+        images, tokens, labels = batch
+        if self.trainer is not None and self.trainer.training and (self.crop_padding or self.hflip):
+            images = random_crop_flip(images, self.crop_padding, self.hflip)
+        return self.normalize(images), tokens, labels
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            generator=generator,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -1,0 +1,59 @@
+"""Zero-shot classification with a trained CLIP: class embeddings from prompt templates (each
+class's prompts averaged and re-normalised, as open_clip does), images scored against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.data.text.tokenizers import CaptionTokenizer
+from attnlab.errors import ConfigError, DataError
+from attnlab.tasks.contrastive import zeroshot_classifier
+
+
+def parse_labels(labels: str | None) -> list[str]:
+    """``labels="t-shirt,sneaker,bag"`` -> the class names, refusing an empty list."""
+    names = [s.strip() for s in str(labels or "").split(",") if s.strip()]
+    if not names:
+        raise ConfigError('labels: an empty label list; give the classes, e.g. labels="t-shirt,sneaker,bag"')
+    return names
+
+
+def read_templates(path: str) -> list[str]:
+    """Prompt templates, one per line, each with ``{}`` where the class name goes."""
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"templates={file}: no such file")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"templates={file} is not UTF-8 text ({e})") from None
+    templates = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if "{}" not in line:
+            raise DataError(f"{file}:{number}: a template needs {{}} where the class name goes: {line!r}")
+        templates.append(line.strip())
+    if not templates:
+        raise DataError(f"templates={file} holds no templates; expected one per line, with {{}}")
+    return templates
+
+
+@torch.no_grad()
+def class_embeddings(
+    net: nn.Module, tokenizer: CaptionTokenizer, context_length: int, labels: list[str], templates: list[str]
+) -> Tensor:
+    """(K, E) unit class embeddings, each the mean over ``templates`` filled with its label."""
+    prompts = [t.format(label) for label in labels for t in templates]
+    tokens, _ = tokenizer.encode_captions(prompts, context_length)
+    device = next(net.parameters()).device
+    return zeroshot_classifier(net, tokens.to(device), len(labels))
+
+
+@torch.no_grad()
+def zeroshot_probs(net: nn.Module, images: Tensor, classifier: Tensor) -> Tensor:
+    """Normalised images (B, C, H, W) -> class probabilities (B, K) at the model's logit scale."""
+    return (net.scale() * net.encode_image(images).float() @ classifier.t()).softmax(-1)

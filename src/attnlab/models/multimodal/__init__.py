@@ -1,0 +1,1 @@
+"""Models of more than one modality: CLIP."""

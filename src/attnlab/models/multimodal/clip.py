@@ -1,0 +1,125 @@
+"""CLIP (Radford et al. 2021): an image tower and a text tower, each followed by a linear
+projection into one shared space, where a matching image and caption should have the highest
+cosine similarity of their batch. The image tower is any classifier with ``forward_features`` /
+``forward_head(pre_logits=True)`` (attnlab's ViT, or a timm model); the text tower is a causal
+Transformer read at the caption's end-of-text token, as in CLIP.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
+from attnlab.nn.attention import AttentionImpl
+from attnlab.utils.checks import check_positive, check_probability
+
+INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature
+MAX_LOGIT_SCALE = math.log(100.0)  # the scale exp(t) is clamped at 100, as in CLIP
+
+
+class TextTransformer(nn.Module):
+    """CLIP's text tower: token and learned position embeddings, pre-LN blocks under a causal
+    mask, a final norm; a caption's feature is the state of its last non-padding token (the
+    end-of-text token, which has seen the whole caption).
+
+    Args:
+        vocab_size: number of token ids.
+        context_length: longest caption, in tokens (end-of-text included).
+        dim: width; n_head: attention heads (must divide ``dim``); depth: blocks.
+        mlp_ratio: MLP hidden width over ``dim``.
+        dropout: on the embeddings and each residual branch.
+        pad_id: the padding token (captions are right-padded).
+        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int = 32,
+        dim: int = 128,
+        depth: int = 4,
+        n_head: int = 4,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        pad_id: int = 0,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive(
+            "model.net.text",
+            vocab_size=vocab_size,
+            context_length=context_length,
+            dim=dim,
+            depth=depth,
+            n_head=n_head,
+        )
+        check_probability("model.net.text", dropout=dropout)
+        self.vocab_size, self.context_length, self.dim, self.pad_id = vocab_size, context_length, dim, pad_id
+        self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, context_length), dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                dim,
+                n_head,
+                int(dim * mlp_ratio),
+                dropout=dropout,
+                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """(B, T) right-padded token ids -> (B, dim) caption features."""
+        x = self.embed(tokens)  # (B, T, D)
+        for block in self.blocks:
+            x, _ = block(x, causal=True)
+        x = self.norm(x)
+        last = (tokens != self.pad_id).sum(1).clamp(min=1) - 1  # (B,) the end-of-text position
+        return x[torch.arange(x.size(0), device=x.device), last]
+
+
+class CLIP(nn.Module):
+    """Two towers and their projections into an ``embed_dim`` space, and a learnable logit scale
+    (log of the inverse temperature, initialised to log(1/0.07), used clamped at log(100)).
+
+    Args:
+        image: the image tower: a net with ``forward_features``, ``forward_head(x, pre_logits=True)``
+            and ``num_features`` (attnlab's ViT, Swin, ConvNet, or ``TimmModel``).
+        text: the text tower (``TextTransformer``).
+        embed_dim: width of the shared space.
+    """
+
+    def __init__(self, image: nn.Module, text: TextTransformer, embed_dim: int = 128) -> None:
+        super().__init__()
+        check_positive("model.net", embed_dim=embed_dim)
+        self.image, self.text, self.embed_dim = image, text, embed_dim
+        self.image_proj = nn.Linear(image.num_features, embed_dim, bias=False)
+        self.text_proj = nn.Linear(text.dim, embed_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE))
+
+    def no_weight_decay(self) -> set[str]:
+        inner = {f"image.{n}" for n in getattr(self.image, "no_weight_decay", set)()}
+        return inner | {"logit_scale", "text.embed.positions.emb.weight"}
+
+    def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
+        """(B, C, H, W) -> (B, embed_dim), unit length unless ``normalize=False``."""
+        x = self.image_proj(self.image.forward_head(self.image.forward_features(images), pre_logits=True))
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
+        """(B, T) token ids -> (B, embed_dim), unit length unless ``normalize=False``."""
+        x = self.text_proj(self.text(tokens))
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def scale(self) -> Tensor:
+        """exp(logit_scale), clamped at 100."""
+        return self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Unit image features (B, E), unit text features (B, E) and the logit scale (a scalar)."""
+        return self.encode_image(images), self.encode_text(tokens), self.scale()

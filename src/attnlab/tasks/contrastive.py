@@ -1,0 +1,218 @@
+"""CLIP's training: the symmetric contrastive loss (against the global batch under DDP), zero-shot
+classification through prompt templates, and image-text retrieval."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.nn.functional import all_gather
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
+
+from attnlab.tasks.base import Task
+
+
+def gather_with_grad(x: Tensor) -> Tensor:
+    """Every rank's (B, E) features concatenated in rank order, (world * B, E); gradients flow back
+    to each rank's own part. The identity outside distributed runs."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    return torch.cat(all_gather(x), dim=0)
+
+
+def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor) -> Tensor:
+    """Symmetric InfoNCE (Radford et al. 2021): the i-th image should pick the i-th caption among
+    all captions of the (global) batch, and the i-th caption the i-th image; the mean of the two
+    cross-entropies. Features are (B, E), unit length; ``logit_scale`` is the multiplier exp(t).
+
+    Under DDP each rank computes the loss of the whole global batch from gathered features; the
+    gather's backward sums every rank's gradient into each rank's part, and DDP's averaging then
+    gives the gradient of the global loss (open_clip's ``gather_with_grad=True``, ``local_loss=False``).
+    """
+    images, texts = gather_with_grad(image_features), gather_with_grad(text_features)
+    logits = logit_scale * images.float() @ texts.float().t()  # (N, N): images x captions
+    targets = torch.arange(logits.size(0), device=logits.device)
+    return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2
+
+
+def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Retrieval recall from an (N images, U captions) similarity matrix, where image i's caption
+    is ``image_ids[i]`` among the U distinct captions (identical captions are one caption, and any
+    image carrying it is a right answer). image->text: is the image's caption among its top k;
+    text->image: does any of a caption's top k images carry it (averaged over the N pairs)."""
+    out = {}
+    n, u = sim.shape
+    i2t_rank = (sim > sim.gather(1, image_ids[:, None])).sum(1)  # captions scored above the right one
+    owners = torch.zeros(u, n, dtype=torch.bool, device=sim.device)
+    owners[image_ids, torch.arange(n, device=sim.device)] = True
+    weights = owners.sum(1).float()  # each distinct caption counts as often as it occurs
+    for k in ks:
+        out[f"i2t_r{k}"] = (i2t_rank < k).float().mean().item()
+        top = sim.t().topk(min(k, n), dim=1).indices  # (U, k) images per caption
+        hit = owners.gather(1, top).any(1).float()
+        out[f"t2i_r{k}"] = ((hit * weights).sum() / weights.sum()).item()
+    return out
+
+
+class ContrastiveTask(Task):
+    """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss.
+
+    Logs ``train/loss`` and ``train/logit_scale``; ``val/loss`` (contrastive, per batch) and its
+    best, ``val/zeroshot_acc`` and its best (zero-shot classification of the validation images
+    through the data's held-out prompt templates, when the data has classes); at test ``test/loss``,
+    ``test/zeroshot_acc``, ``test/zeroshot_acc_top5``, image->text and text->image recall at 1/5/10
+    (``test/i2t_r1``, ...), and a picture of the similarities of the first test pairs.
+
+    Args:
+        net: the ``CLIP``.
+        optimizer, scheduler, weight_decay, compile: see ``Task``.
+        plot_pairs: test pairs in the similarity picture (0: none).
+        plot_dir: where the picture goes (also to W&B).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.1,
+        compile: bool = False,
+        plot_pairs: int = 8,
+        plot_dir: str | None = None,
+    ) -> None:
+        super().__init__(net, optimizer, scheduler, weight_decay, compile)
+        self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
+        self.val_acc_best.persistent(True)
+        self.val_loss_best.persistent(True)
+        self.classifier: Tensor | None = None
+        self.outputs: dict[str, list[Tensor]] = {}
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.net(images, tokens)
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, tokens, _ = batch
+        loss = clip_loss(*self(images, tokens))
+        self.log_train_loss(loss)
+        every = self.trainer.log_every_n_steps
+        if every and (self.global_step + 1) % every == 0:
+            self.log("train/logit_scale", self.net.scale())
+        return loss
+
+    # -- zero-shot ------------------------------------------------------------------------------
+    def _zeroshot_classifier(self) -> Tensor | None:
+        """Class embeddings (K, E) averaged over the data's prompt templates, or None without classes."""
+        data = self.trainer.datamodule
+        if not getattr(data, "classes", None):
+            return None
+        prompts = [t.format(c) for c in data.classes for t in data.templates]
+        tokens, _ = data.tokenizer.encode_captions(prompts, data.context_length)
+        return zeroshot_classifier(self.net, tokens.to(self.device), len(data.classes))
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor], loss: MeanMetric, stage: str) -> None:
+        images, tokens, labels = batch
+        image_features, text_features, scale = self(images, tokens)
+        # the loss of a batch on its own (not gathered): evaluation needs no gradients
+        logits = scale * image_features.float() @ text_features.float().t()
+        targets = torch.arange(len(labels), device=logits.device)
+        loss.update(
+            (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2, len(labels)
+        )
+        self.outputs.setdefault("images", []).append(image_features.float())
+        self.outputs.setdefault("texts", []).append(text_features.float())
+        self.outputs.setdefault("tokens", []).append(tokens)
+        self.outputs.setdefault("labels", []).append(labels)
+
+    def on_validation_epoch_start(self) -> None:
+        self.outputs = {}
+        self.classifier = self._zeroshot_classifier()
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.val_loss, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.test_loss, "test")
+
+    def _gathered(self, key: str) -> Tensor:
+        x = torch.cat(self.outputs[key])
+        return self.all_gather(x).flatten(0, 1) if self.trainer.world_size > 1 else x
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.val_loss.reset()
+        if not self.trainer.sanity_checking:
+            self.val_loss_best.update(loss)
+            self.log("val/loss_best", self.val_loss_best.compute())
+        if self.classifier is not None:
+            acc = zeroshot_accuracy(self._gathered("images"), self.classifier, self._gathered("labels"))
+            self.log("val/zeroshot_acc", acc[1], prog_bar=True)
+            if not self.trainer.sanity_checking:
+                self.val_acc_best.update(acc[1])
+                self.log("val/zeroshot_acc_best", self.val_acc_best.compute())
+        self.outputs = {}
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/loss", self.test_loss.compute())
+        self.test_loss.reset()
+        images, texts, tokens = self._gathered("images"), self._gathered("texts"), self._gathered("tokens")
+        if self.classifier is not None:
+            acc = zeroshot_accuracy(images, self.classifier, self._gathered("labels"))
+            self.log("test/zeroshot_acc", acc[1])
+            self.log("test/zeroshot_acc_top5", acc[5])
+        distinct, image_ids = torch.unique(tokens, dim=0, return_inverse=True)
+        first = torch.full((len(distinct),), len(tokens), device=tokens.device)
+        first.scatter_reduce_(0, image_ids, torch.arange(len(tokens), device=tokens.device), reduce="amin")
+        for name, value in recall_at_k(images @ texts[first].t(), image_ids).items():
+            self.log(f"test/{name}", value)
+        if self.trainer.is_global_zero and self.plot_pairs:
+            self._plot_similarities()
+        self.outputs = {}
+
+    @torch.no_grad()
+    def _plot_similarities(self) -> None:
+        from attnlab.plots import similarity_figure
+
+        data = self.trainer.datamodule
+        split = data.splits["test"]
+        items = [split[i] for i in range(min(self.plot_pairs, len(split)))]
+        raw, tokens, _ = data.collate(items)
+        images, texts, _ = self(data.normalize(raw.to(self.device)), tokens.to(self.device))
+        fig = similarity_figure(
+            raw.float() / 255, [c for _, c, _ in items], (images @ texts.t()).float().cpu()
+        )
+        if self.plot_dir:
+            path = Path(self.plot_dir) / "similarity.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=90)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="test/similarity", images=[fig])
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+@torch.no_grad()
+def zeroshot_classifier(net: nn.Module, prompt_tokens: Tensor, num_classes: int) -> Tensor:
+    """Class embeddings from prompts ordered class by class, (K * M, T) ids for K classes and M
+    templates: each class's prompt features averaged and re-normalised, as open_clip does; (K, E)."""
+    features = net.encode_text(prompt_tokens).float()  # (K * M, E), unit length
+    return F.normalize(features.view(num_classes, -1, features.size(-1)).mean(1), dim=-1)
+
+
+def zeroshot_accuracy(image_features: Tensor, classifier: Tensor, labels: Tensor) -> dict[int, float]:
+    """Top-1 and top-5 accuracy of the nearest class embedding, {1: acc, 5: acc}."""
+    scores = image_features @ classifier.t()  # (N, K)
+    top = scores.topk(min(5, scores.size(1)), dim=1).indices
+    hits = top == labels[:, None]
+    return {1: hits[:, 0].float().mean().item(), 5: hits.any(1).float().mean().item()}
