@@ -3,8 +3,9 @@ side by side in one run, in fp32 and (where the CPU multiplies bf16 natively, or
 under bf16 autocast; and how fast the Fashion-MNIST loader feeds augmented batches.
 
 The configurations are the Fashion-MNIST experiments' (model/net/vit_mini, deit_mini,
-swin_mini): forward, cross-entropy, backward and a fused AdamW step on random images. Goal: our
-models at least as fast as timm's (ratio >= 1.0).
+swin_mini), the ViTs with timm's linear patch embedding (the experiments' convolutional stem has
+no timm counterpart): forward, cross-entropy, backward and a fused AdamW step on random images.
+Goal: our models at least as fast as timm's (ratio >= 1.0).
 
 Run it alone: a busy second core slows torch's two threads.
 

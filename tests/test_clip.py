@@ -90,7 +90,12 @@ def test_clip_features_are_unit_length_and_the_scale_starts_at_1_over_007_and_st
     with torch.no_grad():
         net.logit_scale.fill_(math.log(1000.0))
     assert net.scale().item() == pytest.approx(100.0, rel=1e-5)
-    assert "logit_scale" in net.no_weight_decay() and "image.pos_embed" in net.no_weight_decay()
+    from attnlab.tasks.optim import param_groups
+
+    decay, no_decay = (set(map(id, g["params"])) for g in param_groups(net, 0.1))
+    for name in ("logit_scale", "image.pos_embed", "text.embed.positions.emb.weight", "text.norm.weight"):
+        assert id(net.get_parameter(name)) in no_decay, name
+    assert id(net.get_parameter("text_proj.weight")) in decay
 
 
 def test_loss_equals_open_clips():

@@ -112,3 +112,18 @@ def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figur
     ax.set_title("cosine similarity: captions (rows) x images (columns)", fontsize=9)
     fig.subplots_adjust(left=0.35, right=0.98, top=0.95, bottom=0.08)
     return fig
+
+
+def curves_figure(series: dict[str, list[tuple[int, float]]], metric: str) -> Figure:
+    """One line per run: ``metric`` against the training step, the legend naming each run."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.22 * len(series)))  # room for the legend below
+    for label, points in series.items():
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.15), ncol=1, frameon=False)
+    fig.tight_layout()
+    return fig

@@ -73,6 +73,9 @@ class TextTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
 
+    def no_weight_decay(self) -> set[str]:
+        return {"embed.positions.emb.weight"}
+
     def forward(self, tokens: Tensor) -> Tensor:
         """(B, T) right-padded token ids -> (B, dim) caption features."""
         x = self.embed(tokens)  # (B, T, D)
@@ -101,10 +104,6 @@ class CLIP(nn.Module):
         self.image_proj = nn.Linear(image.num_features, embed_dim, bias=False)
         self.text_proj = nn.Linear(text.dim, embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE))
-
-    def no_weight_decay(self) -> set[str]:
-        inner = {f"image.{n}" for n in getattr(self.image, "no_weight_decay", set)()}
-        return inner | {"logit_scale", "text.embed.positions.emb.weight"}
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
         """(B, C, H, W) -> (B, embed_dim), unit length unless ``normalize=False``."""

@@ -1,0 +1,109 @@
+"""``attnlab-compare <run or sweep dirs>...``: a table of the runs' metrics beside the
+hyperparameters that differ between them; runs differing only by seed grouped as mean ± std.
+
+    attnlab-compare logs/gpt_pydoc_char/multiruns/2026-11-25_10-00-00-000000
+    attnlab-compare logs/vit_fashion_mnist logs/deit_fashion_mnist --metrics test/acc --sort test/acc
+    attnlab-compare logs/... --where model.optimizer.lr=0.001 --best --format md
+    attnlab-compare logs/... --plot val/loss --out val_loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from attnlab.cli.common import exit_on_user_error
+from attnlab.compare import Row, default_metrics, find_runs, format_value, lower_is_better, plot_curves, rows
+from attnlab.errors import ConfigError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="attnlab-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("paths", nargs="+", type=Path, help="run directories, or folders holding runs (sweeps)")
+    p.add_argument("--metrics", help="comma-separated metric names (default: the test metrics)")
+    p.add_argument("--best", action="store_true", help="each metric's best value, not its last")
+    p.add_argument("--sort", help="sort by this metric (best first)")
+    p.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keep runs whose config has KEY=VALUE (repeatable)",
+    )
+    p.add_argument("--no-group", action="store_true", help="one row per run, even across seeds")
+    p.add_argument("--format", choices=("table", "md", "csv"), default="table")
+    p.add_argument(
+        "--plot", metavar="METRIC", help="write a PNG of METRIC against the step, one line per run"
+    )
+    p.add_argument("--out", type=Path, help="where the plot goes (default: <metric>.png)")
+    return p.parse_args(argv)
+
+
+def matches(config: dict, where: list[str]) -> bool:
+    for cond in where:
+        if "=" not in cond:
+            raise ConfigError(f"--where {cond!r}: expected KEY=VALUE, e.g. model.optimizer.lr=0.001")
+        key, value = cond.split("=", 1)
+        if str(config.get(key)) != value:
+            return False
+    return True
+
+
+def render(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
+    keys = list(table_rows[0].label) if table_rows else []
+    header = [*keys, "runs", *metrics]
+    body = [
+        [str(r.label[k]) for k in keys]
+        + [str(len(r.runs))]
+        + [format_value(r.values.get(m, [])) for m in metrics]
+        for r in table_rows
+    ]
+    if fmt == "csv":
+        out = io.StringIO()
+        csv.writer(out).writerows([header, *body])
+        return out.getvalue()
+    if fmt == "md":
+        lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body]) + "\n"
+    table = Table(show_lines=False)
+    for name in header:
+        table.add_column(name, justify="right" if name in metrics or name == "runs" else "left")
+    for row in body:
+        table.add_row(*row)
+    out = io.StringIO()
+    Console(file=out, width=200).print(table)
+    return out.getvalue()
+
+
+def compare(args: argparse.Namespace) -> str:
+    runs = [r for r in find_runs(args.paths) if matches(r.config, args.where)]
+    if not runs:
+        raise ConfigError(f"--where {' '.join(args.where)}: no run matches")
+    if args.plot:
+        out = plot_curves(runs, args.plot, args.out or Path(args.plot.replace("/", "_") + ".png"))
+        print(f"plot written to {out}", file=sys.stderr)
+    metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
+    table_rows = rows(runs, metrics, group_seeds=not args.no_group, best=args.best)
+    if args.sort:
+        sign = 1 if lower_is_better(args.sort) else -1
+        table_rows.sort(key=lambda r: (math.isnan(r.mean(args.sort)), sign * r.mean(args.sort)))
+    return render(table_rows, metrics, args.format)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_user_error():
+        print(compare(args), end="")
+
+
+if __name__ == "__main__":
+    main()

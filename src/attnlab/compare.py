@@ -1,0 +1,190 @@
+"""Comparing finished runs: their final and best metrics beside the hyperparameters that differ
+between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
+
+A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log) and ``config.yaml`` (the
+composed config the run saved); a sweep directory holds many (``multiruns/<time>/<n>/``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from attnlab.errors import DataError
+
+# config keys that say where or how a run was logged, not what was trained
+IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.")
+IGNORED_KEYS = {
+    "ckpt_path",
+    "tags",
+    "train",
+    "test",
+    "trainer.devices",
+    "trainer.accelerator",
+    "data.data_dir",
+    "data.cache_dir",
+    "model.plot_dir",
+    "trainer.default_root_dir",
+    "model.net.plot_dir",
+}
+SEED = "seed"
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]  # flattened: "model.optimizer.lr" -> 0.001
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def final(self, metric: str) -> float | None:
+        points = self.curves.get(metric)
+        return points[-1][1] if points else None
+
+    def best(self, metric: str) -> float | None:
+        points = self.curves.get(metric)
+        if not points:
+            return None
+        values = [v for _, v in points]
+        return min(values) if lower_is_better(metric) else max(values)
+
+
+def lower_is_better(metric: str) -> bool:
+    name = metric.rsplit("/", 1)[-1]
+    return any(k in name for k in ("loss", "ppl", "perplexity", "error", "ms_per"))
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out |= flatten(v, f"{prefix}{k}.")
+        return out
+    if isinstance(node, list):
+        return {prefix[:-1]: str(node)}
+    return {prefix[:-1]: node}
+
+
+def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for k, v in row.items():
+                if k not in ("step", "epoch") and v not in ("", None):
+                    curves.setdefault(k, []).append((step, float(v)))
+    return curves
+
+
+def load_run(run_dir: Path) -> Run:
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        config_file = run_dir / ".hydra" / "config.yaml"
+    config = (
+        OmegaConf.to_container(OmegaConf.load(config_file), resolve=False) if config_file.is_file() else {}
+    )
+    return Run(run_dir, flatten(config), read_curves(run_dir / "csv" / "metrics.csv"))
+
+
+def find_runs(paths: Iterable[Path]) -> list[Run]:
+    """Every run under ``paths`` (each a run directory, or a folder holding runs), in path order."""
+    runs, missing = [], []
+    for path in paths:
+        if not path.exists():
+            missing.append(str(path))
+            continue
+        logs = [path / "csv" / "metrics.csv"] if (path / "csv" / "metrics.csv").is_file() else []
+        logs = logs or sorted(path.rglob("csv/metrics.csv"))
+        runs += [load_run(log.parent.parent) for log in logs]
+    if missing:
+        raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
+    if not runs:
+        raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
+    return runs
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose values differ between the runs (where and how they logged left out)."""
+    keys = sorted({k for r in runs for k in r.config})
+    return [
+        k
+        for k in keys
+        if not k.startswith(IGNORED_PREFIXES)
+        and k not in IGNORED_KEYS
+        and len({repr(r.config.get(k)) for r in runs}) > 1
+    ]
+
+
+def default_metrics(runs: list[Run]) -> list[str]:
+    """The test metrics, else the validation ones (bests and per-class accuracies left out)."""
+    names = sorted({m for r in runs for m in r.curves})
+    test = [m for m in names if m.startswith("test/") and "/acc_class/" not in m]
+    return test or [m for m in names if m.startswith("val/") and not m.endswith("_best")]
+
+
+@dataclass
+class Row:
+    label: dict[str, Any]  # the varying hyperparameters
+    runs: list[Run]
+    values: dict[str, list[float]]  # per metric, one value per run
+
+    def mean(self, metric: str) -> float:
+        vals = self.values.get(metric) or []
+        return statistics.fmean(vals) if vals else math.nan
+
+
+def rows(runs: list[Run], metrics: list[str], group_seeds: bool = True, best: bool = False) -> list[Row]:
+    """One row per run, or per setting (varying keys but the seed) with its runs' values."""
+    keys = varying_keys(runs)
+    label_keys = [k for k in keys if not (group_seeds and k == SEED)]
+    out: dict[tuple, Row] = {}
+    for i, run in enumerate(runs):
+        label = {k: run.config.get(k) for k in label_keys}
+        key = tuple(repr(v) for v in label.values()) if group_seeds else (i,)
+        row = out.setdefault(key, Row(label, [], {}))
+        row.runs.append(run)
+        for m in metrics:
+            v = run.best(m) if best else run.final(m)
+            if v is not None:
+                row.values.setdefault(m, []).append(v)
+    return list(out.values())
+
+
+def format_value(vals: list[float]) -> str:
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return f"{vals[0]:.4g}"
+    return f"{statistics.fmean(vals):.4g} ± {statistics.stdev(vals):.2g}"
+
+
+def short(value: Any, width: int = 32) -> str:
+    """A value for a legend: long ones (paths) keep their start and end."""
+    text = str(value)
+    return text if len(text) <= width else f"{text[: width // 2 - 1]}…{text[-(width // 2) :]}"
+
+
+def plot_curves(runs: list[Run], metric: str, out: Path) -> Path:
+    """The ``metric`` of every run against the step, one line each, labelled by what varies."""
+    from attnlab.plots import curves_figure
+
+    keys = varying_keys(runs)
+    series = {}
+    for run in runs:
+        if metric in run.curves:
+            label = (
+                ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys) or run.path.name
+            )
+            series[label] = run.curves[metric]
+    if not series:
+        raise DataError(f"--plot {metric}: no run logged it")
+    fig = curves_figure(series, metric)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

@@ -1,0 +1,86 @@
+"""attnlab-compare: varying hyperparameters found, seeds grouped as mean ± std, sorting,
+filtering, formats, the curve plot, and clear errors."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from attnlab.cli.compare import compare, main, parse_args
+
+
+def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
+    run = root / name
+    (run / "csv").mkdir(parents=True)
+    config = {"seed": seed, "task_name": "gpt", "paths": {"output_dir": str(run)},
+              "model": {"optimizer": {"lr": lr, "betas": [0.9, 0.99]}}, "trainer": {"max_steps": 30}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = ["epoch,step,val/loss,test/acc"]
+    rows += [f"0,{10 * (i + 1)},{loss}," for i, loss in enumerate(losses)]
+    rows.append(f"0,{10 * len(losses)},,{acc}")
+    (run / "csv" / "metrics.csv").write_text("\n".join(rows) + "\n")
+    return run
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    root = tmp_path / "multiruns" / "2026-11-25"
+    n = 0
+    for lr, base in ((0.001, 2.0), (0.01, 1.0)):
+        for seed in (1, 2, 3):
+            losses = [base + 1, base + seed / 10, base + 0.5]
+            write_run(root, str(n), lr, seed, losses, acc=base / 10 + seed / 100)
+            n += 1
+    return root
+
+
+def test_seeds_group_into_mean_and_std_per_setting(sweep):
+    out = compare(parse_args([str(sweep), "--format", "csv", "--metrics", "test/acc,val/loss"]))
+    header, *body = [line.split(",") for line in out.strip().splitlines()]
+    assert header == ["model.optimizer.lr", "runs", "test/acc", "val/loss"]  # the seed is grouped away
+    assert [row[:2] for row in body] == [["0.001", "3"], ["0.01", "3"]]
+    accs = [0.2 + s / 100 for s in (1, 2, 3)]
+    assert body[0][2] == f"{statistics.fmean(accs):.4g} ± {statistics.stdev(accs):.2g}"
+    best = compare(parse_args([str(sweep), "--format", "csv", "--metrics", "val/loss", "--best"]))
+    assert best.strip().splitlines()[1].startswith("0.001,3,2.2 ± 0.1")  # min of each run's curve
+
+
+def test_one_row_per_run_sorting_and_filtering(sweep):
+    out = compare(parse_args([str(sweep), "--no-group", "--format", "md", "--sort", "test/acc"]))
+    lines = out.strip().splitlines()
+    assert lines[0] == "| model.optimizer.lr | seed | runs | test/acc |" and len(lines) == 2 + 6
+    assert lines[2].startswith("| 0.001 | 3 |")  # the highest accuracy first
+    only = compare(parse_args([str(sweep), "--where", "model.optimizer.lr=0.01", "--format", "csv"]))
+    assert [line.split(",")[0] for line in only.strip().splitlines()] == ["runs", "3"]  # nothing varies
+    table = compare(parse_args([str(sweep)]))
+    assert "model.optimizer.lr" in table and "0.22 ± 0.01" in table
+
+
+def test_plot_overlays_every_run(sweep, tmp_path):
+    out = tmp_path / "loss.png"
+    compare(parse_args([str(sweep), "--no-group", "--plot", "val/loss", "--out", str(out)]))
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys, caplog):
+    def said() -> str:  # one line on stderr; under pytest the log record goes to its handler
+        text = caplog.text + capsys.readouterr().err
+        caplog.clear()
+        return text
+
+    for argv, needle in (
+        ([str(tmp_path / "nope")], "no such run or sweep directory"),
+        ([str(tmp_path / "multiruns"), "--where", "lr"], "--where 'lr': expected KEY=VALUE"),
+        ([str(sweep), "--where", "seed=9"], "no run matches"),
+        ([str(sweep), "--plot", "val/bleu"], "--plot val/bleu: no run logged it"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and needle in said(), argv
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty")])
+    assert "no runs (csv/metrics.csv) under" in said()
