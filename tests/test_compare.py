@@ -84,3 +84,19 @@ def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys,
     with pytest.raises(SystemExit):
         main([str(tmp_path / "empty")])
     assert "no runs (csv/metrics.csv) under" in said()
+
+
+def test_offline_wandb_runs_are_read_when_there_is_no_csv_log(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for lr in (0.1, 0.2):
+        run = wandb.init(dir=tmp_path, project="p", config={"model": {"optimizer": {"lr": lr}}, "seed": 1})
+        for step in (10, 20, 30):
+            run.log({"val/loss": 1 / (lr * step), "trainer/global_step": step})
+        run.log({"test/acc": lr * 4, "trainer/global_step": 30})
+        run.finish()
+    out = compare(parse_args([str(tmp_path), "--format", "csv", "--metrics", "test/acc,val/loss", "--best"]))
+    assert out.strip().splitlines() == ["model.optimizer.lr,runs,test/acc,val/loss", "0.1,1,0.4,0.3333",
+                                        "0.2,1,0.8,0.1667"]

@@ -2,14 +2,17 @@
 between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
 
 A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log) and ``config.yaml`` (the
-composed config the run saved); a sweep directory holds many (``multiruns/<time>/<n>/``).
+composed config the run saved), or an offline W&B run directory (``offline-run-*/run-*.wandb``)
+of a run without a CSV log; a sweep directory holds many (``multiruns/<time>/<n>/``).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +95,58 @@ def load_run(run_dir: Path) -> Run:
     return Run(run_dir, flatten(config), read_curves(run_dir / "csv" / "metrics.csv"))
 
 
+def wandb_records(path: Path) -> Iterable[bytes]:
+    """The records of an offline W&B run file (``run-<id>.wandb``): a 7-byte header, then a
+    LevelDB-style log of 32 KiB blocks, each record a 7-byte header (CRC, length, kind: full,
+    first, middle, last fragment) and its bytes."""
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    if data[:4] != b":W&B":
+        raise DataError(f"{path}: not a W&B run file")
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the zero padding at the end of a block
+            pos += left
+            continue
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):
+            yield pending
+
+
+def load_wandb_run(run_file: Path) -> Run:
+    """Config and metric curves from an offline W&B run (step: Lightning's ``trainer/global_step``)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    config: dict[str, Any] = {}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for payload in wandb_records(run_file):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):  # the config given at init, then updates (Lightning's hparams)
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
+        elif kind == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = int(row.get("trainer/global_step", row.get("_step", 0)))
+            for k, v in row.items():
+                if (
+                    not k.startswith("_")
+                    and k not in ("epoch", "trainer/global_step")
+                    and isinstance(v, int | float)
+                ):
+                    curves.setdefault(k, []).append((step, float(v)))
+    for key in ("machine", "_wandb"):
+        config.pop(key, None)
+    return Run(run_file.parent, flatten(config), curves)
+
+
+def _logged_to_csv(wandb_dir: Path) -> bool:
+    """An offline W&B run inside a run directory that also has its CSV log (read that instead)."""
+    return any((p / "csv" / "metrics.csv").is_file() for p in wandb_dir.parents[:3])
+
+
 def find_runs(paths: Iterable[Path]) -> list[Run]:
     """Every run under ``paths`` (each a run directory, or a folder holding runs), in path order."""
     runs, missing = [], []
@@ -102,6 +157,8 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         logs = [path / "csv" / "metrics.csv"] if (path / "csv" / "metrics.csv").is_file() else []
         logs = logs or sorted(path.rglob("csv/metrics.csv"))
         runs += [load_run(log.parent.parent) for log in logs]
+        offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
+        runs += [load_wandb_run(f) for f in offline if not _logged_to_csv(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
     if not runs:
