@@ -198,7 +198,7 @@ def test_a_tiny_clip_learns_to_tell_two_caption_classes_apart():
         embed_dim=16,
     )
     opt = torch.optim.AdamW(net.parameters(), 3e-3)
-    for _ in range(40):
+    for _ in range(80):
         loss = clip_loss(*net(*batch(16)[:2]))
         loss.backward()
         opt.step()

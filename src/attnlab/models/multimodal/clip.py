@@ -72,6 +72,19 @@ class TextTransformer(nn.Module):
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim)
+        self.init_weights(dim, depth)
+
+    def init_weights(self, dim: int, depth: int) -> None:
+        """CLIP's (open_clip's) initialisation: small embeddings; projections scaled by the width,
+        the residual outputs also by the depth."""
+        nn.init.normal_(self.embed.tokens.weight, std=0.02)
+        nn.init.normal_(self.embed.positions.emb.weight, std=0.01)
+        attn_std, proj_std, fc_std = dim**-0.5, dim**-0.5 * (2 * depth) ** -0.5, (2 * dim) ** -0.5
+        for block in self.blocks:
+            nn.init.normal_(block.attn.in_proj.weight, std=attn_std)
+            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+            nn.init.normal_(block.mlp.fc1.weight, std=fc_std)
+            nn.init.normal_(block.mlp.fc2.weight, std=proj_std)
 
     def no_weight_decay(self) -> set[str]:
         return {"embed.positions.emb.weight"}
