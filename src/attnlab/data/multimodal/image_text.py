@@ -121,7 +121,8 @@ class ImageTextDataModule(DataModule):
         pairs_file, test_file: the "pairs" rows; test rows default to the validation split.
         image_key, caption_key: the columns (fields) of a pairs file.
         on_missing: "skip" or "error": what to do with listed images that are missing or unreadable.
-        img_size, in_chans: pairs images are converted and resized to these.
+        img_size, in_chans: pairs images are converted and resized to these (the IDX sources keep
+            their own: 28x28, one channel).
         val_size: items carved (seeded) out of the training split.
         batch_size: pairs per batch.
         context_length: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are cut.
@@ -195,9 +196,8 @@ class ImageTextDataModule(DataModule):
     # --- what the model and inference need -------------------------------------------------
 
     def model_kwargs(self) -> dict[str, Any]:
-        image = self.splits["train"][0][0]
         return {
-            "image": {"img_size": image.size(-1), "in_chans": image.size(0)},
+            "image": {"img_size": self.img_size, "in_chans": self.in_chans},
             "text": {
                 "vocab_size": self.tokenizer.vocab_size,
                 "context_length": self.context_length,
@@ -206,14 +206,13 @@ class ImageTextDataModule(DataModule):
         }
 
     def artifacts(self) -> dict[str, Any]:
-        image = self.splits["train"][0][0]
         return {
             "tokenizer": self.tokenizer.to_json(),
             "context_length": self.context_length,
             "classes": self.classes,
             "templates": self.templates,
-            "img_size": image.size(-1),
-            "in_chans": image.size(0),
+            "img_size": self.img_size,
+            "in_chans": self.in_chans,
             "mean": self.mean,
             "std": self.std,
         }
@@ -261,6 +260,7 @@ class ImageTextDataModule(DataModule):
 
     def _setup_generated(self) -> list[str]:
         data = load_idx_dataset(self.source, self.data_dir, self.cache_dir, self.url)
+        self.in_chans, self.img_size = data.train_images.size(1), data.train_images.size(-1)  # as stored
         train, val = self._split(len(data.train_labels))
         self.classes = cap.class_phrases(self.source, data.classes)
         values = cap.measure(data.train_images)
