@@ -116,7 +116,7 @@ class ContrastiveTask(Task):
         tokens, _ = data.tokenizer.encode_captions(prompts, data.context_length)
         return zeroshot_classifier(self.net, tokens.to(self.device), len(data.classes))
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor], loss: MeanMetric, stage: str) -> None:
+    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor], loss: MeanMetric) -> None:
         images, tokens, labels = batch
         image_features, text_features, scale = self(images, tokens)
         # the loss of a batch on its own (not gathered): evaluation needs no gradients
@@ -137,10 +137,10 @@ class ContrastiveTask(Task):
     on_test_epoch_start = on_validation_epoch_start
 
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.val_loss, "val")
+        self._evaluate(batch, self.val_loss)
 
     def test_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.test_loss, "test")
+        self._evaluate(batch, self.test_loss)
 
     def _gathered(self, key: str) -> Tensor:
         x = torch.cat(self.outputs[key])
