@@ -90,7 +90,8 @@ def test_wrong_type_is_one_line_naming_key_value_and_type(experiment, override, 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_shipped_experiments_pass(experiment):
     cfg = composed(f"experiment={experiment}")
-    net = cfg.model.net.encoder if "encoder" in cfg.model.net else cfg.model.net  # BERT: the encoder's
+    net = cfg.model.net  # BERT: the encoder's vocabulary; CLIP: the text tower's
+    net = net.encoder if "encoder" in net else net.text if "text" in net else net
     filled_by_data = "vocab_size" if "vocab_size" in net.keys() else "num_classes"
     assert cfg.trainer.precision == "auto" and net._get_node(filled_by_data)._is_missing()
     check_config(cfg)

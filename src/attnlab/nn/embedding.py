@@ -132,13 +132,13 @@ class ConvStem(nn.Module):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int) -> None:
         super().__init__()
-        if patch_size < 2 or patch_size & (patch_size - 1):
-            raise ConfigError(
-                f"model.net.patch_size ({patch_size}) must be a power of two >= 2 for a conv stem"
-            )
         if img_size % patch_size != 0:
             raise ConfigError(
                 f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
+            )
+        if patch_size < 2 or patch_size & (patch_size - 1):
+            raise ConfigError(
+                f"model.net.patch_size ({patch_size}) must be a power of two >= 2 for a conv stem"
             )
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.grid_size = img_size // patch_size
