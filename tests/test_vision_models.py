@@ -109,6 +109,8 @@ def test_patch_count_and_shapes():
     torch.testing.assert_close(deit(x), (cls_logits + dist_logits) / 2)
     swin = SwinTransformer(**SWIN)
     assert swin.forward_features(torch.randn(2, 3, 32, 32)).shape == (2, 16, 96)  # 16x16 -> 8x8 -> 4x4
+    headless = SwinTransformer(**{**SWIN, "num_classes": 0})  # a backbone (CLIP's image tower)
+    assert headless(torch.randn(2, 3, 32, 32)).shape == (2, headless.num_features) == (2, 96)
     assert [m.shape for m in swin.attention_maps(torch.randn(2, 3, 32, 32))[::2]] == [
         (2 * 16, 2, 16, 16),
         (2 * 4, 4, 16, 16),
@@ -214,6 +216,8 @@ def test_bad_sizes_are_config_errors():
 def test_timm_model_takes_the_data_shape():
     net = TimmModel("test_resnet", num_classes=7, img_size=32, in_chans=1)
     assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)
+    pooled = net.forward_head(net.forward_features(torch.randn(2, 1, 32, 32)), pre_logits=True)
+    assert pooled.shape == (2, net.num_features)  # what CLIP's projection is sized from
     vit = TimmModel(
         "vit_tiny_patch16_224", num_classes=5, img_size=32, in_chans=3, kwargs={"patch_size": 8, "depth": 1}
     )
