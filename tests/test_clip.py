@@ -179,7 +179,8 @@ def test_zeroshot_classifier_averages_templates_and_renormalises():
 
 def test_a_tiny_clip_learns_to_tell_two_caption_classes_apart():
     from attnlab.data.text.tokenizers import CaptionTokenizer
-    from attnlab.inference.zeroshot import class_embeddings, zeroshot_probs
+    from attnlab.inference.zeroshot import zeroshot_probs
+    from attnlab.tasks.contrastive import class_embeddings
 
     torch.manual_seed(0)
     texts = {0: "a bright square in the middle", 1: "a thin bar along the top"}

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig, open_dict
 
+from attnlab.data.text.formats import read_lines
 from attnlab.errors import AttnlabError, ConfigError, DataError
 from attnlab.utils.hardware import resolve_precision
 
@@ -80,12 +81,7 @@ def read_sentences(cfg: DictConfig) -> list[str]:
     if cfg.text is not None:
         return [str(cfg.text)]
     path = Path(str(cfg.input))
-    if not path.is_file():
-        raise DataError(f"input={path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"input={path} is not UTF-8 text ({e})") from None
+    lines = read_lines(path, "input")
     if not any(line.strip() for line in lines):
         raise DataError(f"input={path} is empty; expected one sentence per line")
     return lines

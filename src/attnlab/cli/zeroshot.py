@@ -13,12 +13,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.data.vision.classification import normalize
 from attnlab.errors import CheckpointError, ConfigError
 from attnlab.inference.classification import image_files, load_image
 from attnlab.inference.runs import TrainedRun
-from attnlab.inference.zeroshot import class_embeddings, parse_labels, read_templates, zeroshot_probs
+from attnlab.inference.zeroshot import parse_labels, read_templates, zeroshot_probs
 from attnlab.models import CLIP
-from attnlab.tasks.contrastive import zeroshot_accuracy
+from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
@@ -36,13 +37,12 @@ def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     run, net, templates = load_clip(cfg)
     files = image_files(Path(str(cfg.image)).expanduser())
     classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
-    mean = torch.tensor(run.artifacts["mean"], device=cfg.device)[:, None, None]
-    std = torch.tensor(run.artifacts["std"], device=cfg.device)[:, None, None]
     results = []
     for start in range(0, len(files), cfg.batch_size):
         chunk = files[start : start + cfg.batch_size]
         images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(cfg.device)
-        probs = zeroshot_probs(net, (images.float() / 255 - mean) / std, classifier)
+        images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
+        probs = zeroshot_probs(net, images, classifier)
         for path, row in zip(chunk, probs.tolist(), strict=True):
             results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
     return results

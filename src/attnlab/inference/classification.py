@@ -10,6 +10,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torch import Tensor, nn
 
+from attnlab.data.vision.classification import normalize
 from attnlab.data.vision.datasets import IMAGE_SUFFIXES, read_image
 from attnlab.errors import DataError
 
@@ -59,9 +60,7 @@ def classify(
     net: nn.Module, images: Tensor, artifacts: dict[str, Any], top_k: int
 ) -> list[list[tuple[str, float]]]:
     """uint8 (B, C, H, W) -> per image the ``top_k`` (class, probability) pairs, most likely first."""
-    mean = torch.tensor(artifacts["mean"], device=images.device)[:, None, None]
-    std = torch.tensor(artifacts["std"], device=images.device)[:, None, None]
-    probs = net((images.float() / 255 - mean) / std).float().softmax(-1)
+    probs = net(normalize(images, artifacts["mean"], artifacts["std"])).float().softmax(-1)
     p, idx = probs.topk(min(top_k, probs.size(-1)), dim=-1)
     classes = artifacts["classes"]
     return [

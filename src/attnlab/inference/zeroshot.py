@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnlab.data.text.tokenizers import CaptionTokenizer
+from attnlab.data.text.formats import read_lines
 from attnlab.errors import ConfigError, DataError
-from attnlab.tasks.contrastive import zeroshot_classifier
 
 
 def parse_labels(labels: str | None) -> list[str]:
@@ -24,14 +23,8 @@ def parse_labels(labels: str | None) -> list[str]:
 def read_templates(path: str) -> list[str]:
     """Prompt templates, one per line, each with ``{}`` where the class name goes."""
     file = Path(path)
-    if not file.is_file():
-        raise DataError(f"templates={file}: no such file")
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"templates={file} is not UTF-8 text ({e})") from None
     templates = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(read_lines(file, "templates"), 1):
         if not line.strip():
             continue
         if "{}" not in line:
@@ -40,17 +33,6 @@ def read_templates(path: str) -> list[str]:
     if not templates:
         raise DataError(f"templates={file} holds no templates; expected one per line, with {{}}")
     return templates
-
-
-@torch.no_grad()
-def class_embeddings(
-    net: nn.Module, tokenizer: CaptionTokenizer, context_length: int, labels: list[str], templates: list[str]
-) -> Tensor:
-    """(K, E) unit class embeddings, each the mean over ``templates`` filled with its label."""
-    prompts = [t.format(label) for label in labels for t in templates]
-    tokens, _ = tokenizer.encode_captions(prompts, context_length)
-    device = next(net.parameters()).device
-    return zeroshot_classifier(net, tokens.to(device), len(labels))
 
 
 @torch.no_grad()

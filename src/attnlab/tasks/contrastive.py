@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_gather
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
+from attnlab.data.text.tokenizers import CaptionTokenizer
 from attnlab.tasks.base import Task
 
 
@@ -112,9 +113,7 @@ class ContrastiveTask(Task):
         data = self.trainer.datamodule
         if not getattr(data, "classes", None):
             return None
-        prompts = [t.format(c) for c in data.classes for t in data.templates]
-        tokens, _ = data.tokenizer.encode_captions(prompts, data.context_length)
-        return zeroshot_classifier(self.net, tokens.to(self.device), len(data.classes))
+        return class_embeddings(self.net, data.tokenizer, data.context_length, data.classes, data.templates)
 
     def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor], loss: MeanMetric) -> None:
         images, tokens, labels = batch
@@ -216,3 +215,14 @@ def zeroshot_accuracy(image_features: Tensor, classifier: Tensor, labels: Tensor
     top = scores.topk(min(5, scores.size(1)), dim=1).indices
     hits = top == labels[:, None]
     return {1: hits[:, 0].float().mean().item(), 5: hits.any(1).float().mean().item()}
+
+
+@torch.no_grad()
+def class_embeddings(
+    net: nn.Module, tokenizer: CaptionTokenizer, context_length: int, labels: list[str], templates: list[str]
+) -> Tensor:
+    """(K, E) unit class embeddings, each the mean over ``templates`` filled with its label."""
+    prompts = [t.format(label) for label in labels for t in templates]
+    tokens, _ = tokenizer.encode_captions(prompts, context_length)
+    device = next(net.parameters()).device
+    return zeroshot_classifier(net, tokens.to(device), len(labels))

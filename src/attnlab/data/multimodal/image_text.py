@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal import captions as cap
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import random_crop_flip
+from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
 from attnlab.data.vision.datasets import load_idx_dataset
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -276,8 +276,7 @@ class ImageTextDataModule(DataModule):
             ),
         }
         if self.mean is None:
-            pixels = images[train].float().div_(255).transpose(0, 1).flatten(1)
-            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).tolist()
+            self.mean, self.std = channel_stats(images[train])
         return cap.caption_corpus(self.classes)
 
     def _readable(
@@ -321,8 +320,8 @@ class ImageTextDataModule(DataModule):
             self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
         if self.mean is None:
             sample = torch.stack([files[0][i][0] for i in range(min(len(files[0]), 512))])
-            pixels = sample.float().div_(255).transpose(0, 1).flatten(1)
-            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).clamp(min=1e-3).tolist()
+            mean, std = channel_stats(sample)
+            self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
         return files[0].captions
 
     # --- batches ---------------------------------------------------------------------------
@@ -333,9 +332,7 @@ class ImageTextDataModule(DataModule):
         return torch.stack(images), tokens, torch.tensor(labels)
 
     def normalize(self, images: Tensor) -> Tensor:
-        mean = torch.tensor(self.mean, device=images.device)[:, None, None]
-        std = torch.tensor(self.std, device=images.device)[:, None, None]
-        return (images.float() / 255 - mean) / std
+        return normalize(images, self.mean, self.std)
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor, Tensor], dataloader_idx: int) -> tuple:
         images, tokens, labels = batch
@@ -344,17 +341,8 @@ class ImageTextDataModule(DataModule):
         return self.normalize(images), tokens, labels
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            generator=generator,
-            collate_fn=self.collate,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return image_loader(self.splits[split], self.batch_size, shuffle, self.seed, self.num_workers,
+                            collate_fn=self.collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

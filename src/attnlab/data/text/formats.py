@@ -9,13 +9,15 @@ from pathlib import Path
 from attnlab.errors import DataError
 
 
-def read_lines(path: Path) -> list[str]:
+def read_lines(path: Path, key: str | None = None) -> list[str]:
+    """The lines of a UTF-8 text file; errors name it as the config ``key`` that gave it
+    (``input=<path>``), or as a data file."""
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise DataError(f"{key}={path}: no such file" if key else f"data file {path} does not exist")
     try:
         return path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {path} is not UTF-8 text ({e})") from e
+        raise DataError(f"{f'{key}=' if key else 'data file '}{path} is not UTF-8 text ({e})") from e
 
 
 def read_corpus(path: Path) -> list[list[str]]:

@@ -47,6 +47,34 @@ class RandAugment:
         return torch.from_numpy(out.copy()).reshape(x.shape[1], x.shape[2], -1).permute(2, 0, 1)
 
 
+def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of uint8 (N, C, H, W) images scaled to [0, 1]."""
+    pixels = images.float().div_(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
+    return pixels.mean(1).tolist(), pixels.std(1).tolist()
+
+
+def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
+    """uint8 (B, C, H, W) -> float, standardised per channel."""
+    m = torch.tensor(mean, device=images.device)[:, None, None]
+    s = torch.tensor(std, device=images.device)[:, None, None]
+    return (images.float() / 255 - m) / s
+
+
+def image_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int,
+                 collate_fn: Any = None) -> DataLoader:
+    """Batches of a split; training (``shuffle``) drops the last partial batch, seeded order."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=shuffle,
+        generator=torch.Generator().manual_seed(seed) if shuffle else None,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+
+
 def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
     """A random ``padding``-pixel shift (a crop of the zero-padded image) and a horizontal flip
     with probability ``flip``, each drawn per image, done on the whole (B, C, H, W) batch at once
@@ -208,8 +236,7 @@ class ImageClassificationDataModule(DataModule):
         val, train = order[: self.val_size], order[self.val_size :]
         self.classes = data.classes
         if self.mean is None:
-            pixels = images[train].float().div_(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
-            self.mean, self.std = pixels.mean(1).tolist(), pixels.std(1).tolist()
+            self.mean, self.std = channel_stats(images[train])
         self.splits["train"] = LabelledImages(images[train], labels[train])
         self.splits["train"].transform = self._train_transform()
         self.splits["val"] = LabelledImages(images[val], labels[val])
@@ -242,9 +269,7 @@ class ImageClassificationDataModule(DataModule):
 
     def normalize(self, images: Tensor) -> Tensor:
         """uint8 (B, C, H, W) -> float, standardised per channel with the training statistics."""
-        mean = torch.tensor(self.mean, device=images.device)[:, None, None]
-        std = torch.tensor(self.std, device=images.device)[:, None, None]
-        return (images.float() / 255 - mean) / std
+        return normalize(images, self.mean, self.std)
 
     def on_after_batch_transfer(
         self, batch: tuple[Tensor, Tensor], dataloader_idx: int
@@ -262,16 +287,7 @@ class ImageClassificationDataModule(DataModule):
         return x, labels
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            generator=generator,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return image_loader(self.splits[split], self.batch_size, shuffle, self.seed, self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
