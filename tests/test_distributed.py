@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.trainer.states import RunningStage
+from omegaconf import OmegaConf
 from torchmetrics.text import SacreBLEUScore
 from torchmetrics.utilities.data import dim_zero_sum
 
@@ -306,3 +307,24 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(runs):
         assert one[-1][1] < one[0][1] - 0.3  # a curve, not a plateau
         gaps = [abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True)]
         assert max(gaps) < 0.1, (name, one, two)
+
+
+@pytest.mark.slow
+def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path):
+    """Lightning relaunches rank 1 from the command line; in a multirun that line still held ``-m``
+    and both values, so rank 1 ran a sweep of its own elsewhere (lightning-hydra-template #393)."""
+    proc = run_cli("train", ["-m", *GPT, "trainer=ddp_cpu", "trainer.max_steps=10", "task_name=sweep_ddp",
+                             "model.optimizer.lr=1e-3,3e-3"], tmp_path)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert out.count("Launching 2 jobs locally") == 1
+    task_dir = tmp_path / "logs" / "sweep_ddp"
+    (sweep_dir,) = (task_dir / "multiruns").iterdir()
+    assert sorted(p.name for p in task_dir.iterdir()) == ["multiruns"]  # no run directory of a rank
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    for job, lr in (("0", 1e-3), ("1", 3e-3)):
+        job_dir = sweep_dir / job
+        log = (job_dir / "sweep_ddp.log").read_text()
+        assert log.count("Instantiating model") == 2  # rank 0 and rank 1, both here
+        assert OmegaConf.load(job_dir / "config.yaml").model.optimizer.lr == lr
+        assert len(read_metrics(job_dir)["val/loss"]) == 1

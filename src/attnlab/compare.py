@@ -9,6 +9,7 @@ of a run without a CSV log; a sweep directory holds many (``multiruns/<time>/<n>
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import statistics
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf
 from attnlab.errors import DataError
 
 # config keys that say where or how a run was logged, not what was trained
-IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.")
+IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.", "sweep_trial.", "sweep.dir")
 IGNORED_KEYS = {
     "ckpt_path",
     "tags",
@@ -161,9 +162,29 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         runs += [load_wandb_run(f) for f in offline if not _logged_to_csv(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
+    for run in runs:
+        states = sweep_states(run.path.parent)
+        if run.path.name in states:
+            run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
     if not runs:
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
     return runs
+
+
+@functools.cache
+def sweep_states(sweep_dir: Path) -> dict[str, str]:
+    """Trial number -> how it ended (complete, pruned, fail, interrupted, running) in an
+    ``attnlab-sweep`` directory's study; empty for any other directory."""
+    if not (sweep_dir / "optuna.db").is_file():
+        return {}
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}")
+    return {
+        str(t.number): "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
+        for t in study.get_trials(deepcopy=False)
+    }
 
 
 def varying_keys(runs: list[Run]) -> list[str]:

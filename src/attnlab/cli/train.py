@@ -9,14 +9,18 @@ from typing import Any
 
 import hydra
 import lightning as L
+import optuna
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch.utils.tensorboard.summary import hparams
 
 from attnlab.callbacks import RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.compare import flatten
 from attnlab.inference.generation import generate_text
+from attnlab.sweep import TrialPruning
 from attnlab.utils.checkpoint import (
     AtomicCheckpointIO,
     check_fits,
@@ -37,6 +41,7 @@ from attnlab.utils.config import (
     save_config,
 )
 from attnlab.utils.cpu import tune_cpu_for_training
+from attnlab.utils.distributed import relaunch_this_multirun_job
 from attnlab.utils.hardware import machine_info, resolve_precision
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
@@ -118,7 +123,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
              machine["cpu_native_bf16"], machine["gpus"] or "none")
     callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
+    if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
+        pruner = (cfg.get("sweep") or {}).get("pruner")
+        callbacks.append(TrialPruning(cfg.sweep_trial.storage, cfg.sweep_trial.number, cfg.optimized_metric,
+                                      instantiate(pruner) if pruner else optuna.pruners.NopPruner()))
     loggers = setup_loggers(cfg, out)
+    relaunch_this_multirun_job()
     trainer: L.Trainer = instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
     )
@@ -154,6 +164,8 @@ def finish(cfg: DictConfig, model: L.LightningModule, datamodule: Any, loggers: 
     n_params = sum(p.numel() for p in model.parameters())
     log.info("final: %s | params %s | outputs in %s", summary, f"{n_params:,}", out)
     for lg in loggers:
+        if isinstance(lg, TensorBoardLogger):
+            hparams_for_tensorboard(lg, cfg, metrics)
         if isinstance(lg, WandbLogger):
             lg.experiment.summary.update({**metrics, "params": n_params})
             if sample is not None:
@@ -161,11 +173,26 @@ def finish(cfg: DictConfig, model: L.LightningModule, datamodule: Any, loggers: 
             lg.experiment.finish()
 
 
+def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics: dict[str, float]) -> None:
+    """The run's hyperparameters and final metrics for TensorBoard's HParams tab. Lightning writes
+    them only with metrics in hand, and then also logs those metrics as scalars at step 0."""
+    params = {k: v if isinstance(v, int | float | str | bool) else str(v)
+              for k, v in flatten(container(cfg)).items() if not k.startswith(("hydra.", "paths."))}
+    writer = logger.experiment._get_file_writer()
+    for summary in hparams(params, metrics):
+        writer.add_summary(summary)
+    writer.flush()
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     torch.set_float32_matmul_precision("high")
     with exit_on_user_error():
-        metrics = train(cfg)
+        try:
+            metrics = train(cfg)
+        except optuna.TrialPruned as e:  # a sweep trial stopped early: the sweep records it
+            log.info("%s", e)
+            return None
     name = cfg.get("optimized_metric")
     return metrics.get(name) if name else None
 

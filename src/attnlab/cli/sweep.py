@@ -1,0 +1,85 @@
+"""``attnlab-sweep``: an Optuna sweep over ``attnlab-train`` runs, resumable.
+
+    attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char      # a new sweep
+    attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>                 # go on after a stop
+
+The overrides compose exactly as for ``attnlab-train``; ``hparams_search/<name>`` adds the
+``sweep`` block (direction, n_trials, sampler, pruner, params). See ``attnlab.sweep``.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import optuna
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.errors import ConfigError
+from attnlab.sweep import open_study, override_value, run_sweep, search_space
+
+SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def sweep_dir_of(cfg: DictConfig) -> Path:
+    if cfg.sweep.get("dir"):
+        return Path(cfg.sweep.dir)
+    return Path(cfg.paths.log_dir) / cfg.task_name / "sweeps" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def start(args: list[str]) -> tuple[list[str], Path]:
+    """The overrides and directory of the sweep to run: a new one, or the one ``resume=`` names."""
+    if args and args[0].startswith("resume="):
+        sweep_dir = Path(args[0].partition("=")[2])
+        if len(args) > 1:
+            raise ConfigError(f"resume= takes no other overrides: the sweep's are in {sweep_dir / SAVED}")
+        if not (sweep_dir / SAVED).is_file():
+            raise ConfigError(f"resume={sweep_dir}: no {SAVED} there (not a directory attnlab-sweep made)")
+        return list(OmegaConf.load(sweep_dir / SAVED).overrides), sweep_dir
+    cfg = compose_train(args)
+    if not cfg.get("sweep"):
+        raise ConfigError("no sweep settings: add hparams_search=<name> (one of conf/hparams_search/)")
+    sweep_dir = sweep_dir_of(cfg)
+    if (sweep_dir / SAVED).exists():
+        raise ConfigError(f"sweep.dir={sweep_dir} already holds a sweep: continue it with resume={sweep_dir}")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create({"overrides": args}), sweep_dir / SAVED)
+    return args, sweep_dir
+
+
+def sweep(args: list[str]) -> None:
+    overrides, sweep_dir = start(args)
+    cfg = compose_train(overrides)
+    s = cfg.sweep
+    space, fixed = search_space(s.params)
+    study = open_study(sweep_dir, s.direction, instantiate(s.sampler) if s.get("sampler") else None,
+                       instantiate(s.pruner) if s.get("pruner") else None)
+    goal = f"{s.direction} {cfg.optimized_metric}"
+    print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(space)}; {goal}")
+    if "wandb" in (cfg.get("logger") or {}):  # on W&B, the trials of one sweep form one group
+        fixed.append(f"logger.wandb.group={override_value(f'{cfg.task_name}-sweep-{sweep_dir.name}')}")
+    run_sweep(study, space, overrides + fixed, sweep_dir, cfg.optimized_metric, s.n_trials)
+    if any(t.value is not None for t in study.trials):
+        best = study.best_trial
+        print(f"best: trial {best.number}, {cfg.optimized_metric} {best.value:.4f}, {best.params}")
+    print(f"compare the trials: attnlab-compare {sweep_dir}")
+    print(f"dashboard: optuna-dashboard sqlite:///{(sweep_dir / 'optuna.db').resolve()}")
+
+
+def main() -> None:
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
+    with exit_on_user_error():
+        sweep(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
