@@ -197,3 +197,24 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     assert start.session_start_info.hparams["model.optimizer.lr"].number_value == 0.002
     assert start.session_start_info.hparams["model.net.n_embd"].number_value == 32
+
+
+@pytest.mark.parametrize("name", ["gpt_optuna", "translation_optuna", "vision_optuna", "bert_optuna"])
+def test_hparams_search_configs_compose_and_their_seeded_samplers_repeat_a_sweep(name, tmp_path):
+    from hydra.utils import instantiate
+
+    from attnlab.cli.sweep import compose_train
+
+    experiment = {"gpt_optuna": "gpt_pydoc_char", "translation_optuna": "nmt_transformer_multi30k",
+                  "vision_optuna": "vit_fashion_mnist", "bert_optuna": "bert_finetune_sst2"}[name]
+    cfg = compose_train([f"hparams_search={name}", f"experiment={experiment}"])
+    space, _ = search_space(cfg.sweep.params)
+    for key in space:  # every searched key exists in the experiment's config
+        assert OmegaConf.select(cfg, key) is not None, key
+    sampled = []
+    for run in range(2):
+        study = open_study(tmp_path / str(run), cfg.sweep.direction, instantiate(cfg.sweep.sampler))
+        for _ in range(6):
+            study.tell(trial := study.ask(space), 1.0 / (1 + trial.number))
+        sampled.append([t.params for t in study.trials])
+    assert sampled[0] == sampled[1]
