@@ -73,6 +73,20 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     assert proc.returncode == 2 and "add hparams_search=<name>" in proc.stderr
     proc = run_cli("sweep", [f"resume={tmp_path / 'nowhere'}"], tmp_path)
     assert proc.returncode == 2 and "no sweep.yaml there" in proc.stderr
+    proc = run_cli("sweep", ["hparams_search=gpt_optuna", "~sweep.params.model.nowhere"], tmp_path)
+    assert proc.returncode == 2 and "Could not delete from config" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_search_spaces_given_on_the_command_line_need_no_quotes():
+    from attnlab.cli.sweep import compose_train, quote_search_spaces
+
+    args = quote_search_spaces(["hparams_search=gpt_optuna", "~sweep.params",
+                                "+sweep.params.model.net.n_head=choice(4, 3)",
+                                "+sweep.params.model.optimizer.lr='interval(1e-4, 1e-3)'"])
+    space, _ = search_space(compose_train(args).sweep.params)  # Hydra left them to the driver
+    assert space["model.net.n_head"] == CategoricalDistribution([4, 3])
+    assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-3)
 
 
 # Six learning rates, each tried once in a seeded order: one is invalid (AdamW refuses it), the tiny
@@ -130,6 +144,8 @@ def test_a_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
     assert_ok(table)
     header, *rows = table.stdout.strip().splitlines()
     assert header.startswith("model.optimizer.lr,")
+    assert len(rows) == 7  # every trial, the failed one too (it wrote no metrics)
+    assert sum(",fail," in row for row in rows) == 1 and sum(",interrupted," in row for row in rows) == 1
 
 
 # W&B sweeps need a server; the files are checked here: their shape, and that every value drawn

@@ -162,6 +162,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         runs += [load_wandb_run(f) for f in offline if not _logged_to_csv(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
+    runs += [t for path in paths if path.exists() for t in unlogged_trials(path, runs)]
     for run in runs:
         states = sweep_states(run.path.parent)
         if run.path.name in states:
@@ -169,6 +170,21 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
     if not runs:
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
     return runs
+
+
+def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
+    """Trials of an ``attnlab-sweep`` directory that ended before writing a log (a config that
+    fails at start): a row each with the sampled values, so that failed trials are listed too."""
+    if not (sweep_dir / "optuna.db").is_file():
+        return []
+    import optuna
+
+    logged = {r.path.resolve(): r for r in runs}
+    # the trials share everything but the sampled values: a logged sibling gives the rest
+    sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
+    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}")
+    return [Run(sweep_dir / str(t.number), {**sibling, **t.params}) for t in study.get_trials(deepcopy=False)
+            if (sweep_dir / str(t.number)).resolve() not in logged]
 
 
 @functools.cache

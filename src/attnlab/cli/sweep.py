@@ -15,10 +15,11 @@ from pathlib import Path
 
 import optuna
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
 
@@ -26,14 +27,25 @@ SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
+    """The config ``attnlab-train`` would compose; an override Hydra refuses is a one-line error."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        try:
+            return compose(config_name="train", overrides=overrides)
+        except HydraException as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def sweep_dir_of(cfg: DictConfig) -> Path:
     if cfg.sweep.get("dir"):
         return Path(cfg.sweep.dir)
     return Path(cfg.paths.log_dir) / cfg.task_name / "sweeps" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def quote_search_spaces(args: list[str]) -> list[str]:
+    """``sweep.params.<key>=choice(...)`` as a string: unquoted, Hydra reads a sweep expression
+    and refuses it outside ``--multirun``; the driver parses it itself (``search_space``)."""
+    keys = tuple({a.partition("=")[0] for a in args if a.lstrip("+").startswith("sweep.params.")})
+    return quote_free_text(args, keys)
 
 
 def start(args: list[str]) -> tuple[list[str], Path]:
@@ -45,6 +57,7 @@ def start(args: list[str]) -> tuple[list[str], Path]:
         if not (sweep_dir / SAVED).is_file():
             raise ConfigError(f"resume={sweep_dir}: no {SAVED} there (not a directory attnlab-sweep made)")
         return list(OmegaConf.load(sweep_dir / SAVED).overrides), sweep_dir
+    args = quote_search_spaces(args)
     cfg = compose_train(args)
     if not cfg.get("sweep"):
         raise ConfigError("no sweep settings: add hparams_search=<name> (one of conf/hparams_search/)")
@@ -63,6 +76,7 @@ def sweep(args: list[str]) -> None:
     space, fixed = search_space(s.params)
     study = open_study(sweep_dir, s.direction, instantiate(s.sampler) if s.get("sampler") else None,
                        instantiate(s.pruner) if s.get("pruner") else None)
+    study.set_metric_names([cfg.optimized_metric])  # named so in optuna-dashboard
     goal = f"{s.direction} {cfg.optimized_metric}"
     print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(space)}; {goal}")
     if "wandb" in (cfg.get("logger") or {}):  # on W&B, the trials of one sweep form one group

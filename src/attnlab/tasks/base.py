@@ -9,7 +9,14 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
+
+# Methods that tasks, callbacks and the inference code call on a net besides ``forward``. Under
+# FSDP2 a sharded module gathers its parameters only around registered methods.
+ENTRY_POINTS = ("forward_heads", "forward_features", "forward_head", "patch_attention", "attention_maps",
+                "alignments", "encode_image", "encode_text", "scale", "encode", "decode", "logits",
+                "start", "step", "generate")
 
 
 class Task(L.LightningModule):
@@ -39,6 +46,25 @@ class Task(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.compile_net and stage == "fit":
             self.net.compile()  # in place: state_dict keys keep their names
+
+    def configure_model(self) -> None:
+        """FSDP2 (``trainer=fsdp2``, Lightning's ``ModelParallelStrategy``): every Transformer
+        block is sharded on its own, the rest of the net together; other strategies: nothing."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+        if isinstance(self.net, FSDPModule):  # sharded by an earlier fit in this process
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.net.modules():
+            if isinstance(module, TransformerBlock):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+        for name in ENTRY_POINTS:
+            if callable(getattr(self.net, name, None)):
+                register_fsdp_forward_method(self.net, name)
+        self.to(self.trainer.strategy.root_device)  # what is not sharded (a distillation teacher)
 
     def log_train_loss(self, loss: Tensor, **kwargs: Any) -> None:
         # loggers only write every log_every_n_steps; each self.log call costs ~0.7 ms on CPU,

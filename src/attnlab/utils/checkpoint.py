@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
@@ -35,15 +36,24 @@ def resolve_ckpt_path(spec: str | None, root: Path, pattern: str) -> Path | None
         log.info("ckpt_path=last -> %s", path)
         return path
     path = Path(spec).expanduser()
-    if not path.is_file():
+    if not (path.is_file() or is_sharded(path)):
         raise CheckpointError(f"ckpt_path={spec}: no such file")
     return path
 
 
+def is_sharded(path: Path) -> bool:
+    """A sharded checkpoint (FSDP, FSDP2): a folder of per-rank files plus Lightning's ``meta.pt``."""
+    return path.is_dir() and (path / _METADATA_FILENAME).is_file()
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``)."""
+    """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``); a
+    sharded one is assembled into full tensors in this process."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if is_sharded(path):
+            ckpt = _load_distributed_checkpoint(path)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a PyTorch checkpoint "

@@ -1,4 +1,4 @@
-"""Multi-process runs started from a Hydra multirun."""
+"""Multi-process runs: FSDP's wrap policy from config, and runs started from a Hydra multirun."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
 from hydra.types import RunMode
 from omegaconf import read_write
 
@@ -47,3 +48,9 @@ def relaunch_this_multirun_job() -> None:
                     in given else o for o in hydra_cfg.overrides.task]
     with read_write(hydra_cfg):
         hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+
+
+def module_classes(*paths: str) -> set[type]:
+    """The classes named by dotted paths, as a set: the form of FSDP's ``auto_wrap_policy`` and
+    ``activation_checkpointing_policy`` in Lightning's ``FSDPStrategy``."""
+    return {get_class(p) for p in paths}

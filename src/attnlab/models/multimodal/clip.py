@@ -116,7 +116,8 @@ class CLIP(nn.Module):
         self.image, self.text, self.embed_dim = image, text, embed_dim
         self.image_proj = nn.Linear(image.num_features, embed_dim, bias=False)
         self.text_proj = nn.Linear(text.dim, embed_dim, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE))
+        # (1,), not a scalar as in open_clip: FSDP2 shards only parameters with a dimension
+        self.logit_scale = nn.Parameter(torch.full((1,), INIT_LOGIT_SCALE))
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
         """(B, C, H, W) -> (B, embed_dim), unit length unless ``normalize=False``."""
@@ -130,7 +131,7 @@ class CLIP(nn.Module):
 
     def scale(self) -> Tensor:
         """exp(logit_scale), clamped at 100."""
-        return self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
+        return self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp().squeeze(0)
 
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Unit image features (B, E), unit text features (B, E) and the logit scale (a scalar)."""
