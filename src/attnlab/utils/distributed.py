@@ -7,8 +7,8 @@ import sys
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from hydra.types import RunMode
+from hydra.utils import get_class
 from omegaconf import read_write
 
 # what Lightning's launcher sets in the process that starts the other ranks
