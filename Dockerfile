@@ -13,6 +13,7 @@ FROM ${BASE}
 ENV DEBIAN_FRONTEND=noninteractive \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
+    UV_NO_CACHE=1 \
     WANDB_MODE=offline
 # apt versions unpinned: the same line serves Ubuntu and Debian bases, whose versions differ
 # hadolint ignore=DL3008

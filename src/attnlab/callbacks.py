@@ -9,10 +9,12 @@ from typing import Any
 import lightning as L
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from attnlab import __version__
+from attnlab.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,14 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
     (``current_model_state``) whatever the stage, so ``trainer.test(ckpt_path="best")`` after fit
     would test the raw weights. Outside fit the checkpoint's ``state_dict`` (the average) is kept.
     """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
+            raise ConfigError(
+                "callbacks.ema: weight averaging keeps a full copy of the model, which sharded training "
+                "(trainer=fsdp, fsdp2) does not allow; drop it with ~callbacks.ema"
+            )
+        super().setup(trainer, pl_module, stage)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

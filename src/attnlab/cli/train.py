@@ -41,7 +41,7 @@ from attnlab.utils.config import (
     save_config,
 )
 from attnlab.utils.cpu import tune_cpu_for_training
-from attnlab.utils.distributed import relaunch_this_multirun_job
+from attnlab.utils.distributed import relaunch_this_multirun_job, unsharded
 from attnlab.utils.hardware import machine_info, resolve_precision
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 
@@ -146,19 +146,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=True)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
+    sample = None
+    if cfg.get("sample") and hasattr(model.net, "generate"):  # every process: a sharded net needs them all
+        s = cfg.sample
+        with unsharded(model.net):
+            sample = generate_text(model.net, datamodule.tokenizer, s.prompt, s.max_new_tokens,
+                                   s.temperature, s.top_k, s.top_p, seed=cfg.get("seed"))[0]
     if trainer.is_global_zero:
-        finish(cfg, model, datamodule, loggers, metrics, out)
+        finish(cfg, model, loggers, metrics, out, sample)
     return metrics
 
 
-def finish(cfg: DictConfig, model: L.LightningModule, datamodule: Any, loggers: list[Logger],
-           metrics: dict[str, float], out: Path) -> None:
-    """Print a sample and the final metrics; close the W&B run with them in its summary."""
-    sample = None
-    if cfg.get("sample") and hasattr(model.net, "generate"):
-        s = cfg.sample
-        sample = generate_text(model.net, datamodule.tokenizer, s.prompt, s.max_new_tokens,
-                               s.temperature, s.top_k, s.top_p, seed=cfg.get("seed"))[0]
+def finish(cfg: DictConfig, model: L.LightningModule, loggers: list[Logger], metrics: dict[str, float],
+           out: Path, sample: str | None) -> None:
+    """Print the sample and the final metrics; close the W&B run with them in its summary."""
+    if sample is not None:
         log.info("sample:\n%s\n%s\n%s", "-" * 60, sample, "-" * 60)
     summary = " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
     n_params = sum(p.numel() for p in model.parameters())

@@ -12,11 +12,12 @@ from torch import Tensor, nn
 from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
 
-# Methods that tasks, callbacks and the inference code call on a net besides ``forward``. Under
-# FSDP2 a sharded module gathers its parameters only around registered methods.
+# Methods that tasks and callbacks call on a net besides ``forward``, the same number of times on
+# every process. Under FSDP2 a sharded module gathers its parameters only around registered
+# methods. Decoding (start/step, generate) runs a different number of steps on each process and
+# gathers everything once instead (``attnlab.utils.distributed.unsharded``).
 ENTRY_POINTS = ("forward_heads", "forward_features", "forward_head", "patch_attention", "attention_maps",
-                "alignments", "encode_image", "encode_text", "scale", "encode", "decode", "logits",
-                "start", "step", "generate")
+                "alignments", "encode_image", "encode_text", "scale", "encode", "decode", "logits")
 
 
 class Task(L.LightningModule):

@@ -109,8 +109,7 @@ class ImageClassificationTask(Task):
         if not self.trainer.sanity_checking:
             self.val_acc_best.update(acc)
             self.log("val/acc_best", self.val_acc_best.compute())
-            if self.trainer.is_global_zero:
-                self._plot_attention()
+            self._plot_attention()  # every process: a sharded net needs them all
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, self.test_loss, self.test_acc, self.test_acc5, self.test_confusion)
@@ -166,6 +165,8 @@ class ImageClassificationTask(Task):
         images = data.normalize(raw.to(self.device))
         maps = {k: v.float().cpu() for k, v in self.net.patch_attention(images).items()}
         predicted = self.net(images).argmax(-1).tolist()
+        if not self.trainer.is_global_zero:
+            return
         classes = self._classes()
         captions = [
             f"{classes[t]} -> {classes[p]}" for t, p in zip(split.labels[:n].tolist(), predicted, strict=True)

@@ -173,8 +173,8 @@ class ContrastiveTask(Task):
         first.scatter_reduce_(0, image_ids, torch.arange(len(tokens), device=tokens.device), reduce="amin")
         for name, value in recall_at_k(images @ texts[first].t(), image_ids).items():
             self.log(f"test/{name}", value)
-        if self.trainer.is_global_zero and self.plot_pairs:
-            self._plot_similarities()
+        if self.plot_pairs:
+            self._plot_similarities()  # every process: a sharded net needs them all
         self.outputs = {}
 
     @torch.no_grad()
@@ -186,6 +186,8 @@ class ContrastiveTask(Task):
         items = [split[i] for i in range(min(self.plot_pairs, len(split)))]
         raw, tokens, _ = data.collate(items)
         images, texts, _ = self(data.normalize(raw.to(self.device)), tokens.to(self.device))
+        if not self.trainer.is_global_zero:
+            return
         fig = similarity_figure(
             raw.float() / 255, [c for _, c, _ in items], (images @ texts.t()).float().cpu()
         )

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, Metric, MinMetric
 
 from attnlab.tasks.base import Task
+from attnlab.utils.distributed import unsharded
 
 Batch = dict[str, Tensor]
 
@@ -65,7 +66,7 @@ class EncoderTask(Task):
             name = self.best[0]
             self.val_best.update(values[name])
             self.log(f"val/{name}_best", self.val_best.compute())
-            if self.trainer.is_global_zero:
+            with unsharded(self.net):  # every process: a sharded net needs them all
                 draw_attention(self, self.net.encoder, self.plot_sentences, self.plot_dir)
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
@@ -86,6 +87,8 @@ def draw_attention(task: L.LightningModule, encoder: nn.Module, n: int, plot_dir
     for i, (ids, segments, _) in enumerate(data.examples(n)):
         x = torch.tensor([ids], device=task.device)
         _, weights = encoder(x, torch.tensor([segments], device=task.device), need_weights=True)
+        if not task.trainer.is_global_zero:
+            continue
         tokens = [data.tokenizer.token(t) for t in ids]
         maps = {f"layer {layer}": w[0].float().cpu() for layer, w in enumerate(weights)}  # (H, T, T)
         cls = torch.stack([w[0, :, 0].mean(0) for w in weights]).float().cpu()  # (layers, T)

@@ -16,6 +16,7 @@ from torchmetrics.text import SacreBLEUScore
 from attnlab.errors import ConfigError
 from attnlab.models.text.decoding import translate_batch
 from attnlab.tasks.base import Task
+from attnlab.utils.distributed import unsharded
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,12 @@ class TranslationTask(Task):
 
     def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
         tok = self._data.tokenizer
-        ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam,
-                              self.length_penalty, self.max_len_a, self.max_len_b)
+        # gathered once (FSDP2): then each process decodes as many steps as its own batch needs
+        with unsharded(self.net):
+            if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
+                return
+            ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam,
+                                  self.length_penalty, self.max_len_a, self.max_len_b)
         hyps = [tok.decode(h) for h in ids]
         refs = self._data.references(stage)
         idx = batch["idx"].tolist()
@@ -134,10 +139,11 @@ class TranslationTask(Task):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
-            return
+        # a repeated batch only keeps the processes' step counts equal: computed, not counted
+        # (a sharded net needs every process in each forward)
         loss, n = self._nll(batch, 0.0)
-        self.val_loss.update(loss, n)
+        if not batch.get("repeat"):
+            self.val_loss.update(loss, n)
         if self.val_bleu_on and not self.trainer.sanity_checking:
             self._score(self.val_bleu, batch, "val", beam=1)
 
@@ -158,14 +164,13 @@ class TranslationTask(Task):
         shown = self._gather_hyps(range(min(self.plot_sentences, len(self._data.references("val")))))
         if self.trainer.is_global_zero:
             self._show_samples(shown)
-            self._plot_alignments(shown)
+        self._plot_alignments(shown)  # every process: a sharded net needs them all
         self._hyps = {}
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if batch.get("repeat"):
-            return
-        loss, n = self._nll(batch, 0.0)
-        self.test_loss.update(loss, n)
+        loss, n = self._nll(batch, 0.0)  # as in validation_step
+        if not batch.get("repeat"):
+            self.test_loss.update(loss, n)
         self._score(self.test_bleu, batch, "test", beam=self.beam_size)
 
     def on_test_epoch_end(self) -> None:
@@ -209,6 +214,8 @@ class TranslationTask(Task):
             src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
             tgt_in = torch.tensor([[tok.bos_id] + hyp_ids], device=self.device)
             maps = self.net.alignments(src, tgt_in)  # name -> (1, H, T, S)
+            if not self.trainer.is_global_zero:
+                continue
             src_tokens = [tok.tokenizer.id_to_token(t) for t in src[0].tolist()]
             out_tokens = [tok.tokenizer.id_to_token(t) for t in hyp_ids] + ["<eos>"]
             fig = alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import read_write
+from torch import nn
 
 # what Lightning's launcher sets in the process that starts the other ranks
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -54,3 +57,30 @@ def module_classes(*paths: str) -> set[type]:
     """The classes named by dotted paths, as a set: the form of FSDP's ``auto_wrap_policy`` and
     ``activation_checkpointing_policy`` in Lightning's ``FSDPStrategy``."""
     return {get_class(p) for p in paths}
+
+
+@contextmanager
+def unsharded(module: nn.Module) -> Iterator[None]:
+    """The full parameters of an FSDP2-sharded net (the root unit) and of every unit inside it,
+    held until the end, for code that reaches into submodules outside their ``forward`` or calls
+    them a different number of times on each process (decoding until <eos>, pictures). Gathering
+    is collective: every process enters; inside, no unit gathers again as long as the code calls
+    submodules and methods that are not registered FSDP forward methods (a call through the root's
+    hooks shards again the units it did not run). Unsharded: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    root = units[0]
+    root.set_reshard_after_forward(False)  # every unit: stay gathered after each forward
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)  # FSDP's own choice for a root
