@@ -215,3 +215,33 @@ def test_weight_averaging_with_sharded_training_is_a_clear_error(tmp_path):
     proc = run_cli("train", overrides, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "callbacks.ema: weight averaging keeps a full copy" in proc.stdout + proc.stderr
+
+
+def test_a_csv_writer_in_a_new_process_continues_the_log(tmp_path):
+    """ddp_spawn pickles the parent's logger into the fit's processes, then again into the test's:
+    the test's writer appends its columns to the file that the fit's wrote."""
+    import pickle
+
+    from attnlab.loggers import CSVLogger
+
+    parent = CSVLogger(tmp_path, name="csv", version="")
+    parent.log_hyperparams({"lr": 0.1})  # before fit, in the parent
+    spawned = pickle.dumps(parent)
+    fit = pickle.loads(spawned)
+    fit.log_metrics({"val/loss": 2.0}, step=10)
+    fit.save()
+    test = pickle.loads(spawned)
+    test.log_metrics({"test/loss": 1.5}, step=20)
+    test.save()
+    rows = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()
+    assert rows == ["step,test/loss,val/loss", "10,,2.0", "20,1.5,"]
+
+
+@pytest.mark.slow
+def test_ddp_spawn_trains_and_tests_in_two_new_processes(tmp_path):
+    from conftest import read_metrics, run_dirs, tiny
+
+    proc = run_cli("train", [*tiny(), "trainer=ddp_spawn", "trainer.accelerator=cpu", "logger=csv"], tmp_path)
+    assert_ok(proc)
+    metrics = read_metrics(run_dirs(tmp_path, "gpt_pydoc_char")[0])
+    assert len(metrics["val/loss"]) == 2 and "test/loss" in metrics

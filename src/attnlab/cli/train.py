@@ -20,6 +20,7 @@ from attnlab.callbacks import RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten
 from attnlab.inference.generation import generate_text
+from attnlab.loggers import CSVLogger as ContinuingCSVLogger
 from attnlab.sweep import TrialPruning
 from attnlab.utils.checkpoint import (
     AtomicCheckpointIO,
@@ -67,7 +68,7 @@ def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
     loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
-        loggers.append(CSVLogger(save_dir=out, name="csv", version=""))
+        loggers.append(ContinuingCSVLogger(save_dir=out, name="csv", version=""))
     return loggers
 
 
