@@ -51,6 +51,19 @@ ARCHS = {
     "clip": ("clip_fashion_mnist", ["model.net.image.stem=patch", "model.net.image.drop_path=0"]),
 }
 STEPS = 4
+# The pictures drawn during evaluation: process 0 draws, every process computes (FSDP2)
+PICTURES = ("model.plot_images=", "model.plot_sentences=", "model.plot_pairs=")
+DRAWN = ("vit_", "deit_", "swin_", "clip_", "bert_", "nmt_")
+
+
+def pictures(experiment: str) -> list[str]:
+    if experiment.startswith(("bert_", "nmt_")):
+        return ["model.plot_sentences=1"]
+    if experiment.startswith("clip_"):
+        return ["model.plot_pairs=2"]
+    if experiment.startswith("gpt_"):
+        return []
+    return ["model.plot_images=2"]
 # debug=fdr's limits (the debug configs themselves ask for one process)
 FAST = ["trainer.fast_dev_run=true", "trainer.val_check_interval=1", "trainer.check_val_every_n_epoch=null"]
 
@@ -97,9 +110,10 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
             if strategy == "fsdp2" and not experiment.startswith(FSDP2_END_TO_END):
                 continue
             name = f"{experiment}-{strategy}"
+            tiny = [o for o in tiny_overrides(experiment, tmp / name) if not o.startswith(PICTURES)]
             runs[name] = [f"experiment={experiment}", f"trainer={strategy}", *FAST, *QUIET,
                           f"task_name={name}", f"paths.root_dir={tmp}", f"paths.output_dir={tmp / name}",
-                          *tiny_overrides(experiment, tmp / name)]
+                          *tiny, *pictures(experiment)]
             if strategy == "fsdp2" and experiment in with_ema:  # refused with sharding (tested below)
                 runs[name].append("~callbacks.ema")
     # a short FSDP2 run that writes sharded checkpoints, for the one-process tools below
@@ -127,9 +141,11 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
 def test_every_experiment_runs_its_fast_configuration_in_two_processes(two_processes, experiment, strategy):
     if strategy == "fsdp2" and not experiment.startswith(FSDP2_END_TO_END):
         pytest.skip("FSDP2 end to end: pictures and samples drawn by process 0 alone wait for process 1")
-    results, _, _ = two_processes
+    results, _, tmp = two_processes
     metrics = results[f"{experiment}-{strategy}"]
     assert any(k.startswith("test/") for k in metrics), metrics
+    if experiment.startswith(DRAWN):
+        assert list((tmp / f"{experiment}-{strategy}").rglob("*.png")), "no picture drawn"
 
 
 # Same global batches, same starting weights, AdamW: one process and two agree step by step.

@@ -179,7 +179,7 @@ def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
         return []
     import optuna
 
-    logged = {r.path.resolve(): r for r in runs}
+    logged = {r.path.resolve() for r in runs}
     # the trials share everything but the sampled values: a logged sibling gives the rest
     sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
     study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}")
