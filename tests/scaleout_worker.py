@@ -21,12 +21,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from attnlab.cli.common import config_dir
+from attnlab.cli.sweep import compose_train
 from attnlab.cli.train import train
 
 
@@ -59,8 +58,7 @@ def fit_fixed(saved: dict[str, Any], trainer_overrides: list[str], rank: int, wo
     """Train the saved task from its saved weights on (this process's part of) the saved batches."""
     task: L.LightningModule = instantiate(OmegaConf.create(saved["model"]))
     task.load_state_dict(saved["state"])
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        trainer_cfg = compose("train", overrides=trainer_overrides).trainer
+    trainer_cfg = compose_train(trainer_overrides).trainer
     curve = LossCurve()
     trainer = instantiate(
         trainer_cfg, precision="32-true", max_steps=len(saved["batches"]), limit_val_batches=0,
@@ -79,9 +77,7 @@ def main() -> None:
     logging.getLogger("lightning").setLevel(logging.WARNING)
     results: dict[str, Any] = {}
     for name, overrides in spec.get("runs", {}).items():
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose("train", overrides=overrides)
-        results[name] = train(cfg)
+        results[name] = train(compose_train(overrides))
     for name, job in spec.get("fixed", {}).items():
         saved = torch.load(job["file"], weights_only=False)
         results[name] = fit_fixed(saved, job["trainer"], dist.get_rank(), dist.get_world_size())

@@ -17,11 +17,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from attnlab.cli.common import config_dir
+from attnlab.cli.sweep import compose_train
 from attnlab.utils.config import fill_missing
 from conftest import ROOT, assert_ok, cli_env, run_cli
 from scaleout_worker import fit_fixed
@@ -62,11 +61,6 @@ def pictures(experiment: str) -> list[str]:
     if experiment.startswith("gpt_"):
         return []
     return ["model.plot_images=2"]
-
-
-def compose_train(overrides: list[str]):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("train", overrides=overrides)
 
 
 def save_fixed_batches(arch: str, tmp: Path) -> Path:

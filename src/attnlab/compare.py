@@ -175,15 +175,10 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
 def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
     """Trials of an ``attnlab-sweep`` directory that ended before writing a log (a config that
     fails at start): a row each with the sampled values, so that failed trials are listed too."""
-    if not (sweep_dir / "optuna.db").is_file():
-        return []
-    import optuna
-
     logged = {r.path.resolve() for r in runs}
     # the trials share everything but the sampled values: a logged sibling gives the rest
     sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
-    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}")
-    return [Run(sweep_dir / str(t.number), {**sibling, **t.params}) for t in study.get_trials(deepcopy=False)
+    return [Run(sweep_dir / str(t.number), {**sibling, **t.params}) for t in sweep_trials(sweep_dir)
             if (sweep_dir / str(t.number)).resolve() not in logged]
 
 
@@ -191,16 +186,24 @@ def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
 def sweep_states(sweep_dir: Path) -> dict[str, str]:
     """Trial number -> how it ended (complete, pruned, fail, interrupted, running) in an
     ``attnlab-sweep`` directory's study; empty for any other directory."""
-    if not (sweep_dir / "optuna.db").is_file():
-        return {}
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}")
     return {
         str(t.number): "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        for t in study.get_trials(deepcopy=False)
+        for t in sweep_trials(sweep_dir)
     }
+
+
+@functools.cache
+def sweep_trials(sweep_dir: Path) -> list[Any]:
+    """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
+    none for any other directory."""
+    if not (sweep_dir / "optuna.db").is_file():
+        return []
+    import optuna
+
+    from attnlab.sweep import STUDY, storage_url  # optuna and Lightning only where there is a sweep
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=STUDY, storage=storage_url(sweep_dir)).get_trials(deepcopy=False)
 
 
 def varying_keys(runs: list[Run]) -> list[str]:

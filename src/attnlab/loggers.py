@@ -17,11 +17,15 @@ class ContinuingWriter(ExperimentWriter):
     in fieldnames").
     """
 
+    _file_columns_read = False
+
     def _record_new_keys(self) -> set[str]:
-        if self._fs.isfile(self.metrics_file_path):
+        # once per writer: after its first save, this writer is the one that writes the file
+        if not self._file_columns_read and self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as f:
                 header = next(csv.reader(f), [])
             self.metrics_keys.extend(k for k in header if k not in self.metrics_keys)
+        self._file_columns_read = True
         return super()._record_new_keys()
 
 

@@ -48,15 +48,17 @@ def quote_search_spaces(args: list[str]) -> list[str]:
     return quote_free_text(args, keys)
 
 
-def start(args: list[str]) -> tuple[list[str], Path]:
-    """The overrides and directory of the sweep to run: a new one, or the one ``resume=`` names."""
+def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
+    """The config, overrides and directory of the sweep to run: a new one, or the one ``resume=``
+    names."""
     if args and args[0].startswith("resume="):
         sweep_dir = Path(args[0].partition("=")[2])
         if len(args) > 1:
             raise ConfigError(f"resume= takes no other overrides: the sweep's are in {sweep_dir / SAVED}")
         if not (sweep_dir / SAVED).is_file():
             raise ConfigError(f"resume={sweep_dir}: no {SAVED} there (not a directory attnlab-sweep made)")
-        return list(OmegaConf.load(sweep_dir / SAVED).overrides), sweep_dir
+        overrides = list(OmegaConf.load(sweep_dir / SAVED).overrides)
+        return compose_train(overrides), overrides, sweep_dir
     args = quote_search_spaces(args)
     cfg = compose_train(args)
     if not cfg.get("sweep"):
@@ -66,12 +68,11 @@ def start(args: list[str]) -> tuple[list[str], Path]:
         raise ConfigError(f"sweep.dir={sweep_dir} already holds a sweep: continue it with resume={sweep_dir}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create({"overrides": args}), sweep_dir / SAVED)
-    return args, sweep_dir
+    return cfg, args, sweep_dir
 
 
 def sweep(args: list[str]) -> None:
-    overrides, sweep_dir = start(args)
-    cfg = compose_train(overrides)
+    cfg, overrides, sweep_dir = start(args)
     s = cfg.sweep
     space, fixed = search_space(s.params)
     study = open_study(sweep_dir, s.direction, instantiate(s.sampler) if s.get("sampler") else None,
