@@ -102,3 +102,27 @@ def test_offline_wandb_runs_are_read_when_there_is_no_csv_log(tmp_path, monkeypa
     # runs come in path order, and two runs started in the same second order by their random ids
     assert header == "model.optimizer.lr,runs,test/acc,val/loss"
     assert sorted(rows) == ["0.1,1,0.4,0.3333", "0.2,1,0.8,0.1667"]
+
+
+def test_a_sweep_trial_killed_before_its_csv_log_is_one_row_from_the_study(tmp_path, monkeypatch):
+    import optuna
+    import wandb
+
+    from attnlab.sweep import open_study
+
+    sweep_dir = tmp_path / "sweep"
+    study = open_study(sweep_dir, "minimize")
+    space = {"model.optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1.0)}
+    finished, killed = study.ask(space), study.ask(space)
+    write_run(sweep_dir, "0", finished.params["model.optimizer.lr"], 1, [2.0, 1.5], acc=0.5)
+    study.tell(finished, 1.5)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.init(dir=sweep_dir / "1", project="p").finish()  # killed early: W&B started, no CSV yet
+    study.tell(killed, state=optuna.trial.TrialState.FAIL)
+    out = compare(parse_args([str(sweep_dir), "--format", "csv", "--metrics", "test/acc"]))
+    header, *rows = out.strip().splitlines()
+    # the W&B run inside trial 1 is not a run of its own: no row of empty values, and it does not
+    # make every config key look as if it varied
+    assert header == "model.optimizer.lr,state,trial,runs,test/acc"
+    assert len(rows) == 2 and rows[1].endswith(",fail,1,1,-")

@@ -30,7 +30,7 @@ STRATEGIES = ("ddp_cpu", "fsdp2")
 QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
          "trainer.enable_progress_bar=false", "logger=csv"]
 # One experiment per architecture, trained on fixed batches; no dropout, so that one process and
-# two compute the same function. ViT's patch stem: the conv stem's BatchNorm normalises each
+# two compute the same function. Patch stems: the conv stem's BatchNorm normalises each
 # process's half batch by its own statistics.
 ARCHS = {
     "gpt": ("gpt_pydoc_char", ["model.net.dropout=0"]),
@@ -41,7 +41,8 @@ ARCHS = {
              ["model.net.encoder.dropout=0", "model.net.encoder.attn_dropout=0", "model.net.dropout=0"]),
     "vit": ("vit_fashion_mnist", ["model.net.stem=patch", "model.net.drop_path=0"]),
     "deit": ("deit_fashion_mnist", ["model.net.stem=patch", "model.net.drop_path=0"]),
-    "swin": ("swin_fashion_mnist", ["model.net.drop_path=0", "model.label_smoothing=0"]),
+    "swin": ("swin_fashion_mnist",
+             ["model.net.stem=patch", "model.net.drop_path=0", "model.label_smoothing=0"]),
     "clip": ("clip_fashion_mnist", ["model.net.image.stem=patch", "model.net.image.drop_path=0"]),
 }
 STEPS = 4

@@ -139,6 +139,18 @@ def test_conv_stem_gives_the_patch_tokens_row_by_row():
         VisionTransformer(**{**VIT, "stem": "hybrid"})
 
 
+def test_swin_conv_stem_feeds_the_windows_a_normalised_map():
+    swin = SwinTransformer(**{**SWIN, "stem": "conv"}).eval()
+    assert isinstance(swin.patch_embed, ConvStem) and swin.patch_embed.grid_size == 16
+    x = torch.randn(2, 3, 32, 32)
+    tokens = swin.patch_embed(x)  # (B, 256, D), layer-normed as Swin's patch embedding
+    assert tokens.shape == (2, 256, 24)
+    torch.testing.assert_close(tokens.mean(-1), torch.zeros(2, 256), atol=1e-5, rtol=0)
+    assert swin(x).shape == (2, 10) and swin.forward_features(x).shape == (2, 16, 96)
+    with pytest.raises(ConfigError, match="model.net.stem must be one of 'patch', 'conv'"):
+        SwinTransformer(**{**SWIN, "stem": "hybrid"})
+
+
 def test_convnet_keeps_resolution_in_its_first_stage():
     net = ConvNet(num_classes=10, img_size=28, in_chans=1, widths=(8, 16, 32)).eval()
     x = torch.randn(2, 1, 28, 28)

@@ -143,9 +143,11 @@ def load_wandb_run(run_file: Path) -> Run:
     return Run(run_file.parent, flatten(config), curves)
 
 
-def _logged_to_csv(wandb_dir: Path) -> bool:
-    """An offline W&B run inside a run directory that also has its CSV log (read that instead)."""
-    return any((p / "csv" / "metrics.csv").is_file() for p in wandb_dir.parents[:3])
+def _read_elsewhere(wandb_dir: Path) -> bool:
+    """An offline W&B run inside a run directory that also has its CSV log (read that instead),
+    or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
+    return any((p / "csv" / "metrics.csv").is_file() or (p.parent / "optuna.db").is_file()
+               for p in wandb_dir.parents[:3])
 
 
 def find_runs(paths: Iterable[Path]) -> list[Run]:
@@ -159,7 +161,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         logs = logs or sorted(path.rglob("csv/metrics.csv"))
         runs += [load_run(log.parent.parent) for log in logs]
         offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
-        runs += [load_wandb_run(f) for f in offline if not _logged_to_csv(f.parent)]
+        runs += [load_wandb_run(f) for f in offline if not _read_elsewhere(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
     runs += [t for path in paths if path.exists() for t in unlogged_trials(path, runs)]

@@ -130,7 +130,8 @@ class ConvStem(nn.Module):
     the stages widen from ``dim / patch_size`` channels (at least 8) to ``dim / 2``.
     """
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int) -> None:
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
+                 norm_layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         if img_size % patch_size != 0:
             raise ConfigError(
@@ -149,6 +150,7 @@ class ConvStem(nn.Module):
             chans, width = width, width * 2
         self.convs = nn.Sequential(*layers)
         self.proj = nn.Conv2d(chans, dim, kernel_size=1)
+        self.norm = norm_layer(dim) if norm_layer else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
@@ -156,7 +158,7 @@ class ConvStem(nn.Module):
         if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
             raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
                              f"got ({c}, {h}, {w})")
-        return self.proj(self.convs(x)).flatten(2).transpose(1, 2)  # (B, N, D)
+        return self.norm(self.proj(self.convs(x)).flatten(2).transpose(1, 2))  # (B, N, D)
 
 
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int = 1) -> nn.Sequential:

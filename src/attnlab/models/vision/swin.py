@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import PatchEmbedding, TransformerBlock
+from attnlab.nn import ConvStem, PatchEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 
 class PatchMerging(nn.Module):
@@ -104,7 +105,7 @@ class SwinTransformer(nn.Module):
         n_heads: attention heads per stage.
         window_size: side of an attention window, in tokens; must divide every stage's map
             (or exceed it: the whole map is then one window).
-        mlp_ratio, dropout, attn_dropout, drop_path, attn_impl: as ``VisionTransformer``.
+        mlp_ratio, dropout, attn_dropout, drop_path, attn_impl, stem: as ``VisionTransformer``.
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class SwinTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.1,
         attn_impl: AttentionImpl = "auto",
+        stem: Literal["patch", "conv"] = "patch",
     ) -> None:
         super().__init__()
+        check_choice("model.net", "stem", stem, ("patch", "conv"))
         check_positive(
             "model.net",
             img_size=img_size,
@@ -146,7 +149,8 @@ class SwinTransformer(nn.Module):
                 f"({len(n_heads)}) must have one entry per stage"
             )
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        self.patch_embed = PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer=nn.LayerNorm)
+        embedding = ConvStem if stem == "conv" else PatchEmbedding
+        self.patch_embed = embedding(img_size, patch_size, in_chans, dim, norm_layer=nn.LayerNorm)
         rates = drop_path_rates(drop_path, sum(depths))
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
         stages, in_dim = [], dim
