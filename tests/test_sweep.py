@@ -213,6 +213,8 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     assert start.session_start_info.hparams["model.optimizer.lr"].number_value == 0.002
     assert start.session_start_info.hparams["model.net.n_embd"].number_value == 32
+    logged = set(start.session_start_info.hparams)  # what was trained, not how it was logged
+    assert "seed" in logged and not any(k.startswith(("callbacks.", "logger.", "paths.")) for k in logged)
 
 
 @pytest.mark.parametrize("name", ["gpt_optuna", "translation_optuna", "vision_optuna", "bert_optuna"])

@@ -208,16 +208,15 @@ def sweep_trials(sweep_dir: Path) -> list[Any]:
     return optuna.load_study(study_name=STUDY, storage=storage_url(sweep_dir)).get_trials(deepcopy=False)
 
 
+def is_hyperparameter(key: str) -> bool:
+    """A flattened config key that says what was trained, not where or how it was logged."""
+    return not key.startswith(IGNORED_PREFIXES) and key not in IGNORED_KEYS
+
+
 def varying_keys(runs: list[Run]) -> list[str]:
     """Config keys whose values differ between the runs (where and how they logged left out)."""
     keys = sorted({k for r in runs for k in r.config})
-    return [
-        k
-        for k in keys
-        if not k.startswith(IGNORED_PREFIXES)
-        and k not in IGNORED_KEYS
-        and len({repr(r.config.get(k)) for r in runs}) > 1
-    ]
+    return [k for k in keys if is_hyperparameter(k) and len({repr(r.config.get(k)) for r in runs}) > 1]
 
 
 def default_metrics(runs: list[Run]) -> list[str]:

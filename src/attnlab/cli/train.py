@@ -18,7 +18,7 @@ from torch.utils.tensorboard.summary import hparams
 
 from attnlab.callbacks import RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
-from attnlab.compare import flatten
+from attnlab.compare import flatten, is_hyperparameter
 from attnlab.inference.generation import generate_text
 from attnlab.loggers import CSVLogger as ContinuingCSVLogger
 from attnlab.sweep import TrialPruning
@@ -178,9 +178,11 @@ def finish(cfg: DictConfig, model: L.LightningModule, loggers: list[Logger], met
 
 def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics: dict[str, float]) -> None:
     """The run's hyperparameters and final metrics for TensorBoard's HParams tab. Lightning writes
-    them only with metrics in hand, and then also logs those metrics as scalars at step 0."""
+    them only with metrics in hand, and then also logs those metrics as scalars at step 0. Keys that
+    say where or how the run logged (callbacks, loggers, paths) are left out, as attnlab-compare
+    does: the table then opens on data, model and trainer settings."""
     params = {k: v if isinstance(v, int | float | str | bool) else str(v)
-              for k, v in flatten(container(cfg)).items() if not k.startswith(("hydra.", "paths."))}
+              for k, v in sorted(flatten(container(cfg)).items()) if is_hyperparameter(k)}
     writer = logger.experiment._get_file_writer()
     for summary in hparams(params, metrics):
         writer.add_summary(summary)
