@@ -99,10 +99,7 @@ class PatchEmbedding(nn.Module):
     def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
                  norm_layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
-        if img_size % patch_size != 0:
-            raise ConfigError(
-                f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
-            )
+        check_divisible(img_size, patch_size)
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.grid_size = img_size // patch_size
         self.num_patches = self.grid_size**2
@@ -111,10 +108,7 @@ class PatchEmbedding(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
-        b, c, h, w = x.shape
-        if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
-            raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
-                             f"got ({c}, {h}, {w})")
+        check_image_shape(x, self.in_chans, self.img_size)
         return self.norm(self.proj(x).flatten(2).transpose(1, 2))  # (B, N, D)
 
 
@@ -133,10 +127,7 @@ class ConvStem(nn.Module):
     def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
                  norm_layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
-        if img_size % patch_size != 0:
-            raise ConfigError(
-                f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
-            )
+        check_divisible(img_size, patch_size)
         if patch_size < 2 or patch_size & (patch_size - 1):
             raise ConfigError(
                 f"model.net.patch_size ({patch_size}) must be a power of two >= 2 for a conv stem"
@@ -154,11 +145,23 @@ class ConvStem(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
-        b, c, h, w = x.shape
-        if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
-            raise ValueError(f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
-                             f"got ({c}, {h}, {w})")
+        check_image_shape(x, self.in_chans, self.img_size)
         return self.norm(self.proj(self.convs(x)).flatten(2).transpose(1, 2))  # (B, N, D)
+
+
+def check_divisible(img_size: int, patch_size: int) -> None:
+    if img_size % patch_size != 0:
+        raise ConfigError(
+            f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
+        )
+
+
+def check_image_shape(x: Tensor, in_chans: int, img_size: int) -> None:
+    """(B, C, H, W) images must be what the embedding was built for."""
+    c, h, w = x.shape[1:]
+    if (c, h, w) != (in_chans, img_size, img_size):
+        raise ValueError(f"expected images of shape ({in_chans}, {img_size}, {img_size}), "
+                         f"got ({c}, {h}, {w})")
 
 
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int = 1) -> nn.Sequential:
