@@ -139,6 +139,23 @@ def test_conv_stem_gives_the_patch_tokens_row_by_row():
         VisionTransformer(**{**VIT, "stem": "hybrid"})
 
 
+def test_full_resolution_conv_stem_sees_the_image_before_the_first_stride():
+    vit = VisionTransformer(**{**VIT, "patch_size": 4, "stem": "conv_full"}).eval()
+    stem = vit.patch_embed
+    assert isinstance(stem, ConvStem) and stem.num_patches == 49
+    first, last = stem.convs[0][0], stem.convs[-1][0]
+    assert first.stride == (1, 1) and first.out_channels == 48 // 4
+    assert last.out_channels == 48 and len(stem.convs) == 5  # full resolution, then 2 halvings
+    x = torch.randn(2, 1, 28, 28)
+    assert vit.forward_features(x).shape == (2, 50, 48)
+    x2 = x.clone()
+    x2[:, :, :4, :4] += 1.0  # the extra 3x3 conv reaches one pixel further, not a token further
+    changed = (stem(x2) - stem(x)).abs().amax(dim=(0, 2)).view(7, 7) > 0
+    assert changed[0, 0] and not changed[4:].any() and not changed[:, 4:].any()
+    swin = SwinTransformer(**{**SWIN, "stem": "conv_full"}).eval()
+    assert swin.patch_embed.convs[0][0].stride == (1, 1) and swin(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
 def test_swin_conv_stem_feeds_the_windows_a_normalised_map():
     swin = SwinTransformer(**{**SWIN, "stem": "conv"}).eval()
     assert isinstance(swin.patch_embed, ConvStem) and swin.patch_embed.grid_size == 16

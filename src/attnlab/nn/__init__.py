@@ -9,18 +9,21 @@ from attnlab.nn.attention import (
 from attnlab.nn.blocks import MLP, AttentionWeights, TransformerBlock
 from attnlab.nn.dropout import Dropout, byte_dropout
 from attnlab.nn.embedding import (
+    STEMS,
     ConvStem,
     LearnedPositions,
     PatchEmbedding,
     SinusoidalPositions,
     TokenEmbedding,
     conv_bn_relu,
+    patch_embedding,
 )
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 from attnlab.nn.window_attention import WindowAttention
 
 __all__ = [
     "MLP",
+    "STEMS",
     "AdditiveAttention",
     "AttentionWeights",
     "ConvStem",
@@ -37,5 +40,6 @@ __all__ = [
     "byte_dropout",
     "causal_mask",
     "conv_bn_relu",
+    "patch_embedding",
     "scaled_dot_product_attention",
 ]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import ConvStem, PatchEmbedding, TransformerBlock
+from attnlab.nn import STEMS, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -123,10 +123,10 @@ class SwinTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.1,
         attn_impl: AttentionImpl = "auto",
-        stem: Literal["patch", "conv"] = "patch",
+        stem: Literal["patch", "conv", "conv_full"] = "patch",
     ) -> None:
         super().__init__()
-        check_choice("model.net", "stem", stem, ("patch", "conv"))
+        check_choice("model.net", "stem", stem, STEMS)
         check_positive(
             "model.net",
             img_size=img_size,
@@ -149,8 +149,7 @@ class SwinTransformer(nn.Module):
                 f"({len(n_heads)}) must have one entry per stage"
             )
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        embedding = ConvStem if stem == "conv" else PatchEmbedding
-        self.patch_embed = embedding(img_size, patch_size, in_chans, dim, norm_layer=nn.LayerNorm)
+        self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, nn.LayerNorm)
         rates = drop_path_rates(drop_path, sum(depths))
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
         stages, in_dim = [], dim

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
-from attnlab.nn import ConvStem, Dropout, MultiHeadAttention, PatchEmbedding, TransformerBlock
+from attnlab.nn import STEMS, Dropout, MultiHeadAttention, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.utils.checks import check_choice, check_positive, check_probability
 
@@ -40,8 +40,9 @@ class VisionTransformer(nn.Module):
         attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last block (linear from 0).
         attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
-        stem: "patch" (one linear map per patch, as the paper and timm) or "conv" (a few stride-2
-            convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data).
+        stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
+            convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
+            or "conv_full" (the conv stem with a first convolution at full resolution).
     """
 
     num_prefix_tokens = 1  # [CLS]
@@ -60,10 +61,10 @@ class VisionTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.0,
         attn_impl: AttentionImpl = "auto",
-        stem: Literal["patch", "conv"] = "patch",
+        stem: Literal["patch", "conv", "conv_full"] = "patch",
     ) -> None:
         super().__init__()
-        check_choice("model.net", "stem", stem, ("patch", "conv"))
+        check_choice("model.net", "stem", stem, STEMS)
         check_positive(
             "model.net",
             img_size=img_size,
@@ -77,8 +78,7 @@ class VisionTransformer(nn.Module):
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        embedding = ConvStem if stem == "conv" else PatchEmbedding
-        self.patch_embed = embedding(img_size, patch_size, in_chans, dim)
+        self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)
