@@ -262,3 +262,26 @@ def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     args = ["experiment=vit_fashion_mnist", f"data.data_dir={folder}", "logger=csv"]
     assert_user_error(run_cli("train", args, tmp_path), "train-images-idx3-ubyte.gz: cannot be read as gzip")
+
+
+def test_ema_warm_up_follows_the_weights_early_and_settles_at_the_decay():
+    from torch.optim.swa_utils import AveragedModel
+
+    from attnlab.callbacks import ema_with_warmup
+
+    net = torch.nn.BatchNorm1d(1)  # a float weight and an integer buffer (num_batches_tracked)
+    average = AveragedModel(net, multi_avg_fn=ema_with_warmup(0.998), use_buffers=True)
+    average.update_parameters(net)  # the first update copies
+    with torch.no_grad():
+        net.weight.fill_(0.0)
+    average.update_parameters(net)  # n = 1: decay 2/11, not 0.998
+    torch.testing.assert_close(average.module.weight, torch.tensor([2 / 11]))
+    for _ in range(5000):
+        average.update_parameters(net)
+    update = ema_with_warmup(0.998)
+    a, c = [torch.ones(1)], [torch.zeros(1)]
+    update(a, c, torch.tensor(5000))  # late: the configured decay
+    torch.testing.assert_close(a[0], torch.tensor([0.998]))
+    assert average.module.weight.abs().item() < 1e-3
+    with pytest.raises(ConfigError, match=r"decay must be in \[0, 1\], got 1.5"):
+        ema_with_warmup(1.5)

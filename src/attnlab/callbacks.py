@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -76,6 +78,26 @@ class MetricsPrinter(L.Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
+
+
+def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]:
+    """An EMA update for ``WeightAveraging(multi_avg_fn=...)`` whose decay rises with the number
+    n of updates so far as min(decay, (1 + n) / (10 + n)) (timm's ModelEmaV3 warm-up): early on
+    the average follows the weights instead of holding the first ones for ~1/(1 - decay) steps,
+    so its validation means something from the start."""
+    if not 0.0 <= decay <= 1.0:
+        raise ConfigError(f"callbacks.ema.multi_avg_fn.decay must be in [0, 1], got {decay}")
+
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
+        d = min(decay, (1 + int(n)) / (10 + int(n)))
+        if torch.is_floating_point(averaged[0]):
+            torch._foreach_lerp_(averaged, current, 1 - d)
+        else:  # integer buffers (batch norm's counts), as torch's own EMA
+            for a, c in zip(averaged, current, strict=True):
+                a.copy_(a * d + c * (1 - d))
+
+    return update
 
 
 class WeightAveraging(pl_callbacks.WeightAveraging):
