@@ -120,12 +120,13 @@ class ConvStem(nn.Module):
     convolution projects to ``dim``. Same tokens out as ``PatchEmbedding``: (B, N, D) with
     N = (img_size / patch_size)^2, row by row.
 
-    Args: as ``PatchEmbedding``; ``patch_size`` must be a power of two (one stage per halving);
-    the stages widen from ``dim / patch_size`` channels (at least 8) to ``dim / 2``, and
+    ``patch_size`` must be a power of two (one stage per halving); the stages widen from
+    ``dim / patch_size`` channels (at least 8) to ``dim / 2``, or to ``dim`` from full resolution.
+
+    Args: as ``PatchEmbedding``, and
         full_resolution: first a 3x3 conv-BN-ReLU of ``dim / patch_size`` channels at the image's
-            own resolution, then the halvings, each twice as wide (to ``dim``): fine detail (a
-            collar, a seam) is seen before the first stride, for about a third more compute in
-            the ViT of ``vit_mini``.
+            own resolution, then the halvings, each twice as wide: fine detail (a collar, a seam)
+            is seen before the first stride, for about a third more compute in ``vit_mini``.
     """
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
