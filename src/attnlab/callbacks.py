@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from attnlab import __version__
 from attnlab.errors import ConfigError
@@ -88,14 +89,8 @@ def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Te
     if not 0.0 <= decay <= 1.0:
         raise ConfigError(f"callbacks.ema.multi_avg_fn.decay must be in [0, 1], got {decay}")
 
-    @torch.no_grad()
     def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
-        d = min(decay, (1 + int(n)) / (10 + int(n)))
-        if torch.is_floating_point(averaged[0]):
-            torch._foreach_lerp_(averaged, current, 1 - d)
-        else:  # integer buffers (batch norm's counts), as torch's own EMA
-            for a, c in zip(averaged, current, strict=True):
-                a.copy_(a * d + c * (1 - d))
+        get_ema_multi_avg_fn(min(decay, (1 + int(n)) / (10 + int(n))))(averaged, current, n)
 
     return update
 

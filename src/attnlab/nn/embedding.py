@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -157,10 +158,11 @@ class ConvStem(nn.Module):
         return self.norm(self.proj(self.convs(x)).flatten(2).transpose(1, 2))  # (B, N, D)
 
 
-STEMS = ("patch", "conv", "conv_full")
+Stem = Literal["patch", "conv", "conv_full"]
+STEMS = get_args(Stem)
 
 
-def patch_embedding(stem: str, img_size: int, patch_size: int, in_chans: int, dim: int,
+def patch_embedding(stem: Stem, img_size: int, patch_size: int, in_chans: int, dim: int,
                     norm_layer: Callable[[int], nn.Module] | None = None) -> nn.Module:
     """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
     papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution)."""

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import STEMS, TransformerBlock, patch_embedding
+from attnlab.nn import STEMS, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -123,7 +122,7 @@ class SwinTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.1,
         attn_impl: AttentionImpl = "auto",
-        stem: Literal["patch", "conv", "conv_full"] = "patch",
+        stem: Stem = "patch",
     ) -> None:
         super().__init__()
         check_choice("model.net", "stem", stem, STEMS)

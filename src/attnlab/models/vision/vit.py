@@ -9,13 +9,12 @@ the [CLS] token. Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` mod
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
-from attnlab.nn import STEMS, Dropout, MultiHeadAttention, TransformerBlock, patch_embedding
+from attnlab.nn import STEMS, Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.utils.checks import check_choice, check_positive, check_probability
 
@@ -61,7 +60,7 @@ class VisionTransformer(nn.Module):
         attn_dropout: float = 0.0,
         drop_path: float = 0.0,
         attn_impl: AttentionImpl = "auto",
-        stem: Literal["patch", "conv", "conv_full"] = "patch",
+        stem: Stem = "patch",
     ) -> None:
         super().__init__()
         check_choice("model.net", "stem", stem, STEMS)
