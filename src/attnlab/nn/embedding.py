@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.nn.dropout import Dropout
+from attnlab.utils.checks import check_choice
 
 
 class SinusoidalPositions(nn.Module):
@@ -166,6 +167,7 @@ def patch_embedding(stem: Stem, img_size: int, patch_size: int, in_chans: int, d
                     norm_layer: Callable[[int], nn.Module] | None = None) -> nn.Module:
     """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
     papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution)."""
+    check_choice("model.net", "stem", stem, STEMS)
     if stem == "patch":
         return PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer)
     return ConvStem(img_size, patch_size, in_chans, dim, norm_layer, full_resolution=stem == "conv_full")

@@ -16,10 +16,10 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import STEMS, Stem, TransformerBlock, patch_embedding
+from attnlab.nn import Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
-from attnlab.utils.checks import check_choice, check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_probability
 
 
 class PatchMerging(nn.Module):
@@ -125,7 +125,6 @@ class SwinTransformer(nn.Module):
         stem: Stem = "patch",
     ) -> None:
         super().__init__()
-        check_choice("model.net", "stem", stem, STEMS)
         check_positive(
             "model.net",
             img_size=img_size,

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
-from attnlab.nn import STEMS, Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
+from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_choice, check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_probability
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -63,7 +63,6 @@ class VisionTransformer(nn.Module):
         stem: Stem = "patch",
     ) -> None:
         super().__init__()
-        check_choice("model.net", "stem", stem, STEMS)
         check_positive(
             "model.net",
             img_size=img_size,
