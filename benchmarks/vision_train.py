@@ -28,7 +28,7 @@ from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTr
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 VIT = dict(patch_size=4, dim=128, depth=6, n_head=4, mlp_ratio=2.0)
-SWIN = dict(patch_size=2, dim=48, depths=(2, 2, 2), n_heads=(3, 6, 12), window_size=4)
+SWIN = dict(patch_size=4, dim=96, depths=(4, 2), n_heads=(3, 6), window_size=4)
 
 
 def pairs() -> list[tuple[str, int, callable, callable]]:
@@ -65,10 +65,10 @@ def pairs() -> list[tuple[str, int, callable, callable]]:
                 img_size=32,
                 in_chans=1,
                 num_classes=10,
-                patch_size=2,
-                embed_dim=48,
-                depths=(2, 2, 2),
-                num_heads=(3, 6, 12),
+                patch_size=4,
+                embed_dim=96,
+                depths=(4, 2),
+                num_heads=(3, 6),
                 window_size=4,
                 drop_path_rate=0.0,
             ),

@@ -224,7 +224,7 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
         (["model.net.patch_size=5"], r"img_size \(16\) must be divisible by model.net.patch_size \(5\)"),
         (
             ["model/net=swin_mini", "model.net.dim=8", "model.net.window_size=3"],
-            r"model.net.window_size \(3\) does not divide the feature map of stage 1 \(8x8 tokens\)",
+            r"model.net.window_size \(3\) does not divide the feature map of stage 1 \(4x4 tokens\)",
         ),
     ],
 )
