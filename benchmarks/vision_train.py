@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import timm
@@ -76,13 +77,14 @@ def pairs() -> list[tuple[str, int, callable, callable]]:
     ]
 
 
-def images_per_s(net: nn.Module, size: int, bf16: bool, batch: int, steps: int) -> float:
+def training_step(net: nn.Module, size: int, bf16: bool, batch: int) -> Callable[[], float]:
+    """A closure that runs one training step of ``net`` on fixed random images, returning its seconds."""
     torch.manual_seed(0)
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     x, y = torch.randn(batch, 1, size, size), torch.randint(0, 10, (batch,))
-    times = []
-    for i in range(steps + 3):
+
+    def step() -> float:
         t0 = time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16) if bf16 else nullcontext():
             out = net(x)
@@ -91,9 +93,23 @@ def images_per_s(net: nn.Module, size: int, bf16: bool, batch: int, steps: int) 
         F.cross_entropy(logits.float(), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return batch / statistics.median(times)
+        return time.perf_counter() - t0
+
+    return step
+
+
+def paired_images_per_s(ours: nn.Module, theirs: nn.Module, size: int, bf16: bool, batch: int,
+                        steps: int) -> tuple[float, float]:
+    """Images/s of both models, their steps interleaved: a CPU whose speed drifts (another tenant,
+    clocks) slows both alike, where timing one model after the other tilted ratios by 3-5%."""
+    a, b = training_step(ours, size, bf16, batch), training_step(theirs, size, bf16, batch)
+    for _ in range(3):  # warm-up: allocator, oneDNN primitive caches
+        a(), b()
+    ours_s, theirs_s = [], []
+    for _ in range(steps):
+        ours_s.append(a())
+        theirs_s.append(b())
+    return batch / statistics.median(ours_s), batch / statistics.median(theirs_s)
 
 
 def loader_images_per_s(data_dir: str, batch: int, batches: int) -> float:
@@ -121,7 +137,7 @@ def loader_images_per_s(data_dir: str, batch: int, batches: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX files, for the loader figure")
     p.add_argument(
@@ -141,8 +157,7 @@ def main() -> None:
     print(f"{'model':<6} {'precision':<10} {'attnlab':>9} {'timm':>9} {'ratio':>7} {'goal':>6}")
     for name, size, ours, theirs in pairs():
         for bf16 in precisions:
-            a = images_per_s(ours(), size, bf16, args.batch, args.steps)
-            r = images_per_s(theirs(), size, bf16, args.batch, args.steps)
+            a, r = paired_images_per_s(ours(), theirs(), size, bf16, args.batch, args.steps)
             verdict = "ok" if a / r >= 1.0 else "MISSED"
             print(
                 f"{name:<6} {'bf16-mixed' if bf16 else '32-true':<10} {a:9.0f} {r:9.0f} {a / r:7.2f} "
