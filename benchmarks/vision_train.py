@@ -2,8 +2,8 @@
 side by side in one run, in fp32 and (where the CPU multiplies bf16 natively, or with --bf16)
 under bf16 autocast; and how fast the Fashion-MNIST loader feeds augmented batches.
 
-The configurations are the Fashion-MNIST experiments' (model/net/vit_mini, deit_mini,
-swin_mini), the ViTs with timm's linear patch embedding (the experiments' convolutional stem has
+The configurations are the Fashion-MNIST experiments' nets, composed from conf/ (model/net/vit_mini,
+deit_mini, swin_mini), with timm's linear patch embedding (the experiments' convolutional stem has
 no timm counterpart): forward, cross-entropy, backward and a fused AdamW step on random images.
 Goal: our models at least as fast as timm's (ratio >= 1.0).
 
@@ -23,57 +23,44 @@ from contextlib import nullcontext
 import timm
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torch import nn
 
-from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTransformer
+from attnlab.cli.sweep import compose_train
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
-VIT = dict(patch_size=4, dim=128, depth=6, n_head=4, mlp_ratio=2.0)
-SWIN = dict(patch_size=4, dim=96, depths=(4, 2), n_heads=(3, 6), window_size=4)
+
+def experiment_net(experiment: str) -> DictConfig:
+    """The net an experiment trains, composed as ``attnlab-train`` composes it."""
+    return compose_train([f"experiment={experiment}"]).model.net
 
 
-def pairs() -> list[tuple[str, int, callable, callable]]:
+def pairs() -> list[tuple[str, int, Callable[[], nn.Module], Callable[[], nn.Module]]]:
     """(name, image size, our model, timm's model), 1 channel, 10 classes, no stochastic depth."""
-    timm_vit = dict(
-        img_size=28,
-        in_chans=1,
-        num_classes=10,
-        patch_size=4,
-        embed_dim=128,
-        depth=6,
-        num_heads=4,
-        mlp_ratio=2.0,
-    )
+    vit, deit, swin = (experiment_net(f"{name}_fashion_mnist") for name in ("vit", "deit", "swin"))
+    data = dict(num_classes=10, in_chans=1)
+
+    def ours(net: DictConfig, size: int) -> Callable[[], nn.Module]:
+        return lambda: instantiate(net, img_size=size, stem="patch", drop_path=0.0, **data)
+
+    def timm_vit(name: str, net: DictConfig) -> Callable[[], nn.Module]:
+        return lambda: timm.create_model(
+            name, img_size=28, patch_size=net.patch_size, embed_dim=net.dim, depth=net.depth,
+            num_heads=net.n_head, mlp_ratio=net.mlp_ratio, **data,
+        )
+
+    def timm_swin() -> nn.Module:
+        return timm.create_model(
+            "swin_tiny_patch4_window7_224", img_size=32, patch_size=swin.patch_size, embed_dim=swin.dim,
+            depths=tuple(swin.depths), num_heads=tuple(swin.n_heads), window_size=swin.window_size,
+            mlp_ratio=swin.mlp_ratio, drop_path_rate=0.0, **data,
+        )
+
     return [
-        (
-            "ViT",
-            28,
-            lambda: VisionTransformer(10, 28, 1, **VIT),
-            lambda: timm.create_model("vit_tiny_patch16_224", **timm_vit),
-        ),
-        (
-            "DeiT",
-            28,
-            lambda: DistilledVisionTransformer(10, 28, 1, **VIT),
-            lambda: timm.create_model("deit_tiny_distilled_patch16_224", **timm_vit),
-        ),
-        (
-            "Swin",
-            32,
-            lambda: SwinTransformer(10, 32, 1, drop_path=0.0, **SWIN),
-            lambda: timm.create_model(
-                "swin_tiny_patch4_window7_224",
-                img_size=32,
-                in_chans=1,
-                num_classes=10,
-                patch_size=4,
-                embed_dim=96,
-                depths=(4, 2),
-                num_heads=(3, 6),
-                window_size=4,
-                drop_path_rate=0.0,
-            ),
-        ),
+        ("ViT", 28, ours(vit, 28), timm_vit("vit_tiny_patch16_224", vit)),
+        ("DeiT", 28, ours(deit, 28), timm_vit("deit_tiny_distilled_patch16_224", deit)),
+        ("Swin", 32, ours(swin, 32), timm_swin),
     ]
 
 
