@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from attnlab.errors import CheckpointError
 
@@ -46,18 +52,88 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir() and (path / _METADATA_FILENAME).is_file()
 
 
+# The records torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds only those records and torch dtypes: any other global a pickle names (``os.system``,
+    ``builtins.eval``, ...) is refused before it can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's reader with ``.metadata`` read by a restricted unpickler (torch's own uses plain
+    ``pickle.load``, so a planted ``.metadata`` runs code) and every shard inside the folder."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not dcp Metadata")
+        for info in (metadata.storage_data or {}).values():
+            shard = Path(info.relative_path)
+            if shard.is_absolute() or ".." in shard.parts:
+                raise pickle.UnpicklingError(f".metadata points outside the folder ({shard})")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+    """Rebuilds the whole state dict like torch's planner, but unpickles the non-tensor entries
+    (step counters, hyperparameters) with ``weights_only=True`` where torch's uses ``False``."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        obj = torch.load(value, map_location="cpu", weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
+    """A sharded checkpoint assembled into full tensors in this process, with no process group:
+    Lightning's ``_load_distributed_checkpoint`` with nothing unpickled beyond plain data."""
+    reader = SafeFileSystemReader(folder)
+    reader.read_metadata()  # a planted or broken .metadata fails here with its own message
+    ckpt: dict[str, Any] = {}
+    try:
+        _load_state_dict(ckpt, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=True)
+    except CheckpointException as e:  # wraps each rank's traceback: keep the cause's last line
+        raise RuntimeError(str(e).strip().splitlines()[-1]) from e
+    ckpt.update(torch.load(folder / _METADATA_FILENAME, map_location="cpu", weights_only=True))
+    return ckpt
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``); a
-    sharded one is assembled into full tensors in this process."""
+    sharded one is assembled into full tensors in this process. Nothing in either can run code."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): not a PyTorch checkpoint")
     try:
-        if is_sharded(path):
-            ckpt = _load_distributed_checkpoint(path)
-        else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+        ckpt = load_sharded_checkpoint(path) if is_sharded(path) else torch.load(
+            path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
+            AttributeError, KeyError, TypeError, AssertionError) as e:
+        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a PyTorch checkpoint "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {reason})"
         ) from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"checkpoint {path} has no 'state_dict': not a Lightning checkpoint")
@@ -78,7 +154,7 @@ def resolve_pretrained(spec: str, log_dir: Path) -> Path:
     """``model.pretrained_ckpt``: a checkpoint file, or the name of a task whose newest run's
     ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
     path = Path(spec).expanduser()
-    if path.is_file():
+    if path.is_file() or is_sharded(path):
         return path
     if "/" not in spec and not spec.endswith(".ckpt"):
         try:
