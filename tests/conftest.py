@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib
+import io
 import os
 import subprocess
 import sys
@@ -59,6 +62,23 @@ def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
         [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
         cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+
+
+def run_main(module: str, argv: list[str]) -> tuple[int, str]:
+    """``attnlab-<module> argv`` in this process (the console script's own ``main()``, without an
+    interpreter start each): its exit status and everything it printed."""
+    main = importlib.import_module(f"attnlab.cli.{module.replace('-', '_')}").main
+    old, printed = sys.argv, io.StringIO()
+    sys.argv = [f"attnlab-{module}", *argv]
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            main()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old
+    return status, printed.getvalue()
 
 
 def run_dirs(cwd: Path, task_name: str) -> list[Path]:

@@ -334,7 +334,7 @@ def test_fill_mask_without_mask_and_classify_bad_inputs(pretrained, tmp_path):
     latin.write_bytes("un film tr\xe8s dr\xf4le\n".encode("latin-1"))
     assert_refused(f"input={latin} is not UTF-8", classify,
                    classify_cfg(f"ckpt_path={ckpt}", f"input={latin}"))
-    assert_refused("is not a sentence-classification run", classify,
+    assert_refused("attnlab-classify needs a sentence classifier", classify,
                    classify_cfg(f"ckpt_path={ckpt}", "text=fine"))
     assert_refused("exactly one of text=", classify, classify_cfg(f"ckpt_path={ckpt}"))
 

@@ -8,10 +8,8 @@ installed ``attnlab-*`` scripts call them), so the ten of them cost one interpre
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import load_checkpoint
-from conftest import write_idx_dataset, write_sst2
+from conftest import run_main, write_idx_dataset, write_sst2
 
 MARKER = "pwned"
 
@@ -54,22 +52,6 @@ def plant_file(path: Path, marker: Path) -> Path:
 def planted(tmp_path: Path) -> dict[str, Path]:
     marker = tmp_path / MARKER
     return {"folder": plant_folder(tmp_path / "e", marker), "file": plant_file(tmp_path / "e.ckpt", marker)}
-
-
-def run_main(module: str, argv: list[str], capsys) -> tuple[int, str]:
-    """``attnlab-<module> argv`` in this process: its exit status and everything it printed."""
-    main = importlib.import_module(f"attnlab.cli.{module.replace('-', '_')}").main
-    old = sys.argv
-    sys.argv = [f"attnlab-{module}", *argv]
-    try:
-        main()
-        status = 0
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return status, out.out + out.err
 
 
 def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
@@ -111,20 +93,20 @@ def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
 
 
 @pytest.mark.parametrize("kind", ["folder", "file"])
-def test_every_entry_point_refuses_a_planted_checkpoint(kind, planted, tmp_path, monkeypatch, capsys):
+def test_every_entry_point_refuses_a_planted_checkpoint(kind, planted, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name, (module, argv) in entry_points(tmp_path, str(planted[kind])).items():
-        status, out = run_main(module, argv, capsys)
+        status, out = run_main(module, argv)
         assert not (tmp_path / MARKER).exists(), f"{name}: the planted {kind} ran code"
         assert status == 2, f"{name}: exit {status}\n{out[-3000:]}"
         assert "Traceback" not in out and str(planted[kind]) in out, f"{name}:\n{out[-3000:]}"
 
 
-def test_ckpt_path_last_refuses_a_planted_folder_under_logs(tmp_path, monkeypatch, capsys):
+def test_ckpt_path_last_refuses_a_planted_folder_under_logs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plant_folder(tmp_path / "logs/gpt_pydoc_char/runs/x/checkpoints/last.ckpt", tmp_path / MARKER)
     for module in ("train", "eval", "generate"):
-        status, out = run_main(module, ["ckpt_path=last"], capsys)
+        status, out = run_main(module, ["ckpt_path=last"])
         assert not (tmp_path / MARKER).exists(), f"{module} ckpt_path=last ran code"
         assert status == 2 and "not allowed in checkpoint metadata" in out, f"{module}:\n{out[-3000:]}"
 

@@ -22,14 +22,17 @@ from attnlab.errors import CheckpointError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.text_classification import classify_sentences
 from attnlab.models import BertSequenceClassifier
+from attnlab.tasks import TextClassificationTask
 
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        TextClassificationTask, need="attnlab-classify needs a sentence classifier")
     net = run.net()
-    if not isinstance(net, BertSequenceClassifier) or "classes" not in run.artifacts:
-        raise CheckpointError(f"checkpoint {run.path} is not a sentence-classification run")
+    if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
+        raise CheckpointError(f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a "
+                              "sentence classifier")
     return classify_sentences(net, run.tokenizer, sentences, run.artifacts["classes"],
                               run.artifacts.get("max_len", net.encoder.max_len), cfg.batch_size)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig, open_dict
+from omegaconf.errors import MissingMandatoryValue
 
 from attnlab.data.text.formats import read_lines
 from attnlab.errors import AttnlabError, ConfigError, DataError
@@ -35,14 +37,20 @@ def user_error(e: BaseException) -> AttnlabError | None:
     while e is not None and id(e) not in seen:
         if isinstance(e, AttnlabError):
             return e
+        if isinstance(e, MissingMandatoryValue):  # a ``???`` in the config that nobody set
+            return ConfigError(f"{e.full_key} is required: give {e.full_key}=... on the command line")
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
 
 
 @contextmanager
-def exit_on_user_error() -> Iterator[None]:
-    """Turn input errors into one ``error: ...`` line and exit status 2; let bugs raise."""
+def exit_on_user_error(discard: Path | None = None) -> Iterator[None]:
+    """Turn input errors into one ``error: ...`` line and exit status 2; let bugs raise.
+
+    ``discard``: a folder made only for this command's results (``attnlab-eval``'s run folder),
+    removed after an input error if it holds nothing but Hydra's copy of the config and the log.
+    """
     try:
         yield
     except Exception as e:
@@ -52,6 +60,9 @@ def exit_on_user_error() -> Iterator[None]:
         log.error("error: %s", err)
         if not logging.getLogger().handlers:  # outside Hydra nobody prints log records
             print(f"error: {err}", file=sys.stderr)
+        if discard is not None and discard.is_dir():
+            if all(p.name == ".hydra" or p.suffix == ".log" for p in discard.iterdir()):
+                shutil.rmtree(discard)
         sys.exit(2)
 
 
@@ -79,6 +90,8 @@ def read_sentences(cfg: DictConfig) -> list[str]:
     if (cfg.text is None) == (cfg.input is None):
         raise ConfigError('give exactly one of text="..." or input=<file with one sentence per line>')
     if cfg.text is not None:
+        if not str(cfg.text).strip():
+            raise ConfigError(f"text={str(cfg.text)!r} is empty; give a sentence")
         return [str(cfg.text)]
     path = Path(str(cfg.input))
     lines = read_lines(path, "input")

@@ -38,7 +38,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="eval")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
+    with exit_on_user_error(discard=Path(cfg.paths.output_dir)):
         evaluate(cfg)
 
 

@@ -11,18 +11,18 @@ import torch
 from omegaconf import DictConfig
 
 from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
-from attnlab.errors import CheckpointError, ConfigError
+from attnlab.errors import ConfigError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.text_classification import fill_mask
+from attnlab.tasks import MaskedLMTask
 
 
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
     net = run.net()
-    if not hasattr(net, "mlm"):
-        raise CheckpointError(f"checkpoint {run.path} is not a BERT pre-training run (no masked-LM head)")
     return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 
 

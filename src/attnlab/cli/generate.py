@@ -13,6 +13,7 @@ from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.inference.generation import generate_text
 from attnlab.inference.runs import TrainedRun
+from attnlab.tasks import LanguageModelTask
 
 
 def generate(cfg: DictConfig) -> list[str]:
@@ -24,10 +25,9 @@ def generate(cfg: DictConfig) -> list[str]:
         raise ConfigError(f"top_k must be a positive integer or null, got {cfg.top_k}")
     if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
         raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p}")
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        LanguageModelTask, need="attnlab-generate needs a language model")
     net = run.net().to(cfg.device)
-    if not hasattr(net, "generate"):
-        raise ConfigError(f"checkpoint {run.path} is not a language model ({type(net).__name__})")
     return generate_text(
         net, run.tokenizer, str(cfg.prompt), cfg.max_new_tokens, cfg.temperature,
         cfg.top_k, cfg.top_p, cfg.num_samples, cfg.seed, cfg.use_cache,

@@ -10,18 +10,18 @@ import torch
 from omegaconf import DictConfig
 
 from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
-from attnlab.errors import CheckpointError, ConfigError
+from attnlab.errors import ConfigError
 from attnlab.inference.classification import classify, image_files, load_image
 from attnlab.inference.runs import TrainedRun
+from attnlab.tasks import ImageClassificationTask
 
 
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     files = image_files(Path(str(cfg.image)).expanduser())
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
-    if "classes" not in run.artifacts:
-        raise CheckpointError(f"checkpoint {run.path} is not an image classifier")
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        ImageClassificationTask, need="attnlab-predict needs an image classifier")
     net = run.net().to(cfg.device)
     results = []
     for start in range(0, len(files), cfg.batch_size):

@@ -19,6 +19,7 @@ from torch.utils.tensorboard.summary import hparams
 from attnlab.callbacks import RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten, is_hyperparameter
+from attnlab.errors import DataError
 from attnlab.inference.generation import generate_text
 from attnlab.loggers import CSVLogger as ContinuingCSVLogger
 from attnlab.sweep import TrialPruning
@@ -28,6 +29,7 @@ from attnlab.utils.checkpoint import (
     load_checkpoint,
     metadata,
     pretrained_artifacts,
+    require_same_model,
     resolve_ckpt_path,
     resolve_pretrained,
 )
@@ -87,6 +89,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     meta = metadata(ckpt, ckpt_path) if ckpt else {}
+    if meta:
+        require_same_model(meta, ckpt_path, cfg.model)
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
@@ -139,6 +143,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if cfg.get("train"):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        if trainer.num_training_batches == 0:  # Lightning only notes it, then tests an untrained model
+            size = cfg.data.get("batch_size")
+            raise DataError("the training data gives no batch: fewer examples than one batch"
+                            + (f" (data.batch_size={size}, incomplete batches are dropped); add data or "
+                               "lower data.batch_size" if size else "; add data"))
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.get("test"):
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

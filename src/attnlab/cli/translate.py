@@ -18,20 +18,19 @@ from attnlab.cli.common import (
     read_sentences,
     write_lines,
 )
-from attnlab.data.text.tokenizers import SubwordTokenizer
 from attnlab.errors import ConfigError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.translation import translate_sentences
+from attnlab.tasks import TranslationTask
 
 log = logging.getLogger("attnlab.translate")
 
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        TranslationTask, need="attnlab-translate needs a translation model")
     tokenizer = run.tokenizer
-    if not isinstance(tokenizer, SubwordTokenizer):
-        raise ConfigError(f"checkpoint {run.path} is not a translation model")
     task_cfg = run.config.model
     beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
     if beam < 1:

@@ -19,14 +19,14 @@ from attnlab.inference.classification import image_files, load_image
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.zeroshot import parse_labels, read_templates, zeroshot_probs
 from attnlab.models import CLIP
+from attnlab.tasks import ContrastiveTask
 from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
+    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
+        ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
     net = run.net()
-    if not isinstance(net, CLIP):
-        raise CheckpointError(f"checkpoint {run.path} is not a CLIP run")
     templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
     return run, net.to(cfg.device), templates
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import CheckpointError
-from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, resolve_ckpt_path
+from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task, resolve_ckpt_path
 
 
 class TrainedRun:
@@ -23,6 +23,12 @@ class TrainedRun:
         meta = metadata(self.ckpt, self.path)
         self.config: DictConfig = OmegaConf.create(meta["config"])
         self.artifacts: dict[str, Any] = meta["artifacts"]
+        self.meta = meta
+
+    def require(self, *tasks: type, need: str) -> TrainedRun:
+        """This run, if it trained one of ``tasks``; else one line saying what it holds and ``need``."""
+        require_task(self.meta, self.path, tuple(t.__name__ for t in tasks), need)
+        return self
 
     @property
     def tokenizer(self) -> CharTokenizer | BPETokenizer | SubwordTokenizer:

@@ -86,6 +86,7 @@ def load_teacher(
     """
     from attnlab.inference.runs import TrainedRun
     from attnlab.models.vision.timm_model import TimmModel
+    from attnlab.tasks.classification import ImageClassificationTask
     from attnlab.utils.checkpoint import find_last
 
     if sum(x is not None for x in (run, ckpt_path, timm_name)) != 1:
@@ -99,7 +100,9 @@ def load_teacher(
                 f"{log_dir}; train the teacher first"
             ) from None
     if ckpt_path is not None:
-        return _checked_classifier(TrainedRun(ckpt_path, Path(log_dir)).net(), ckpt_path)
+        run = TrainedRun(ckpt_path, Path(log_dir)).require(
+            ImageClassificationTask, need="model.distillation.teacher needs an image classifier")
+        return _checked_classifier(run.net(), ckpt_path)
     if weights is None:
         raise ConfigError(
             "model.distillation.teacher.weights: a timm teacher needs trained weights "

@@ -150,6 +150,38 @@ def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     return meta
 
 
+def model_names(model: Any) -> tuple[str, str]:
+    """The class names of a ``model`` config node's task and net (its ``_target_``s, not imported)."""
+    model = model or {}
+    task, net = model.get("_target_"), (model.get("net") or {}).get("_target_")
+    return str(task).rsplit(".", 1)[-1], str(net).rsplit(".", 1)[-1]
+
+
+def recorded_model(meta: dict[str, Any]) -> tuple[str, str]:
+    """The task and net a checkpoint's run configured, from its saved config."""
+    from omegaconf import OmegaConf
+
+    return model_names(OmegaConf.create(meta["config"]).get("model"))
+
+
+def require_same_model(meta: dict[str, Any], path: Path, model: Any) -> None:
+    """Refuse to resume a run of another task or architecture than the ``model`` configured."""
+    (task, net), (ours, our_net) = recorded_model(meta), model_names(model)
+    if (task, net) != (ours, our_net):
+        raise CheckpointError(
+            f"ckpt_path={path} holds a {task} ({net}) but this run configures a {ours} ({our_net}); "
+            "resume with the experiment that wrote it"
+        )
+
+
+def require_task(meta: dict[str, Any], path: Path | str, tasks: tuple[str, ...], need: str) -> None:
+    """Refuse a checkpoint whose run trained another task than those named (class names, e.g.
+    ``ImageClassificationTask``), by what it recorded, before anything is built from it."""
+    task, net = recorded_model(meta)
+    if task not in tasks:
+        raise CheckpointError(f"checkpoint {path} holds a {task} ({net}); {need} ({' or '.join(tasks)})")
+
+
 def resolve_pretrained(spec: str, log_dir: Path) -> Path:
     """``model.pretrained_ckpt``: a checkpoint file, or the name of a task whose newest run's
     ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
@@ -168,7 +200,10 @@ def resolve_pretrained(spec: str, log_dir: Path) -> Path:
 def pretrained_artifacts(path: Path) -> dict[str, Any]:
     """The data artifacts a fine-tuning run takes over from its pre-training checkpoint: the
     tokenizer, not the classes."""
-    artifacts = metadata(load_checkpoint(path), path)["artifacts"]
+    meta = metadata(load_checkpoint(path), path)
+    require_task(meta, path, ("MaskedLMTask", "TextClassificationTask"),
+                 "model.pretrained_ckpt needs a BERT run (pre-training or fine-tuning) to start from")
+    artifacts = meta["artifacts"]
     if "tokenizer" not in artifacts:
         raise CheckpointError(f"model.pretrained_ckpt={path} holds no tokenizer: not a text pre-training run")
     return {"tokenizer": artifacts["tokenizer"]}

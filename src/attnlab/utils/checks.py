@@ -18,6 +18,13 @@ def check_positive(where: str, **values: Any) -> None:
             raise ConfigError(f"{where}.{name} must be a positive integer, got {value!r}")
 
 
+def check_positive_number(where: str, **values: Any) -> None:
+    """Each value must be a number > 0 (ratios such as ``mlp_ratio``)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{where}.{name} must be a number > 0, got {value!r}")
+
+
 def check_probability(where: str, **values: Any) -> None:
     """Each value must be in [0, 1) (dropout rates, label smoothing)."""
     for name, value in values.items():

@@ -4,6 +4,7 @@ or a label per word from CoNLL files, as ``[CLS] A [SEP] (B [SEP])`` batches of 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,14 @@ class SentenceClassificationDataModule(LabelledTextDataModule):
         return [t for e in examples for t in (e.text, e.text_pair) if t]
 
     def fit_classes(self, examples: list[Any]) -> list[str]:
-        return [str(i) for i in range(max(e.label for e in examples) + 1)]
+        """Labels 0..K-1, each of them used: a gap means a stray label (set data.class_names)."""
+        counts = Counter(e.label for e in examples)
+        classes = range(max(counts) + 1)
+        if missing := [c for c in classes if not counts[c]]:
+            stray = next(e for e in examples if e.label == max(counts))
+            raise DataError(f"{self._path('train')}: labels {sorted(counts)} leave out {missing}; a stray "
+                            f"label? (line {stray.line}: {stray.label}) Set data.class_names to the classes")
+        return [str(c) for c in classes]
 
     def encode(self, examples: list[Any], path: Path) -> list[Item]:
         budget = self.max_len - (3 if examples[0].text_pair is not None else 2)
@@ -169,8 +177,8 @@ class SentenceClassificationDataModule(LabelledTextDataModule):
         tok, items = WordPieceTokenizer, []
         for n, e in enumerate(examples):
             if not 0 <= e.label < self.num_classes:
-                raise DataError(f"{path}: label {e.label} is outside the {self.num_classes} classes "
-                                f"{self.classes}")
+                raise DataError(f"{path}:{e.line}: label {e.label} is outside the {self.num_classes} "
+                                f"classes {self.classes} (data.class_names)")
             a = a_ids[n]
             if b_ids is None:
                 ids = [tok.cls_id, *a[:budget], tok.sep_id]

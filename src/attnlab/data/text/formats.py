@@ -42,6 +42,7 @@ class Example:
     text: str
     text_pair: str | None = None
     label: int = -1
+    line: int = 0  # in its file, for errors
 
 
 def read_tsv(path: Path, need_labels: bool = True) -> list[Example]:
@@ -75,7 +76,7 @@ def read_tsv(path: Path, need_labels: bool = True) -> list[Example]:
             except ValueError:
                 raise DataError(f"{path}:{n}: label {cells[label_col]!r} is not an integer") from None
         texts = [cells[i].strip() for i in text_cols]
-        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
+        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label, n))
     if not examples:
         raise DataError(f"{path} has a header but no examples")
     return examples

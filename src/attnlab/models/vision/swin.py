@@ -19,7 +19,7 @@ from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
 class PatchMerging(nn.Module):
@@ -141,6 +141,7 @@ class SwinTransformer(nn.Module):
         if num_classes < 0:
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
         if len(depths) != len(n_heads):
             raise ConfigError(
                 f"model.net.depths ({len(depths)} stages) and model.net.n_heads "

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -75,6 +75,7 @@ class VisionTransformer(nn.Module):
         if num_classes < 0:
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
