@@ -67,8 +67,13 @@ def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
 def run_main(module: str, argv: list[str]) -> tuple[int, str]:
     """``attnlab-<module> argv`` in this process (the console script's own ``main()``, without an
     interpreter start each): its exit status and everything it printed."""
+    import torch
+
     main = importlib.import_module(f"attnlab.cli.{module.replace('-', '_')}").main
-    old, printed = sys.argv, io.StringIO()
+    printed = io.StringIO()
+    # what an entry point may change for its process: restored for the tests that follow
+    saved_argv, environ = sys.argv, dict(os.environ)
+    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
     sys.argv = [f"attnlab-{module}", *argv]
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -77,7 +82,11 @@ def run_main(module: str, argv: list[str]) -> tuple[int, str]:
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else 1
     finally:
-        sys.argv = old
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
     return status, printed.getvalue()
 
 

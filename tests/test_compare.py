@@ -126,3 +126,59 @@ def test_a_sweep_trial_killed_before_its_csv_log_is_one_row_from_the_study(tmp_p
     # make every config key look as if it varied
     assert header == "model.optimizer.lr,state,trial,runs,test/acc"
     assert len(rows) == 2 and rows[1].endswith(",fail,1,1,-")
+
+
+# ---- half-written or damaged logs: named, or left out with a notice -------------------------------
+
+
+def compare_main(args: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(args)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_a_last_line_cut_inside_a_number_is_left_out_with_a_notice(sweep, capsys):
+    log = sweep / "0" / "csv" / "metrics.csv"
+    log.write_text(log.read_text() + "0,40,4.5")  # the run was writing 4.5312 when it was read
+    status, out, err = compare_main([str(sweep / "0"), "--format", "csv", "--metrics", "val/loss"], capsys)
+    assert status == 0 and out.strip().splitlines()[1].endswith(",2.5")  # the last whole value
+    assert f"{log}:6: an incomplete last line" in err
+
+
+def test_an_unparsable_value_or_config_names_the_file(sweep, capsys):
+    log = sweep / "0" / "csv" / "metrics.csv"
+    log.write_text(log.read_text().replace("0,20,", "0,20,2.1x", 1))
+    status, _, err = compare_main([str(sweep)], capsys)
+    assert status == 2 and f"{log}:3: not a number: {{'val/loss': '2.1x" in err and "Traceback" not in err
+    (sweep / "1" / "config.yaml").write_text("seed: [1,\n")
+    status, _, err = compare_main([str(sweep / "1")], capsys)
+    assert status == 2 and f"{sweep / '1' / 'config.yaml'}: not a readable config" in err
+    assert err.count("error: ") == 1  # printed once
+
+
+def test_a_run_without_metrics_and_a_copy_of_a_run_are_left_out(sweep, capsys):
+    import shutil
+
+    empty = write_run(sweep, "6", 0.1, 1, [], 0.0)
+    (empty / "csv" / "metrics.csv").write_text("epoch,step,val/loss,test/acc\n")  # header only
+    copy = sweep.parent / "copy_of_0"
+    shutil.copytree(sweep / "0", copy)
+    log = copy / "csv" / "metrics.csv"
+    log.write_text("\n".join(log.read_text().splitlines()[:2]) + "\n")  # a partial copy
+    args = [str(sweep), str(copy), "--format", "csv", "--metrics", "test/acc"]
+    status, out, err = compare_main(args, capsys)
+    assert status == 0, err
+    assert [row.split(",")[:2] for row in out.strip().splitlines()[1:]] == [["0.001", "3"], ["0.01", "3"]]
+    assert f"{empty}: no metrics logged yet: left out" in err
+    assert f"{copy}: the same config as {sweep / '0'}, seed included (a copy?): left out" in err
+
+
+def test_an_unknown_sort_or_metric_is_refused(sweep, capsys):
+    status, _, err = compare_main([str(sweep), "--sort", "val/acc"], capsys)
+    assert status == 2 and "--sort val/acc: no run logged it (logged: test/acc, val/loss)" in err
+    status, _, err = compare_main([str(sweep), "--metrics", "test/bleu"], capsys)
+    assert status == 2 and "--metrics test/bleu: no run logged it" in err

@@ -78,6 +78,58 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("override", "needle"), [
+    ("+sweep.params.model.optimizer.eps=interval(3e-3, 1e-4)", "`low <= high` must hold"),
+    ("+sweep.params.model.optimizer.eps=tag(log, interval(0, 1e-3))", "`low > 0` must hold for `log=True`"),
+    ("sweep.sampler._target_=optuna.samplers.FooSampler", "sweep.sampler: Error locating target"),
+    ("+sweep.pruner.foo=1", "got an unexpected keyword argument 'foo'"),
+    ("sweep.direction=up", "sweep.direction: expected minimize or maximize"),
+])
+def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, needle, tmp_path):
+    """So the same command, fixed, can run again (a written sweep.yaml would ask for resume=)."""
+    from conftest import run_main
+
+    status, out = run_main("sweep", ["hparams_search=gpt_optuna", f"sweep.dir={tmp_path / 's'}", override])
+    assert status == 2 and needle in out and "Traceback" not in out, out[-2000:]
+    assert out.count("error: ") == 1, out  # printed once
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow
+def test_killing_the_sweep_driver_ends_its_running_trial(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = [*SWEEP, f"sweep.dir={sweep_dir}", "trainer.max_steps=100000", "trainer.val_check_interval=100000"]
+    driver = subprocess.Popen([sys.executable, "-m", "attnlab.cli.sweep", *args], cwd=tmp_path, env=cli_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = sweep_dir / "0" / "trial.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "Instantiating model" in log.read_text(errors="replace")):
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    trial = trial_pids(sweep_dir)
+    assert len(trial) == 1
+    driver.kill()  # SIGKILL: no handler of the driver's runs
+    driver.wait()
+    deadline = time.monotonic() + 60
+    while trial_pids(sweep_dir):
+        assert time.monotonic() < deadline, "the trial trains on without its sweep"
+        time.sleep(0.5)
+
+
+def trial_pids(sweep_dir: Path) -> list[int]:
+    """The processes whose command line names ``sweep_dir`` as their run directory."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if f"hydra.run.dir='{sweep_dir}" in cmdline and "zombie" not in state:
+            pids.append(int(proc.name))
+    return pids
+
+
 def test_search_spaces_given_on_the_command_line_need_no_quotes():
     from attnlab.cli.sweep import compose_train, quote_search_spaces
 

@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import struct
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,24 +76,51 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def notice(message: str) -> None:
+    """A line on stderr about input that was left out; the table goes on without it."""
+    print(f"note: {message}", file=sys.stderr)
+
+
 def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a Lightning CSV log as (step, value) pairs. A last line without its newline
+    is a row still being written (or cut by a kill): left out with a notice, as its last number
+    may be cut short; any other value that is not a number is an error naming the line."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        notice(f"{path}:{len(lines)}: an incomplete last line (a run still writing, or cut): left out")
+        lines = lines[:-1]
     curves: dict[str, list[tuple[int, float]]] = {}
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
+    for n, row in enumerate(csv.DictReader(lines), start=2):
+        try:
             step = int(float(row.get("step") or 0))
             for k, v in row.items():
                 if k not in ("step", "epoch") and v not in ("", None):
                     curves.setdefault(k, []).append((step, float(v)))
+        except (TypeError, ValueError):
+            bad = {k: v for k, v in row.items() if v not in ("", None) and not _is_number(v)}
+            raise DataError(f"{path}:{n}: not a number: {bad}") from None
     return curves
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def load_run(run_dir: Path) -> Run:
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         config_file = run_dir / ".hydra" / "config.yaml"
-    config = (
-        OmegaConf.to_container(OmegaConf.load(config_file), resolve=False) if config_file.is_file() else {}
-    )
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.is_file() else {}
+    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
+        raise DataError(f"{config_file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{config_file}: not a config (a YAML mapping)")
     return Run(run_dir, flatten(config), read_curves(run_dir / "csv" / "metrics.csv"))
 
 
@@ -164,6 +192,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         runs += [load_wandb_run(f) for f in offline if not _read_elsewhere(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
+    runs = without_copies(without_empty(runs))
     runs += [t for path in paths if path.exists() for t in unlogged_trials(path, runs)]
     for run in runs:
         states = sweep_states(run.path.parent)
@@ -172,6 +201,42 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
     if not runs:
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
     return runs
+
+
+def without_empty(runs: list[Run]) -> list[Run]:
+    """Runs that logged no metric yet (a header-only CSV) left out with a notice, but for sweep
+    trials, which are listed with how they ended."""
+    kept = []
+    for run in runs:
+        if run.curves or sweep_states(run.path.parent):
+            kept.append(run)
+        else:
+            notice(f"{run.path}: no metrics logged yet: left out")
+    return kept
+
+
+def without_copies(runs: list[Run]) -> list[Run]:
+    """Of runs with the same config, seed and all (a run and a copy of it, whole or partial), the
+    one that logged the most steps; the others are left out with a notice rather than averaged in
+    as if they were other seeds. Sweep trials are kept: a sampler may draw the same values twice."""
+    by_config: dict[str, list[Run]] = {}
+    for run in runs:
+        if sweep_states(run.path.parent):
+            by_config[str(run.path)] = [run]
+            continue
+        key = repr(sorted((k, repr(v)) for k, v in run.config.items() if is_hyperparameter(k)))
+        by_config.setdefault(key, []).append(run)
+    kept = []
+    for same in by_config.values():
+        if len(same) == 1 or not same[0].config:
+            kept += same
+            continue
+        longest = max(same, key=lambda r: sum(len(points) for points in r.curves.values()))
+        for run in same:
+            if run is not longest:
+                notice(f"{run.path}: the same config as {longest.path}, seed included (a copy?): left out")
+        kept.append(longest)
+    return sorted(kept, key=lambda r: runs.index(r))
 
 
 def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:

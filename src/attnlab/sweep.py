@@ -13,11 +13,15 @@ Search spaces are written as for Hydra's Optuna sweeper, so its users' configs c
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +52,23 @@ def distribution(key: str, value: Any) -> BaseDistribution | None:
     except Exception as e:
         raise ConfigError(f"sweep.params.{key}: cannot parse {value!r} ({e})") from None
     sweep = override.value()
-    if isinstance(sweep, ChoiceSweep):
-        return CategoricalDistribution(sweep.list)
-    if isinstance(sweep, RangeSweep):
-        values = list(override.sweep_iterator())
-        if not values:
-            raise ConfigError(f"sweep.params.{key}: {value} is empty")
-        if all(isinstance(v, int) for v in values):
-            return IntDistribution(values[0], values[-1], step=int(sweep.step))
-        return FloatDistribution(values[0], values[-1], step=sweep.step)
-    if isinstance(sweep, IntervalSweep):
-        log = "log" in sweep.tags
-        if "int" in sweep.tags:
-            return IntDistribution(int(sweep.start), int(sweep.end), log=log)
-        return FloatDistribution(float(sweep.start), float(sweep.end), log=log)
+    try:  # Optuna refuses empty or reversed bounds and log scales that reach 0
+        if isinstance(sweep, ChoiceSweep):
+            return CategoricalDistribution(sweep.list)
+        if isinstance(sweep, RangeSweep):
+            values = list(override.sweep_iterator())
+            if not values:
+                raise ConfigError(f"sweep.params.{key}: {value} is empty")
+            if all(isinstance(v, int) for v in values):
+                return IntDistribution(values[0], values[-1], step=int(sweep.step))
+            return FloatDistribution(values[0], values[-1], step=sweep.step)
+        if isinstance(sweep, IntervalSweep):
+            log = "log" in sweep.tags
+            if "int" in sweep.tags:
+                return IntDistribution(int(sweep.start), int(sweep.end), log=log)
+            return FloatDistribution(float(sweep.start), float(sweep.end), log=log)
+    except ValueError as e:
+        raise ConfigError(f"sweep.params.{key}: {value}: {str(e).splitlines()[0]}") from None
     return None
 
 
@@ -164,6 +171,16 @@ def error_line(log_file: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
+def die_with_parent(driver: int) -> None:
+    """In a trial's process, before it starts: the kernel sends it SIGTERM when the sweep driver
+    dies, however it dies (``kill -9`` included), so no trial trains on alone (Linux; elsewhere a
+    no-op). The resumed sweep runs its values again."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != driver:  # the driver died before the request was in place
+            os._exit(1)
+
+
 class TrialFailed(Exception):
     """A trial's run exited with an error or without a finite metric (recorded, the sweep goes on)."""
 
@@ -188,7 +205,8 @@ def objective(space: dict[str, BaseDistribution], overrides: list[str], sweep_di
         cmd = trial_command(overrides, params, run_dir, storage_url(sweep_dir), trial.number)
         try:
             with log_file.open("w") as out:
-                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=partial(die_with_parent, os.getpid())).returncode
         except KeyboardInterrupt:  # Ctrl-C reaches the trial too: run these values again next time
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("error", INTERRUPTED)

@@ -45,9 +45,11 @@ def user_error(e: BaseException) -> AttnlabError | None:
 
 
 @contextmanager
-def exit_on_user_error(discard: Path | None = None) -> Iterator[None]:
+def exit_on_user_error(discard: Path | None = None, console: bool = False) -> Iterator[None]:
     """Turn input errors into one ``error: ...`` line and exit status 2; let bugs raise.
 
+    ``console``: print the line to stderr instead of logging it (the entry points that do not run
+    under Hydra); a Hydra entry point logs it, or prints it where its logging is off.
     ``discard``: a folder made only for this command's results (``attnlab-eval``'s run folder),
     removed after an input error if it holds nothing but Hydra's copy of the config and the log.
     """
@@ -57,9 +59,10 @@ def exit_on_user_error(discard: Path | None = None) -> Iterator[None]:
         err = user_error(e)
         if err is None:
             raise
-        log.error("error: %s", err)
-        if not logging.getLogger().handlers:  # outside Hydra nobody prints log records
+        if console or log.disabled or not log.hasHandlers():  # not logging's last resort: a second copy
             print(f"error: {err}", file=sys.stderr)
+        else:
+            log.error("error: %s", err)
         if discard is not None and discard.is_dir():
             if all(p.name == ".hydra" or p.suffix == ".log" for p in discard.iterdir()):
                 shutil.rmtree(discard)

@@ -92,6 +92,10 @@ def compare(args: argparse.Namespace) -> str:
         out = plot_curves(runs, args.plot, args.out or Path(args.plot.replace("/", "_") + ".png"))
         print(f"plot written to {out}", file=sys.stderr)
     metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
+    logged = sorted({m for r in runs for m in r.curves})
+    for option, names in (("--sort", [args.sort] if args.sort else []), ("--metrics", metrics)):
+        if unknown := [m for m in names if m not in logged]:
+            raise ConfigError(f"{option} {unknown[0]}: no run logged it (logged: {', '.join(logged)})")
     table_rows = rows(runs, metrics, group_seeds=not args.no_group, best=args.best)
     if args.sort:
         sign = 1 if lower_is_better(args.sort) else -1
@@ -101,7 +105,7 @@ def compare(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with exit_on_user_error():
+    with exit_on_user_error(console=True):
         print(compare(args), end="")
 
 

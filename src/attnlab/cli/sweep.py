@@ -15,13 +15,14 @@ from pathlib import Path
 
 import optuna
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
+from attnlab.utils.config import constructor_errors
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 
@@ -63,6 +64,7 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
     cfg = compose_train(args)
     if not cfg.get("sweep"):
         raise ConfigError("no sweep settings: add hparams_search=<name> (one of conf/hparams_search/)")
+    sweep_parts(cfg.sweep)  # a bad search space, sampler or pruner stops here, before the folder is made
     sweep_dir = sweep_dir_of(cfg)
     if (sweep_dir / SAVED).exists():
         raise ConfigError(f"sweep.dir={sweep_dir} already holds a sweep: continue it with resume={sweep_dir}")
@@ -71,12 +73,29 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
     return cfg, args, sweep_dir
 
 
+def sweep_parts(s: DictConfig) -> tuple[dict, list[str], optuna.samplers.BaseSampler | None,
+                                          optuna.pruners.BasePruner | None]:
+    """The search space, fixed overrides, sampler and pruner of the ``sweep`` node, each checked."""
+    if s.direction not in ("minimize", "maximize"):
+        raise ConfigError(f"sweep.direction: expected minimize or maximize, got {s.direction!r}")
+    space, fixed = search_space(s.params)
+    parts = []
+    for name in ("sampler", "pruner"):
+        try:
+            with constructor_errors(f"sweep.{name}"):
+                parts.append(instantiate(s[name]) if s.get(name) else None)
+        except InstantiationException as e:  # a _target_ that does not import, an unknown argument
+            what = str(e).split(", set env var HYDRA_FULL_ERROR")[0].strip().splitlines()[0].rstrip(":")
+            why = f": {str(e.__cause__).strip()}" if e.__cause__ else ""
+            raise ConfigError(f"sweep.{name}: {what}{why}") from None
+    return space, fixed, *parts
+
+
 def sweep(args: list[str]) -> None:
     cfg, overrides, sweep_dir = start(args)
     s = cfg.sweep
-    space, fixed = search_space(s.params)
-    study = open_study(sweep_dir, s.direction, instantiate(s.sampler) if s.get("sampler") else None,
-                       instantiate(s.pruner) if s.get("pruner") else None)
+    space, fixed, sampler, pruner = sweep_parts(s)
+    study = open_study(sweep_dir, s.direction, sampler, pruner)
     study.set_metric_names([cfg.optimized_metric])  # named so in optuna-dashboard
     goal = f"{s.direction} {cfg.optimized_metric}"
     print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(space)}; {goal}")
@@ -92,7 +111,7 @@ def sweep(args: list[str]) -> None:
 
 def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
-    with exit_on_user_error():
+    with exit_on_user_error(console=True):
         sweep(sys.argv[1:])
 
 
