@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_main, write_idx_dataset, write_sst2
+from conftest import run_main, write_sst2
 from test_debug_matrix import tiny_overrides
 
 QUIET = [
@@ -26,6 +26,7 @@ FAMILIES = {
     "vit": "vit_fashion_mnist",
     "clip": "clip_fashion_mnist",
     "bert": "bert_pretrain_sst2",
+    "sst2": "bert_finetune_sst2_scratch",
 }
 
 
@@ -151,11 +152,18 @@ def test_clip_pairs_asks_for_its_pairs_file(tmp_path):
 
 def test_the_right_checkpoint_still_serves_each_cli(runs, tmp_path):
     """The architecture check lets through what each CLI is for."""
-    write_idx_dataset(tmp_path / "unused")
-    status, out = run_main("generate", [f"ckpt_path={runs['gpt']}", "prompt=a", "max_new_tokens=3"])
-    assert status == 0, out[-3000:]
-    status, out = run_main("fill-mask", [f"ckpt_path={runs['bert']}", "text=the [MASK] ."])
-    assert status == 0, out[-3000:]
+    from PIL import Image
+
+    Image.new("L", (28, 28)).save(tmp_path / "x.png")
+    for module, family, args in [
+        ("generate", "gpt", ["prompt=a", "max_new_tokens=3"]),
+        ("fill-mask", "bert", ["text=the [MASK] ."]),
+        ("classify", "sst2", ["text=good"]),
+        ("predict", "vit", [f"image={tmp_path / 'x.png'}"]),
+        ("zeroshot", "clip", [f"image={tmp_path / 'x.png'}", "labels=a,b", "split=null"]),
+    ]:
+        status, out = run_main(module, [f"ckpt_path={runs[family]}", *args])
+        assert status == 0, f"{module}: {out[-3000:]}"
 
 
 # ---- data and values that were accepted silently ---------------------------------------------------
@@ -265,3 +273,70 @@ def test_a_training_set_smaller_than_one_batch_fails_instead_of_testing_an_untra
     )
     assert_refused(status, out, "the training data gives no batch", "data.batch_size=128")
     assert not list(tmp_path.glob("logs/**/test_metrics*")) and "test/acc" not in out
+
+
+# ---- disk faults: the path and the cause in one line, the last good checkpoint kept -------------
+
+GPT_RUN = ["experiment=gpt_pydoc_char", *QUIET, *tiny_overrides("gpt_pydoc_char", Path("."))]
+
+
+def test_an_unwritable_log_directory_is_one_line(tmp_path):
+    (tmp_path / "a_file").touch()
+    status, out = run_main("train", [*GPT_RUN, f"paths.root_dir={tmp_path / 'a_file'}"])
+    assert_refused(
+        status, out, f"cannot write the run folder {tmp_path / 'a_file' / 'logs'}", "Not a directory"
+    )
+
+
+def test_an_unwritable_checkpoint_directory_is_one_line(tmp_path):
+    (tmp_path / "a_file").touch()
+    status, out = run_main(
+        "train",
+        [
+            *GPT_RUN,
+            f"paths.root_dir={tmp_path}",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            f"callbacks.model_checkpoint.dirpath={tmp_path / 'a_file' / 'ckpt'}",
+        ],
+    )
+    assert_refused(status, out, f"cannot write checkpoint {tmp_path / 'a_file' / 'ckpt'}", "Not a directory")
+    assert ".tmp" not in out
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    save, calls = TorchCheckpointIO.save_checkpoint, []
+
+    def fills_up(self, checkpoint, path, storage_options=None):
+        calls.append(path)
+        if len(calls) > 2:  # the step-2 checkpoints (best and last) are written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", fills_up)
+    status, out = run_main(
+        "train",
+        [
+            *GPT_RUN,
+            f"paths.root_dir={tmp_path}",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "task_name=full",
+        ],
+    )
+    assert_refused(status, out, "No space left on device; the checkpoints written before are kept")
+    (last,) = tmp_path.glob("logs/full/runs/*/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    assert not list(last.parent.glob(".*.tmp"))
+
+
+def test_an_unwritable_output_file_is_one_line(runs, tmp_path):
+    (tmp_path / "a_file").touch()
+    out_file = tmp_path / "a_file" / "labels.tsv"
+    status, out = run_main("classify", [f"ckpt_path={runs['sst2']}", "text=good", f"output={out_file}"])
+    assert_refused(status, out, f"output={out_file}: cannot write it (File exists)")  # a file, not a folder

@@ -7,7 +7,7 @@ import re
 import shutil
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +116,15 @@ def free_output(cfg: DictConfig) -> Path | None:
 
 def write_lines(path: Path, lines: list[str]) -> None:
     """One line each, written whole or not at all (through a temporary file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.part")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        with suppress(OSError):
+            tmp.unlink()
+        raise DataError(f"output={path}: cannot write it ({e.strerror or e})") from e
 
 
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -231,16 +232,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Write each checkpoint to a temporary file, then rename it into place.
 
     A run killed mid-write (``kill -9``, out of memory) leaves the previous ``last.ckpt``
-    intact instead of a truncated one, so ``ckpt_path=last`` can always resume.
+    intact instead of a truncated one, so ``ckpt_path=last`` can always resume. A write that
+    fails (a full disk, an unwritable folder) is one ``CheckpointError`` naming the checkpoint
+    and the cause; those written before stay.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             super().save_checkpoint(checkpoint, tmp, storage_options)
             os.replace(tmp, path)
+        except OSError as e:
+            kept = "; the checkpoints written before are kept" if any(path.parent.glob("*.ckpt")) else ""
+            raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # gone, or its folder never made
+                tmp.unlink()
