@@ -95,6 +95,9 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path: Path):
     for key in ("val/loss", "val/loss_best", "test/loss"):
         assert got[key][-1][1] == pytest.approx(want[key][-1][1], rel=1e-5, abs=1e-6), key
     assert got["val/loss"][-1][0] == want["val/loss"][-1][0] == 399  # same final step
+    for key in ("train/loss", "val/loss"):  # the resumed run's CSV holds the whole history, once
+        assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
+        assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], rel=1e-5, abs=1e-6), key
     # the W&B run continues under the same id
     ids = {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("logs/killed/runs/*/wandb/offline-run-*")}
     assert len(ids) == 1

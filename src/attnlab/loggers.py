@@ -1,8 +1,10 @@
-"""Lightning's CSV logger, made to continue a log that another process started."""
+"""Lightning's CSV logger, made to continue a log that another process, or the run a resumed run
+continues, started."""
 
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 from lightning.pytorch import loggers as pl_loggers
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -19,6 +21,10 @@ class ContinuingWriter(ExperimentWriter):
 
     _file_columns_read = False
 
+    def _check_log_dir_exists(self) -> None:
+        """Lightning's deletes a ``metrics.csv`` it finds; every run folder here is new, so one found
+        is this run's own: the history a resumed run carried over (``continue_history``)."""
+
     def _record_new_keys(self) -> set[str]:
         # once per writer: after its first save, this writer is the one that writes the file
         if not self._file_columns_read and self._fs.isfile(self.metrics_file_path):
@@ -27,6 +33,28 @@ class ContinuingWriter(ExperimentWriter):
             self.metrics_keys.extend(k for k in header if k not in self.metrics_keys)
         self._file_columns_read = True
         return super()._record_new_keys()
+
+
+def continue_history(ckpt_path: Path, global_step: int, log_dir: Path) -> int:
+    """Start a resumed run's CSV log with the rows its checkpoint's run logged before it was
+    saved (``step < global_step``), so the run's whole history is in one file; rows logged after
+    the checkpoint are left to the resumed run, which logs them again. Returns the rows copied."""
+    source = ckpt_path.parent.parent / "csv" / "metrics.csv"  # <run>/checkpoints/last.ckpt
+    target = log_dir / "metrics.csv"
+    if not source.is_file() or target.exists():
+        return 0
+    with source.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = [r for r in reader if r.get("step") and int(float(r["step"])) < global_step]
+        columns = reader.fieldnames or []
+    if not rows:
+        return 0
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with target.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
 
 
 class CSVLogger(pl_loggers.CSVLogger):

@@ -22,6 +22,7 @@ from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import DataError
 from attnlab.inference.generation import generate_text
 from attnlab.loggers import CSVLogger as ContinuingCSVLogger
+from attnlab.loggers import continue_history
 from attnlab.sweep import TrialPruning
 from attnlab.utils.checkpoint import (
     AtomicCheckpointIO,
@@ -91,6 +92,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     meta = metadata(ckpt, ckpt_path) if ckpt else {}
     if meta:
         require_same_model(meta, ckpt_path, cfg.model)
+        step = ckpt["global_step"]
+        if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
+            log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
