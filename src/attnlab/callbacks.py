@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.loggers import WandbLogger
@@ -46,6 +48,51 @@ class RunMetadata(L.Callback):
             "machine": self.machine,
             "wandb_run_id": wandb_id,
         }
+
+
+def rng_states() -> dict[str, Any]:
+    """The global generators' states (torch, CUDA, NumPy, Python) as plain tensors and containers,
+    so a checkpoint holding them still loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+class ResumableRandomness(L.Callback):
+    """Keep the global generators' states in every checkpoint and restore them when a run
+    resumes, as training starts: dropout, drop-path, crops, flips, erasing, mixup and masking then
+    draw what the uninterrupted run drew. In one process; under several only rank 0's states would
+    be saved, so each rank keeps its seeded generators there."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_states"] = rng_states()
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self.pending = checkpoint.get("rng_states")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.pending is not None and trainer.world_size == 1:
+            set_rng_states(self.pending)
+        self.pending = None
 
 
 class MetricsPrinter(L.Callback):

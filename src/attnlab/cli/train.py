@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.tensorboard.summary import hparams
 
-from attnlab.callbacks import RunMetadata
+from attnlab.callbacks import ResumableRandomness, RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import DataError
@@ -132,6 +132,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
              machine["cpu_native_bf16"], machine["gpus"] or "none")
     callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
+    callbacks.append(ResumableRandomness())
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
         pruner = (cfg.get("sweep") or {}).get("pruner")
         callbacks.append(TrialPruning(cfg.sweep_trial.storage, cfg.sweep_trial.number, cfg.optimized_metric,

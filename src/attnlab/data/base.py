@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from attnlab.data.sampling import ResumableSampler
+
 
 class DataModule(L.LightningDataModule):
     """A LightningDataModule that can describe and rebuild its data side.
@@ -19,7 +21,21 @@ class DataModule(L.LightningDataModule):
       as JSON-able values (a tokenizer for text; class names, image size and normalisation for
       images; both for image-text). Stored in every checkpoint.
     - ``load_artifacts(artifacts)``: use them instead of fitting anew (resuming, eval, inference).
+
+    The training batches consumed travel in the checkpoint (``state_dict``), so a resumed run's
+    training loader can continue with the batch the interrupted run would have seen next
+    (``train_batches_consumed``).
     """
+
+    train_batches_consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        trainer = self.trainer
+        consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+        return {"train_batches_consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.train_batches_consumed = int(state.get("train_batches_consumed", 0))
 
     def model_kwargs(self) -> dict[str, Any]:
         return {}
@@ -29,6 +45,14 @@ class DataModule(L.LightningDataModule):
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         pass
+
+    def train_sampler(self, n: int, batch_size: int, seed: int) -> ResumableSampler:
+        """The training order of ``n`` examples on this process, starting after the batches a
+        resumed run's checkpoint had consumed."""
+        rank, world = self.rank_world()
+        sampler = ResumableSampler(n, seed, world, rank)
+        sampler.resume(self.train_batches_consumed, batch_size)
+        return sampler
 
     def rank_world(self) -> tuple[int, int]:
         """This process's rank and the number of processes (the trainer's, else torch.distributed's),

@@ -341,8 +341,8 @@ class ImageTextDataModule(DataModule):
         return self.normalize(images), tokens, labels
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return image_loader(self.splits[split], self.batch_size, shuffle, self.seed, self.num_workers,
-                            collate_fn=self.collate)
+        sampler = self.train_sampler(len(self.splits[split]), self.batch_size, self.seed) if shuffle else None
+        return image_loader(self.splits[split], self.batch_size, self.num_workers, sampler, self.collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

@@ -56,6 +56,7 @@ class TokenBatchSampler(DistributedSampler):
                          seed=seed)
         self.lengths, self.max_tokens = lengths, max_tokens
         self._cache: tuple[int, list[list[int]]] | None = None
+        self._start: dict[int, int] = {}  # epoch -> its batches already seen (a resumed run)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -97,8 +98,23 @@ class TokenBatchSampler(DistributedSampler):
         self._cache = (self.epoch, shard)
         return shard
 
+    def resume(self, batches_consumed: int) -> None:
+        """Start after ``batches_consumed`` batches of this process, counted from epoch 0 (epochs
+        differ in their number of batches), so a resumed run sees the batches the uninterrupted
+        one would have."""
+        current, epoch, left = self.epoch, 0, batches_consumed
+        while left:
+            self.epoch = epoch
+            n = len(self._shard())
+            if n == 0 or left < n:
+                break
+            epoch, left = epoch + 1, left - n
+        self.epoch, self._start = current, ({epoch: left} if left else {})
+
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._shard())
+        # a generator: the epoch is read at the first batch, after Lightning's set_epoch (a resumed
+        # run's loader makes its iterator, and with batch_size=None calls this, before that)
+        yield from self._shard()[self._start.pop(self.epoch, 0) :]
 
     def batch(self, k: int) -> list[int]:
         """This process's ``k``-th batch of the current epoch."""

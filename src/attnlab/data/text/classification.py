@@ -132,8 +132,11 @@ class LabelledTextDataModule(DataModule):
         rank, world = self.rank_world()
         lengths = [len(it[0]) for it in items]
         sampler = TokenBatchSampler(lengths, self.max_tokens, shuffle, self.seed, world, rank)
+        if shuffle:
+            sampler.resume(self.train_batches_consumed)
         return DataLoader(PairBatches(partial(collate, items), sampler), sampler=sampler, batch_size=None,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

@@ -120,7 +120,6 @@ class TextDataModule(DataModule):
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
         self.train_tokens: Tensor | None = None
         self.val_tokens: Tensor | None = None
-        self._train_start = 0
 
     @property
     def vocab_size(self) -> int:
@@ -173,10 +172,10 @@ class TextDataModule(DataModule):
 
     def train_dataloader(self) -> DataLoader:
         ds = RandomWindows(self.train_tokens, self.block_size, self.batch_size, self.seed)
-        ds.start = self._train_start
+        ds.start = self.train_batches_consumed
         return DataLoader(
             ds, batch_size=None, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -212,13 +211,3 @@ class TextDataModule(DataModule):
         y = y.masked_fill(target_pos < scored_until[:, None], -100)
         n = self.batch_size * 4
         return DataLoader(list(zip(x.split(n), y.split(n), strict=True)), batch_size=None)
-
-    # The position in the training stream travels in the checkpoint, so a resumed run continues
-    # with the batch the interrupted one would have seen next.
-    def state_dict(self) -> dict[str, int]:
-        trainer = self.trainer
-        consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
-        return {"train_batches_consumed": consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._train_start = int(state.get("train_batches_consumed", 0))

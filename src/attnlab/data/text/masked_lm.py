@@ -227,8 +227,11 @@ class MaskedLMDataModule(DataModule):
     def _loader(self, pairs: SegmentPairs, shuffle: bool) -> DataLoader:
         rank, world = self.rank_world()
         sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, shuffle, self.seed, world, rank)
+        if shuffle:
+            sampler.resume(self.train_batches_consumed)
         return DataLoader(PairBatches(pairs, sampler), sampler=sampler, batch_size=None,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size,

@@ -295,10 +295,13 @@ class TranslationDataModule(DataModule):
         rank, world = self.rank_world()
         sampler = TokenBatchSampler(lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world,
                                     rank=rank)
+        if shuffle:
+            sampler.resume(self.train_batches_consumed)
         tok = self.tokenizer
         return DataLoader(
             PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler=sampler,
             batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),  # seeds workers: nothing drawn globally
         )
 
     def train_dataloader(self) -> DataLoader:

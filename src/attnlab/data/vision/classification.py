@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from attnlab.data.base import DataModule
+from attnlab.data.sampling import ResumableSampler
 from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset, load_image_folder
 from attnlab.errors import ConfigError
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -60,15 +61,17 @@ def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
     return (images.float() / 255 - m) / s
 
 
-def image_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int,
+def image_loader(dataset: Dataset, batch_size: int, num_workers: int, sampler: ResumableSampler | None = None,
                  collate_fn: Any = None) -> DataLoader:
-    """Batches of a split; training (``shuffle``) drops the last partial batch, seeded order."""
+    """Batches of a split, in order; or, for training, in ``sampler``'s order with the last
+    partial batch dropped. The loader's own generator seeds its workers, so starting one draws
+    nothing from the global generator (which a resumed run restores)."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=shuffle,
-        generator=torch.Generator().manual_seed(seed) if shuffle else None,
+        sampler=sampler,
+        drop_last=sampler is not None,
+        generator=torch.Generator().manual_seed(sampler.seed if sampler else 0),
         collate_fn=collate_fn,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
@@ -286,14 +289,12 @@ class ImageClassificationDataModule(DataModule):
                 x, labels = self.mixup(x, labels)  # labels become (B, num_classes) mixtures
         return x, labels
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return image_loader(self.splits[split], self.batch_size, shuffle, self.seed, self.num_workers)
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
+        return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return image_loader(self.splits["val"], self.batch_size, self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return image_loader(self.splits["test"], self.batch_size, self.num_workers)

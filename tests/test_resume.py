@@ -1,0 +1,47 @@
+"""A run resumed from a checkpoint part-way through an epoch ends exactly where the uninterrupted
+run ends: the same batches, the same random draws (dropout, crops, mixup, masking), the same
+averaged weights, and one CSV history.
+
+Each family trains its tiny configuration for 60 steps, keeping every validation's checkpoint;
+a second run resumes from the one at step 15 (part-way through an epoch) and must log the same
+curves and test metrics as the first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, run_main
+from test_debug_matrix import tiny_overrides
+
+QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
+         "trainer.enable_progress_bar=false", "logger=csv"]
+FAMILIES = ["gpt_pydoc_char", "vit_fashion_mnist", "clip_fashion_mnist", "bert_pretrain_sst2",
+            "bert_finetune_sst2_scratch", "nmt_synthetic"]
+
+
+def train(experiment: str, tmp: Path, *extra: str) -> Path:
+    status, out = run_main("train", [
+        f"experiment={experiment}", "task_name=resume", f"paths.root_dir={tmp}", *QUIET,
+        *tiny_overrides(experiment, tmp / "data"), "trainer.max_steps=60", "trainer.val_check_interval=15",
+        "trainer.check_val_every_n_epoch=null", "callbacks.model_checkpoint.save_top_k=-1",
+        "callbacks.model_checkpoint.monitor=step", "callbacks.model_checkpoint.mode=max", "test=true",
+        *extra])
+    assert status == 0, out[-3000:]
+    return sorted((tmp / "logs" / "resume" / "runs").iterdir())[-1]
+
+
+@pytest.mark.parametrize("experiment", FAMILIES)
+def test_resuming_mid_epoch_ends_where_the_uninterrupted_run_ends(experiment, tmp_path):
+    full = train(experiment, tmp_path)
+    (mid,) = (full / "checkpoints").glob("step_000015.ckpt")
+    resumed = train(experiment, tmp_path, f"ckpt_path={mid}")
+    want, got = read_metrics(full), read_metrics(resumed)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        if key.startswith(("train/", "val/", "test/")) and not key.endswith("_step_time"):
+            assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
+            values = [v for _, v in want[key]]
+            assert [v for _, v in got[key]] == pytest.approx(values, rel=1e-4, abs=1e-5), key
