@@ -6,6 +6,7 @@ import contextlib
 import csv
 import importlib
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def run_main(module: str, argv: list[str]) -> tuple[int, str]:
     # what an entry point may change for its process: restored for the tests that follow
     saved_argv, environ = sys.argv, dict(os.environ)
     grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+    loggers = saved_loggers()  # Hydra's logging configs replace handlers and disable loggers
     sys.argv = [f"attnlab-{module}", *argv]
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -87,7 +89,20 @@ def run_main(module: str, argv: list[str]) -> tuple[int, str]:
         os.environ.update(environ)
         torch.set_grad_enabled(grad)
         torch.set_num_threads(threads)
+        restore_loggers(loggers)
     return status, printed.getvalue()
+
+
+def saved_loggers() -> dict[logging.Logger, tuple]:
+    every = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                    if isinstance(lg, logging.Logger))]
+    return {lg: (lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in every}
+
+
+def restore_loggers(saved: dict[logging.Logger, tuple]) -> None:
+    for lg in saved_loggers():
+        lg.disabled, level, lg.handlers, lg.propagate = saved.get(lg, (False, logging.NOTSET, [], True))
+        lg.setLevel(level)
 
 
 def run_dirs(cwd: Path, task_name: str) -> list[Path]:
@@ -213,7 +228,9 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
         data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
     else:
         data = write_idx_dataset(tmp / "idx")
-    out = [f"data.data_dir={data}", "data.batch_size=8", "data.val_size=10", "model.plot_images=0"]
+    # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
+    batch = 4 if "cifar" in experiment else 8
+    out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
     kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if kind == "deit":

@@ -2,9 +2,9 @@
 run ends: the same batches, the same random draws (dropout, crops, mixup, masking), the same
 averaged weights, and one CSV history.
 
-Each family trains its tiny configuration for 60 steps, keeping every validation's checkpoint;
-a second run resumes from the one at step 15 (part-way through an epoch) and must log the same
-curves and test metrics as the first.
+Each family (and the ViT with RandAugment in two loader workers) trains its tiny configuration
+for 60 steps, keeping every validation's checkpoint; a second run resumes from the one at step 15
+(part-way through an epoch) and must log the same curves and test metrics as the first.
 """
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ def train(experiment: str, tmp: Path, *extra: str) -> Path:
     return sorted((tmp / "logs" / "resume" / "runs").iterdir())[-1]
 
 
-@pytest.mark.parametrize("experiment", FAMILIES)
-def test_resuming_mid_epoch_ends_where_the_uninterrupted_run_ends(experiment, tmp_path):
-    full = train(experiment, tmp_path)
+# per-image RandAugment in two loader workers: the draws are seeded per (epoch, image), not by
+# how far each worker had got
+WORKERS = ["data.rand_augment=rand-m9-mstd0.5-inc1", "data.num_workers=2"]
+
+
+CASES = [*((e, []) for e in FAMILIES), ("vit_fashion_mnist", WORKERS)]
+
+
+@pytest.mark.parametrize(("experiment", "extra"), CASES)
+def test_resuming_mid_epoch_ends_where_the_uninterrupted_run_ends(experiment, extra, tmp_path):
+    full = train(experiment, tmp_path, *extra)
     (mid,) = (full / "checkpoints").glob("step_000015.ckpt")
-    resumed = train(experiment, tmp_path, f"ckpt_path={mid}")
+    resumed = train(experiment, tmp_path, *extra, f"ckpt_path={mid}")
     want, got = read_metrics(full), read_metrics(resumed)
     assert sorted(got) == sorted(want)
     for key in want:

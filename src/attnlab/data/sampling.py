@@ -1,15 +1,50 @@
-"""The training order of map-style datasets, resumable part-way through an epoch."""
+"""The training order of map-style datasets, resumable part-way through an epoch, and the seeds
+of the random draws made per example (augmentation), so a resumed run replays them too."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 
+import numpy as np
+import torch
 from torch.utils.data import DistributedSampler
+
+Key = tuple[int, int]  # (epoch, index): what ResumableSampler yields
+
+
+def example_seed(seed: int, key: int | Key) -> int | None:
+    """The seed of an example's random draws in a training epoch: a function of ``(seed, epoch,
+    index)``, so it does not depend on which loader worker reads the example, nor on how many
+    examples that worker read before (a resumed run's workers start afresh). ``None`` for a plain
+    index (evaluation, which draws nothing)."""
+    if isinstance(key, int):
+        return None
+    epoch, index = key
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63
+
+
+@contextmanager
+def seeded_globals(seed: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators seeded for a block, then put back as they
+    were: for library transforms (timm's RandAugment) that draw from the global generators."""
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 class ResumableSampler(DistributedSampler):
     """A permutation per epoch seeded by ``(seed, epoch)`` (``DistributedSampler``'s), shared out
-    between ``num_replicas`` processes, that can start part-way through an epoch.
+    between ``num_replicas`` processes, that can start part-way through an epoch. It yields
+    ``(epoch, index)`` keys: datasets seed their per-example draws from them (``example_seed``).
 
     ``resume(batches_consumed, batch_size)`` with what a checkpoint's run had consumed makes the
     epoch it was in start at the next batch, so a resumed run sees exactly the batches the
@@ -28,9 +63,13 @@ class ResumableSampler(DistributedSampler):
         per_epoch = len(self) // batch_size
         if per_epoch and batches_consumed:
             epoch, done = divmod(batches_consumed, per_epoch)
+            # the epoch is set here too: a loader with workers draws its first indices when its
+            # iterator is made, which a resumed run does before Lightning's set_epoch
+            self.set_epoch(epoch)
             self._start = {epoch: done * batch_size}
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Key]:
         # a generator: the epoch is read at the first index, after Lightning's set_epoch
         order = list(super().__iter__())
-        yield from order[self._start.pop(self.epoch, 0) :]
+        epoch = self.epoch
+        yield from ((epoch, i) for i in order[self._start.pop(epoch, 0) :])

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal import captions as cap
+from attnlab.data.sampling import Key, example_seed
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
 from attnlab.data.vision.datasets import load_idx_dataset
@@ -35,28 +36,27 @@ class GeneratedCaptions(Dataset):
     eval_template = "this {c} is {brightness}, {size} and {width}"
 
     def __init__(
-        self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], train: bool
+        self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], train: bool, seed: int = 0
     ) -> None:
-        self.images, self.labels, self.levels, self.phrases, self.train = (
-            images,
-            labels,
-            levels,
-            phrases,
-            train,
-        )
+        self.images, self.labels, self.levels, self.phrases = images, labels, levels, phrases
+        self.train, self.seed = train, seed
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def caption(self, i: int) -> str:
-        if self.train:
-            template = cap.TRAIN_TEMPLATES[int(torch.randint(len(cap.TRAIN_TEMPLATES), ()))]
+    def caption(self, key: int | Key) -> str:
+        i = key if isinstance(key, int) else key[1]
+        seed = example_seed(self.seed, key)
+        if self.train:  # seeded by the sampler's (epoch, index): a resumed run draws the same
+            g = torch.Generator().manual_seed(seed) if seed is not None else None
+            template = cap.TRAIN_TEMPLATES[int(torch.randint(len(cap.TRAIN_TEMPLATES), (), generator=g))]
         else:
             template = self.eval_template
         return cap.caption(self.phrases[self.labels[i]], self.levels[i].tolist(), template)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, str, int]:
-        return self.images[i], self.caption(i), int(self.labels[i])
+    def __getitem__(self, key: int | Key) -> tuple[Tensor, str, int]:
+        i = key if isinstance(key, int) else key[1]
+        return self.images[i], self.caption(key), int(self.labels[i])
 
 
 class CaptionedFiles(Dataset):
@@ -71,7 +71,8 @@ class CaptionedFiles(Dataset):
     def caption(self, i: int) -> str:
         return self.captions[i]
 
-    def __getitem__(self, i: int) -> tuple[Tensor, str, int]:
+    def __getitem__(self, key: int | Key) -> tuple[Tensor, str, int]:
+        i = key if isinstance(key, int) else key[1]  # a training draw's (epoch, index): nothing random here
         with Image.open(self.paths[i]) as im:
             image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
         image = TF.resize(image, self.img_size, antialias=True)
@@ -269,7 +270,8 @@ class ImageTextDataModule(DataModule):
         test_levels = cap.attribute_levels(cap.measure(data.test_images), data.test_labels, cuts)
         images, labels = data.train_images, data.train_labels
         self.splits = {
-            "train": GeneratedCaptions(images[train], labels[train], levels[train], self.classes, train=True),
+            "train": GeneratedCaptions(images[train], labels[train], levels[train], self.classes, train=True,
+                                       seed=self.seed),
             "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes, train=False),
             "test": GeneratedCaptions(
                 data.test_images, data.test_labels, test_levels, self.classes, train=False

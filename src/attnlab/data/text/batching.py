@@ -102,14 +102,16 @@ class TokenBatchSampler(DistributedSampler):
         """Start after ``batches_consumed`` batches of this process, counted from epoch 0 (epochs
         differ in their number of batches), so a resumed run sees the batches the uninterrupted
         one would have."""
-        current, epoch, left = self.epoch, 0, batches_consumed
+        epoch, left = 0, batches_consumed
         while left:
             self.epoch = epoch
             n = len(self._shard())
             if n == 0 or left < n:
                 break
             epoch, left = epoch + 1, left - n
-        self.epoch, self._start = current, ({epoch: left} if left else {})
+        # the epoch stays set: a loader with workers draws its first batches when its iterator is
+        # made, which a resumed run does before Lightning's set_epoch
+        self.epoch, self._start = epoch, ({epoch: left} if left else {})
 
     def __iter__(self) -> Iterator[list[int]]:
         # a generator: the epoch is read at the first batch, after Lightning's set_epoch (a resumed

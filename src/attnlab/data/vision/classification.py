@@ -4,6 +4,7 @@ carved from the training set, timm's augmentation per image and mixup/cutmix per
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from attnlab.data.base import DataModule
-from attnlab.data.sampling import ResumableSampler
+from attnlab.data.sampling import Key, ResumableSampler, example_seed, seeded_globals
 from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset, load_image_folder
 from attnlab.errors import ConfigError
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -97,17 +98,23 @@ def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
 
 
 class LabelledImages(Dataset):
-    """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform."""
+    """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform,
+    whose random draws are seeded by the sampler's ``(epoch, index)`` key (``seed``: the run's)."""
 
-    def __init__(self, images: Tensor, labels: Tensor, transform: Any = None) -> None:
-        self.images, self.labels, self.transform = images, labels, transform
+    def __init__(self, images: Tensor, labels: Tensor, transform: Any = None, seed: int = 0) -> None:
+        self.images, self.labels, self.transform, self.seed = images, labels, transform, seed
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, key: int | Key) -> tuple[Tensor, Tensor]:
+        i = key if isinstance(key, int) else key[1]
         x = self.images[i]
-        return (self.transform(x) if self.transform else x), self.labels[i]
+        if self.transform is None:
+            return x, self.labels[i]
+        seed = example_seed(self.seed, key)
+        with seeded_globals(seed) if seed is not None else nullcontext():
+            return self.transform(x), self.labels[i]
 
 
 class ImageClassificationDataModule(DataModule):
@@ -241,7 +248,7 @@ class ImageClassificationDataModule(DataModule):
         if self.mean is None:
             self.mean, self.std = channel_stats(images[train])
         self.splits["train"] = LabelledImages(images[train], labels[train])
-        self.splits["train"].transform = self._train_transform()
+        self.splits["train"].transform, self.splits["train"].seed = self._train_transform(), self.seed
         self.splits["val"] = LabelledImages(images[val], labels[val])
         if data.test_images is not None:
             self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
