@@ -35,6 +35,19 @@ TINY = [
 ]
 
 
+# the console quiet and the log a CSV file: runs whose output tests read, not people
+QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
+         "trainer.enable_progress_bar=false", "logger=csv"]
+
+
+def blank_image(path: Path) -> Path:
+    """A black 28x28 grayscale PNG: an image file for the image CLIs."""
+    from PIL import Image
+
+    Image.new("L", (28, 28)).save(path)
+    return path
+
+
 def tiny(*overrides: str) -> list[str]:
     """TINY with ``overrides`` replacing entries for the same keys."""
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import load_checkpoint
-from conftest import run_main, write_idx_dataset, write_sst2
+from conftest import blank_image, run_main, write_idx_dataset, write_sst2
 
 MARKER = "pwned"
 
@@ -57,11 +57,7 @@ def planted(tmp_path: Path) -> dict[str, Path]:
 def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
     """Every way a user hands a checkpoint to attnlab."""
     idx = write_idx_dataset(tmp / "idx")
-    image = tmp / "shoe.png"
-    if not image.exists():
-        from PIL import Image
-
-        Image.new("L", (28, 28)).save(image)
+    image = blank_image(tmp / "shoe.png")
     return {
         "train ckpt_path": ("train", [f"ckpt_path={ckpt}"]),
         "DeiT teacher": (

@@ -11,16 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_main, write_sst2
+from conftest import QUIET, blank_image, run_main, write_sst2
 from test_debug_matrix import tiny_overrides
 
-QUIET = [
-    "extras.print_config=false",
-    "~callbacks.rich_progress_bar",
-    "~callbacks.model_summary",
-    "trainer.enable_progress_bar=false",
-    "logger=csv",
-]
 FAMILIES = {
     "gpt": "gpt_pydoc_char",
     "vit": "vit_fashion_mnist",
@@ -64,10 +57,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", ["clip", "bert", "gpt"])
 def test_predict_refuses_a_checkpoint_that_is_not_an_image_classifier(runs, family, tmp_path):
-    from PIL import Image
-
-    Image.new("L", (28, 28)).save(tmp_path / "shoe.png")
-    status, out = run_main("predict", [f"ckpt_path={runs[family]}", f"image={tmp_path / 'shoe.png'}"])
+    image = blank_image(tmp_path / "shoe.png")
+    status, out = run_main("predict", [f"ckpt_path={runs[family]}", f"image={image}"])
     assert_refused(status, out, str(runs[family]), "attnlab-predict needs an image classifier")
 
 
@@ -83,10 +74,7 @@ def test_predict_refuses_a_checkpoint_that_is_not_an_image_classifier(runs, fami
 )
 def test_each_inference_cli_names_the_architecture_it_needs(runs, module, args, family, tmp_path):
     if module == "zeroshot":
-        from PIL import Image
-
-        Image.new("L", (28, 28)).save(tmp_path / "x.png")
-        args = [*args, f"image={tmp_path / 'x.png'}"]
+        args = [*args, f"image={blank_image(tmp_path / 'x.png')}"]
     status, out = run_main(module, [f"ckpt_path={runs[family]}", *args])
     assert_refused(status, out, f"attnlab-{module} needs", "holds a")
 
@@ -126,9 +114,7 @@ def test_fine_tuning_bert_from_a_gpt_checkpoint_is_refused(runs, tmp_path):
 )
 def test_every_inference_cli_asks_for_ckpt_path(module, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    from PIL import Image
-
-    Image.new("L", (28, 28)).save(tmp_path / "x.png")
+    blank_image(tmp_path / "x.png")
     args = {
         "translate": ["text=Hallo"],
         "predict": ["image=x.png"],
@@ -152,9 +138,7 @@ def test_clip_pairs_asks_for_its_pairs_file(tmp_path):
 
 def test_the_right_checkpoint_still_serves_each_cli(runs, tmp_path):
     """The architecture check lets through what each CLI is for."""
-    from PIL import Image
-
-    Image.new("L", (28, 28)).save(tmp_path / "x.png")
+    blank_image(tmp_path / "x.png")
     for module, family, args in [
         ("generate", "gpt", ["prompt=a", "max_new_tokens=3"]),
         ("fill-mask", "bert", ["text=the [MASK] ."]),
@@ -190,42 +174,24 @@ def test_classify_refuses_empty_text(runs):
     assert_refused(status, out, "text='' is empty")
 
 
-def test_a_stray_label_in_sst2_is_refused_with_its_line(tmp_path):
+def fine_tune_with_label(tmp_path: Path, row: int, label: int, *extra: str) -> tuple[int, str]:
+    """Fine-tune on the SST-2 lookalike with training row ``row`` (0: the header) labelled ``label``."""
     tiny = tiny_overrides("bert_finetune_sst2_scratch", tmp_path)  # writes the SST-2 lookalike
-    sst2 = tmp_path / "sst2"
-    rows = (sst2 / "alps_train.tsv").read_text().splitlines()
-    rows[5] = rows[5].rsplit("\t", 1)[0] + "\t2"
-    (sst2 / "alps_train.tsv").write_text("\n".join(rows) + "\n")
-    status, out = run_main(
-        "train",
-        [
-            "experiment=bert_finetune_sst2_scratch",
-            f"paths.root_dir={tmp_path}",
-            *QUIET,
-            *tiny[1:],
-            f"data.data_dir={sst2}",
-        ],
-    )
+    train_file = tmp_path / "sst2" / "alps_train.tsv"
+    rows = train_file.read_text().splitlines()
+    rows[row] = rows[row].rsplit("\t", 1)[0] + f"\t{label}"
+    train_file.write_text("\n".join(rows) + "\n")
+    return run_main("train", ["experiment=bert_finetune_sst2_scratch", f"paths.root_dir={tmp_path}", *QUIET,
+                              *tiny[1:], f"data.data_dir={train_file.parent}", *extra])
+
+
+def test_a_stray_label_in_sst2_is_refused_with_its_line(tmp_path):
+    status, out = fine_tune_with_label(tmp_path, 5, 2)
     assert_refused(status, out, "alps_train.tsv:6: label 2 is outside the 2 classes")
 
 
 def test_a_label_gap_in_a_tsv_without_class_names_is_refused(tmp_path):
-    tiny = tiny_overrides("bert_finetune_sst2_scratch", tmp_path)  # writes the SST-2 lookalike
-    sst2 = tmp_path / "sst2"
-    rows = (sst2 / "alps_train.tsv").read_text().splitlines()
-    rows[3] = rows[3].rsplit("\t", 1)[0] + "\t5"
-    (sst2 / "alps_train.tsv").write_text("\n".join(rows) + "\n")
-    status, out = run_main(
-        "train",
-        [
-            "experiment=bert_finetune_sst2_scratch",
-            f"paths.root_dir={tmp_path}",
-            *QUIET,
-            *tiny[1:],
-            f"data.data_dir={sst2}",
-            "data.class_names=null",
-        ],
-    )
+    status, out = fine_tune_with_label(tmp_path, 3, 5, "data.class_names=null")
     assert_refused(status, out, "leave out [2, 3, 4]", "line 4: 5")
 
 

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_main
+from conftest import QUIET, read_metrics, run_main
 from test_debug_matrix import tiny_overrides
 
-QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
-         "trainer.enable_progress_bar=false", "logger=csv"]
 FAMILIES = ["gpt_pydoc_char", "vit_fashion_mnist", "clip_fashion_mnist", "bert_pretrain_sst2",
             "bert_finetune_sst2_scratch", "nmt_synthetic"]
 

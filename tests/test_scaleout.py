@@ -22,13 +22,11 @@ from omegaconf import OmegaConf
 
 from attnlab.cli.sweep import compose_train
 from attnlab.utils.config import fill_missing
-from conftest import ROOT, assert_ok, cli_env, run_cli
+from conftest import QUIET, ROOT, assert_ok, cli_env, run_cli
 from scaleout_worker import fit_fixed
 from test_debug_matrix import EXPERIMENTS, tiny_overrides
 
 STRATEGIES = ("ddp_cpu", "fsdp2")
-QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
-         "trainer.enable_progress_bar=false", "logger=csv"]
 # One experiment per architecture, trained on fixed batches; no dropout, so that one process and
 # two compute the same function. Patch stems: the conv stem's BatchNorm normalises each
 # process's half batch by its own statistics.
