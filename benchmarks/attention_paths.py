@@ -50,8 +50,10 @@ def main() -> None:
                 math = time_path(shape, "math", causal, bf16, args.iters)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     auto = "math" if _use_math(torch.empty(0), "auto", False) else "sdpa"
-                print(f"{'bf16' if bf16 else 'fp32'} {name} causal={causal!s:5}: sdpa {sdpa:7.2f} ms, "
-                      f"math {math:7.2f} ms, sdpa/math {sdpa / math:4.2f}; auto picks {auto}")
+                print(
+                    f"{'bf16' if bf16 else 'fp32'} {name} causal={causal!s:5}: sdpa {sdpa:7.2f} ms, "
+                    f"math {math:7.2f} ms, sdpa/math {sdpa / math:4.2f}; auto picks {auto}"
+                )
 
 
 if __name__ == "__main__":

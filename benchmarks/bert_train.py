@@ -38,8 +38,9 @@ class TorchEncoderClassifier(nn.Module):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
         self.segments, self.norm = nn.Embedding(2, dim), nn.LayerNorm(dim, eps=1e-12)
-        layer = nn.TransformerEncoderLayer(dim, n_head, mlp_dim, dropout=0.1, activation="gelu",
-                                           layer_norm_eps=1e-12, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, n_head, mlp_dim, dropout=0.1, activation="gelu", layer_norm_eps=1e-12, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.pooler, self.head, self.drop = nn.Linear(dim, dim), nn.Linear(dim, 2), nn.Dropout(0.1)
 
@@ -80,8 +81,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--bf16", action="store_true",
-                   help="measure bf16 also on a CPU without native bf16 (it crawls)")
+    p.add_argument(
+        "--bf16", action="store_true", help="measure bf16 also on a CPU without native bf16 (it crawls)"
+    )
     args = p.parse_args()
     precisions = [False]
     if args.bf16 or native_bf16_cpu():
@@ -89,15 +91,19 @@ def main() -> None:
     else:
         print(f"{cpu_model()} has no native bf16: fp32 only (--bf16 to measure it anyway)")
     torch.set_float32_matmul_precision("high")
-    print(f"training tokens/s, BERT-Mini shape, batch {args.batch} sentences of 8-64 tokens, "
-          f"{args.steps} steps, {torch.get_num_threads()} threads, {cpu_model()}")
+    print(
+        f"training tokens/s, BERT-Mini shape, batch {args.batch} sentences of 8-64 tokens, "
+        f"{args.steps} steps, {torch.get_num_threads()} threads, {cpu_model()}"
+    )
     print(f"{'precision':<10} {'attnlab':>9} {'torch':>9} {'ratio':>7} {'goal':>6}")
     for bf16 in precisions:
         ours = tokens_per_s(BertSequenceClassifier(Bert(VOCAB, 0, **SHAPE), 2), bf16, args.batch, args.steps)
         ref = tokens_per_s(TorchEncoderClassifier(VOCAB, **SHAPE), bf16, args.batch, args.steps)
         verdict = "ok" if ours / ref >= 1.0 else "MISSED"
-        print(f"{'bf16-mixed' if bf16 else '32-true':<10} {ours:9.0f} {ref:9.0f} {ours / ref:7.2f} "
-              f"{1.0:5.1f}x {verdict}")
+        print(
+            f"{'bf16-mixed' if bf16 else '32-true':<10} {ours:9.0f} {ref:9.0f} {ours / ref:7.2f} "
+            f"{1.0:5.1f}x {verdict}"
+        )
 
 
 if __name__ == "__main__":

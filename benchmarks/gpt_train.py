@@ -51,9 +51,15 @@ def attnlab_ms(cfg, precision: str, steps: int, warmup: int) -> float:
     model = instantiate(cfg.model)
     timer = StepTimer()
     trainer = instantiate(
-        cfg.trainer, precision=precision, max_steps=steps + warmup, limit_val_batches=0,
-        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(cfg.paths.output_dir),
+        cfg.trainer,
+        precision=precision,
+        max_steps=steps + warmup,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=L.pytorch.loggers.CSVLogger(cfg.paths.output_dir),
         callbacks=[timer],
     )
     trainer.fit(model, datamodule=dm)
@@ -70,8 +76,12 @@ def plain_loop_ms(cfg, precision: str, steps: int, warmup: int) -> float:
     net = instantiate(cfg.model.net)
     decay = [p for p in net.parameters() if p.dim() >= 2]
     other = [p for p in net.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99), fused=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        fused=True,
+    )
     data, t, b = dm.train_tokens, dm.block_size, dm.batch_size
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     times = []
@@ -96,8 +106,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--data-dir", default=None, help="tinyshakespeare dir; default: pydoc corpus")
-    parser.add_argument("--bf16", action="store_true",
-                        help="measure bf16-mixed also on a CPU without native bf16 (it crawls there)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="measure bf16-mixed also on a CPU without native bf16 (it crawls there)",
+    )
     args = parser.parse_args()
     precisions = ["32-true"]
     if args.bf16 or native_bf16_cpu():
@@ -112,8 +125,10 @@ def main() -> None:
             ref = plain_loop_ms(cfg.copy(), precision, args.steps, args.warmup)
             ours = attnlab_ms(cfg.copy(), precision, args.steps, args.warmup)
             rows.append((precision, ours, ref))
-    print(f"\nGPT (gpt_shakespeare_char config), median ms per training iteration, "
-          f"{args.steps} steps, {torch.get_num_threads()} threads")
+    print(
+        f"\nGPT (gpt_shakespeare_char config), median ms per training iteration, "
+        f"{args.steps} steps, {torch.get_num_threads()} threads"
+    )
     print(f"{'precision':<12}{'attnlab':>10}{'plain loop':>12}{'ratio':>8}{'goal':>8}")
     for precision, ours, ref in rows:
         mark = "ok" if ours / ref <= goal else "MISSED"

@@ -44,8 +44,9 @@ class TorchTransformer(nn.Module):
         self.emb = nn.Embedding(SIZE["vocab"], d)
         self.pos = SinusoidalPositions(d, 256)
         self.drop = nn.Dropout(SIZE["dropout"])
-        self.core = nn.Transformer(d, SIZE["n_head"], SIZE["layers"], SIZE["layers"], SIZE["d_ff"],
-                                   SIZE["dropout"], batch_first=True)
+        self.core = nn.Transformer(
+            d, SIZE["n_head"], SIZE["layers"], SIZE["layers"], SIZE["d_ff"], SIZE["dropout"], batch_first=True
+        )
         self.out = nn.Linear(d, SIZE["vocab"], bias=False)
         self.out.weight = self.emb.weight
 
@@ -58,12 +59,21 @@ class TorchTransformer(nn.Module):
 
 
 def ours() -> nn.Module:
-    return Transformer(SIZE["vocab"], 0, SIZE["d_model"], SIZE["n_head"], SIZE["layers"], SIZE["layers"],
-                       SIZE["d_ff"], SIZE["dropout"])
+    return Transformer(
+        SIZE["vocab"],
+        0,
+        SIZE["d_model"],
+        SIZE["n_head"],
+        SIZE["layers"],
+        SIZE["layers"],
+        SIZE["d_ff"],
+        SIZE["dropout"],
+    )
 
 
-def train_tokens_per_s(net: nn.Module, loss_fn: Callable, bf16: bool, batch: int, length: int,
-                      steps: int) -> float:
+def train_tokens_per_s(
+    net: nn.Module, loss_fn: Callable, bf16: bool, batch: int, length: int, steps: int
+) -> float:
     torch.manual_seed(0)
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
@@ -118,10 +128,15 @@ def main() -> None:
     p.add_argument("--data-dir", default=None, help="Multi30k files, for the decoding benchmark")
     p.add_argument("--ckpt", default=None, help="a trained translation checkpoint (decoding)")
     p.add_argument("--sentences", type=int, default=1000)
-    p.add_argument("--loss", choices=["compiled", "eager"], default="compiled",
-                   help="the label-smoothed cross-entropy, for both models")
-    p.add_argument("--bf16", action="store_true",
-                   help="measure bf16 also on a CPU without native bf16 (it crawls there)")
+    p.add_argument(
+        "--loss",
+        choices=["compiled", "eager"],
+        default="compiled",
+        help="the label-smoothed cross-entropy, for both models",
+    )
+    p.add_argument(
+        "--bf16", action="store_true", help="measure bf16 also on a CPU without native bf16 (it crawls there)"
+    )
     args = p.parse_args()
     runs = [(False, 1.0)]
     if args.bf16 or native_bf16_cpu():
@@ -132,8 +147,10 @@ def main() -> None:
 
     loss_fn = torch.compile(cross_entropy, dynamic=True) if args.loss == "compiled" else cross_entropy
     threads = torch.get_num_threads()
-    print(f"training, batch {args.batch} x length {args.length}, {args.steps} steps, {threads} threads, "
-          f"{args.loss} loss")
+    print(
+        f"training, batch {args.batch} x length {args.length}, {args.steps} steps, {threads} threads, "
+        f"{args.loss} loss"
+    )
     print(f"{'precision':<10} {'attnlab tok/s':>14} {'nn.Transformer':>15} {'ratio':>7} {'goal':>6}")
     results = {}
     for bf16, goal in runs:
@@ -144,8 +161,10 @@ def main() -> None:
         name = "bf16-mixed" if bf16 else "32-true"
         print(f"{name:<10} {a:14.0f} {r:15.0f} {a / r:7.2f} {goal:5.1f}x {verdict}")
     if True in results:
-        print(f"bf16 speed-up over fp32: attnlab {results[True][0] / results[False][0]:.2f}x, "
-              f"nn.Transformer {results[True][1] / results[False][1]:.2f}x")
+        print(
+            f"bf16 speed-up over fp32: attnlab {results[True][0] / results[False][0]:.2f}x, "
+            f"nn.Transformer {results[True][1] / results[False][1]:.2f}x"
+        )
     if args.data_dir:
         decoding(args, with_bf16=len(runs) == 2)
 

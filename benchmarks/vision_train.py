@@ -46,15 +46,28 @@ def pairs() -> list[tuple[str, int, Callable[[], nn.Module], Callable[[], nn.Mod
 
     def timm_vit(name: str, net: DictConfig) -> Callable[[], nn.Module]:
         return lambda: timm.create_model(
-            name, img_size=28, patch_size=net.patch_size, embed_dim=net.dim, depth=net.depth,
-            num_heads=net.n_head, mlp_ratio=net.mlp_ratio, **data,
+            name,
+            img_size=28,
+            patch_size=net.patch_size,
+            embed_dim=net.dim,
+            depth=net.depth,
+            num_heads=net.n_head,
+            mlp_ratio=net.mlp_ratio,
+            **data,
         )
 
     def timm_swin() -> nn.Module:
         return timm.create_model(
-            "swin_tiny_patch4_window7_224", img_size=32, patch_size=swin.patch_size, embed_dim=swin.dim,
-            depths=tuple(swin.depths), num_heads=tuple(swin.n_heads), window_size=swin.window_size,
-            mlp_ratio=swin.mlp_ratio, drop_path_rate=0.0, **data,
+            "swin_tiny_patch4_window7_224",
+            img_size=32,
+            patch_size=swin.patch_size,
+            embed_dim=swin.dim,
+            depths=tuple(swin.depths),
+            num_heads=tuple(swin.n_heads),
+            window_size=swin.window_size,
+            mlp_ratio=swin.mlp_ratio,
+            drop_path_rate=0.0,
+            **data,
         )
 
     return [
@@ -85,8 +98,9 @@ def training_step(net: nn.Module, size: int, bf16: bool, batch: int) -> Callable
     return step
 
 
-def paired_images_per_s(ours: nn.Module, theirs: nn.Module, size: int, bf16: bool, batch: int,
-                        steps: int) -> tuple[float, float]:
+def paired_images_per_s(
+    ours: nn.Module, theirs: nn.Module, size: int, bf16: bool, batch: int, steps: int
+) -> tuple[float, float]:
     """Images/s of both models, their steps interleaved: a CPU whose speed drifts (another tenant,
     clocks) slows both alike, where timing one model after the other tilted ratios by 3-5%."""
     a, b = training_step(ours, size, bf16, batch), training_step(theirs, size, bf16, batch)

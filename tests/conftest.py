@@ -36,8 +36,13 @@ TINY = [
 
 
 # the console quiet and the log a CSV file: runs whose output tests read, not people
-QUIET = ["extras.print_config=false", "~callbacks.rich_progress_bar", "~callbacks.model_summary",
-         "trainer.enable_progress_bar=false", "logger=csv"]
+QUIET = [
+    "extras.print_config=false",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+    "trainer.enable_progress_bar=false",
+    "logger=csv",
+]
 
 
 def blank_image(path: Path) -> Path:
@@ -67,14 +72,22 @@ def run_cli(entry: str, args: list[str], cwd: Path, timeout: float = 600) -> sub
     """Run ``attnlab-<entry>`` (as ``python -m attnlab.<entry>``) with Hydra overrides."""
     return subprocess.run(
         [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
-        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
-        cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -107,8 +120,10 @@ def run_main(module: str, argv: list[str]) -> tuple[int, str]:
 
 
 def saved_loggers() -> dict[logging.Logger, tuple]:
-    every = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
-                                    if isinstance(lg, logging.Logger))]
+    every = [
+        logging.getLogger(),
+        *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
     return {lg: (lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in every}
 
 
@@ -191,8 +206,14 @@ def write_idx_dataset(
     return folder
 
 
-def write_image_folder(root: Path, classes: tuple[str, ...] = ("cat", "dog"), per_class: int = 12,
-                       size: int = 16, mode: str = "RGB", test: bool = True) -> Path:
+def write_image_folder(
+    root: Path,
+    classes: tuple[str, ...] = ("cat", "dog"),
+    per_class: int = 12,
+    size: int = 16,
+    mode: str = "RGB",
+    test: bool = True,
+) -> Path:
     """root/train/<class>/<i>.png (and root/test/...): images whose mean colour gives the class."""
     import numpy as np
     from PIL import Image
@@ -249,8 +270,11 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     if kind == "deit":
         weights = tmp / "teacher.pth"
         torch.save(timm.create_model("test_resnet", num_classes=10, in_chans=1).state_dict(), weights)
-        out += ["model.distillation.teacher.run=null", "+model.distillation.teacher.timm_name=test_resnet",
-                f"+model.distillation.teacher.weights={weights}"]
+        out += [
+            "model.distillation.teacher.run=null",
+            "+model.distillation.teacher.timm_name=test_resnet",
+            f"+model.distillation.teacher.weights={weights}",
+        ]
     return out
 
 
@@ -275,23 +299,40 @@ def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv
     return path
 
 
-CLIP_TINY = ["model.net.image.dim=16", "model.net.image.depth=1", "model.net.image.n_head=2",
-             "model.net.text.dim=16", "model.net.text.depth=1", "model.net.text.n_head=2",
-             "model.net.embed_dim=8", "model.plot_pairs=2", "data.batch_size=8", "data.vocab_size=300"]
+CLIP_TINY = [
+    "model.net.image.dim=16",
+    "model.net.image.depth=1",
+    "model.net.image.n_head=2",
+    "model.net.text.dim=16",
+    "model.net.text.depth=1",
+    "model.net.text.n_head=2",
+    "model.net.embed_dim=8",
+    "model.plot_pairs=2",
+    "data.batch_size=8",
+    "data.vocab_size=300",
+]
 
 
 def clip_overrides(experiment: str, tmp: Path) -> list[str]:
     """Tiny CLIP towers on fake IDX files (generated captions) or a fake pairs file."""
     if experiment == "clip_pairs":
-        data = [f"data.pairs_file={write_pairs(tmp / 'pairs', n=24)}", "data.img_size=16", "data.val_size=6",
-                "data.num_workers=0"]
+        data = [
+            f"data.pairs_file={write_pairs(tmp / 'pairs', n=24)}",
+            "data.img_size=16",
+            "data.val_size=6",
+            "data.num_workers=0",
+        ]
     else:
         data = [f"data.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
     return [*CLIP_TINY, *data]
 
 
-BERT_TINY = ["model.net.encoder.dim=16", "model.net.encoder.depth=1", "model.net.encoder.n_head=2",
-             "model.net.encoder.mlp_dim=32"]
+BERT_TINY = [
+    "model.net.encoder.dim=16",
+    "model.net.encoder.depth=1",
+    "model.net.encoder.n_head=2",
+    "model.net.encoder.mlp_dim=32",
+]
 CONLL_FIXTURE = ROOT / "tests" / "fixtures" / "conll"
 
 
@@ -308,8 +349,10 @@ def write_sst2(folder: Path, n: int = 48) -> Path:
         rows = ["sentence\tlabel"]
         for i in range(size):
             label = i % 2
-            rows.append(f"the {rng.choice(nouns)} was {rng.choice(words[label])} and the "
-                        f"{rng.choice(nouns)} too \t{label}")
+            rows.append(
+                f"the {rng.choice(nouns)} was {rng.choice(words[label])} and the "
+                f"{rng.choice(nouns)} too \t{label}"
+            )
         (folder / name).write_text("\n".join(rows) + "\n")
     return folder
 
@@ -317,6 +360,11 @@ def write_sst2(folder: Path, n: int = 48) -> Path:
 def bert_overrides(experiment: str, tmp: Path) -> list[str]:
     """A one-block BERT on fake SST-2 files or the CoNLL fixture (no download, no pre-training run)."""
     data = CONLL_FIXTURE if "ner" in experiment else write_sst2(tmp / "sst2")
-    out = [f"data.data_dir={data}", "data.vocab_size=120", "data.max_tokens=128", "model.plot_sentences=0",
-           *BERT_TINY]
+    out = [
+        f"data.data_dir={data}",
+        "data.vocab_size=120",
+        "data.max_tokens=128",
+        "model.plot_sentences=0",
+        *BERT_TINY,
+    ]
     return out + (["model.pretrained_ckpt=null"] if "finetune" in experiment else [])

@@ -61,9 +61,17 @@ def fit_fixed(saved: dict[str, Any], trainer_overrides: list[str], rank: int, wo
     trainer_cfg = compose_train(trainer_overrides).trainer
     curve = LossCurve()
     trainer = instantiate(
-        trainer_cfg, precision="32-true", max_steps=len(saved["batches"]), limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[curve],
+        trainer_cfg,
+        precision="32-true",
+        max_steps=len(saved["batches"]),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[curve],
         default_root_dir=saved["dir"],
     )
     batches = [shard(b, rank, world) for b in saved["batches"]]

@@ -30,8 +30,7 @@ def test_self_attention_matches_torch_with_padding_and_causal(impl):
     x = torch.randn(B, T, C)
     kpm = padding([7, 5, 3], T)
     future = ~causal_mask(T, T)  # torch: True = not allowed
-    want, want_w = ref(x, x, x, key_padding_mask=kpm, attn_mask=future,
-                       average_attn_weights=False)
+    want, want_w = ref(x, x, x, key_padding_mask=kpm, attn_mask=future, average_attn_weights=False)
     got, _ = ours(x, key_padding_mask=kpm, causal=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     got_w = ours(x, key_padding_mask=kpm, causal=True, need_weights=True)[1]
@@ -65,8 +64,7 @@ def test_sdpa_path_equals_explicit_path(causal):
     mask[..., 0] = True  # every query keeps at least one key
     for m in (None, mask):
         fast, _ = scaled_dot_product_attention(q, k, v, mask=m, causal=causal, impl="sdpa")
-        slow, w = scaled_dot_product_attention(q, k, v, mask=m, causal=causal, impl="math",
-                                               need_weights=True)
+        slow, w = scaled_dot_product_attention(q, k, v, mask=m, causal=causal, impl="math", need_weights=True)
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
         if causal:
             assert (w.triu(diagonal=1) == 0).all()
@@ -79,8 +77,9 @@ def test_auto_path_follows_dtype_and_cpu(monkeypatch, native_bf16):
     monkeypatch.setattr(attention, "native_bf16_cpu", lambda: native_bf16)
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     q = torch.randn(1, 2, 4, 8)
     scaled_dot_product_attention(q, q, q, impl="auto")
     assert calls == [1]

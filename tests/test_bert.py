@@ -39,18 +39,34 @@ from conftest import (
 from test_classification import assert_refused, train_here
 
 TOK = WordPieceTokenizer
-TINY_RUN = [*BERT_TINY, "data.vocab_size=120", "data.max_tokens=128", "model.plot_sentences=0",
-            "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=2",
-            "logger=csv",
-            "~callbacks.rich_progress_bar", "~callbacks.model_summary", "extras.print_config=false"]
+TINY_RUN = [
+    *BERT_TINY,
+    "data.vocab_size=120",
+    "data.max_tokens=128",
+    "model.plot_sentences=0",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=2",
+    "logger=csv",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+    "extras.print_config=false",
+]
 
 
 # -- the model ------------------------------------------------------------------------------------
 def hf_pair(pretraining: bool = True):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=16, hidden_act="gelu",
-                                  pad_token_id=0)
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_act="gelu",
+        pad_token_id=0,
+    )
     hf = (transformers.BertForPreTraining if pretraining else transformers.BertModel)(cfg).eval()
     ours = Bert(50, 0, dim=32, depth=2, n_head=4, mlp_dim=64, max_len=16)
     return hf, (BertPreTraining(ours) if pretraining else ours).eval()
@@ -136,8 +152,10 @@ def test_masking_statistics_and_specials_never_masked():
 
 def corpus_docs() -> list[list[list[int]]]:
     rng = random.Random(1)
-    return [[[rng.randrange(N_SPECIALS, 100) for _ in range(rng.randint(1, 6))]
-             for _ in range(rng.randint(1, 4))] for _ in range(300)]
+    return [
+        [[rng.randrange(N_SPECIALS, 100) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 4))]
+        for _ in range(300)
+    ]
 
 
 def test_segment_pairs_are_balanced_and_segment_ids_right():
@@ -173,8 +191,14 @@ def test_corpus_formats(tmp_path):
 
 def test_pretraining_data_batches(tmp_path):
     sst = write_sst2(tmp_path / "sst", n=200)
-    dm = MaskedLMDataModule(files=["alps_train.tsv", "alps_dev.tsv"], data_dir=str(sst), vocab_size=100,
-                            max_len=16, max_tokens=64, val_fraction=0.1)
+    dm = MaskedLMDataModule(
+        files=["alps_train.tsv", "alps_dev.tsv"],
+        data_dir=str(sst),
+        vocab_size=100,
+        max_len=16,
+        max_tokens=64,
+        val_fraction=0.1,
+    )
     dm.setup()
     assert dm.model_kwargs()["encoder"]["pad_id"] == TOK.pad_id
     assert [dm.tokenizer.token(i) for i in range(N_SPECIALS)] == list(TOK.specials)
@@ -191,14 +215,22 @@ def test_pretraining_data_batches(tmp_path):
 
 def test_sentence_and_token_classification_data(tmp_path):
     sst = write_sst2(tmp_path / "sst")
-    dm = SentenceClassificationDataModule("alps_train.tsv", "alps_dev.tsv", "dev.tsv", data_dir=str(sst),
-                                          vocab_size=100, max_len=8, class_names=["negative", "positive"])
+    dm = SentenceClassificationDataModule(
+        "alps_train.tsv",
+        "alps_dev.tsv",
+        "dev.tsv",
+        data_dir=str(sst),
+        vocab_size=100,
+        max_len=8,
+        class_names=["negative", "positive"],
+    )
     dm.setup()
     ids, segments, label = dm.splits["train"][0]
     assert ids[0] == TOK.cls_id and ids[-1] == TOK.sep_id and len(ids) <= 8 and set(segments) == {0}
     assert label in (0, 1) and dm.model_kwargs()["num_classes"] == 2
-    ner = TokenClassificationDataModule("train.txt", "dev.txt", "test.txt", data_dir=str(CONLL_FIXTURE),
-                                        vocab_size=200)
+    ner = TokenClassificationDataModule(
+        "train.txt", "dev.txt", "test.txt", data_dir=str(CONLL_FIXTURE), vocab_size=200
+    )
     ner.setup()
     assert {"O", "B-PER", "I-PER", "B-LOC", "B-ORG"} <= set(ner.classes)
     batch = next(iter(ner.train_dataloader()))
@@ -213,8 +245,14 @@ def pretrained(tmp_path_factory) -> Path:
     """A tiny pre-training run on fake SST-2 sentences; returns the working directory."""
     tmp = tmp_path_factory.mktemp("bert")
     sst = write_sst2(tmp / "sst", n=64)
-    train_here(tmp, "bert_pretrain_sst2", "experiment=bert_pretrain_sst2", *TINY_RUN, f"data.data_dir={sst}",
-               "model.plot_sentences=1")
+    train_here(
+        tmp,
+        "bert_pretrain_sst2",
+        "experiment=bert_pretrain_sst2",
+        *TINY_RUN,
+        f"data.data_dir={sst}",
+        "model.plot_sentences=1",
+    )
     return tmp
 
 
@@ -235,9 +273,16 @@ def test_finetuning_starts_from_the_pretrained_encoder_and_tokenizer(pretrained,
     sst = pretrained / "sst"
     ckpt = last_ckpt(pretrained, "bert_pretrain_sst2")
     pre = load_checkpoint(ckpt)
-    train_here(pretrained, "bert_finetune_sst2", "experiment=bert_finetune_sst2", *TINY_RUN,
-               f"data.data_dir={sst}", "trainer.max_steps=1", "trainer.val_check_interval=1",
-               "model.optimizer.lr=0.0")
+    train_here(
+        pretrained,
+        "bert_finetune_sst2",
+        "experiment=bert_finetune_sst2",
+        *TINY_RUN,
+        f"data.data_dir={sst}",
+        "trainer.max_steps=1",
+        "trainer.val_check_interval=1",
+        "model.optimizer.lr=0.0",
+    )
     tuned = load_checkpoint(last_ckpt(pretrained, "bert_finetune_sst2"))
     enc = {k: v for k, v in pre["state_dict"].items() if k.startswith("net.encoder.")}
     assert enc and all(torch.equal(tuned["state_dict"][k], v) for k, v in enc.items())  # lr 0: identical
@@ -248,9 +293,18 @@ def test_finetuning_starts_from_the_pretrained_encoder_and_tokenizer(pretrained,
 
 def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained, tmp_path):
     sst = pretrained / "sst"
-    train_here(pretrained, "scratch", "experiment=bert_finetune_sst2_scratch", *TINY_RUN,
-               f"data.data_dir={sst}", "trainer.max_steps=150", "trainer.val_check_interval=50",
-               "model.optimizer.lr=3e-3", "model.plot_sentences=1", "model.net.encoder.dropout=0.0")
+    train_here(
+        pretrained,
+        "scratch",
+        "experiment=bert_finetune_sst2_scratch",
+        *TINY_RUN,
+        f"data.data_dir={sst}",
+        "trainer.max_steps=150",
+        "trainer.val_check_interval=50",
+        "model.optimizer.lr=3e-3",
+        "model.plot_sentences=1",
+        "model.net.encoder.dropout=0.0",
+    )
     run = run_dirs(pretrained, "scratch")[-1]
     metrics = read_metrics(run)
     assert metrics["test/acc"][-1][1] > 0.9 and "test/f1" in metrics  # the adjective gives the label away
@@ -282,8 +336,14 @@ def test_fill_mask_gives_top_k_candidates(pretrained):
     from attnlab.cli.fill_mask import fill
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("fill_mask", overrides=[f"ckpt_path={last_ckpt(pretrained, 'bert_pretrain_sst2')}",
-                                              "text='the [MASK] was good and the [MASK] too'", "top_k=3"])
+        cfg = compose(
+            "fill_mask",
+            overrides=[
+                f"ckpt_path={last_ckpt(pretrained, 'bert_pretrain_sst2')}",
+                "text='the [MASK] was good and the [MASK] too'",
+                "top_k=3",
+            ],
+        )
     fillings = fill(cfg)
     assert len(fillings) == 2 and all(len(top) == 3 for top in fillings)
     assert all(p2 <= p1 for top in fillings for (_, p1), (_, p2) in zip(top, top[1:], strict=False))
@@ -291,9 +351,18 @@ def test_fill_mask_gives_top_k_candidates(pretrained):
 
 
 def test_ner_fixture_experiment_tags_words(tmp_path):
-    metrics = train_here(tmp_path, "ner", "experiment=bert_ner_fixture", f"data.data_dir={CONLL_FIXTURE}",
-                         "trainer.max_steps=120", "trainer.val_check_interval=40", "model.plot_sentences=0",
-                         "logger=csv", "~callbacks.rich_progress_bar", "extras.print_config=false")
+    metrics = train_here(
+        tmp_path,
+        "ner",
+        "experiment=bert_ner_fixture",
+        f"data.data_dir={CONLL_FIXTURE}",
+        "trainer.max_steps=120",
+        "trainer.val_check_interval=40",
+        "model.plot_sentences=0",
+        "logger=csv",
+        "~callbacks.rich_progress_bar",
+        "extras.print_config=false",
+    )
     assert metrics["test/acc"] > 0.9 and metrics["test/f1"] > 0.6
 
 
@@ -332,10 +401,14 @@ def test_fill_mask_without_mask_and_classify_bad_inputs(pretrained, tmp_path):
     assert_refused(f"input={empty} is empty", classify, classify_cfg(f"ckpt_path={ckpt}", f"input={empty}"))
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("un film tr\xe8s dr\xf4le\n".encode("latin-1"))
-    assert_refused(f"input={latin} is not UTF-8", classify,
-                   classify_cfg(f"ckpt_path={ckpt}", f"input={latin}"))
-    assert_refused("attnlab-classify needs a sentence classifier", classify,
-                   classify_cfg(f"ckpt_path={ckpt}", "text=fine"))
+    assert_refused(
+        f"input={latin} is not UTF-8", classify, classify_cfg(f"ckpt_path={ckpt}", f"input={latin}")
+    )
+    assert_refused(
+        "attnlab-classify needs a sentence classifier",
+        classify,
+        classify_cfg(f"ckpt_path={ckpt}", "text=fine"),
+    )
     assert_refused("exactly one of text=", classify, classify_cfg(f"ckpt_path={ckpt}"))
 
 
@@ -343,15 +416,33 @@ def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):
     ckpt = last_ckpt(pretrained, "bert_pretrain_sst2")
     before = sorted(p.name for p in (ckpt.parent).iterdir())
     args = ["experiment=bert_finetune_sst2", *TINY_RUN, f"data.data_dir={pretrained / 'sst'}"]
-    assert_refused(r"\(model\.pretrained_ckpt\) does not match.*embed\.tokens\.tokens\.weight", train_here,
-                   pretrained, "other_size", *args, "model.net.encoder.dim=24",
-                   f"model.pretrained_ckpt={ckpt}")
-    assert_refused(r"embed\.tokens\.tokens\.weight: checkpoint \(\d+, 16\) vs model \(200, 16\)", train_here,
-                   pretrained, "other_vocab", *args, "model.net.encoder.vocab_size=200",
-                   f"model.pretrained_ckpt={ckpt}")
+    assert_refused(
+        r"\(model\.pretrained_ckpt\) does not match.*embed\.tokens\.tokens\.weight",
+        train_here,
+        pretrained,
+        "other_size",
+        *args,
+        "model.net.encoder.dim=24",
+        f"model.pretrained_ckpt={ckpt}",
+    )
+    assert_refused(
+        r"embed\.tokens\.tokens\.weight: checkpoint \(\d+, 16\) vs model \(200, 16\)",
+        train_here,
+        pretrained,
+        "other_vocab",
+        *args,
+        "model.net.encoder.vocab_size=200",
+        f"model.pretrained_ckpt={ckpt}",
+    )
     assert sorted(p.name for p in (ckpt.parent).iterdir()) == before  # nothing lost
-    assert_refused("model.pretrained_ckpt=no_such_task: no run of that task", train_here,
-                   pretrained, "x", *args, "model.pretrained_ckpt=no_such_task")
+    assert_refused(
+        "model.pretrained_ckpt=no_such_task: no run of that task",
+        train_here,
+        pretrained,
+        "x",
+        *args,
+        "model.pretrained_ckpt=no_such_task",
+    )
 
 
 def test_model_rejects_bad_sizes():
@@ -362,9 +453,22 @@ def test_model_rejects_bad_sizes():
 @pytest.mark.slow
 def test_pretraining_loss_falls_on_sst2_sentences(tmp_path):
     sst = needs_shared("sst2_glue")
-    train_here(tmp_path, "pre", "experiment=bert_pretrain_sst2", f"data.data_dir={sst}", *BERT_TINY,
-               "data.max_tokens=1024", "data.vocab_size=2000", "model.plot_sentences=0",
-               "trainer.max_steps=200", "trainer.val_check_interval=100", "model.scheduler.warmup_steps=20",
-               "logger=csv", "~callbacks.rich_progress_bar", "extras.print_config=false", "test=false")
+    train_here(
+        tmp_path,
+        "pre",
+        "experiment=bert_pretrain_sst2",
+        f"data.data_dir={sst}",
+        *BERT_TINY,
+        "data.max_tokens=1024",
+        "data.vocab_size=2000",
+        "model.plot_sentences=0",
+        "trainer.max_steps=200",
+        "trainer.val_check_interval=100",
+        "model.scheduler.warmup_steps=20",
+        "logger=csv",
+        "~callbacks.rich_progress_bar",
+        "extras.print_config=false",
+        "test=false",
+    )
     val = dict(read_metrics(run_dirs(tmp_path, "pre")[-1])["val/mlm_loss"])
     assert val[199] < val[99] < 7.0  # well under log(2000) = 7.6 and still falling

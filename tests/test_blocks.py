@@ -60,8 +60,10 @@ def test_decoder_block_equals_torch_decoder_layer_and_caches_agree(norm_first):
     assert w.cross_attn.shape == (2, H, 7, 5) and (w.cross_attn[1, ..., 3:] == 0).all()
     # step by step: self-attention cache grows, cross-attention keys/values projected once
     cache, cross = KVCache(), KVCache.of_memory(ours.cross_attn, memory)
-    steps = [ours(x[:, t : t + 1], causal=True, cache=cache, memory_padding_mask=mem_pad,
-                  cross_cache=cross)[0] for t in range(7)]
+    steps = [
+        ours(x[:, t : t + 1], causal=True, cache=cache, memory_padding_mask=mem_pad, cross_cache=cross)[0]
+        for t in range(7)
+    ]
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-5)
     assert len(cache) == 7 and len(cross) == 5
 

@@ -26,8 +26,13 @@ from conftest import (
 def wandb_summary(run_dir: Path) -> dict:
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     exe = Path(sys.executable).parent / "wandb"
-    out = subprocess.run([str(exe), "leet", "inspect", "--summary", "--json", str(wandb_run)],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [str(exe), "leet", "inspect", "--summary", "--json", str(wandb_run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -62,8 +67,11 @@ def test_generate_from_checkpoint(trained: Path):
 
 
 def test_eval_reproduces_the_test_metric(trained: Path):
-    proc = run_cli("eval", [f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
-                            "trainer.limit_test_batches=2"], trained)
+    proc = run_cli(
+        "eval",
+        [f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", "trainer.limit_test_batches=2"],
+        trained,
+    )
     assert_ok(proc)
     (out,) = run_dirs(trained, "eval")
     got = json.loads((out / "metrics.json").read_text())["test/loss"]
@@ -110,6 +118,7 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
 
 # ---- bad input: one readable message, non-zero exit, nothing lost -------------------------------
 
+
 @pytest.mark.parametrize(
     "override,needles",
     [
@@ -120,8 +129,7 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
         (["data.corpus=tinyshakespeare", "data.data_dir=nowhere"], ["data.data_dir=nowhere"]),
         (["ckpt_path=last"], ["ckpt_path=last", "no checkpoint"]),
     ],
-    ids=["unknown-group-option", "n_embd-not-divisible", "block-size", "tokenizer", "data-dir",
-         "no-last"],
+    ids=["unknown-group-option", "n_embd-not-divisible", "block-size", "tokenizer", "data-dir", "no-last"],
 )
 def test_bad_config_is_one_clear_error(tmp_path, override, needles):
     proc = run_cli("train", tiny(*override), tmp_path)
@@ -137,8 +145,11 @@ def test_empty_data_file(tmp_path):
 def test_corrupt_checkpoint_is_named_and_left_alone(trained: Path, tmp_path: Path):
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes((trained / "checkpoints" / "last.ckpt").read_bytes()[:5000])
-    for entry, args in [("generate", [f"ckpt_path={bad}"]), ("train", [*TINY, f"ckpt_path={bad}"]),
-                        ("eval", [f"ckpt_path={bad}"])]:
+    for entry, args in [
+        ("generate", [f"ckpt_path={bad}"]),
+        ("train", [*TINY, f"ckpt_path={bad}"]),
+        ("eval", [f"ckpt_path={bad}"]),
+    ]:
         assert_user_error(run_cli(entry, args, tmp_path), str(bad), "corrupt")
     assert bad.stat().st_size == 5000
 
@@ -165,11 +176,21 @@ def test_bad_sampling_options(trained: Path, override, needle):
 
 # ---- slower paths -------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_shakespeare_bpe_run(tmp_path):
     data_dir = needs_shared("tinyshakespeare")
-    proc = run_cli("train", [*TINY, "data=shakespeare_bpe", f"data.data_dir={data_dir}",
-                             "data.bpe_vocab_size=512", "task_name=bpe"], tmp_path)
+    proc = run_cli(
+        "train",
+        [
+            *TINY,
+            "data=shakespeare_bpe",
+            f"data.data_dir={data_dir}",
+            "data.bpe_vocab_size=512",
+            "task_name=bpe",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     (run_dir,) = run_dirs(tmp_path, "bpe")
     ckpt = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)

@@ -325,8 +325,14 @@ def test_clip_run_then_zeroshot_cli_on_an_image_and_on_the_test_split(tmp_path):
 
     from conftest import assert_user_error, clip_overrides, run_cli
 
-    args = ["experiment=clip_fashion_mnist", *clip_overrides("clip_fashion_mnist", tmp_path), "logger=csv",
-            "trainer.max_steps=12", "trainer.val_check_interval=6", "extras.print_config=false"]
+    args = [
+        "experiment=clip_fashion_mnist",
+        *clip_overrides("clip_fashion_mnist", tmp_path),
+        "logger=csv",
+        "trainer.max_steps=12",
+        "trainer.val_check_interval=6",
+        "extras.print_config=false",
+    ]
     proc = run_cli("train", args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "logs" / "clip_fashion_mnist" / "runs").iterdir()
@@ -346,7 +352,11 @@ def test_clip_run_then_zeroshot_cli_on_an_image_and_on_the_test_split(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("zero-shot test: top-1 ") and "(20 images, 2 templates)" in proc.stdout
     (tmp_path / "bad.txt").write_text("a photo of a cat\n")
-    assert_user_error(run_cli("zeroshot", ["ckpt_path=last", "split=test", "templates=bad.txt"], tmp_path),
-                      "bad.txt:1: a template needs {} where the class name goes")
-    assert_user_error(run_cli("zeroshot", ["ckpt_path=last", "image=shoe.png", "labels=,"], tmp_path),
-                      "labels: an empty label list")
+    assert_user_error(
+        run_cli("zeroshot", ["ckpt_path=last", "split=test", "templates=bad.txt"], tmp_path),
+        "bad.txt:1: a template needs {} where the class name goes",
+    )
+    assert_user_error(
+        run_cli("zeroshot", ["ckpt_path=last", "image=shoe.png", "labels=,"], tmp_path),
+        "labels: an empty label list",
+    )

@@ -15,8 +15,13 @@ from attnlab.cli.compare import compare, main, parse_args
 def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
     run = root / name
     (run / "csv").mkdir(parents=True)
-    config = {"seed": seed, "task_name": "gpt", "paths": {"output_dir": str(run)},
-              "model": {"optimizer": {"lr": lr, "betas": [0.9, 0.99]}}, "trainer": {"max_steps": 30}}
+    config = {
+        "seed": seed,
+        "task_name": "gpt",
+        "paths": {"output_dir": str(run)},
+        "model": {"optimizer": {"lr": lr, "betas": [0.9, 0.99]}},
+        "trainer": {"max_steps": 30},
+    }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     rows = ["epoch,step,val/loss,test/acc"]
     rows += [f"0,{10 * (i + 1)},{loss}," for i, loss in enumerate(losses)]

@@ -174,13 +174,17 @@ def test_weight_decay_skips_biases_norms_and_what_the_model_declares():
     from attnlab.tasks.optim import param_groups
 
     net = nn.Module()
-    net.net = Transformer(50, d_model=16, n_head=2, n_enc_layers=1, n_dec_layers=1, d_ff=32,
-                          positions="learned")
+    net.net = Transformer(
+        50, d_model=16, n_head=2, n_enc_layers=1, n_dec_layers=1, d_ff=32, positions="learned"
+    )
     decay, no_decay = param_groups(net, 0.1)
     names = {id(p): n for n, p in net.named_parameters()}
     skipped = {names[id(p)] for p in no_decay["params"]}
-    assert {"net.src_embed.positions.emb.weight", "net.encoder.0.norm1.weight",
-            "net.encoder.0.attn.in_proj.bias"} <= skipped
+    assert {
+        "net.src_embed.positions.emb.weight",
+        "net.encoder.0.norm1.weight",
+        "net.encoder.0.attn.in_proj.bias",
+    } <= skipped
     decayed = {names[id(p)] for p in decay["params"]}
     assert "net.src_embed.tokens.weight" in decayed and not any("positions" in n for n in decayed)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -40,45 +40,84 @@ CASES = [
     # (experiment, override, the message)
     (GPT, "model.optimizer.lr=abc", "model.optimizer.lr='abc': expected a float (torch.optim.AdamW lr)"),
     (NMT, "model.optimizer.lr=abc", "model.optimizer.lr='abc': expected a float (torch.optim.AdamW lr)"),
-    (GPT, "trainer.max_steps=abc",
-     "trainer.max_steps='abc': expected an int (lightning.pytorch.Trainer max_steps)"),
-    (NMT, "trainer.max_steps=abc",
-     "trainer.max_steps='abc': expected an int (lightning.pytorch.Trainer max_steps)"),
-    (GPT, "data.batch_size=abc",
-     "data.batch_size='abc': expected an int (attnlab.data.TextDataModule batch_size)"),
-    (NMT, "data.max_tokens=abc",
-     "data.max_tokens='abc': expected an int (attnlab.data.TranslationDataModule max_tokens)"),
+    (
+        GPT,
+        "trainer.max_steps=abc",
+        "trainer.max_steps='abc': expected an int (lightning.pytorch.Trainer max_steps)",
+    ),
+    (
+        NMT,
+        "trainer.max_steps=abc",
+        "trainer.max_steps='abc': expected an int (lightning.pytorch.Trainer max_steps)",
+    ),
+    (
+        GPT,
+        "data.batch_size=abc",
+        "data.batch_size='abc': expected an int (attnlab.data.TextDataModule batch_size)",
+    ),
+    (
+        NMT,
+        "data.max_tokens=abc",
+        "data.max_tokens='abc': expected an int (attnlab.data.TranslationDataModule max_tokens)",
+    ),
     (GPT, "model.net.n_layer=2.5", "model.net.n_layer=2.5: expected an int (attnlab.models.GPT n_layer)"),
-    (NMT, "model.net.n_enc_layers=2.5",
-     "model.net.n_enc_layers=2.5: expected an int (attnlab.models.Transformer n_enc_layers)"),
-    (GPT, "model.net.block_size=abc",  # not data.block_size, which interpolates it
-     "model.net.block_size='abc': expected an int (attnlab.models.GPT block_size)"),
-    (GPT, "model.scheduler.warmup_steps=abc",
-     "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine"),
-    (NMT, "model.scheduler.warmup_steps=abc",
-     "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine"),
+    (
+        NMT,
+        "model.net.n_enc_layers=2.5",
+        "model.net.n_enc_layers=2.5: expected an int (attnlab.models.Transformer n_enc_layers)",
+    ),
+    (
+        GPT,
+        "model.net.block_size=abc",  # not data.block_size, which interpolates it
+        "model.net.block_size='abc': expected an int (attnlab.models.GPT block_size)",
+    ),
+    (
+        GPT,
+        "model.scheduler.warmup_steps=abc",
+        "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine",
+    ),
+    (
+        NMT,
+        "model.scheduler.warmup_steps=abc",
+        "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine",
+    ),
     (GPT, "trainer.gradient_clip_val=abc", CLIP),
     (NMT, "trainer.gradient_clip_val=abc", CLIP),
     (GPT, "model.net.bias=maybe", "model.net.bias='maybe': expected a bool (attnlab.models.GPT bias)"),
-    (NMT, "model.net.norm_first=maybe",
-     "model.net.norm_first='maybe': expected a bool (attnlab.models.Transformer norm_first)"),
-    (GPT, "+model.net.n_layers=3",
-     "model.net.n_layers=3: attnlab.models.GPT has no parameter 'n_layers' (did you mean n_layer?)"),
-    (NMT, "+model.net.n_layers=3",
-     "model.net.n_layers=3: attnlab.models.Transformer has no parameter 'n_layers'"),
+    (
+        NMT,
+        "model.net.norm_first=maybe",
+        "model.net.norm_first='maybe': expected a bool (attnlab.models.Transformer norm_first)",
+    ),
+    (
+        GPT,
+        "+model.net.n_layers=3",
+        "model.net.n_layers=3: attnlab.models.GPT has no parameter 'n_layers' (did you mean n_layer?)",
+    ),
+    (
+        NMT,
+        "+model.net.n_layers=3",
+        "model.net.n_layers=3: attnlab.models.Transformer has no parameter 'n_layers'",
+    ),
     (GPT, "data.tokenizer=7", "data.tokenizer=7: expected a string (attnlab.data.TextDataModule tokenizer)"),
     (NMT, "data.corpus=7", "data.corpus=7: expected a string (attnlab.data.TranslationDataModule corpus)"),
     (GPT, "model.net.attn_impl=fast", "model.net.attn_impl='fast': expected one of 'auto', 'sdpa', 'math'"),
     (GPT, "model.optimizer.betas=[0.9,x]", "model.optimizer.betas=[0.9, 'x']: expected a list of 2 floats"),
     (NMT, "model.weight_decay=x", "model.weight_decay='x': expected a float (attnlab.tasks.TranslationTask"),
     (GPT, "trainer.precision=bogus", "trainer.precision='bogus': expected one of 64, 32, 16,"),
-    (GPT, "callbacks.model_checkpoint.save_top_k=x",
-     "callbacks.model_checkpoint.save_top_k='x': expected an int"),
+    (
+        GPT,
+        "callbacks.model_checkpoint.save_top_k=x",
+        "callbacks.model_checkpoint.save_top_k='x': expected an int",
+    ),
     # WandbLogger's hints name a class imported only for type checkers: checked one by one
     (NMT, "logger.wandb.name=3", "logger.wandb.name=3: expected a string or null"),
     (GPT, "+trainer.foo=1", "trainer.foo=1: lightning.pytorch.Trainer has no parameter 'foo'"),
-    (GPT, "model.optimizer._target_=torch.optim.Adamw",
-     "model.optimizer._target_='torch.optim.Adamw' cannot be imported"),
+    (
+        GPT,
+        "model.optimizer._target_=torch.optim.Adamw",
+        "model.optimizer._target_='torch.optim.Adamw' cannot be imported",
+    ),
 ]
 
 
@@ -97,17 +136,36 @@ def test_shipped_experiments_pass(experiment):
     check_config(cfg)
 
 
-@pytest.mark.parametrize("overrides", [("trainer=ddp_cpu", "logger=many", "debug=overfit"),
-                                       ("trainer=gpu", "callbacks=translation", "debug=profiler")])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("trainer=ddp_cpu", "logger=many", "debug=overfit"),
+        ("trainer=gpu", "callbacks=translation", "debug=profiler"),
+    ],
+)
 def test_shipped_group_options_pass(overrides):
     check_config(composed(*overrides))
 
 
 def test_legal_values_pass():
-    check_config(composed("trainer.precision=32", "model.scheduler=null", "trainer.max_time=00:00:01:00",
-                          "model.optimizer.lr=1", "seed=7", "model.net.dropout=0"))
-    check_config(composed("trainer.precision=bf16-mixed", "experiment=nmt_bahdanau_multi30k",
-                          "model.net.dropout=0", "+model.optimizer.eps=1e-6"))
+    check_config(
+        composed(
+            "trainer.precision=32",
+            "model.scheduler=null",
+            "trainer.max_time=00:00:01:00",
+            "model.optimizer.lr=1",
+            "seed=7",
+            "model.net.dropout=0",
+        )
+    )
+    check_config(
+        composed(
+            "trainer.precision=bf16-mixed",
+            "experiment=nmt_bahdanau_multi30k",
+            "model.net.dropout=0",
+            "+model.optimizer.eps=1e-6",
+        )
+    )
 
 
 def test_describe():
@@ -120,6 +178,7 @@ def test_describe():
 
 
 # ---- ranges the constructors check, while building ------------------------------------------------
+
 
 def test_optimizer_range_error_names_the_node():
     import functools
@@ -178,11 +237,17 @@ def test_trainer_range_errors_are_config_errors(override, message):
 @pytest.mark.parametrize(
     "group,override,message",
     [
-        ("callbacks", "callbacks.model_checkpoint.save_top_k=-5",
-         "callbacks.model_checkpoint: Invalid value for save_top_k=-5"),
+        (
+            "callbacks",
+            "callbacks.model_checkpoint.save_top_k=-5",
+            "callbacks.model_checkpoint: Invalid value for save_top_k=-5",
+        ),
         ("callbacks", "callbacks.model_checkpoint.mode=up", "callbacks.model_checkpoint: `mode` can be"),
-        ("logger", "++logger.wandb.offline=true ++logger.wandb.log_model=true",
-         "logger.wandb: Providing log_model=True and offline=True is an invalid configuration"),
+        (
+            "logger",
+            "++logger.wandb.offline=true ++logger.wandb.log_model=true",
+            "logger.wandb: Providing log_model=True and offline=True is an invalid configuration",
+        ),
     ],
 )
 def test_callback_and_logger_range_errors_name_the_entry(tmp_path, monkeypatch, group, override, message):
@@ -197,6 +262,7 @@ def test_callback_and_logger_range_errors_name_the_entry(tmp_path, monkeypatch, 
 
 
 # ---- through the CLI: exit status 2, one `error:` line, no traceback ------------------------------
+
 
 @pytest.mark.parametrize(
     "override,message",

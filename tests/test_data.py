@@ -61,8 +61,9 @@ def test_cached_download_is_reused_and_a_corrupt_cache_refetched(server, tmp_pat
 
 
 def test_datamodule_downloads_from_its_url(server, tmp_path):
-    dm = TextDataModule(cache_dir=str(tmp_path / "cache"), url=f"{server}/input.txt", sha256=SHA,
-                        block_size=8, batch_size=2)
+    dm = TextDataModule(
+        cache_dir=str(tmp_path / "cache"), url=f"{server}/input.txt", sha256=SHA, block_size=8, batch_size=2
+    )
     dm.prepare_data()
     dm.setup()
     assert dm.tokenizer.decode(dm.train_tokens[:14].tolist()) == "First Citizen:"

@@ -23,15 +23,37 @@ CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml") if p.stem != "default")
 
-GPT_TINY = ["data.corpus=pydoc", "model.net.n_layer=1", "model.net.n_head=2", "model.net.n_embd=32",
-            "model.net.block_size=16", "data.batch_size=4"]
-NMT_TINY = ["data.max_len=32", "data.max_tokens=256", "data.eval_max_tokens=512", "data.vocab_size=120",
-            "model.compile_loss=false", "model.plot_sentences=1", "model.beam_size=2"]
+GPT_TINY = [
+    "data.corpus=pydoc",
+    "model.net.n_layer=1",
+    "model.net.n_head=2",
+    "model.net.n_embd=32",
+    "model.net.block_size=16",
+    "data.batch_size=4",
+]
+NMT_TINY = [
+    "data.max_len=32",
+    "data.max_tokens=256",
+    "data.eval_max_tokens=512",
+    "data.vocab_size=120",
+    "model.compile_loss=false",
+    "model.plot_sentences=1",
+    "model.beam_size=2",
+]
 ARCH_TINY = {
-    "transformer": ["model.net.d_model=32", "model.net.n_head=2", "model.net.n_enc_layers=1",
-                    "model.net.n_dec_layers=1", "model.net.d_ff=64"],
-    "seq2seq": ["model.net.emb_dim=16", "model.net.enc_hidden=16", "model.net.dec_hidden=32",
-                "model.net.attn_dim=16"],
+    "transformer": [
+        "model.net.d_model=32",
+        "model.net.n_head=2",
+        "model.net.n_enc_layers=1",
+        "model.net.n_dec_layers=1",
+        "model.net.d_ff=64",
+    ],
+    "seq2seq": [
+        "model.net.emb_dim=16",
+        "model.net.enc_hidden=16",
+        "model.net.dec_hidden=32",
+        "model.net.attn_dim=16",
+    ],
 }
 
 
@@ -54,8 +76,11 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
     if experiment.startswith("gpt_"):
         return GPT_TINY
     arch = "transformer" if "transformer" in experiment or experiment == "nmt_synthetic" else "seq2seq"
-    data = ["data.synthetic_size=200"] if "synthetic" in experiment else [
-        f"data.data_dir={fake_multi30k(tmp / 'm30k')}"]
+    data = (
+        ["data.synthetic_size=200"]
+        if "synthetic" in experiment
+        else [f"data.data_dir={fake_multi30k(tmp / 'm30k')}"]
+    )
     return [*NMT_TINY, *ARCH_TINY[arch], *data]
 
 
@@ -64,10 +89,17 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_debug_config_runs_with_experiment(experiment, debug, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    overrides = [f"experiment={experiment}", f"debug={debug}", f"paths.root_dir={tmp_path}",
-                 f"paths.output_dir={tmp_path / 'run'}", "extras.print_config=false",
-                 "~callbacks.rich_progress_bar", "~callbacks.model_summary",
-                 "trainer.enable_progress_bar=false", *tiny_overrides(experiment, tmp_path)]
+    overrides = [
+        f"experiment={experiment}",
+        f"debug={debug}",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path / 'run'}",
+        "extras.print_config=false",
+        "~callbacks.rich_progress_bar",
+        "~callbacks.model_summary",
+        "trainer.enable_progress_bar=false",
+        *tiny_overrides(experiment, tmp_path),
+    ]
     if debug == "limit":  # anomaly detection is on in fdr too; over 20 RNN steps it costs a minute
         overrides.append("trainer.detect_anomaly=false")
     if debug == "overfit":  # the config as shipped, over fewer of its 200 steps: the suite's time

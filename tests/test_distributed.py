@@ -22,8 +22,14 @@ from test_translation import fake_multi30k
 LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
 
 
-def shards(world: int, shuffle: bool, lengths: list[int] = LENGTHS, max_tokens: int = 200, seed: int = 3,
-           epoch: int = 0) -> list[list[list[int]]]:
+def shards(
+    world: int,
+    shuffle: bool,
+    lengths: list[int] = LENGTHS,
+    max_tokens: int = 200,
+    seed: int = 3,
+    epoch: int = 0,
+) -> list[list[list[int]]]:
     out = []
     for rank in range(world):
         sampler = TokenBatchSampler(lengths, max_tokens, shuffle, seed=seed, num_replicas=world, rank=rank)
@@ -82,11 +88,25 @@ def test_lightning_keeps_the_sampler_and_sets_its_epoch(tmp_path):
     """Under DDP Lightning replaces a loader's sampler with its DistributedSampler unless the
     sampler is one already; and it calls set_epoch only on ``loader.sampler`` (or
     ``loader.batch_sampler.sampler``), never on a custom batch sampler."""
-    dm = TranslationDataModule(corpus="synthetic", synthetic_size=100, vocab_size=200, max_len=40,
-                               max_tokens=64, eval_max_tokens=64, cache_dir=str(tmp_path))
+    dm = TranslationDataModule(
+        corpus="synthetic",
+        synthetic_size=100,
+        vocab_size=200,
+        max_len=40,
+        max_tokens=64,
+        eval_max_tokens=64,
+        cache_dir=str(tmp_path),
+    )
     dm.setup()
-    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     assert trainer._accelerator_connector.is_distributed
     dm.trainer = SimpleNamespace(global_rank=1, world_size=2)
     loader = dm.train_dataloader()
@@ -106,8 +126,15 @@ def test_overfit_batches_swaps_in_a_sequential_sampler_of_the_first_batches(tmp_
     from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches
     from lightning.pytorch.utilities import CombinedLoader
 
-    dm = TranslationDataModule(corpus="synthetic", synthetic_size=100, vocab_size=200, max_len=40,
-                               max_tokens=64, eval_max_tokens=64, cache_dir=str(tmp_path))
+    dm = TranslationDataModule(
+        corpus="synthetic",
+        synthetic_size=100,
+        vocab_size=200,
+        max_len=40,
+        max_tokens=64,
+        eval_max_tokens=64,
+        cache_dir=str(tmp_path),
+    )
     dm.setup()
     loader = dm.train_dataloader()
     first = [b["idx"].tolist() for b in loader]
@@ -122,8 +149,15 @@ def test_overfit_batches_swaps_in_a_sequential_sampler_of_the_first_batches(tmp_
 
 
 def test_the_datamodule_shards_by_the_trainers_rank(tmp_path):
-    dm = TranslationDataModule(corpus="synthetic", synthetic_size=300, vocab_size=200, max_len=40,
-                               max_tokens=64, eval_max_tokens=128, cache_dir=str(tmp_path))
+    dm = TranslationDataModule(
+        corpus="synthetic",
+        synthetic_size=300,
+        vocab_size=200,
+        max_len=40,
+        max_tokens=64,
+        eval_max_tokens=128,
+        cache_dir=str(tmp_path),
+    )
     dm.setup()
     train, val = [], []
     for rank in range(2):
@@ -155,37 +189,89 @@ def test_bleu_of_shards_merged_is_the_bleu_of_the_whole():
 
 
 # -- trainer=ddp_cpu end to end (two gloo processes) -----------------------------------------------
-QUIET = ["logger=csv", "extras.print_config=false", "~callbacks.rich_progress_bar",
-         "~callbacks.model_summary"]
+QUIET = [
+    "logger=csv",
+    "extras.print_config=false",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+]
 # GPT, 30 steps of a global batch of 32 windows, validated every 10 steps on 512 windows
-GPT = [*tiny("trainer.max_steps=30", "model.optimizer.lr=3e-3", "model.scheduler.warmup_steps=5"),
-       "logger=csv"]
+GPT = [
+    *tiny("trainer.max_steps=30", "model.optimizer.lr=3e-3", "model.scheduler.warmup_steps=5"),
+    "logger=csv",
+]
 # the synthetic translation task, 30 steps of 512 target tokens, validated every 10 steps
-NMT = ["experiment=nmt_synthetic", *QUIET, "data.synthetic_size=600", "data.eval_max_tokens=512",
-       "model.net.d_model=32", "model.net.d_ff=64", "model.net.n_enc_layers=1", "model.net.n_dec_layers=1",
-       "model.scheduler.warmup_steps=5", "model.beam_size=2", "model.plot_sentences=1",
-       "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null"]
-TINY_TRANSFORMER = ["model.net.d_model=32", "model.net.n_head=2", "model.net.d_ff=64",
-                    "model.net.n_enc_layers=1", "model.net.n_dec_layers=1", "model.compile_loss=false"]
-TINY_SEQ2SEQ = ["model.net.emb_dim=16", "model.net.enc_hidden=16", "model.net.dec_hidden=32",
-                "model.net.attn_dim=16"]
-MULTI30K = {"nmt_transformer_multi30k": TINY_TRANSFORMER, "nmt_bahdanau_multi30k": TINY_SEQ2SEQ,
-            "nmt_luong_multi30k": TINY_SEQ2SEQ}
+NMT = [
+    "experiment=nmt_synthetic",
+    *QUIET,
+    "data.synthetic_size=600",
+    "data.eval_max_tokens=512",
+    "model.net.d_model=32",
+    "model.net.d_ff=64",
+    "model.net.n_enc_layers=1",
+    "model.net.n_dec_layers=1",
+    "model.scheduler.warmup_steps=5",
+    "model.beam_size=2",
+    "model.plot_sentences=1",
+    "trainer.max_steps=30",
+    "trainer.val_check_interval=10",
+    "trainer.check_val_every_n_epoch=null",
+]
+TINY_TRANSFORMER = [
+    "model.net.d_model=32",
+    "model.net.n_head=2",
+    "model.net.d_ff=64",
+    "model.net.n_enc_layers=1",
+    "model.net.n_dec_layers=1",
+    "model.compile_loss=false",
+]
+TINY_SEQ2SEQ = [
+    "model.net.emb_dim=16",
+    "model.net.enc_hidden=16",
+    "model.net.dec_hidden=32",
+    "model.net.attn_dim=16",
+]
+MULTI30K = {
+    "nmt_transformer_multi30k": TINY_TRANSFORMER,
+    "nmt_bahdanau_multi30k": TINY_SEQ2SEQ,
+    "nmt_luong_multi30k": TINY_SEQ2SEQ,
+}
 
 # every command-line run of this file, by name (= its task_name): two processes, and one process
 # with the same global batch (twice the per-process batch) to compare with
 RUNS = {
     "nmt_two": [*NMT, "trainer=ddp_cpu", "data.max_tokens=256"],  # then tested again by one process
     "gpt_two": [*GPT, "trainer=ddp_cpu", "data.batch_size=16", "data.val_batches=32"],
-    **{name: [f"experiment={name}", "trainer=ddp_cpu", *QUIET, *model, "data.vocab_size=100",
-              "data.max_tokens=256", "trainer.max_steps=6", "trainer.val_check_interval=3",
-              "trainer.check_val_every_n_epoch=null", "model.beam_size=2", "model.plot_sentences=1",
-              "trainer.num_sanity_val_steps=1"] for name, model in MULTI30K.items()},
+    **{
+        name: [
+            f"experiment={name}",
+            "trainer=ddp_cpu",
+            *QUIET,
+            *model,
+            "data.vocab_size=100",
+            "data.max_tokens=256",
+            "trainer.max_steps=6",
+            "trainer.val_check_interval=3",
+            "trainer.check_val_every_n_epoch=null",
+            "model.beam_size=2",
+            "model.plot_sentences=1",
+            "trainer.num_sanity_val_steps=1",
+        ]
+        for name, model in MULTI30K.items()
+    },
     # a ViT on fake Fashion-MNIST files: samplers from Lightning, metrics and the confusion matrix synced
-    "vit_two": ["experiment=vit_fashion_mnist", "trainer=ddp_cpu", *QUIET, *VISION_NETS["vit"],
-                "model.plot_images=2", "data.batch_size=8",
-                "data.val_size=10", "trainer.max_steps=6", "trainer.val_check_interval=3",
-                "trainer.num_sanity_val_steps=1"],
+    "vit_two": [
+        "experiment=vit_fashion_mnist",
+        "trainer=ddp_cpu",
+        *QUIET,
+        *VISION_NETS["vit"],
+        "model.plot_images=2",
+        "data.batch_size=8",
+        "data.val_size=10",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.num_sanity_val_steps=1",
+    ],
     "gpt_one": [*GPT, "data.batch_size=32", "data.val_batches=16"],
     "nmt_one": [*NMT, "data.max_tokens=512"],
 }
@@ -193,9 +279,11 @@ RUNS = {
 
 def uses(*names: str):
     """Declares the runs a test reads (see ``runs``)."""
+
     def mark(test):
         test.runs = names
         return test
+
     return mark
 
 
@@ -224,8 +312,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         wanted.update(getattr(getattr(item, "function", None), "runs", ()))
         wanted.update(v for v in params.values() if isinstance(v, str) and v in RUNS)
     pool = ThreadPoolExecutor(max_workers=2)
-    futures = {name: pool.submit(launch, name, tmp_path_factory.mktemp(name))
-               for name in RUNS if name in wanted}
+    futures = {
+        name: pool.submit(launch, name, tmp_path_factory.mktemp(name)) for name in RUNS if name in wanted
+    }
     try:
         yield lambda name: futures[name].result()
     finally:
@@ -313,8 +402,18 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(runs):
 def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path):
     """Lightning relaunches rank 1 from the command line; in a multirun that line still held ``-m``
     and both values, so rank 1 ran a sweep of its own elsewhere (lightning-hydra-template #393)."""
-    proc = run_cli("train", ["-m", *GPT, "trainer=ddp_cpu", "trainer.max_steps=10", "task_name=sweep_ddp",
-                             "model.optimizer.lr=1e-3,3e-3"], tmp_path)
+    proc = run_cli(
+        "train",
+        [
+            "-m",
+            *GPT,
+            "trainer=ddp_cpu",
+            "trainer.max_steps=10",
+            "task_name=sweep_ddp",
+            "model.optimizer.lr=1e-3,3e-3",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert out.count("Launching 2 jobs locally") == 1

@@ -181,8 +181,17 @@ def fine_tune_with_label(tmp_path: Path, row: int, label: int, *extra: str) -> t
     rows = train_file.read_text().splitlines()
     rows[row] = rows[row].rsplit("\t", 1)[0] + f"\t{label}"
     train_file.write_text("\n".join(rows) + "\n")
-    return run_main("train", ["experiment=bert_finetune_sst2_scratch", f"paths.root_dir={tmp_path}", *QUIET,
-                              *tiny[1:], f"data.data_dir={train_file.parent}", *extra])
+    return run_main(
+        "train",
+        [
+            "experiment=bert_finetune_sst2_scratch",
+            f"paths.root_dir={tmp_path}",
+            *QUIET,
+            *tiny[1:],
+            f"data.data_dir={train_file.parent}",
+            *extra,
+        ],
+    )
 
 
 def test_a_stray_label_in_sst2_is_refused_with_its_line(tmp_path):

@@ -57,8 +57,9 @@ def test_generation_with_cache_equals_generation_without(temperature, top_k, top
     prompt = torch.randint(0, 50, (2, 3))
     # 40 new tokens run well past block_size 16, where the window slides
     outs = [
-        net.generate(prompt, 40, temperature, top_k, top_p, use_cache=c,
-                     generator=torch.Generator().manual_seed(7))
+        net.generate(
+            prompt, 40, temperature, top_k, top_p, use_cache=c, generator=torch.Generator().manual_seed(7)
+        )
         for c in (True, False)
     ]
     assert outs[0].shape == (2, 43)
@@ -76,8 +77,12 @@ def test_top_k_and_top_p_restrict_the_support():
 
 @pytest.mark.parametrize(
     "kw,field",
-    [({"n_embd": 30, "n_head": 4}, "n_embd"), ({"block_size": 0}, "block_size"),
-     ({"n_layer": -1}, "n_layer"), ({"dropout": 1.0}, "dropout")],
+    [
+        ({"n_embd": 30, "n_head": 4}, "n_embd"),
+        ({"block_size": 0}, "block_size"),
+        ({"n_layer": -1}, "n_layer"),
+        ({"dropout": 1.0}, "dropout"),
+    ],
 )
 def test_bad_config_names_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):

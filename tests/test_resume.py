@@ -16,17 +16,35 @@ import pytest
 from conftest import QUIET, read_metrics, run_main
 from test_debug_matrix import tiny_overrides
 
-FAMILIES = ["gpt_pydoc_char", "vit_fashion_mnist", "clip_fashion_mnist", "bert_pretrain_sst2",
-            "bert_finetune_sst2_scratch", "nmt_synthetic"]
+FAMILIES = [
+    "gpt_pydoc_char",
+    "vit_fashion_mnist",
+    "clip_fashion_mnist",
+    "bert_pretrain_sst2",
+    "bert_finetune_sst2_scratch",
+    "nmt_synthetic",
+]
 
 
 def train(experiment: str, tmp: Path, *extra: str) -> Path:
-    status, out = run_main("train", [
-        f"experiment={experiment}", "task_name=resume", f"paths.root_dir={tmp}", *QUIET,
-        *tiny_overrides(experiment, tmp / "data"), "trainer.max_steps=60", "trainer.val_check_interval=15",
-        "trainer.check_val_every_n_epoch=null", "callbacks.model_checkpoint.save_top_k=-1",
-        "callbacks.model_checkpoint.monitor=step", "callbacks.model_checkpoint.mode=max", "test=true",
-        *extra])
+    status, out = run_main(
+        "train",
+        [
+            f"experiment={experiment}",
+            "task_name=resume",
+            f"paths.root_dir={tmp}",
+            *QUIET,
+            *tiny_overrides(experiment, tmp / "data"),
+            "trainer.max_steps=60",
+            "trainer.val_check_interval=15",
+            "trainer.check_val_every_n_epoch=null",
+            "callbacks.model_checkpoint.save_top_k=-1",
+            "callbacks.model_checkpoint.monitor=step",
+            "callbacks.model_checkpoint.mode=max",
+            "test=true",
+            *extra,
+        ],
+    )
     assert status == 0, out[-3000:]
     return sorted((tmp / "logs" / "resume" / "runs").iterdir())[-1]
 

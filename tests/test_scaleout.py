@@ -32,15 +32,21 @@ STRATEGIES = ("ddp_cpu", "fsdp2")
 # process's half batch by its own statistics.
 ARCHS = {
     "gpt": ("gpt_pydoc_char", ["model.net.dropout=0"]),
-    "transformer": ("nmt_synthetic", ["model.net.dropout=0", "model.net.attn_dropout=0",
-                                      "model.label_smoothing=0"]),
+    "transformer": (
+        "nmt_synthetic",
+        ["model.net.dropout=0", "model.net.attn_dropout=0", "model.label_smoothing=0"],
+    ),
     "seq2seq": ("nmt_bahdanau_multi30k", ["model.net.dropout=0", "model.label_smoothing=0"]),
-    "bert": ("bert_finetune_sst2_scratch",
-             ["model.net.encoder.dropout=0", "model.net.encoder.attn_dropout=0", "model.net.dropout=0"]),
+    "bert": (
+        "bert_finetune_sst2_scratch",
+        ["model.net.encoder.dropout=0", "model.net.encoder.attn_dropout=0", "model.net.dropout=0"],
+    ),
     "vit": ("vit_fashion_mnist", ["model.net.stem=patch", "model.net.drop_path=0"]),
     "deit": ("deit_fashion_mnist", ["model.net.stem=patch", "model.net.drop_path=0"]),
-    "swin": ("swin_fashion_mnist",
-             ["model.net.stem=patch", "model.net.drop_path=0", "model.label_smoothing=0"]),
+    "swin": (
+        "swin_fashion_mnist",
+        ["model.net.stem=patch", "model.net.drop_path=0", "model.label_smoothing=0"],
+    ),
     "clip": ("clip_fashion_mnist", ["model.net.image.stem=patch", "model.net.image.drop_path=0"]),
 }
 STEPS = 4
@@ -66,9 +72,17 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
     """The task (its config and initial weights) and STEPS global batches of its experiment's data."""
     experiment, exact = ARCHS[arch]
     # no warm-up: full-size steps from the first, so that a wrong gradient shows in the next losses
-    cfg = compose_train([f"experiment={experiment}", *tiny_overrides(experiment, tmp / arch), *exact,
-                         "model.scheduler=null", "seed=1", f"paths.root_dir={tmp}",
-                         f"paths.output_dir={tmp / arch}"])
+    cfg = compose_train(
+        [
+            f"experiment={experiment}",
+            *tiny_overrides(experiment, tmp / arch),
+            *exact,
+            "model.scheduler=null",
+            "seed=1",
+            f"paths.root_dir={tmp}",
+            f"paths.output_dir={tmp / arch}",
+        ]
+    )
     data: L.LightningDataModule = instantiate(cfg.data)
     data.prepare_data()
     data.setup("fit")
@@ -91,33 +105,57 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
 def two_processes(tmp_path_factory: pytest.TempPathFactory):
     """Start the worker on every job; return its results and the files the one-process runs need."""
     tmp = tmp_path_factory.mktemp("scaleout")
-    with_ema = [e for e in EXPERIMENTS
-                if "ema" in (compose_train([f"experiment={e}"]).get("callbacks") or {})]
+    with_ema = [
+        e for e in EXPERIMENTS if "ema" in (compose_train([f"experiment={e}"]).get("callbacks") or {})
+    ]
     runs = {}
     for experiment in EXPERIMENTS:
         for strategy in STRATEGIES:
             name = f"{experiment}-{strategy}"
             tiny = [o for o in tiny_overrides(experiment, tmp / name) if not o.startswith(PICTURES)]
-            runs[name] = [f"experiment={experiment}", f"trainer={strategy}", *FAST, *QUIET,
-                          f"task_name={name}", f"paths.root_dir={tmp}", f"paths.output_dir={tmp / name}",
-                          *tiny, *pictures(experiment)]
+            runs[name] = [
+                f"experiment={experiment}",
+                f"trainer={strategy}",
+                *FAST,
+                *QUIET,
+                f"task_name={name}",
+                f"paths.root_dir={tmp}",
+                f"paths.output_dir={tmp / name}",
+                *tiny,
+                *pictures(experiment),
+            ]
             if strategy == "fsdp2" and experiment in with_ema:  # refused with sharding (tested below)
                 runs[name].append("~callbacks.ema")
     # a short FSDP2 run that writes sharded checkpoints, for the one-process tools below
-    runs["vit_sharded"] = [*runs["vit_fashion_mnist-fsdp2"][:2], *QUIET, "~callbacks.ema",
-                           "task_name=vit_sharded",
-                           "trainer.max_steps=4", "trainer.val_check_interval=2", f"paths.root_dir={tmp}",
-                           f"paths.output_dir={tmp / 'vit_sharded'}",
-                           *tiny_overrides("vit_fashion_mnist", tmp / "vit_sharded")]
+    runs["vit_sharded"] = [
+        *runs["vit_fashion_mnist-fsdp2"][:2],
+        *QUIET,
+        "~callbacks.ema",
+        "task_name=vit_sharded",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        f"paths.root_dir={tmp}",
+        f"paths.output_dir={tmp / 'vit_sharded'}",
+        *tiny_overrides("vit_fashion_mnist", tmp / "vit_sharded"),
+    ]
     files = {arch: save_fixed_batches(arch, tmp) for arch in ARCHS}
-    fixed = {f"{arch}-{strategy}": {"file": str(file), "trainer": [f"trainer={strategy}"]}
-             for arch, file in files.items() for strategy in STRATEGIES}
+    fixed = {
+        f"{arch}-{strategy}": {"file": str(file), "trainer": [f"trainer={strategy}"]}
+        for arch, file in files.items()
+        for strategy in STRATEGIES
+    }
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps({"runs": runs, "fixed": fixed}))
     env = {**cli_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.run([*launch, str(ROOT / "tests" / "scaleout_worker.py"), str(spec)],
-                          cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [*launch, str(ROOT / "tests" / "scaleout_worker.py"), str(spec)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert_ok(proc)
     return json.loads(spec.with_suffix(".out.json").read_text()), files, tmp
 
@@ -180,8 +218,18 @@ def test_a_sharded_checkpoint_loads_in_one_process_for_eval_and_predict(two_proc
     top = [pair.rsplit(" ", 1) for pair in line.split(": ", 1)[1].split(", ")]
     probs = [float(p) for _, p in top]
     assert len(top) >= 3 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.001
-    assert {name for name, _ in top} <= {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
-                                         "Shirt", "Sneaker", "Bag", "Ankle boot"}
+    assert {name for name, _ in top} <= {
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    }
 
 
 def test_trainer_configs_compose_with_their_strategies():
@@ -198,8 +246,14 @@ def test_trainer_configs_compose_with_their_strategies():
 def test_checkpoints_of_compiled_and_eager_nets_load_either_way(tmp_path):
     """``model.compile=true`` compiles the net in place, so its state dict keeps the eager names
     (no ``_orig_mod.`` prefix): a checkpoint of either loads into the other."""
-    cfg = compose_train(["experiment=gpt_pydoc_char", *tiny_overrides("gpt_pydoc_char", tmp_path),
-                         f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}"])
+    cfg = compose_train(
+        [
+            "experiment=gpt_pydoc_char",
+            *tiny_overrides("gpt_pydoc_char", tmp_path),
+            f"paths.root_dir={tmp_path}",
+            f"paths.output_dir={tmp_path}",
+        ]
+    )
     fill_missing(cfg.model.net, {"vocab_size": 50}, "model.net")
     compiled = instantiate(cfg.model, compile=True)
     compiled.setup("fit")
@@ -217,8 +271,13 @@ def test_checkpoints_of_compiled_and_eager_nets_load_either_way(tmp_path):
 
 @pytest.mark.slow
 def test_weight_averaging_with_sharded_training_is_a_clear_error(tmp_path):
-    overrides = ["experiment=vit_fashion_mnist", "trainer=fsdp2", *QUIET, *FAST,
-                 *tiny_overrides("vit_fashion_mnist", tmp_path)]
+    overrides = [
+        "experiment=vit_fashion_mnist",
+        "trainer=fsdp2",
+        *QUIET,
+        *FAST,
+        *tiny_overrides("vit_fashion_mnist", tmp_path),
+    ]
     proc = run_cli("train", overrides, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "callbacks.ema: weight averaging keeps a full copy" in proc.stdout + proc.stderr

@@ -23,14 +23,16 @@ from conftest import assert_ok, cli_env, run_cli, tiny
 
 
 def test_search_spaces_read_hydras_optuna_sweeper_syntax():
-    space, fixed = search_space({
-        "model.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
-        "model.net.dropout": "interval(0.0, 0.3)",
-        "model.net.n_layer": "range(2, 8, 2)",
-        "data.batch_size": "tag(int, interval(8, 64))",
-        "model.net.attn_impl": "choice(sdpa, math)",
-        "trainer.max_steps": 100,
-    })
+    space, fixed = search_space(
+        {
+            "model.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
+            "model.net.dropout": "interval(0.0, 0.3)",
+            "model.net.n_layer": "range(2, 8, 2)",
+            "data.batch_size": "tag(int, interval(8, 64))",
+            "model.net.attn_impl": "choice(sdpa, math)",
+            "trainer.max_steps": 100,
+        }
+    )
     assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
     assert space["model.net.dropout"] == FloatDistribution(0.0, 0.3)
     assert space["model.net.n_layer"] == IntDistribution(2, 6, step=2)  # range's stop is excluded
@@ -59,11 +61,20 @@ def test_a_trial_left_running_is_failed_as_interrupted_and_its_parameters_queued
 
 
 def test_trials_run_train_with_the_sampled_values_in_their_own_directory(tmp_path):
-    cmd = trial_command(["experiment=gpt_pydoc_char"], {"model.optimizer.lr": 0.001, "model.net.bias": True,
-                        "data.name": "it's"}, tmp_path / "3", "sqlite:////x/optuna.db", 3)
+    cmd = trial_command(
+        ["experiment=gpt_pydoc_char"],
+        {"model.optimizer.lr": 0.001, "model.net.bias": True, "data.name": "it's"},
+        tmp_path / "3",
+        "sqlite:////x/optuna.db",
+        3,
+    )
     assert cmd[:3] == [sys.executable, "-m", "attnlab.cli.train"]
-    assert cmd[3:7] == ["experiment=gpt_pydoc_char", "model.optimizer.lr=0.001", "model.net.bias=true",
-                        "data.name='it\\'s'"]
+    assert cmd[3:7] == [
+        "experiment=gpt_pydoc_char",
+        "model.optimizer.lr=0.001",
+        "model.net.bias=true",
+        "data.name='it\\'s'",
+    ]
     assert cmd[7] == f"hydra.run.dir='{tmp_path / '3'}'"
     assert cmd[8] == "sweep_trial={storage:'sqlite:////x/optuna.db',number:3}"
 
@@ -78,13 +89,19 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize(("override", "needle"), [
-    ("+sweep.params.model.optimizer.eps=interval(3e-3, 1e-4)", "`low <= high` must hold"),
-    ("+sweep.params.model.optimizer.eps=tag(log, interval(0, 1e-3))", "`low > 0` must hold for `log=True`"),
-    ("sweep.sampler._target_=optuna.samplers.FooSampler", "sweep.sampler: Error locating target"),
-    ("+sweep.pruner.foo=1", "got an unexpected keyword argument 'foo'"),
-    ("sweep.direction=up", "sweep.direction: expected minimize or maximize"),
-])
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("+sweep.params.model.optimizer.eps=interval(3e-3, 1e-4)", "`low <= high` must hold"),
+        (
+            "+sweep.params.model.optimizer.eps=tag(log, interval(0, 1e-3))",
+            "`low > 0` must hold for `log=True`",
+        ),
+        ("sweep.sampler._target_=optuna.samplers.FooSampler", "sweep.sampler: Error locating target"),
+        ("+sweep.pruner.foo=1", "got an unexpected keyword argument 'foo'"),
+        ("sweep.direction=up", "sweep.direction: expected minimize or maximize"),
+    ],
+)
 def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, needle, tmp_path):
     """So the same command, fixed, can run again (a written sweep.yaml would ask for resume=)."""
     from conftest import run_main
@@ -99,8 +116,13 @@ def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, need
 def test_killing_the_sweep_driver_ends_its_running_trial(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = [*SWEEP, f"sweep.dir={sweep_dir}", "trainer.max_steps=100000", "trainer.val_check_interval=100000"]
-    driver = subprocess.Popen([sys.executable, "-m", "attnlab.cli.sweep", *args], cwd=tmp_path, env=cli_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "attnlab.cli.sweep", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     log = sweep_dir / "0" / "trial.log"
     deadline = time.monotonic() + 300
     while not (log.exists() and "Instantiating model" in log.read_text(errors="replace")):
@@ -133,9 +155,14 @@ def trial_pids(sweep_dir: Path) -> list[int]:
 def test_search_spaces_given_on_the_command_line_need_no_quotes():
     from attnlab.cli.sweep import compose_train, quote_search_spaces
 
-    args = quote_search_spaces(["hparams_search=gpt_optuna", "~sweep.params",
-                                "+sweep.params.model.net.n_head=choice(4, 3)",
-                                "+sweep.params.model.optimizer.lr='interval(1e-4, 1e-3)'"])
+    args = quote_search_spaces(
+        [
+            "hparams_search=gpt_optuna",
+            "~sweep.params",
+            "+sweep.params.model.net.n_head=choice(4, 3)",
+            "+sweep.params.model.optimizer.lr='interval(1e-4, 1e-3)'",
+        ]
+    )
     space, _ = search_space(compose_train(args).sweep.params)  # Hydra left them to the driver
     assert space["model.net.n_head"] == CategoricalDistribution([4, 3])
     assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-3)
@@ -161,8 +188,14 @@ SWEEP = [
 def test_a_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = [*SWEEP, f"sweep.dir={sweep_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "attnlab.cli.sweep", *args], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnlab.cli.sweep", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     fourth = sweep_dir / "3" / "trial.log"
     deadline = time.monotonic() + 300
     while not (fourth.exists() and "Instantiating model" in fourth.read_text(errors="replace")):
@@ -275,8 +308,12 @@ def test_hparams_search_configs_compose_and_their_seeded_samplers_repeat_a_sweep
 
     from attnlab.cli.sweep import compose_train
 
-    experiment = {"gpt_optuna": "gpt_pydoc_char", "translation_optuna": "nmt_transformer_multi30k",
-                  "vision_optuna": "vit_fashion_mnist", "bert_optuna": "bert_finetune_sst2"}[name]
+    experiment = {
+        "gpt_optuna": "gpt_pydoc_char",
+        "translation_optuna": "nmt_transformer_multi30k",
+        "vision_optuna": "vit_fashion_mnist",
+        "bert_optuna": "bert_finetune_sst2",
+    }[name]
     cfg = compose_train([f"hparams_search={name}", f"experiment={experiment}"])
     space, _ = search_space(cfg.sweep.params)
     for key in space:  # every searched key exists in the experiment's config

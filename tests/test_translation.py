@@ -38,19 +38,35 @@ def sources(b: int = 4, s: int = 7, seed: int = 0) -> torch.Tensor:
 
 def tiny_transformer(**kw) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(V, PAD, d_model=32, n_head=4, n_enc_layers=2, n_dec_layers=2, d_ff=64,
-                       dropout=0.0, max_len=64, **kw).eval()
+    return Transformer(
+        V, PAD, d_model=32, n_head=4, n_enc_layers=2, n_dec_layers=2, d_ff=64, dropout=0.0, max_len=64, **kw
+    ).eval()
 
 
 def tiny_seq2seq(attention: str = "additive", rnn: str = "gru") -> Seq2Seq:
     torch.manual_seed(0)
-    return Seq2Seq(V, PAD, attention=attention, rnn=rnn, emb_dim=16, enc_hidden=16, dec_hidden=32,
-                   attn_dim=16, dropout=0.0).eval()
+    return Seq2Seq(
+        V,
+        PAD,
+        attention=attention,
+        rnn=rnn,
+        emb_dim=16,
+        enc_hidden=16,
+        dec_hidden=32,
+        attn_dim=16,
+        dropout=0.0,
+    ).eval()
 
 
 # -- attention for RNNs ----------------------------------------------------------------------------
-@pytest.mark.parametrize("attn", [AdditiveAttention(8, 6, 5), MultiplicativeAttention(8, 6, "general"),
-                                  MultiplicativeAttention(6, 6, "dot")])
+@pytest.mark.parametrize(
+    "attn",
+    [
+        AdditiveAttention(8, 6, 5),
+        MultiplicativeAttention(8, 6, "general"),
+        MultiplicativeAttention(6, 6, "dot"),
+    ],
+)
 def test_rnn_attention_weights_sum_to_one_and_skip_padding(attn):
     q_dim = 8 if not isinstance(attn, MultiplicativeAttention) or attn.kind == "general" else 6
     keys, query = torch.randn(3, 5, 6), torch.randn(3, q_dim)
@@ -101,10 +117,16 @@ def tiny_dot_seq2seq() -> Seq2Seq:
     return Seq2Seq(V, PAD, attention="dot", emb_dim=16, enc_hidden=16, dec_hidden=32, dropout=0.0).eval()
 
 
-@pytest.mark.parametrize("make", [
-    tiny_transformer, partial(tiny_transformer, positions="learned", norm_first=True),
-    tiny_seq2seq, partial(tiny_seq2seq, "general", "lstm"), tiny_dot_seq2seq,
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        tiny_transformer,
+        partial(tiny_transformer, positions="learned", norm_first=True),
+        tiny_seq2seq,
+        partial(tiny_seq2seq, "general", "lstm"),
+        tiny_dot_seq2seq,
+    ],
+)
 def test_step_by_step_decoding_equals_the_teacher_forced_pass(make):
     net = make()
     src, tgt = sources(), torch.randint(4, V, (4, 6))
@@ -219,8 +241,14 @@ def write_corpus(d: Path, pairs: dict[str, tuple[list[str], list[str]]]) -> Path
 
 
 def fake_multi30k(d: Path) -> Path:
-    return write_corpus(d, {"train": synthetic_pairs(300, 0), "val": synthetic_pairs(20, 1),
-                            "test_2016_flickr": synthetic_pairs(20, 2)})
+    return write_corpus(
+        d,
+        {
+            "train": synthetic_pairs(300, 0),
+            "val": synthetic_pairs(20, 1),
+            "test_2016_flickr": synthetic_pairs(20, 2),
+        },
+    )
 
 
 def test_parallel_files_of_different_lengths_name_both_files(tmp_path):
@@ -250,10 +278,13 @@ def test_long_pairs_are_dropped_from_training_and_truncated_in_test(tmp_path, ca
     de[0] = " ".join(["hund"] * 80) + "."
     de_t, en_t = synthetic_pairs(20, 2)
     de_t[0] = de[0]
-    d = write_corpus(tmp_path / "m30k", {"train": (de, en), "val": synthetic_pairs(20, 1),
-                                         "test_2016_flickr": (de_t, en_t)})
-    dm = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100, max_len=40,
-                               max_tokens=200)
+    d = write_corpus(
+        tmp_path / "m30k",
+        {"train": (de, en), "val": synthetic_pairs(20, 1), "test_2016_flickr": (de_t, en_t)},
+    )
+    dm = TranslationDataModule(
+        data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100, max_len=40, max_tokens=200
+    )
     with caplog.at_level("WARNING"):
         dm.setup()
     assert "dropped 1 of 300 training pairs" in caplog.text
@@ -271,8 +302,9 @@ def test_a_tokenizer_that_does_not_match_is_refused():
 def test_direction_is_chosen_by_config(tmp_path):
     d = fake_multi30k(tmp_path / "m30k")
     fwd = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100)
-    back = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100,
-                                 src_lang="en", tgt_lang="de")
+    back = TranslationDataModule(
+        data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100, src_lang="en", tgt_lang="de"
+    )
     fwd.setup(), back.setup()
     assert fwd.sources("val") == back.references("val") and fwd.references("val") == back.sources("val")
     assert fwd.tokenizer.to_json() == back.tokenizer.to_json()  # one joint vocabulary, cached
@@ -324,8 +356,13 @@ def test_shared_multi30k_reads_with_its_published_line_counts():
 
 
 # -- training end to end ---------------------------------------------------------------------------
-NMT_TINY = ["experiment=nmt_synthetic", "logger=csv", "extras.print_config=false",
-            "~callbacks.rich_progress_bar", "~callbacks.model_summary"]
+NMT_TINY = [
+    "experiment=nmt_synthetic",
+    "logger=csv",
+    "extras.print_config=false",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+]
 
 
 @pytest.fixture(scope="module")
@@ -373,17 +410,34 @@ def test_eval_scores_the_checkpoint_with_beam_search(nmt_run: Path):
     assert json.loads((out / "metrics.json").read_text())["test/bleu"] > 90
 
 
-SEQ2SEQ_TINY = ["data=synthetic_translation", "model=seq2seq", "callbacks=translation", "logger=csv",
-                "trainer.val_check_interval=1.0", "trainer.check_val_every_n_epoch=1",
-                "model.plot_sentences=1", "extras.print_config=false", "~callbacks.rich_progress_bar",
-                "~callbacks.model_summary"]
+SEQ2SEQ_TINY = [
+    "data=synthetic_translation",
+    "model=seq2seq",
+    "callbacks=translation",
+    "logger=csv",
+    "trainer.val_check_interval=1.0",
+    "trainer.check_val_every_n_epoch=1",
+    "model.plot_sentences=1",
+    "extras.print_config=false",
+    "~callbacks.rich_progress_bar",
+    "~callbacks.model_summary",
+]
 
 
 def test_bahdanau_learns_the_synthetic_task(tmp_path):
-    args = [*SEQ2SEQ_TINY, "model.net.emb_dim=64", "model.net.enc_hidden=64", "model.net.dec_hidden=128",
-            "model.net.attn_dim=64", "model.net.dropout=0.0", "model.optimizer.lr=3e-3",
-            "model.scheduler.warmup_steps=20", "trainer.max_steps=350", "task_name=bahdanau",
-            "model.compile_loss=true"]  # the compiled training loss learns as the eager one
+    args = [
+        *SEQ2SEQ_TINY,
+        "model.net.emb_dim=64",
+        "model.net.enc_hidden=64",
+        "model.net.dec_hidden=128",
+        "model.net.attn_dim=64",
+        "model.net.dropout=0.0",
+        "model.optimizer.lr=3e-3",
+        "model.scheduler.warmup_steps=20",
+        "trainer.max_steps=350",
+        "task_name=bahdanau",
+        "model.compile_loss=true",
+    ]  # the compiled training loss learns as the eager one
     assert_ok(run_cli("train", args, tmp_path))
     (run_dir,) = run_dirs(tmp_path, "bahdanau")
     m = read_metrics(run_dir)
@@ -410,8 +464,11 @@ def test_testing_after_fit_keeps_the_averaged_weights():
     ema._average_model = torch.optim.swa_utils.AveragedModel(module)
     averaged = {k: torch.zeros_like(v) for k, v in module.state_dict().items()}
     raw = {k: torch.ones_like(v) for k, v in module.state_dict().items()}
-    ckpt = {"state_dict": averaged, "current_model_state": raw,
-            "averaging_state": {"n_averaged": torch.tensor(3)}}
+    ckpt = {
+        "state_dict": averaged,
+        "current_model_state": raw,
+        "averaging_state": {"n_averaged": torch.tensor(3)},
+    }
     module.load_state_dict(averaged)  # what Lightning restores from "state_dict"
     ema.on_load_checkpoint(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.TESTING)), module, ckpt)
     assert (module.weight == 0).all()  # Lightning's own callback would have loaded the raw weights

@@ -32,15 +32,15 @@ class RunMetadata(L.Callback):
     the W&B run id: plain containers, so the checkpoint still loads with ``weights_only=True``.
     """
 
-    def __init__(self, config_yaml: str, artifacts: dict[str, Any] | None = None,
-                 machine: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config_yaml: str, artifacts: dict[str, Any] | None = None, machine: dict[str, Any] | None = None
+    ) -> None:
         self.config_yaml, self.artifacts, self.machine = config_yaml, artifacts or {}, machine or {}
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        wandb_id = next(
-            (lg.experiment.id for lg in trainer.loggers if isinstance(lg, WandbLogger)), None
-        )
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        wandb_id = next((lg.experiment.id for lg in trainer.loggers if isinstance(lg, WandbLogger)), None)
         checkpoint["attnlab"] = {
             "version": __version__,
             "config": self.config_yaml,
@@ -81,12 +81,14 @@ class ResumableRandomness(L.Callback):
     def __init__(self) -> None:
         self.pending: dict[str, Any] | None = None
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         checkpoint["rng_states"] = rng_states()
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self.pending = checkpoint.get("rng_states")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -158,7 +160,8 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
             )
         super().setup(trainer, pl_module, stage)
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)

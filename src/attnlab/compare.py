@@ -174,8 +174,10 @@ def load_wandb_run(run_file: Path) -> Run:
 def _read_elsewhere(wandb_dir: Path) -> bool:
     """An offline W&B run inside a run directory that also has its CSV log (read that instead),
     or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
-    return any((p / "csv" / "metrics.csv").is_file() or (p.parent / "optuna.db").is_file()
-               for p in wandb_dir.parents[:3])
+    return any(
+        (p / "csv" / "metrics.csv").is_file() or (p.parent / "optuna.db").is_file()
+        for p in wandb_dir.parents[:3]
+    )
 
 
 def find_runs(paths: Iterable[Path]) -> list[Run]:
@@ -245,8 +247,11 @@ def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
     logged = {r.path.resolve() for r in runs}
     # the trials share everything but the sampled values: a logged sibling gives the rest
     sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
-    return [Run(sweep_dir / str(t.number), {**sibling, **t.params}) for t in sweep_trials(sweep_dir)
-            if (sweep_dir / str(t.number)).resolve() not in logged]
+    return [
+        Run(sweep_dir / str(t.number), {**sibling, **t.params})
+        for t in sweep_trials(sweep_dir)
+        if (sweep_dir / str(t.number)).resolve() not in logged
+    ]
 
 
 @functools.cache

@@ -18,9 +18,12 @@ def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens:
     n_rows, n_cols = len(maps), max(w.size(0) for w in maps.values())
     t, s = len(out_tokens), len(src_tokens)
     cell = 0.18 + 0.02 * max(t, s)
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(1.2 + cell * s * n_cols / 6 + 2 * n_cols,
-                                                       1.0 + cell * t * n_rows / 6 + 2 * n_rows),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        n_rows,
+        n_cols,
+        figsize=(1.2 + cell * s * n_cols / 6 + 2 * n_cols, 1.0 + cell * t * n_rows / 6 + 2 * n_rows),
+        squeeze=False,
+    )
     for r, (name, weights) in enumerate(maps.items()):
         for c in range(n_cols):
             ax = axes[r][c]
@@ -53,8 +56,15 @@ def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: 
             ax = axes[i][j]
             ax.imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
             lo, hi = m[i].min(), m[i].max()  # stretched per image: rollout sits on a large constant
-            ax.imshow(((m[i] - lo) / (hi - lo).clamp_min(1e-12)).numpy(), cmap="inferno", alpha=0.6,
-                      extent=(-0.5, w - 0.5, h - 0.5, -0.5), interpolation="nearest", vmin=0.0, vmax=1.0)
+            ax.imshow(
+                ((m[i] - lo) / (hi - lo).clamp_min(1e-12)).numpy(),
+                cmap="inferno",
+                alpha=0.6,
+                extent=(-0.5, w - 0.5, h - 0.5, -0.5),
+                interpolation="nearest",
+                vmin=0.0,
+                vmax=1.0,
+            )
             ax.set_title(name, fontsize=7)
         for ax in axes[i]:
             ax.axis("off")

@@ -97,14 +97,24 @@ def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def open_study(sweep_dir: Path, direction: str, sampler: optuna.samplers.BaseSampler | None = None,
-               pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
+def open_study(
+    sweep_dir: Path,
+    direction: str,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+) -> optuna.Study:
     """The study in ``<sweep_dir>/optuna.db``, created on first use and loaded after that."""
     if direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {direction!r}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    return optuna.create_study(storage=storage_url(sweep_dir), study_name=STUDY, direction=direction,
-                               sampler=sampler, pruner=pruner, load_if_exists=True)
+    return optuna.create_study(
+        storage=storage_url(sweep_dir),
+        study_name=STUDY,
+        direction=direction,
+        sampler=sampler,
+        pruner=pruner,
+        load_if_exists=True,
+    )
 
 
 def storage_url(sweep_dir: Path) -> str:
@@ -149,14 +159,21 @@ def override_value(value: Any) -> str:
     return repr(value)
 
 
-def trial_command(overrides: list[str], params: dict[str, Any], run_dir: Path, storage: str,
-                  number: int) -> list[str]:
+def trial_command(
+    overrides: list[str], params: dict[str, Any], run_dir: Path, storage: str, number: int
+) -> list[str]:
     """The ``attnlab-train`` command of one trial: the sweep's overrides, the sampled values,
     its own run directory, and where to report for pruning."""
     sampled = [f"{k}={override_value(v)}" for k, v in params.items()]
-    return [sys.executable, "-m", "attnlab.cli.train", *overrides, *sampled,
-            f"hydra.run.dir={override_value(str(run_dir))}",
-            f"sweep_trial={{storage:{override_value(storage)},number:{number}}}"]
+    return [
+        sys.executable,
+        "-m",
+        "attnlab.cli.train",
+        *overrides,
+        *sampled,
+        f"hydra.run.dir={override_value(str(run_dir))}",
+        f"sweep_trial={{storage:{override_value(storage)},number:{number}}}",
+    ]
 
 
 def error_line(log_file: Path) -> str:
@@ -164,7 +181,7 @@ def error_line(log_file: Path) -> str:
     lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()]
     for ln in reversed(lines):
         if "error: " in ln:
-            return ln[ln.index("error: "):]
+            return ln[ln.index("error: ") :]
     for ln in reversed(lines):
         if "Error" in ln or "Exception" in ln:
             return ln
@@ -205,8 +222,12 @@ def objective(space: dict[str, BaseDistribution], overrides: list[str], sweep_di
         cmd = trial_command(overrides, params, run_dir, storage_url(sweep_dir), trial.number)
         try:
             with log_file.open("w") as out:
-                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=partial(die_with_parent, os.getpid())).returncode
+                rc = subprocess.run(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=partial(die_with_parent, os.getpid()),
+                ).returncode
         except KeyboardInterrupt:  # Ctrl-C reaches the trial too: run these values again next time
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("error", INTERRUPTED)
@@ -229,8 +250,15 @@ def fail(trial: optuna.Trial, error: str) -> None:
     raise TrialFailed(error)
 
 
-def run_sweep(study: optuna.Study, space: dict[str, BaseDistribution], overrides: list[str],
-              sweep_dir: Path, metric: str, n_trials: int, echo=print) -> None:
+def run_sweep(
+    study: optuna.Study,
+    space: dict[str, BaseDistribution],
+    overrides: list[str],
+    sweep_dir: Path,
+    metric: str,
+    n_trials: int,
+    echo=print,
+) -> None:
     """Run trials until ``n_trials`` have finished (complete, pruned or failed)."""
     for number in recover_interrupted(study):
         echo(f"trial {number} was interrupted: its parameters are queued to run again")

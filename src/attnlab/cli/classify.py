@@ -28,13 +28,21 @@ from attnlab.tasks import TextClassificationTask
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        TextClassificationTask, need="attnlab-classify needs a sentence classifier")
+        TextClassificationTask, need="attnlab-classify needs a sentence classifier"
+    )
     net = run.net()
     if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
-        raise CheckpointError(f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a "
-                              "sentence classifier")
-    return classify_sentences(net, run.tokenizer, sentences, run.artifacts["classes"],
-                              run.artifacts.get("max_len", net.encoder.max_len), cfg.batch_size)
+        raise CheckpointError(
+            f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"
+        )
+    return classify_sentences(
+        net,
+        run.tokenizer,
+        sentences,
+        run.artifacts["classes"],
+        run.artifacts.get("max_len", net.encoder.max_len),
+        cfg.batch_size,
+    )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="classify")

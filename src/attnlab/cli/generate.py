@@ -26,11 +26,20 @@ def generate(cfg: DictConfig) -> list[str]:
     if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
         raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p}")
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        LanguageModelTask, need="attnlab-generate needs a language model")
+        LanguageModelTask, need="attnlab-generate needs a language model"
+    )
     net = run.net().to(cfg.device)
     return generate_text(
-        net, run.tokenizer, str(cfg.prompt), cfg.max_new_tokens, cfg.temperature,
-        cfg.top_k, cfg.top_p, cfg.num_samples, cfg.seed, cfg.use_cache,
+        net,
+        run.tokenizer,
+        str(cfg.prompt),
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.num_samples,
+        cfg.seed,
+        cfg.use_cache,
     )
 
 

@@ -29,6 +29,9 @@ def check_writable(config: DictConfig, key: str) -> None:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        print(f"error: cannot write the run folder {folder} ({e.strerror or e}); set paths.log_dir "
-              "(or paths.root_dir) to a writable directory", file=sys.stderr)
+        print(
+            f"error: cannot write the run folder {folder} ({e.strerror or e}); set paths.log_dir "
+            "(or paths.root_dir) to a writable directory",
+            file=sys.stderr,
+        )
         sys.exit(2)

@@ -21,7 +21,8 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     files = image_files(Path(str(cfg.image)).expanduser())
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        ImageClassificationTask, need="attnlab-predict needs an image classifier")
+        ImageClassificationTask, need="attnlab-predict needs an image classifier"
+    )
     net = run.net().to(cfg.device)
     results = []
     for start in range(0, len(files), cfg.batch_size):

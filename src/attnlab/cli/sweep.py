@@ -73,8 +73,9 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
     return cfg, args, sweep_dir
 
 
-def sweep_parts(s: DictConfig) -> tuple[dict, list[str], optuna.samplers.BaseSampler | None,
-                                          optuna.pruners.BasePruner | None]:
+def sweep_parts(
+    s: DictConfig,
+) -> tuple[dict, list[str], optuna.samplers.BaseSampler | None, optuna.pruners.BasePruner | None]:
     """The search space, fixed overrides, sampler and pruner of the ``sweep`` node, each checked."""
     if s.direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {s.direction!r}")

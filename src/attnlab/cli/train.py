@@ -128,15 +128,26 @@ def train(cfg: DictConfig) -> dict[str, float]:
     machine = machine_info()
     if trainer_rank_zero():
         (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
-    log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", machine["cpu"], machine["torch_threads"],
-             machine["cpu_native_bf16"], machine["gpus"] or "none")
+    log.info(
+        "machine: %s, %s threads, native bf16 %s, GPUs %s",
+        machine["cpu"],
+        machine["torch_threads"],
+        machine["cpu_native_bf16"],
+        machine["gpus"] or "none",
+    )
     callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     callbacks.append(ResumableRandomness())
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
         pruner = (cfg.get("sweep") or {}).get("pruner")
-        callbacks.append(TrialPruning(cfg.sweep_trial.storage, cfg.sweep_trial.number, cfg.optimized_metric,
-                                      instantiate(pruner) if pruner else optuna.pruners.NopPruner()))
+        callbacks.append(
+            TrialPruning(
+                cfg.sweep_trial.storage,
+                cfg.sweep_trial.number,
+                cfg.optimized_metric,
+                instantiate(pruner) if pruner else optuna.pruners.NopPruner(),
+            )
+        )
     loggers = setup_loggers(cfg, out)
     relaunch_this_multirun_job()
     trainer: L.Trainer = instantiate_trainer(
@@ -150,9 +161,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if trainer.num_training_batches == 0:  # Lightning only notes it, then tests an untrained model
             size = cfg.data.get("batch_size")
-            raise DataError("the training data gives no batch: fewer examples than one batch"
-                            + (f" (data.batch_size={size}, incomplete batches are dropped); add data or "
-                               "lower data.batch_size" if size else "; add data"))
+            raise DataError(
+                "the training data gives no batch: fewer examples than one batch"
+                + (
+                    f" (data.batch_size={size}, incomplete batches are dropped); add data or "
+                    "lower data.batch_size"
+                    if size
+                    else "; add data"
+                )
+            )
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.get("test"):
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -165,15 +182,29 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("sample") and hasattr(model.net, "generate"):  # every process: a sharded net needs them all
         s = cfg.sample
         with unsharded(model.net):
-            sample = generate_text(model.net, datamodule.tokenizer, s.prompt, s.max_new_tokens,
-                                   s.temperature, s.top_k, s.top_p, seed=cfg.get("seed"))[0]
+            sample = generate_text(
+                model.net,
+                datamodule.tokenizer,
+                s.prompt,
+                s.max_new_tokens,
+                s.temperature,
+                s.top_k,
+                s.top_p,
+                seed=cfg.get("seed"),
+            )[0]
     if trainer.is_global_zero:
         finish(cfg, model, loggers, metrics, out, sample)
     return metrics
 
 
-def finish(cfg: DictConfig, model: L.LightningModule, loggers: list[Logger], metrics: dict[str, float],
-           out: Path, sample: str | None) -> None:
+def finish(
+    cfg: DictConfig,
+    model: L.LightningModule,
+    loggers: list[Logger],
+    metrics: dict[str, float],
+    out: Path,
+    sample: str | None,
+) -> None:
     """Print the sample and the final metrics; close the W&B run with them in its summary."""
     if sample is not None:
         log.info("sample:\n%s\n%s\n%s", "-" * 60, sample, "-" * 60)
@@ -195,8 +226,11 @@ def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics:
     them only with metrics in hand, and then also logs those metrics as scalars at step 0. Keys that
     say where or how the run logged (callbacks, loggers, paths) are left out, as attnlab-compare
     does: the table then opens on data, model and trainer settings."""
-    params = {k: v if isinstance(v, int | float | str | bool) else str(v)
-              for k, v in sorted(flatten(container(cfg)).items()) if is_hyperparameter(k)}
+    params = {
+        k: v if isinstance(v, int | float | str | bool) else str(v)
+        for k, v in sorted(flatten(container(cfg)).items())
+        if is_hyperparameter(k)
+    }
     writer = logger.experiment._get_file_writer()
     for summary in hparams(params, metrics):
         writer.add_summary(summary)

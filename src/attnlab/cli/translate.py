@@ -29,7 +29,8 @@ log = logging.getLogger("attnlab.translate")
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        TranslationTask, need="attnlab-translate needs a translation model")
+        TranslationTask, need="attnlab-translate needs a translation model"
+    )
     tokenizer = run.tokenizer
     task_cfg = run.config.model
     beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
@@ -38,8 +39,16 @@ def translate(cfg: DictConfig) -> list[str]:
     alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
     net = run.net().to(cfg.device)
     return translate_sentences(
-        net, tokenizer, sentences, beam, alpha, task_cfg.max_len_a, task_cfg.max_len_b,
-        run.config.data.max_len, cfg.max_tokens, cfg.device,
+        net,
+        tokenizer,
+        sentences,
+        beam,
+        alpha,
+        task_cfg.max_len_a,
+        task_cfg.max_len_b,
+        run.config.data.max_len,
+        cfg.max_tokens,
+        cfg.device,
     )
 
 

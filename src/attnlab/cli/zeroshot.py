@@ -25,7 +25,8 @@ from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
+        ContrastiveTask, need="attnlab-zeroshot needs a CLIP run"
+    )
     net = run.net()
     templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
     return run, net.to(cfg.device), templates

@@ -54,8 +54,9 @@ class ResumableSampler(DistributedSampler):
     """
 
     def __init__(self, n: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
-                         drop_last=True)
+        super().__init__(
+            range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         self._start: dict[int, int] = {}  # epoch -> samples of it already seen
 
     def resume(self, batches_consumed: int, batch_size: int) -> None:

@@ -39,8 +39,9 @@ class TrainedRun:
     def net(self) -> nn.Module:
         """The bare model (``model.net``) with the checkpoint's weights."""
         net = instantiate(self.config.model.net)
-        state = {k.removeprefix("net."): v for k, v in self.ckpt["state_dict"].items()
-                 if k.startswith("net.")}
+        state = {
+            k.removeprefix("net."): v for k, v in self.ckpt["state_dict"].items() if k.startswith("net.")
+        }
         check_fits(net, state, self.path)
         net.load_state_dict(state)
         return net.eval()

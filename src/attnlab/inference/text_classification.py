@@ -23,8 +23,9 @@ def encode_sentence(tokenizer: WordPieceTokenizer, text: str, max_len: int) -> l
 
 
 @torch.no_grad()
-def fill_mask(net: nn.Module, tokenizer: WordPieceTokenizer, text: str, top_k: int,
-              max_len: int) -> list[list[tuple[str, float]]]:
+def fill_mask(
+    net: nn.Module, tokenizer: WordPieceTokenizer, text: str, top_k: int, max_len: int
+) -> list[list[tuple[str, float]]]:
     """For each ``[MASK]`` in ``text``, the ``top_k`` most likely tokens and their probabilities."""
     if MASK not in text:
         raise DataError(f"text={text!r} has no {MASK} to fill")
@@ -36,13 +37,21 @@ def fill_mask(net: nn.Module, tokenizer: WordPieceTokenizer, text: str, top_k: i
     probs = logits.float().softmax(-1)
     probs[:, : len(WordPieceTokenizer.specials)] = 0.0  # a filling is a word piece, not a special
     top = probs.topk(min(top_k, probs.size(-1)), dim=-1)
-    return [[(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]
-            for ix, pv in zip(top.indices, top.values, strict=True)]
+    return [
+        [(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]
+        for ix, pv in zip(top.indices, top.values, strict=True)
+    ]
 
 
 @torch.no_grad()
-def classify_sentences(net: nn.Module, tokenizer: WordPieceTokenizer, sentences: list[str],
-                       classes: list[str], max_len: int, batch_size: int = 64) -> list[tuple[str, float]]:
+def classify_sentences(
+    net: nn.Module,
+    tokenizer: WordPieceTokenizer,
+    sentences: list[str],
+    classes: list[str],
+    max_len: int,
+    batch_size: int = 64,
+) -> list[tuple[str, float]]:
     """The most likely class of each sentence and its probability."""
     from attnlab.data.text.batching import pad
 

@@ -36,8 +36,17 @@ def translate_sentences(
     out: list[str] = [""] * len(ids)
     for batch in TokenBatchSampler([len(s) for s in ids], max_tokens, shuffle=False):
         src = pad([ids[i] for i in batch], tokenizer.pad_id).to(device)
-        hyps = translate_batch(net, src, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, beam_size,
-                               length_penalty, max_len_a, max_len_b)
+        hyps = translate_batch(
+            net,
+            src,
+            tokenizer.pad_id,
+            tokenizer.bos_id,
+            tokenizer.eos_id,
+            beam_size,
+            length_penalty,
+            max_len_a,
+            max_len_b,
+        )
         for i, h in zip(batch, hyps, strict=True):
             out[i] = tokenizer.decode(h)
     return out

@@ -161,9 +161,7 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         if n_head <= 0 or d_model <= 0 or d_model % n_head != 0:
-            raise ConfigError(
-                f"d_model/n_embd ({d_model}) must be a positive multiple of n_head ({n_head})"
-            )
+            raise ConfigError(f"d_model/n_embd ({d_model}) must be a positive multiple of n_head ({n_head})")
         if impl not in ("auto", "sdpa", "math"):
             raise ConfigError(f"attention impl must be 'auto', 'sdpa' or 'math', got {impl!r}")
         self.d_model, self.n_head, self.dropout, self.impl = d_model, n_head, dropout, impl

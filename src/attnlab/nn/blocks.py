@@ -16,8 +16,9 @@ from attnlab.nn.dropout import Dropout
 class MLP(nn.Module):
     """Position-wise feed-forward network: fc2(act(fc1(x)))."""
 
-    def __init__(self, dim: int, hidden_dim: int, act_layer: Callable[[], nn.Module] = nn.GELU,
-                 bias: bool = True) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, act_layer: Callable[[], nn.Module] = nn.GELU, bias: bool = True
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.act = act_layer()
@@ -112,13 +113,20 @@ class TransformerBlock(nn.Module):
         weights: dict[str, Tensor | None] = {}
 
         def self_attn(h: Tensor) -> Tensor:
-            y, weights["self_attn"] = self.attn(h, attn_mask=attn_mask, key_padding_mask=padding_mask,
-                                                causal=causal, cache=cache, need_weights=need_weights)
+            y, weights["self_attn"] = self.attn(
+                h,
+                attn_mask=attn_mask,
+                key_padding_mask=padding_mask,
+                causal=causal,
+                cache=cache,
+                need_weights=need_weights,
+            )
             return y
 
         def cross_attn(h: Tensor) -> Tensor:
-            y, weights["cross_attn"] = self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
-                                                       cache=cross_cache, need_weights=need_weights)
+            y, weights["cross_attn"] = self.cross_attn(
+                h, memory, key_padding_mask=memory_padding_mask, cache=cross_cache, need_weights=need_weights
+            )
             return y
 
         x = self._residual(x, self.norm1, self_attn)

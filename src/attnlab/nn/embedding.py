@@ -58,8 +58,15 @@ class TokenEmbedding(nn.Module):
         padding_idx: id whose vector is zero and gets no gradient.
     """
 
-    def __init__(self, vocab_size: int, dim: int, positions: nn.Module | None = None, dropout: float = 0.0,
-                 scale: bool = False, padding_idx: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        positions: nn.Module | None = None,
+        dropout: float = 0.0,
+        scale: bool = False,
+        padding_idx: int | None = None,
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
         self.positions = positions
@@ -76,8 +83,10 @@ class TokenEmbedding(nn.Module):
         if self.positions is not None:
             t = ids.size(1)
             if start + t > self.positions.max_len:
-                raise ValueError(f"sequence of {start + t} tokens exceeds the {self.positions.max_len} "
-                                 "positions the model has")
+                raise ValueError(
+                    f"sequence of {start + t} tokens exceeds the {self.positions.max_len} "
+                    "positions the model has"
+                )
             x = x + self.positions(t, start)
         return self.drop(x)
 
@@ -98,8 +107,14 @@ class PatchEmbedding(nn.Module):
         norm_layer: applied to each patch embedding, or ``None``.
     """
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
-                 norm_layer: Callable[[int], nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        img_size: int,
+        patch_size: int,
+        in_chans: int,
+        dim: int,
+        norm_layer: Callable[[int], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         check_divisible(img_size, patch_size)
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
@@ -131,9 +146,15 @@ class ConvStem(nn.Module):
             is seen before the first stride, for about a third more compute in ``vit_mini``.
     """
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int,
-                 norm_layer: Callable[[int], nn.Module] | None = None,
-                 full_resolution: bool = False) -> None:
+    def __init__(
+        self,
+        img_size: int,
+        patch_size: int,
+        in_chans: int,
+        dim: int,
+        norm_layer: Callable[[int], nn.Module] | None = None,
+        full_resolution: bool = False,
+    ) -> None:
         super().__init__()
         check_divisible(img_size, patch_size)
         if patch_size < 2 or patch_size & (patch_size - 1):
@@ -163,8 +184,14 @@ Stem = Literal["patch", "conv", "conv_full"]
 STEMS = get_args(Stem)
 
 
-def patch_embedding(stem: Stem, img_size: int, patch_size: int, in_chans: int, dim: int,
-                    norm_layer: Callable[[int], nn.Module] | None = None) -> nn.Module:
+def patch_embedding(
+    stem: Stem,
+    img_size: int,
+    patch_size: int,
+    in_chans: int,
+    dim: int,
+    norm_layer: Callable[[int], nn.Module] | None = None,
+) -> nn.Module:
     """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
     papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution)."""
     check_choice("model.net", "stem", stem, STEMS)
@@ -184,8 +211,9 @@ def check_image_shape(x: Tensor, in_chans: int, img_size: int) -> None:
     """(B, C, H, W) images must be what the embedding was built for."""
     c, h, w = x.shape[1:]
     if (c, h, w) != (in_chans, img_size, img_size):
-        raise ValueError(f"expected images of shape ({in_chans}, {img_size}, {img_size}), "
-                         f"got ({c}, {h}, {w})")
+        raise ValueError(
+            f"expected images of shape ({in_chans}, {img_size}, {img_size}), got ({c}, {h}, {w})"
+        )
 
 
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int = 1) -> nn.Sequential:

@@ -34,8 +34,9 @@ class AdditiveAttention(nn.Module):
         """U h for every key (B, S, A): computed once per source, not once per output step."""
         return self.key_proj(keys)
 
-    def forward(self, query: Tensor, keys: Tensor, pad: Tensor, prepared: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, query: Tensor, keys: Tensor, pad: Tensor, prepared: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         uh = self.prepare(keys) if prepared is None else prepared
         scores = self.v(torch.tanh(self.query_proj(query)[:, None, :] + uh)).squeeze(-1)  # (B, S)
         return _attend(scores, keys, pad)
@@ -58,8 +59,9 @@ class MultiplicativeAttention(nn.Module):
         """W h for every key (B, S, Q): computed once per source."""
         return self.key_proj(keys)
 
-    def forward(self, query: Tensor, keys: Tensor, pad: Tensor, prepared: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, query: Tensor, keys: Tensor, pad: Tensor, prepared: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         wh = self.prepare(keys) if prepared is None else prepared
         scores = torch.bmm(wh, query[:, :, None]).squeeze(-1)  # (B, S)
         return _attend(scores, keys, pad)

@@ -7,5 +7,11 @@ from attnlab.tasks.masked_lm import MaskedLMTask
 from attnlab.tasks.text_classification import TextClassificationTask
 from attnlab.tasks.translation import TranslationTask
 
-__all__ = ["ContrastiveTask", "ImageClassificationTask", "LanguageModelTask", "MaskedLMTask",
-           "TextClassificationTask", "TranslationTask"]
+__all__ = [
+    "ContrastiveTask",
+    "ImageClassificationTask",
+    "LanguageModelTask",
+    "MaskedLMTask",
+    "TextClassificationTask",
+    "TranslationTask",
+]

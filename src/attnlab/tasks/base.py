@@ -16,8 +16,20 @@ from attnlab.tasks.optim import build_optimizers, clip_gradients
 # every process. Under FSDP2 a sharded module gathers its parameters only around registered
 # methods. Decoding (start/step, generate) runs a different number of steps on each process and
 # gathers everything once instead (``attnlab.utils.distributed.unsharded``).
-ENTRY_POINTS = ("forward_heads", "forward_features", "forward_head", "patch_attention", "attention_maps",
-                "alignments", "encode_image", "encode_text", "scale", "encode", "decode", "logits")
+ENTRY_POINTS = (
+    "forward_heads",
+    "forward_features",
+    "forward_head",
+    "patch_attention",
+    "attention_maps",
+    "alignments",
+    "encode_image",
+    "encode_text",
+    "scale",
+    "encode",
+    "decode",
+    "logits",
+)
 
 
 class Task(L.LightningModule):

@@ -101,7 +101,8 @@ def load_teacher(
             ) from None
     if ckpt_path is not None:
         run = TrainedRun(ckpt_path, Path(log_dir)).require(
-            ImageClassificationTask, need="model.distillation.teacher needs an image classifier")
+            ImageClassificationTask, need="model.distillation.teacher needs an image classifier"
+        )
         return _checked_classifier(run.net(), ckpt_path)
     if weights is None:
         raise ConfigError(

@@ -32,9 +32,16 @@ class EncoderTask(Task):
 
     best: tuple[str, str] = ("loss", "min")
 
-    def __init__(self, net: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., Any] | None, weight_decay: float, compile: bool,
-                 plot_sentences: int, plot_dir: str | None) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None,
+        weight_decay: float,
+        compile: bool,
+        plot_sentences: int,
+        plot_dir: str | None,
+    ) -> None:
         super().__init__(net, optimizer, scheduler, weight_decay, compile)
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})

@@ -101,8 +101,9 @@ class TranslationTask(Task):
             # dynamic: the number of scored tokens changes with every batch
             self._train_loss_fn = torch.compile(cross_entropy, dynamic=True)
 
-    def _nll(self, batch: dict[str, Tensor], smoothing: float, loss_fn: Callable = cross_entropy
-             ) -> tuple[Tensor, Tensor]:
+    def _nll(
+        self, batch: dict[str, Tensor], smoothing: float, loss_fn: Callable = cross_entropy
+    ) -> tuple[Tensor, Tensor]:
         scored = batch["tgt_out"] != self.net.pad_id
         logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
         return loss_fn(logits, batch["tgt_out"][scored], smoothing), scored.sum()
@@ -124,8 +125,17 @@ class TranslationTask(Task):
         with unsharded(self.net):
             if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
                 return
-            ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam,
-                                  self.length_penalty, self.max_len_a, self.max_len_b)
+            ids = translate_batch(
+                self.net,
+                batch["src"],
+                tok.pad_id,
+                tok.bos_id,
+                tok.eos_id,
+                beam,
+                self.length_penalty,
+                self.max_len_a,
+                self.max_len_b,
+            )
         hyps = [tok.decode(h) for h in ids]
         refs = self._data.references(stage)
         idx = batch["idx"].tolist()
@@ -191,14 +201,20 @@ class TranslationTask(Task):
     # -- what people look at ------------------------------------------------------------------------
     def _show_samples(self, hyps: dict[int, str]) -> None:
         data = self._data
-        rows = [(data.sources("val")[i], data.references("val")[i], hyps.get(i, ""))
-                for i in range(min(self.plot_sentences, len(data.references("val"))))]
+        rows = [
+            (data.sources("val")[i], data.references("val")[i], hyps.get(i, ""))
+            for i in range(min(self.plot_sentences, len(data.references("val"))))
+        ]
         for src, ref, hyp in rows:
             log.info("src: %s\n    ref: %s\n    hyp: %s", src, ref, hyp)
         for lg in self.loggers:
             if hasattr(lg, "log_text"):
-                lg.log_text(key="val/samples", columns=["source", "reference", "translation"],
-                            data=[list(r) for r in rows], step=self.global_step)
+                lg.log_text(
+                    key="val/samples",
+                    columns=["source", "reference", "translation"],
+                    data=[list(r) for r in rows],
+                    step=self.global_step,
+                )
 
     @torch.no_grad()
     def _plot_alignments(self, hyps: dict[int, str]) -> None:

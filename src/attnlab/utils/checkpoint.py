@@ -55,9 +55,19 @@ def is_sharded(path: Path) -> bool:
 
 # The records torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``.
 _METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
@@ -128,10 +138,23 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if path.is_file() and path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): not a PyTorch checkpoint")
     try:
-        ckpt = load_sharded_checkpoint(path) if is_sharded(path) else torch.load(
-            path, map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
-            AttributeError, KeyError, TypeError, AssertionError) as e:
+        ckpt = (
+            load_sharded_checkpoint(path)
+            if is_sharded(path)
+            else torch.load(path, map_location="cpu", weights_only=True)
+        )
+    except (
+        RuntimeError,
+        OSError,
+        EOFError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        AttributeError,
+        KeyError,
+        TypeError,
+        AssertionError,
+    ) as e:
         reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {reason})"
@@ -193,8 +216,10 @@ def resolve_pretrained(spec: str, log_dir: Path) -> Path:
         try:
             return find_last(log_dir, f"{spec}/runs/*/checkpoints/last.ckpt")
         except CheckpointError:
-            raise CheckpointError(f"model.pretrained_ckpt={spec}: no run of that task under {log_dir} "
-                                  "(pre-train first) and no such file") from None
+            raise CheckpointError(
+                f"model.pretrained_ckpt={spec}: no run of that task under {log_dir} "
+                "(pre-train first) and no such file"
+            ) from None
     raise CheckpointError(f"model.pretrained_ckpt={spec}: no such file")
 
 
@@ -202,8 +227,12 @@ def pretrained_artifacts(path: Path) -> dict[str, Any]:
     """The data artifacts a fine-tuning run takes over from its pre-training checkpoint: the
     tokenizer, not the classes."""
     meta = metadata(load_checkpoint(path), path)
-    require_task(meta, path, ("MaskedLMTask", "TextClassificationTask"),
-                 "model.pretrained_ckpt needs a BERT run (pre-training or fine-tuning) to start from")
+    require_task(
+        meta,
+        path,
+        ("MaskedLMTask", "TextClassificationTask"),
+        "model.pretrained_ckpt needs a BERT run (pre-training or fine-tuning) to start from",
+    )
     artifacts = meta["artifacts"]
     if "tokenizer" not in artifacts:
         raise CheckpointError(f"model.pretrained_ckpt={path} holds no tokenizer: not a text pre-training run")
@@ -223,8 +252,7 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path
     if problems:
         more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(
-            f"checkpoint {path} does not match the configured model: "
-            + "; ".join(problems[:5]) + more
+            f"checkpoint {path} does not match the configured model: " + "; ".join(problems[:5]) + more
         )
 
 
@@ -237,8 +265,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     and the cause; those written before stay.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:

@@ -182,7 +182,8 @@ def check_types(node: DictConfig, path: str) -> None:
     except (TypeError, ValueError):  # builtins and the like: nothing to check against
         return
     params = {
-        name: p for name, p in sig.parameters.items()
+        name: p
+        for name, p in sig.parameters.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
@@ -196,8 +197,13 @@ def check_types(node: DictConfig, path: str) -> None:
             if takes_kwargs:
                 continue
             close = difflib.get_close_matches(key, list(params), n=1)
-            hint = (f" (did you mean {close[0]}?)" if close else
-                    f" (its parameters: {', '.join(params)})" if len(params) <= 15 else "")
+            hint = (
+                f" (did you mean {close[0]}?)"
+                if close
+                else f" (its parameters: {', '.join(params)})"
+                if len(params) <= 15
+                else ""
+            )
             shown = "" if value is _MISSING else f"={show(value)}"
             raise ConfigError(f"{path}.{key}{shown}: {target} has no parameter {key!r}{hint}")
         if value is _MISSING or key not in hints:
@@ -209,9 +215,7 @@ def check_types(node: DictConfig, path: str) -> None:
         if isinstance(value, str) and value in extra:
             continue
         if _checkable(tp) and not _accepts(value, tp):
-            raise ConfigError(
-                f"{path}.{key}={show(value)}: expected {describe(tp, extra)} ({target} {key})"
-            )
+            raise ConfigError(f"{path}.{key}={show(value)}: expected {describe(tp, extra)} ({target} {key})")
 
 
 def _type_hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
@@ -321,8 +325,11 @@ def describe(tp: Any, extra: tuple[Any, ...] = ()) -> str:
     choices: list[Any] = []
     nullable = _phrases(tp, phrases, choices)
     choices += [c for c in extra if c not in choices]
-    parts = ([f"one of {', '.join(map(repr, choices))}" if len(choices) > 1 else repr(choices[0])]
-             if choices else [])
+    parts = (
+        [f"one of {', '.join(map(repr, choices))}" if len(choices) > 1 else repr(choices[0])]
+        if choices
+        else []
+    )
     parts += [p for i, p in enumerate(phrases) if p not in phrases[:i]]
     if not parts:
         parts = [f"a {getattr(get_origin(tp) or tp, '__name__', str(tp))}"]

@@ -47,8 +47,10 @@ def relaunch_this_multirun_job() -> None:
             else:
                 os.environ[key] = value
     given = set(sys.argv[1:])  # Hydra lists a deletion `~key` as `~key=null` (delete only if null)
-    sys.argv[1:] = [o[: -len("=null")] if o.startswith("~") and o.endswith("=null") and o[: -len("=null")]
-                    in given else o for o in hydra_cfg.overrides.task]
+    sys.argv[1:] = [
+        o[: -len("=null")] if o.startswith("~") and o.endswith("=null") and o[: -len("=null")] in given else o
+        for o in hydra_cfg.overrides.task
+    ]
     with read_write(hydra_cfg):
         hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 

@@ -90,6 +90,10 @@ def resolve_precision(accelerator: str, precision: Any) -> str | Any:
         log.info("trainer.precision=auto -> %s (%s)", chosen, why)
         return chosen
     if str(precision).startswith("bf16") and not uses_gpu(accelerator) and not native_bf16_cpu():
-        log.warning("trainer.precision=%s on CPU %s, which has no native bf16: expect it to be very "
-                    "slow (trainer.precision=auto picks 32-true here)", precision, cpu_model())
+        log.warning(
+            "trainer.precision=%s on CPU %s, which has no native bf16: expect it to be very "
+            "slow (trainer.precision=auto picks 32-true here)",
+            precision,
+            cpu_model(),
+        )
     return precision

@@ -270,8 +270,9 @@ class ImageTextDataModule(DataModule):
         test_levels = cap.attribute_levels(cap.measure(data.test_images), data.test_labels, cuts)
         images, labels = data.train_images, data.train_labels
         self.splits = {
-            "train": GeneratedCaptions(images[train], labels[train], levels[train], self.classes, train=True,
-                                       seed=self.seed),
+            "train": GeneratedCaptions(
+                images[train], labels[train], levels[train], self.classes, train=True, seed=self.seed
+            ),
             "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes, train=False),
             "test": GeneratedCaptions(
                 data.test_images, data.test_labels, test_levels, self.classes, train=False

@@ -52,8 +52,9 @@ class TokenBatchSampler(DistributedSampler):
         num_replicas: int = 1,
         rank: int = 0,
     ) -> None:
-        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed)
+        super().__init__(
+            range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+        )
         self.lengths, self.max_tokens = lengths, max_tokens
         self._cache: tuple[int, list[list[int]]] | None = None
         self._start: dict[int, int] = {}  # epoch -> its batches already seen (a resumed run)

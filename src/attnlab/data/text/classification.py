@@ -55,14 +55,26 @@ class LabelledTextDataModule(DataModule):
         seed: of the training batches' order.
     """
 
-    def __init__(self, train_file: str, val_file: str, test_file: str, data_dir: str | None = None,
-                 cache_dir: str = "data", vocab_size: int = 8000, max_len: int = 64, max_tokens: int = 2048,
-                 class_names: list[str] | None = None, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str,
+        test_file: str,
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        vocab_size: int = 8000,
+        max_len: int = 64,
+        max_tokens: int = 2048,
+        class_names: list[str] | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         check_positive("data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens)
         if max_tokens < max_len:
-            raise ConfigError(f"data.max_tokens ({max_tokens}) must hold an example of data.max_len "
-                              f"({max_len})")
+            raise ConfigError(
+                f"data.max_tokens ({max_tokens}) must hold an example of data.max_len ({max_len})"
+            )
         self.files = {"train": train_file, "val": val_file, "test": test_file}
         self.data_dir, self.cache_dir = data_dir, cache_dir
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
@@ -92,8 +104,10 @@ class LabelledTextDataModule(DataModule):
         return len(self.classes)
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {"encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id},
-                "num_classes": self.num_classes}
+        return {
+            "encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id},
+            "num_classes": self.num_classes,
+        }
 
     def artifacts(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer.to_json(), "classes": self.classes, "max_len": self.max_len}
@@ -118,14 +132,19 @@ class LabelledTextDataModule(DataModule):
         if self.tokenizer is None:
             self.tokenizer = WordPieceTokenizer.fit(self.texts(raw["train"]), self.vocab_size)
         if not isinstance(self.tokenizer, WordPieceTokenizer):
-            raise DataError(f"the checkpoint's tokenizer is a {self.tokenizer.kind} one; "
-                            "BERT tasks need WordPiece")
+            raise DataError(
+                f"the checkpoint's tokenizer is a {self.tokenizer.kind} one; BERT tasks need WordPiece"
+            )
         if self.classes is None:
             self.classes = self.fit_classes(raw["train"])
         self.splits = {split: self.encode(raw[split], self._path(split)) for split in self.files}
-        log.info("%s: %d train / %d val / %d test examples, %d classes, vocab %d", type(self).__name__,
-                 *(len(self.splits[s]) for s in ("train", "val", "test")), self.num_classes,
-                 self.tokenizer.vocab_size)
+        log.info(
+            "%s: %d train / %d val / %d test examples, %d classes, vocab %d",
+            type(self).__name__,
+            *(len(self.splits[s]) for s in ("train", "val", "test")),
+            self.num_classes,
+            self.tokenizer.vocab_size,
+        )
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         items = self.splits[split]
@@ -134,9 +153,14 @@ class LabelledTextDataModule(DataModule):
         sampler = TokenBatchSampler(lengths, self.max_tokens, shuffle, self.seed, world, rank)
         if shuffle:
             sampler.resume(self.train_batches_consumed)
-        return DataLoader(PairBatches(partial(collate, items), sampler), sampler=sampler, batch_size=None,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            PairBatches(partial(collate, items), sampler),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
@@ -168,20 +192,27 @@ class SentenceClassificationDataModule(LabelledTextDataModule):
         classes = range(max(counts) + 1)
         if missing := [c for c in classes if not counts[c]]:
             stray = next(e for e in examples if e.label == max(counts))
-            raise DataError(f"{self._path('train')}: labels {sorted(counts)} leave out {missing}; a stray "
-                            f"label? (line {stray.line}: {stray.label}) Set data.class_names to the classes")
+            raise DataError(
+                f"{self._path('train')}: labels {sorted(counts)} leave out {missing}; a stray "
+                f"label? (line {stray.line}: {stray.label}) Set data.class_names to the classes"
+            )
         return [str(c) for c in classes]
 
     def encode(self, examples: list[Any], path: Path) -> list[Item]:
         budget = self.max_len - (3 if examples[0].text_pair is not None else 2)
         a_ids = self.tokenizer.encode_batch([e.text for e in examples])
-        b_ids = (self.tokenizer.encode_batch([e.text_pair for e in examples])
-                 if examples[0].text_pair is not None else None)
+        b_ids = (
+            self.tokenizer.encode_batch([e.text_pair for e in examples])
+            if examples[0].text_pair is not None
+            else None
+        )
         tok, items = WordPieceTokenizer, []
         for n, e in enumerate(examples):
             if not 0 <= e.label < self.num_classes:
-                raise DataError(f"{path}:{e.line}: label {e.label} is outside the {self.num_classes} "
-                                f"classes {self.classes} (data.class_names)")
+                raise DataError(
+                    f"{path}:{e.line}: label {e.label} is outside the {self.num_classes} "
+                    f"classes {self.classes} (data.class_names)"
+                )
             a = a_ids[n]
             if b_ids is None:
                 ids = [tok.cls_id, *a[:budget], tok.sep_id]
@@ -215,8 +246,9 @@ class TokenClassificationDataModule(LabelledTextDataModule):
         for words, tags in examples:
             unknown = sorted(set(tags) - set(index))
             if unknown:
-                raise DataError(f"{path}: tags {unknown} do not occur in the training file "
-                                f"(classes {self.classes})")
+                raise DataError(
+                    f"{path}: tags {unknown} do not occur in the training file (classes {self.classes})"
+                )
             ids, labels = [tok.cls_id], [-100]
             for word, tag in zip(words, tags, strict=True):
                 pieces = self.tokenizer.encode(word) or [tok.unk_id]

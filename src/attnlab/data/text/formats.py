@@ -57,8 +57,9 @@ def read_tsv(path: Path, need_labels: bool = True) -> list[Example]:
     elif "sentence1" in header and "sentence2" in header:
         text_cols = [header.index("sentence1"), header.index("sentence2")]
     else:
-        raise DataError(f"{path}:1: no 'sentence' (or 'sentence1' and 'sentence2') column in the header "
-                        f"{header}")
+        raise DataError(
+            f"{path}:1: no 'sentence' (or 'sentence1' and 'sentence2') column in the header {header}"
+        )
     if need_labels and "label" not in header:
         raise DataError(f"{path}:1: no 'label' column in the header {header}")
     label_col = header.index("label") if "label" in header else None

@@ -101,8 +101,13 @@ class TextDataModule(DataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        check_positive("data", block_size=block_size, batch_size=batch_size, val_batches=val_batches,
-                       bpe_vocab_size=bpe_vocab_size)
+        check_positive(
+            "data",
+            block_size=block_size,
+            batch_size=batch_size,
+            val_batches=val_batches,
+            bpe_vocab_size=bpe_vocab_size,
+        )
         if test_stride is not None and not (isinstance(test_stride, int) and 0 < test_stride <= block_size):
             raise ConfigError(
                 f"data.test_stride must be in 1..block_size ({block_size}) or null, got {test_stride!r}"
@@ -166,16 +171,22 @@ class TextDataModule(DataModule):
                 )
         log.info(
             "corpus %s: %d train / %d val tokens, vocab %d (%s)",
-            self.corpus, len(self.train_tokens), len(self.val_tokens),
-            self.vocab_size, self.tokenizer_kind,
+            self.corpus,
+            len(self.train_tokens),
+            len(self.val_tokens),
+            self.vocab_size,
+            self.tokenizer_kind,
         )
 
     def train_dataloader(self) -> DataLoader:
         ds = RandomWindows(self.train_tokens, self.block_size, self.batch_size, self.seed)
         ds.start = self.train_batches_consumed
         return DataLoader(
-            ds, batch_size=None, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed),
+            ds,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -57,8 +57,9 @@ def join_pair(a: list[int], b: list[int], max_len: int) -> tuple[list[int], list
     return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
 
-def make_pair(docs: list[Document], i: int, rng: random.Random,
-              max_len: int) -> tuple[list[int], list[int], int]:
+def make_pair(
+    docs: list[Document], i: int, rng: random.Random, max_len: int
+) -> tuple[list[int], list[int], int]:
     """Ids, segment ids and NSP label of a pair whose A comes from document ``i``."""
     a, b = split_document(docs[i], rng)
     label = IS_NEXT
@@ -72,8 +73,9 @@ def make_pair(docs: list[Document], i: int, rng: random.Random,
     return ids, segments, label
 
 
-def mask_tokens(ids: Tensor, vocab_size: int, prob: float = 0.15,
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def mask_tokens(
+    ids: Tensor, vocab_size: int, prob: float = 0.15, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
     """Inputs with 15% of the ordinary tokens replaced (80% [MASK], 10% random, 10% kept), and
     the labels: the original id where chosen, -100 elsewhere. Special tokens and padding (ids
     below ``N_SPECIALS``) are never chosen."""
@@ -162,8 +164,9 @@ class MaskedLMDataModule(DataModule):
         seed: int = 1234,
     ) -> None:
         super().__init__()
-        check_positive("data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens,
-                       val_docs=val_docs)
+        check_positive(
+            "data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens, val_docs=val_docs
+        )
         if not files:
             raise ConfigError("data.files must name at least one corpus file")
         if max_len < 5:
@@ -171,8 +174,9 @@ class MaskedLMDataModule(DataModule):
         if max_tokens < max_len:
             raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
         if not 0.0 < mask_prob < 1.0 or not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.mask_prob ({mask_prob}) and data.val_fraction ({val_fraction}) "
-                              "must be between 0 and 1")
+            raise ConfigError(
+                f"data.mask_prob ({mask_prob}) and data.val_fraction ({val_fraction}) must be between 0 and 1"
+            )
         self.files, self.data_dir, self.cache_dir = list(files), data_dir, cache_dir
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_fraction, self.val_docs_scored = mask_prob, val_fraction, val_docs
@@ -199,8 +203,10 @@ class MaskedLMDataModule(DataModule):
             return
         docs = [d for name in self.files for d in read_corpus(data_file(name, self.data_dir, self.cache_dir))]
         if len(docs) < 2:
-            raise DataError(f"the corpus ({', '.join(self.files)}) holds {len(docs)} document(s); "
-                            "pre-training needs at least two")
+            raise DataError(
+                f"the corpus ({', '.join(self.files)}) holds {len(docs)} document(s); "
+                "pre-training needs at least two"
+            )
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = max(1, int(len(docs) * self.val_fraction))
         val, train = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val:]]
@@ -208,10 +214,17 @@ class MaskedLMDataModule(DataModule):
             self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size)
         self.train_docs, self.val_docs = self._encode(train), self._encode(val)
         if not self.train_docs or not self.val_docs:
-            raise DataError(f"the corpus ({', '.join(self.files)}) has too few documents of two or more "
-                            "tokens for a training and a validation split")
-        log.info("corpus %s: %d train / %d val documents, vocab %d", ", ".join(self.files),
-                 len(self.train_docs), len(self.val_docs), self.tokenizer.vocab_size)
+            raise DataError(
+                f"the corpus ({', '.join(self.files)}) has too few documents of two or more "
+                "tokens for a training and a validation split"
+            )
+        log.info(
+            "corpus %s: %d train / %d val documents, vocab %d",
+            ", ".join(self.files),
+            len(self.train_docs),
+            len(self.val_docs),
+            self.tokenizer.vocab_size,
+        )
 
     def _encode(self, docs: list[list[str]]) -> list[Document]:
         """Token ids of each document, without those too short to cut in two."""
@@ -229,25 +242,37 @@ class MaskedLMDataModule(DataModule):
         sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, shuffle, self.seed, world, rank)
         if shuffle:
             sampler.resume(self.train_batches_consumed)
-        return DataLoader(PairBatches(pairs, sampler), sampler=sampler, batch_size=None,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            PairBatches(pairs, sampler),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size,
-                                         self.mask_prob), shuffle=True)
+        return self._loader(
+            SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob),
+            shuffle=True,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """The first ``val_docs`` held-out documents, with fixed pairs and masks."""
         docs = self.val_docs[: self.val_docs_scored]
-        return self._loader(SegmentPairs(docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob,
-                                         fixed=True, seed=self.seed), shuffle=False)
+        return self._loader(
+            SegmentPairs(
+                docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob, fixed=True, seed=self.seed
+            ),
+            shuffle=False,
+        )
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
     def examples(self, n: int) -> list[tuple[list[int], list[int], int]]:
         """The first ``n`` validation pairs, unmasked (the same ones every time: attention pictures)."""
-        pairs = SegmentPairs(self.val_docs, self.max_len, self.tokenizer.vocab_size, fixed=True,
-                             seed=self.seed)
+        pairs = SegmentPairs(
+            self.val_docs, self.max_len, self.tokenizer.vocab_size, fixed=True, seed=self.seed
+        )
         return [pairs.pair(i) for i in range(min(n, len(self.val_docs)))]

@@ -53,10 +53,26 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
 # reverse order, each through a fixed dictionary, so a model must learn to align (attend), not
 # copy position by position.
 SYNTHETIC_WORDS = [
-    ("blau", "blue"), ("rot", "red"), ("grün", "green"), ("hund", "dog"), ("katze", "cat"),
-    ("mann", "man"), ("frau", "woman"), ("kind", "child"), ("läuft", "runs"), ("springt", "jumps"),
-    ("sitzt", "sits"), ("schläft", "sleeps"), ("groß", "big"), ("klein", "small"), ("haus", "house"),
-    ("baum", "tree"), ("wasser", "water"), ("ball", "ball"), ("straße", "street"), ("auto", "car"),
+    ("blau", "blue"),
+    ("rot", "red"),
+    ("grün", "green"),
+    ("hund", "dog"),
+    ("katze", "cat"),
+    ("mann", "man"),
+    ("frau", "woman"),
+    ("kind", "child"),
+    ("läuft", "runs"),
+    ("springt", "jumps"),
+    ("sitzt", "sits"),
+    ("schläft", "sleeps"),
+    ("groß", "big"),
+    ("klein", "small"),
+    ("haus", "house"),
+    ("baum", "tree"),
+    ("wasser", "water"),
+    ("ball", "ball"),
+    ("straße", "street"),
+    ("auto", "car"),
 ]
 
 
@@ -146,8 +162,14 @@ class TranslationDataModule(DataModule):
                 f"data.src_lang/data.tgt_lang must be {langs[0]!r} and {langs[1]!r} in either order "
                 f"for corpus {corpus!r}, got {src_lang!r} -> {tgt_lang!r}"
             )
-        check_positive("data", vocab_size=vocab_size, max_tokens=max_tokens, eval_max_tokens=eval_max_tokens,
-                       max_len=max_len, synthetic_size=synthetic_size)
+        check_positive(
+            "data",
+            vocab_size=vocab_size,
+            max_tokens=max_tokens,
+            eval_max_tokens=eval_max_tokens,
+            max_len=max_len,
+            synthetic_size=synthetic_size,
+        )
         if max_tokens < max_len + 2:
             raise ConfigError(
                 f"data.max_tokens ({max_tokens}) must be at least data.max_len + 2 ({max_len + 2})"
@@ -195,8 +217,16 @@ class TranslationDataModule(DataModule):
         for lang in (self.src_lang, self.tgt_lang):
             name = f"{split}.{lang}"
             url = MULTI30K_URL.format(name=name)
-            paths.append(fetch(name, url, MULTI30K_SHA256[name], self.data_dir,
-                               Path(self.cache_dir) / "multi30k", gunzip=True))
+            paths.append(
+                fetch(
+                    name,
+                    url,
+                    MULTI30K_SHA256[name],
+                    self.data_dir,
+                    Path(self.cache_dir) / "multi30k",
+                    gunzip=True,
+                )
+            )
         return paths[0], paths[1]
 
     def _read(self, stage: str) -> tuple[list[str], list[str]]:
@@ -259,8 +289,14 @@ class TranslationDataModule(DataModule):
         tr = self.splits["train"]
         log.info(
             "%s %s->%s: %d / %d / %d pairs, joint BPE vocabulary %d, %.1f target tokens per sentence",
-            self.corpus, self.src_lang, self.tgt_lang, len(tr), len(self.splits["val"]),
-            len(self.splits["test"]), self.tokenizer.vocab_size, sum(map(len, tr.tgt)) / len(tr),
+            self.corpus,
+            self.src_lang,
+            self.tgt_lang,
+            len(tr),
+            len(self.splits["val"]),
+            len(self.splits["test"]),
+            self.tokenizer.vocab_size,
+            sum(map(len, tr.tgt)) / len(tr),
         )
 
     def _encode(self, stage: str, src_text: list[str], tgt_text: list[str]) -> ParallelSplit:
@@ -270,16 +306,25 @@ class TranslationDataModule(DataModule):
         long = [i for i in range(len(src)) if len(src[i]) > limit or len(tgt[i]) > limit]
         if stage == "train":
             if long:
-                log.warning("dropped %d of %d training pairs longer than data.max_len=%d tokens",
-                            len(long), len(src), self.max_len)
+                log.warning(
+                    "dropped %d of %d training pairs longer than data.max_len=%d tokens",
+                    len(long),
+                    len(src),
+                    self.max_len,
+                )
                 keep = sorted(set(range(len(src))) - set(long))
                 src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
                 src_text, tgt_text = [src_text[i] for i in keep], [tgt_text[i] for i in keep]
             if not src:
                 raise DataError(f"no training pair is shorter than data.max_len={self.max_len} tokens")
         elif long:  # every reference must be scored: truncate the inputs instead
-            log.warning("truncated %d of %d %s pairs to data.max_len=%d tokens",
-                        len(long), len(src), stage, self.max_len)
+            log.warning(
+                "truncated %d of %d %s pairs to data.max_len=%d tokens",
+                len(long),
+                len(src),
+                stage,
+                self.max_len,
+            )
             src, tgt = [s[:limit] for s in src], [t[:limit] for t in tgt]
         return ParallelSplit(src, tgt, src_text, tgt_text)
 
@@ -293,14 +338,18 @@ class TranslationDataModule(DataModule):
         lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
         budget = self.max_tokens if stage == "train" else self.eval_max_tokens
         rank, world = self.rank_world()
-        sampler = TokenBatchSampler(lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world,
-                                    rank=rank)
+        sampler = TokenBatchSampler(
+            lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world, rank=rank
+        )
         if shuffle:
             sampler.resume(self.train_batches_consumed)
         tok = self.tokenizer
         return DataLoader(
-            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler=sampler,
-            batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.seed),  # seeds workers: nothing drawn globally
         )
 

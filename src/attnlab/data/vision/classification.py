@@ -62,8 +62,13 @@ def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
     return (images.float() / 255 - m) / s
 
 
-def image_loader(dataset: Dataset, batch_size: int, num_workers: int, sampler: ResumableSampler | None = None,
-                 collate_fn: Any = None) -> DataLoader:
+def image_loader(
+    dataset: Dataset,
+    batch_size: int,
+    num_workers: int,
+    sampler: ResumableSampler | None = None,
+    collate_fn: Any = None,
+) -> DataLoader:
     """Batches of a split, in order; or, for training, in ``sampler``'s order with the last
     partial batch dropped. The loader's own generator seeds its workers, so starting one draws
     nothing from the global generator (which a resumed run restores)."""

@@ -191,8 +191,10 @@ def load_image_folder(root: str | None) -> ImageSplits:
         if not images:
             raise DataError(f"{folder}: no images in its class folders")
         if folder == train_dir and (empty := sorted(set(classes) - {classes[y] for y in labels})):
-            raise DataError(f"{train_dir / empty[0]}: a class folder without images (a class that "
-                            "cannot be learnt); add images or remove it")
+            raise DataError(
+                f"{train_dir / empty[0]}: a class folder without images (a class that "
+                "cannot be learnt); add images or remove it"
+            )
         shapes = {tuple(img.shape) for img in images}
         if len(shapes) > 1:
             raise DataError(

@@ -34,8 +34,9 @@ def init_bert(module: nn.Module) -> None:
 class BertEmbeddings(nn.Module):
     """Token + learned position + segment embeddings, then LayerNorm and dropout."""
 
-    def __init__(self, vocab_size: int, dim: int, max_len: int, n_segments: int, dropout: float,
-                 pad_id: int) -> None:
+    def __init__(
+        self, vocab_size: int, dim: int, max_len: int, n_segments: int, dropout: float, pad_id: int
+    ) -> None:
         super().__init__()
         self.tokens = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), padding_idx=pad_id)
         self.segments = nn.Embedding(n_segments, dim)
@@ -78,15 +79,30 @@ class Bert(nn.Module):
         attn_impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        check_positive("model.net.encoder", vocab_size=vocab_size, dim=dim, depth=depth, n_head=n_head,
-                       mlp_dim=mlp_dim, max_len=max_len, n_segments=n_segments)
+        check_positive(
+            "model.net.encoder",
+            vocab_size=vocab_size,
+            dim=dim,
+            depth=depth,
+            n_head=n_head,
+            mlp_dim=mlp_dim,
+            max_len=max_len,
+            n_segments=n_segments,
+        )
         check_probability("model.net.encoder", dropout=dropout, attn_dropout=attn_dropout)
         self.vocab_size, self.pad_id, self.dim, self.max_len = vocab_size, pad_id, dim, max_len
         self.embed = BertEmbeddings(vocab_size, dim, max_len, n_segments, dropout, pad_id)
         self.blocks = nn.ModuleList(
-            TransformerBlock(dim, n_head, mlp_dim, dropout=dropout, attn_dropout=attn_dropout,
-                             norm_first=False, attn_layer=partial(MultiHeadAttention, impl=attn_impl),
-                             norm_layer=LayerNorm)
+            TransformerBlock(
+                dim,
+                n_head,
+                mlp_dim,
+                dropout=dropout,
+                attn_dropout=attn_dropout,
+                norm_first=False,
+                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                norm_layer=LayerNorm,
+            )
             for _ in range(depth)
         )
         self.pooler = nn.Linear(dim, dim)
@@ -95,8 +111,9 @@ class Bert(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"embed.tokens.positions.emb.weight", "embed.segments.weight"}
 
-    def forward(self, ids: Tensor, segments: Tensor | None = None,
-                need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+    def forward(
+        self, ids: Tensor, segments: Tensor | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
         """(B, T) token ids (and segment ids, 0 by default) -> states (B, T, C), and with
         ``need_weights`` each block's attention weights (B, H, T, T). Padding is never attended."""
         if segments is None:

@@ -44,8 +44,9 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 @torch.no_grad()
-def beam_search(net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5,
-                alpha: float = 1.0) -> list[list[int]]:
+def beam_search(
+    net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
+) -> list[list[int]]:
     """Batched beam search; returns the best hypothesis of each source, without <eos>.
 
     Each step extends the ``beam_size`` live hypotheses of every sentence by the ``2 * beam_size``
@@ -88,13 +89,23 @@ def beam_search(net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int, b
         if len(finished[i]) < k:
             for j in range(k):
                 if torch.isfinite(scores[i, j]):
-                    finished[i].append((scores[i, j].item() / length_penalty(seqs.size(2), alpha),
-                                        seqs[i, j].tolist()))
+                    finished[i].append(
+                        (scores[i, j].item() / length_penalty(seqs.size(2), alpha), seqs[i, j].tolist())
+                    )
     return [max(f, key=lambda x: x[0])[1] for f in finished]
 
 
-def translate_batch(net: nn.Module, src: Tensor, pad: int, bos: int, eos: int, beam_size: int = 1,
-                    alpha: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10) -> list[list[int]]:
+def translate_batch(
+    net: nn.Module,
+    src: Tensor,
+    pad: int,
+    bos: int,
+    eos: int,
+    beam_size: int = 1,
+    alpha: float = 1.0,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+) -> list[list[int]]:
     """Greedy (``beam_size`` 1) or beam-search translations of a padded source batch (B, S), at
     most ``a * source length + b`` tokens long and within the positions the model has."""
     cap = getattr(net, "max_len", 256) - 1

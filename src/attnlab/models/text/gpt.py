@@ -43,14 +43,25 @@ class GPT(nn.Module):
         attn_impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        check_positive("model.net", vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
-                       n_head=n_head, n_embd=n_embd)
+        check_positive(
+            "model.net",
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+        )
         check_probability("model.net", dropout=dropout)
         self.vocab_size, self.block_size = vocab_size, block_size
         self.embed = TokenEmbedding(vocab_size, n_embd, LearnedPositions(n_embd, block_size), dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
-                n_embd, n_head, 4 * n_embd, dropout=dropout, attn_dropout=dropout, bias=bias,
+                n_embd,
+                n_head,
+                4 * n_embd,
+                dropout=dropout,
+                attn_dropout=dropout,
+                bias=bias,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
                 norm_layer=partial(nn.LayerNorm, bias=bias),
             )

@@ -31,8 +31,14 @@ class Encoder(nn.Module):
         super().__init__()
         self.emb, self.drop = emb, nn.Dropout(dropout)
         rnn_cls = nn.GRU if rnn == "gru" else nn.LSTM
-        self.rnn = rnn_cls(emb.embedding_dim, hidden, n_layers, batch_first=True, bidirectional=True,
-                           dropout=dropout if n_layers > 1 else 0.0)
+        self.rnn = rnn_cls(
+            emb.embedding_dim,
+            hidden,
+            n_layers,
+            batch_first=True,
+            bidirectional=True,
+            dropout=dropout if n_layers > 1 else 0.0,
+        )
 
     def forward(self, src: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
         lengths = (~pad).sum(1).cpu()

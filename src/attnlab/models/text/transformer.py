@@ -62,17 +62,33 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         check_choice("model.net", "positions", positions, ("sinusoidal", "learned"))
-        check_positive("model.net", vocab_size=vocab_size, d_model=d_model, n_head=n_head, d_ff=d_ff,
-                       max_len=max_len, n_enc_layers=n_enc_layers, n_dec_layers=n_dec_layers)
+        check_positive(
+            "model.net",
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_head=n_head,
+            d_ff=d_ff,
+            max_len=max_len,
+            n_enc_layers=n_enc_layers,
+            n_dec_layers=n_dec_layers,
+        )
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout)
         self.pad_id, self.d_model, self.max_len = pad_id, d_model, max_len
         pos_cls = SinusoidalPositions if positions == "sinusoidal" else LearnedPositions
         embed = partial(TokenEmbedding, vocab_size, d_model, dropout=dropout, scale=True, padding_idx=pad_id)
         self.src_embed = embed(pos_cls(d_model, max_len))
         self.tgt_embed = self.src_embed if share_embeddings else embed(pos_cls(d_model, max_len))
-        block = partial(TransformerBlock, d_model, n_head, d_ff, dropout=dropout, attn_dropout=attn_dropout,
-                        norm_first=norm_first, attn_layer=partial(MultiHeadAttention, impl=attn_impl),
-                        act_layer=nn.ReLU)
+        block = partial(
+            TransformerBlock,
+            d_model,
+            n_head,
+            d_ff,
+            dropout=dropout,
+            attn_dropout=attn_dropout,
+            norm_first=norm_first,
+            attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            act_layer=nn.ReLU,
+        )
         self.encoder = nn.ModuleList(block() for _ in range(n_enc_layers))
         self.decoder = nn.ModuleList(block(cross_attention=True) for _ in range(n_dec_layers))
         # pre-LN stacks end un-normalised; post-LN layers already end with a norm
@@ -102,9 +118,15 @@ class Transformer(nn.Module):
             x, _ = block(x, padding_mask=src_pad)
         return self.enc_norm(x), src_pad
 
-    def decode(self, tgt_in: Tensor, memory: Tensor | None, src_pad: Tensor,
-               caches: list[tuple[KVCache, KVCache]] | None = None, start: int = 0,
-               need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor | None,
+        src_pad: Tensor,
+        caches: list[tuple[KVCache, KVCache]] | None = None,
+        start: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor]]:
         """Target ids (B, T) -> decoder states (B, T, C), which ``logits`` maps to the vocabulary,
         and, with ``need_weights``, the cross-attention (B, H, T, S) of each layer. ``caches``
         holds each layer's (self-attention, cross-attention) caches; ``memory`` is then unused."""
@@ -112,8 +134,15 @@ class Transformer(nn.Module):
         weights = []
         for i, block in enumerate(self.decoder):
             cache, cross_cache = caches[i] if caches is not None else (None, None)
-            x, w = block(x, causal=True, cache=cache, memory=memory, memory_padding_mask=src_pad,
-                         cross_cache=cross_cache, need_weights=need_weights)
+            x, w = block(
+                x,
+                causal=True,
+                cache=cache,
+                memory=memory,
+                memory_padding_mask=src_pad,
+                cross_cache=cross_cache,
+                need_weights=need_weights,
+            )
             if need_weights:
                 weights.append(w.cross_attn)
         return self.dec_norm(x), weights
