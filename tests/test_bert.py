@@ -323,7 +323,18 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     assert proc.returncode == 0, proc.stderr[-2000:]
     labels = [line.split("\t") for line in out.read_text().splitlines()]
     assert [lab for lab, _ in labels] == ["1", "0"]  # GLUE's labels: 1 positive, 0 negative
-    assert all(0.5 < float(p) <= 1 for _, p in labels)
+    # each printed probability is the model's probability of the printed label, the largest: here
+    # recomputed one sentence at a time (no batch padding) from the checkpoint's net and tokenizer
+    from attnlab.inference.runs import TrainedRun
+
+    trained = TrainedRun(str(ckpt), pretrained / "logs")
+    net, tokenizer, classes = trained.net(), trained.tokenizer, trained.artifacts["classes"]
+    for sentence, (label, p) in zip(inputs.read_text().splitlines(), labels, strict=True):
+        ids = torch.tensor([[TOK.cls_id, *tokenizer.encode(sentence), TOK.sep_id]])
+        with torch.no_grad():
+            probs = net(ids, torch.zeros_like(ids)).float().softmax(-1)[0]
+        assert classes[int(probs.argmax())] == label, (sentence, probs)
+        assert float(p) == pytest.approx(probs.max().item(), abs=1e-4), (sentence, probs)
     written = out.read_text()
     again = run_cli("classify", [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"], tmp_path)
     assert again.returncode == 2 and f"output={out} exists (set overwrite=true" in again.stderr

@@ -14,8 +14,6 @@ from attnlab.models import CLIP, TextTransformer, VisionTransformer
 from attnlab.tasks.contrastive import clip_loss
 from conftest import write_pairs
 
-open_clip = pytest.importorskip("open_clip")
-
 V, CTX, W = 20, 8, 16
 EOT = V - 1  # open_clip pools at the argmax id: the end-of-text token is the largest
 
@@ -53,6 +51,7 @@ def copy_open_clip_text(ours: TextTransformer, ref: torch.nn.Module, proj: torch
 
 
 def test_text_tower_equals_open_clip_with_copied_weights():
+    pytest.importorskip("open_clip")
     from open_clip.transformer import TextTransformer as OpenClipText
 
     ref = OpenClipText(context_length=CTX, vocab_size=V, width=W, heads=2, layers=2, output_dim=12).eval()
@@ -99,6 +98,7 @@ def test_clip_features_are_unit_length_and_the_scale_starts_at_1_over_007_and_st
 
 
 def test_loss_equals_open_clips():
+    open_clip = pytest.importorskip("open_clip")
     g = torch.Generator().manual_seed(0)
     images = torch.nn.functional.normalize(torch.randn(6, 12, generator=g), dim=-1)
     texts = torch.nn.functional.normalize(torch.randn(6, 12, generator=g), dim=-1)
@@ -236,6 +236,7 @@ def test_measured_attributes_follow_the_pixels():
 
 def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
     from attnlab.data import ImageTextDataModule
+    from attnlab.data.multimodal import captions as cap
     from conftest import write_idx_dataset
 
     folder = write_idx_dataset(tmp_path / "fm", n_train=60, n_test=20)
@@ -256,7 +257,20 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
         "text": {"vocab_size": data.tokenizer.vocab_size, "context_length": 16, "pad_id": 0},
     }
     assert data.classes[9] == "ankle boot" and len(data.templates) == 8
-    assert data.splits["val"].caption(0) == data.splits["val"].caption(0)  # evaluation: one fixed caption
+    val, train = data.splits["val"], data.splits["train"]
+    # evaluation: one fixed caption per image, the fullest template with the image's own class and
+    # attribute levels, whichever epoch asks for it
+    label, levels = int(val.labels[0]), val.levels[0].tolist()
+    fixed = cap.caption(data.classes[label], levels, val.eval_template)
+    words = [
+        cap.ATTRIBUTE_WORDS[name][level] for name, level in zip(cap.ATTRIBUTE_WORDS, levels, strict=True)
+    ]
+    assert data.classes[label] in fixed and all(w in fixed for w in words)  # every attribute named
+    assert val.caption(0) == fixed and {val.caption((epoch, 0)) for epoch in range(8)} == {fixed}
+    # training: the same image phrased anew each epoch (so a fixed caption is not a given), but
+    # the same draw for the same (epoch, index): a resumed run sees the same captions
+    drawn = [train.caption((epoch, 0)) for epoch in range(8)]
+    assert len(set(drawn)) > 1 and drawn == [train.caption((epoch, 0)) for epoch in range(8)]
     again = ImageTextDataModule(source="fashion_mnist", data_dir=str(folder), val_size=10, context_length=16)
     again.load_artifacts(data.artifacts())  # inference rebuilds the same tokenizer and normalisation
     assert again.tokenizer.to_json() == data.tokenizer.to_json() and again.mean == data.mean

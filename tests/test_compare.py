@@ -64,10 +64,32 @@ def test_one_row_per_run_sorting_and_filtering(sweep):
     assert "model.optimizer.lr" in table and "0.22 ± 0.01" in table
 
 
-def test_plot_overlays_every_run(sweep, tmp_path):
+def test_plot_overlays_every_run(sweep, tmp_path, monkeypatch):
+    import attnlab.plots
+
+    figures, draw = [], attnlab.plots.curves_figure
+
+    def kept(*args, **kwargs):  # the figure compare draws, kept to be looked at
+        figures.append(draw(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(attnlab.plots, "curves_figure", kept)
     out = tmp_path / "loss.png"
     compare(parse_args([str(sweep), "--no-group", "--plot", "val/loss", "--out", str(out)]))
     assert out.read_bytes()[:4] == b"\x89PNG"
+    (fig,) = figures
+    (ax,) = fig.axes
+    # one line per run, each the run's own curve, named in the legend by what varies
+    expected = {
+        f"lr={lr}, seed={seed}": [base + 1, base + seed / 10, base + 0.5]
+        for lr, base in ((0.001, 2.0), (0.01, 1.0))
+        for seed in (1, 2, 3)
+    }
+    lines = ax.get_lines()
+    assert {line.get_label(): list(line.get_ydata()) for line in lines} == expected and len(lines) == 6
+    assert all(list(line.get_xdata()) == [10, 20, 30] for line in lines)
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(expected)
+    attnlab.plots.plt.close(fig)
 
 
 def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys, caplog):

@@ -1,13 +1,16 @@
 """Every config composes and instantiates; schedules, W&B mode and the CPU settings behave."""
 
 import math
+import os
 import platform
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -70,8 +73,14 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         images, _ = next(iter(dm.val_dataloader()))
         assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))
     assert cfg.task_name == experiment
-    for node in cfg.callbacks.values():
-        assert instantiate(node) is not None
+    for name, node in cfg.callbacks.items():  # each one a Lightning callback of the class it names
+        callback = instantiate(node)
+        assert isinstance(callback, Callback) and type(callback) is get_class(node._target_), name
+        if isinstance(callback, ModelCheckpoint):  # in the run's directory, the best by what it optimises
+            assert callback.dirpath == os.path.realpath(tmp_path / "checkpoints"), name
+            metric = cfg.optimized_metric.removesuffix("_best")
+            mode = "min" if "loss" in metric else "max"
+            assert (callback.monitor, callback.mode) == (metric, mode), experiment
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,26 @@
 """A value of the wrong type or range anywhere in the config is one line naming the key, exit 2."""
 
+from __future__ import annotations
+
+import inspect
 from pathlib import Path
+from typing import TYPE_CHECKING, get_type_hints
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
 
+import attnlab.utils.config as config_module
 from attnlab.cli.common import config_dir
 from attnlab.errors import ConfigError
 from attnlab.tasks.optim import build_optimizers
 from attnlab.tasks.schedules import warmup_cosine, warmup_inverse_sqrt
-from attnlab.utils.config import check_config, describe, instantiate_trainer
-from conftest import run_cli, tiny
+from attnlab.utils.config import _type_hints, check_config, check_types, describe, instantiate_trainer
+from conftest import QUIET, run_cli, run_main, tiny
+
+if TYPE_CHECKING:  # as optuna and wandb import some of the types their hints name
+    from collections.abc import Callable
 
 CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -28,6 +37,25 @@ def config_error(*overrides: str) -> str:
     message = str(e.value)
     assert "\n" not in message
     return message
+
+
+def checked_nodes(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """``check_config(cfg)``, passing; the paths of the ``_target_`` nodes whose values it checked."""
+    paths: list[str] = []
+    check = config_module.check_types
+
+    def recording(node: DictConfig, path: str) -> None:
+        paths.append(path)
+        check(node, path)
+
+    monkeypatch.setattr(config_module, "check_types", recording)
+    check_config(cfg)
+    return set(paths)
+
+
+def targets(cfg: DictConfig, *groups: str) -> set[str]:
+    """The paths of the entries of ``groups`` (``callbacks``, ``logger``) that name a ``_target_``."""
+    return {f"{g}.{k}" for g in groups for k, v in (cfg.get(g) or {}).items() if v and "_target_" in v}
 
 
 # ---- types, before anything is built -------------------------------------------------------------
@@ -127,45 +155,182 @@ def test_wrong_type_is_one_line_naming_key_value_and_type(experiment, override, 
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_shipped_experiments_pass(experiment):
+def test_shipped_experiments_pass(experiment, monkeypatch):
     cfg = composed(f"experiment={experiment}")
     net = cfg.model.net  # BERT: the encoder's vocabulary; CLIP: the text tower's
     net = net.encoder if "encoder" in net else net.text if "text" in net else net
     filled_by_data = "vocab_size" if "vocab_size" in net.keys() else "num_classes"
+    assert cfg.task_name == experiment
     assert cfg.trainer.precision == "auto" and net._get_node(filled_by_data)._is_missing()
-    check_config(cfg)
+    towers = {f"model.net.{k}" for k in ("encoder", "image", "text") if k in cfg.model.net}
+    expected = {"trainer", "model", "model.net", "model.optimizer", "data", *towers}
+    expected |= {"model.scheduler"} if cfg.model.get("scheduler") else set()
+    assert checked_nodes(cfg, monkeypatch) >= expected | targets(cfg, "callbacks", "logger")
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "overrides,values",
     [
-        ("trainer=ddp_cpu", "logger=many", "debug=overfit"),
-        ("trainer=gpu", "callbacks=translation", "debug=profiler"),
+        (  # the debug configs keep one CPU process, whatever the trainer option
+            ("trainer=ddp_cpu", "logger=many", "debug=overfit"),
+            {"trainer.strategy": "ddp", "trainer.devices": 1, "trainer.overfit_batches": 1},
+        ),
+        (
+            ("trainer=gpu", "callbacks=translation", "debug=profiler"),
+            {
+                "trainer.accelerator": "cpu",
+                "trainer.profiler": "simple",
+                "callbacks.model_checkpoint.monitor": "val/bleu",
+            },
+        ),
     ],
 )
-def test_shipped_group_options_pass(overrides):
-    check_config(composed(*overrides))
+def test_shipped_group_options_pass(overrides, values, monkeypatch):
+    cfg = composed(*overrides)
+    assert {key: OmegaConf.select(cfg, key) for key in values} == values
+    nodes = checked_nodes(cfg, monkeypatch)
+    assert nodes >= {"trainer", "model.net", "logger.csv", *targets(cfg, "callbacks", "logger")}
+    assert "logger.wandb" in nodes if "logger=many" in overrides else "logger.wandb" not in nodes
 
 
-def test_legal_values_pass():
-    check_config(
-        composed(
-            "trainer.precision=32",
-            "model.scheduler=null",
-            "trainer.max_time=00:00:01:00",
-            "model.optimizer.lr=1",
-            "seed=7",
-            "model.net.dropout=0",
-        )
+def test_legal_values_pass(monkeypatch):
+    cfg = composed(
+        "trainer.precision=32",
+        "model.scheduler=null",
+        "trainer.max_time=00:00:01:00",
+        "model.optimizer.lr=1",
+        "seed=7",
+        "model.net.dropout=0",
     )
-    check_config(
-        composed(
-            "trainer.precision=bf16-mixed",
-            "experiment=nmt_bahdanau_multi30k",
-            "model.net.dropout=0",
-            "+model.optimizer.eps=1e-6",
-        )
+    nodes = checked_nodes(cfg, monkeypatch)
+    assert {"trainer", "model.net", "model.optimizer"} <= nodes and "model.scheduler" not in nodes
+    assert (cfg.trainer.precision, cfg.trainer.max_time, cfg.model.optimizer.lr) == (32, "00:00:01:00", 1)
+    assert (cfg.model.scheduler, cfg.seed, cfg.model.net.dropout) == (None, 7, 0)
+
+    cfg = composed(
+        "trainer.precision=bf16-mixed",
+        "experiment=nmt_bahdanau_multi30k",
+        "model.net.dropout=0",
+        "+model.optimizer.eps=1e-6",
     )
+    assert {"trainer", "model.net", "model.optimizer"} <= checked_nodes(cfg, monkeypatch)
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.model.net._target_ == "attnlab.models.Seq2Seq"
+    assert (cfg.model.net.dropout, cfg.model.optimizer.eps) == (0, 1e-6)
+
+
+# ---- a hint naming a type only type checkers import: the parameter is still checked --------------
+
+
+def hooked(n: int = 1, hooks: list[Callable[[], None]] | None = None, name: str | Callable[[], str] = "x"):
+    """A target whose hints name ``Callable``, imported here only for type checkers."""
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        f"{__name__}.hooked",
+        "lightning.pytorch.loggers.WandbLogger",  # Run
+        "lightning.pytorch.strategies.FSDPStrategy",  # CPUOffload, _SHARDING_STRATEGY
+        "optuna.samplers.TPESampler",  # Callable
+    ],
+)
+def test_every_annotated_parameter_has_a_hint(target):
+    obj = get_object(target)
+    sig = inspect.signature(obj)
+    annotated = {n for n, p in sig.parameters.items() if p.annotation is not inspect.Parameter.empty}
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    with pytest.raises(NameError):  # what makes the type check read the hints one by one
+        get_type_hints(fn)
+    assert set(_type_hints(fn, sig)) == annotated
+
+
+def test_a_hint_naming_an_unimported_type_checks_the_rest():
+    node = OmegaConf.create({"_target_": f"{__name__}.hooked", "n": 2, "hooks": 5, "name": 3})
+    with pytest.raises(ConfigError, match=r"^x\.hooks=5: expected a list of items or null \("):
+        check_types(node, "x")
+    node.hooks = None  # ``name`` may be a Callable, which a config cannot rule out: any value passes
+    assert check_types(node, "x") is None
+
+
+# ---- the data's sequence length against the model's position table --------------------------------
+
+LENGTHS = [
+    # (experiment, override, the message)
+    (
+        "bert_pretrain_sst2",
+        "data.max_len=256",
+        "data.max_len=256 is longer than model.net.encoder.max_len=128",
+    ),
+    (
+        "bert_finetune_sst2",
+        "data.max_len=129",
+        "data.max_len=129 is longer than model.net.encoder.max_len=128",
+    ),
+    ("bert_ner_fixture", "model.net.encoder.max_len=32", "data.max_len=48 is longer than model.net.encoder"),
+    (NMT, "data.max_len=65", "data.max_len=65 is longer than model.net.max_len=64"),
+    (
+        "nmt_transformer_multi30k",
+        "model.net.max_len=100",
+        "data.max_len=128 is longer than model.net.max_len=100",
+    ),
+    (GPT, "data.block_size=65", "data.block_size=65 is longer than model.net.block_size=64"),
+    (
+        "clip_pairs",
+        "+model.net.text.context_length=8",
+        "data.context_length=32 is longer than model.net.text.",
+    ),
+]
+
+
+@pytest.mark.parametrize("experiment,override,message", LENGTHS, ids=[f"{e}:{o}" for e, o, _ in LENGTHS])
+def test_data_longer_than_the_position_table(experiment, override, message):
+    assert config_error(f"experiment={experiment}", override).startswith(message)
+
+
+def test_the_length_message_names_both_keys_and_the_fix():
+    assert config_error(f"experiment={NMT}", "data.max_len=65") == (
+        "data.max_len=65 is longer than model.net.max_len=64 (the model's position table): "
+        "lower data.max_len or raise model.net.max_len"
+    )
+
+
+@pytest.mark.parametrize(
+    "experiment,overrides",
+    [
+        (NMT, ("data.max_len=64",)),  # as long as the table: fits
+        ("bert_ner_fixture", ("data.max_len=128",)),
+        ("nmt_luong_multi30k", ("data.max_len=1000",)),  # an RNN has no position table
+        (GPT, ("model.net.block_size=256",)),  # the data follows the model's block_size
+    ],
+)
+def test_data_that_fits_the_position_table_passes(experiment, overrides, monkeypatch):
+    cfg = composed(f"experiment={experiment}", *overrides)
+    assert "model.net" in checked_nodes(cfg, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "experiment,override,message",
+    [
+        (
+            "bert_ner_fixture",
+            "data.max_len=200",
+            "data.max_len=200 is longer than model.net.encoder.max_len=128",
+        ),
+        (NMT, "data.max_len=100", "data.max_len=100 is longer than model.net.max_len=64"),
+    ],
+)
+def test_cli_refuses_a_long_max_len_before_training(tmp_path, experiment, override, message):
+    status, out = run_main(
+        "train", [f"experiment={experiment}", override, f"paths.root_dir={tmp_path}", *QUIET]
+    )
+    assert status == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert len(errors) == 1 and f"error: {message}" in errors[0], out[-3000:]
+    (log,) = tmp_path.glob(f"logs/{experiment}/runs/*/{experiment}.log")
+    text = log.read_text()  # the run's log: the error, and nothing built before it
+    assert f"error: {message}" in text and "Instantiating datamodule" not in text, text[-3000:]
+    assert not list(tmp_path.glob("logs/**/checkpoints"))
 
 
 def test_describe():
@@ -216,7 +381,11 @@ def test_warmup_cosine_ranges(kwargs, message):
         warmup_cosine(opt, **kwargs)
     with pytest.raises(ConfigError, match="model.scheduler.warmup_steps=0: must be a positive integer"):
         warmup_inverse_sqrt(opt, 0)
-    warmup_cosine(opt, 0, 1, 0.0), warmup_cosine(opt, 5, 10, 1.0), warmup_inverse_sqrt(opt, 1)
+    # the edges of each range are legal: the multipliers of the first steps
+    assert [warmup_cosine(opt, 0, 1, 0.0).lr_lambdas[0](s) for s in (0, 1, 2)] == [1.0, 0.0, 0.0]
+    constant = warmup_cosine(opt, 5, 10, 1.0).lr_lambdas[0]
+    assert [constant(s) for s in (0, 4, 5, 10, 11)] == pytest.approx([1 / 6, 5 / 6, 1.0, 1.0, 1.0])
+    assert [warmup_inverse_sqrt(opt, 1).lr_lambdas[0](s) for s in (0, 3)] == [1.0, 0.5]
 
 
 @pytest.mark.parametrize(
@@ -280,3 +449,20 @@ def test_cli_bad_value_exits_2_with_one_line(tmp_path, override, message):
     assert "Traceback" not in text, text[-3000:]
     errors = [line for line in text.splitlines() if "error: " in line]
     assert len(errors) == 1 and message in errors[0], text[-3000:]
+
+
+# ---- attnlab-generate's options, checked before the checkpoint is read ----------------------------
+
+
+@pytest.mark.parametrize(
+    "value,shown", [("0", "0"), ("-2", "-2"), ("1.5", "1.5"), ("abc", "'abc'"), ("true", "True")]
+)
+def test_generate_refuses_a_bad_num_samples(tmp_path, value, shown):
+    status, out = run_main("generate", [f"ckpt_path={tmp_path / 'none.ckpt'}", f"num_samples={value}"])
+    assert status == 2 and "Traceback" not in out, out[-3000:]
+    assert out.strip() == f"error: num_samples must be a positive integer, got {shown}"
+
+
+def test_generate_takes_a_positive_num_samples(tmp_path):
+    status, out = run_main("generate", [f"ckpt_path={tmp_path / 'none.ckpt'}", "num_samples=3"])
+    assert status == 2 and "num_samples" not in out and "none.ckpt" in out, out[-3000:]

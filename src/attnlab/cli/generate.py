@@ -16,15 +16,30 @@ from attnlab.inference.runs import TrainedRun
 from attnlab.tasks import LanguageModelTask
 
 
+def check_options(cfg: DictConfig) -> None:
+    """The sampling options, before the checkpoint is read: a wrong one is one line naming it."""
+    if not is_int(cfg.max_new_tokens) or cfg.max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be an integer >= 0, got {cfg.max_new_tokens!r}")
+    if not is_number(cfg.temperature) or cfg.temperature < 0:
+        raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {cfg.temperature!r}")
+    if cfg.top_k is not None and (not is_int(cfg.top_k) or cfg.top_k <= 0):
+        raise ConfigError(f"top_k must be a positive integer or null, got {cfg.top_k!r}")
+    if cfg.top_p is not None and (not is_number(cfg.top_p) or not 0.0 < cfg.top_p <= 1.0):
+        raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p!r}")
+    if not is_int(cfg.num_samples) or cfg.num_samples < 1:
+        raise ConfigError(f"num_samples must be a positive integer, got {cfg.num_samples!r}")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # true/false parse as bools
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def generate(cfg: DictConfig) -> list[str]:
-    if cfg.max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
-    if cfg.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
-    if cfg.top_k is not None and cfg.top_k <= 0:
-        raise ConfigError(f"top_k must be a positive integer or null, got {cfg.top_k}")
-    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p}")
+    check_options(cfg)
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
         LanguageModelTask, need="attnlab-generate needs a language model"
     )

@@ -120,7 +120,8 @@ def check_config(cfg: DictConfig) -> None:
     inside torch. Missing (``???``) values are left for later (filled from the data). The
     trainer and the model come first: other nodes take values from them by interpolation
     (``total_steps: ${trainer.max_steps}``, ``block_size: ${model.net.block_size}``), and the
-    error should name the key the user set.
+    error should name the key the user set. Then the data's sequence length is checked against
+    the model's position table (see ``check_lengths``).
     """
     first = [k for k in ("trainer", "model") if k in cfg]
     for key in [*first, *(k for k in cfg.keys() if k not in first)]:
@@ -129,6 +130,36 @@ def check_config(cfg: DictConfig) -> None:
         child = _get(cfg, key)
         if isinstance(child, (DictConfig, ListConfig)):
             _walk(child, str(key))
+    check_lengths(cfg)
+
+
+# (the data's longest sequence, the model's position table that must cover it): the data modules
+# cut or drop sequences at the first key, the nets raise at the first batch longer than the second
+POSITION_TABLES = (
+    ("data.max_len", "model.net.max_len"),  # the translation Transformer (Seq2Seq has no table)
+    ("data.max_len", "model.net.encoder.max_len"),  # BERT: pre-training, classifier, tagger
+    ("data.block_size", "model.net.block_size"),  # GPT (the data interpolates it unless set)
+    ("data.context_length", "model.net.text.context_length"),  # CLIP (filled from the data unless set)
+)
+
+
+def check_lengths(cfg: DictConfig) -> None:
+    """Refuse a data sequence length the model has no positions for, before anything is loaded
+    (else the run fails at the first long batch, after the data and the model are built)."""
+    for data_key, model_key in POSITION_TABLES:
+        longest, table = _int_at(cfg, data_key), _int_at(cfg, model_key)
+        if longest is not None and table is not None and longest > table:
+            raise ConfigError(
+                f"{data_key}={longest} is longer than {model_key}={table} (the model's position "
+                f"table): lower {data_key} or raise {model_key}"
+            )
+
+
+def _int_at(cfg: DictConfig, key: str) -> int | None:
+    """The int at the dotted ``key``; None where it is absent, ``???`` or not an int (the type
+    check names those)."""
+    value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _walk(node: Any, path: str) -> None:
@@ -219,22 +250,52 @@ def check_types(node: DictConfig, path: str) -> None:
 
 
 def _type_hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
-    """The parameters' annotations, evaluated; one by one where some cannot be (names imported
-    only for type checkers), leaving those out."""
+    """The parameters' annotations, evaluated; one by one where some name a type imported only
+    for type checkers (``if TYPE_CHECKING:``), which then stands for ``Any`` (see ``_evaluate``).
+    Any other failure is a bug and raises: no parameter is left out of the check unseen."""
     try:
         return get_type_hints(fn)
-    except Exception:
+    except NameError:
         pass
-    hints = {}
     namespace = getattr(inspect.unwrap(fn), "__globals__", {})
-    for name, p in sig.parameters.items():
-        if p.annotation is inspect.Parameter.empty:
-            continue
+    return {
+        name: _evaluate(p.annotation, namespace)
+        for name, p in sig.parameters.items()
+        if p.annotation is not inspect.Parameter.empty
+    }
+
+
+class _Unseen:
+    """A name only type checkers import: any use of it (``Callable[[int], int]``, ``np.ndarray``,
+    ``Run | None``) is ``Any``, so the rest of its annotation is still checked (``list[Run]``:
+    a list)."""
+
+    def __getitem__(self, item: Any) -> Any:
+        return Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # not a type: copy, pickle and typing probe these
+            raise AttributeError(name)
+        return Any
+
+    def __or__(self, other: Any) -> Any:
+        return Any
+
+    __ror__ = __or__
+
+
+def _evaluate(annotation: Any, namespace: dict[str, Any]) -> Any:
+    """A string annotation evaluated in ``namespace``, each name it lacks as ``_Unseen``."""
+    if not isinstance(annotation, str):
+        return annotation
+    unseen: dict[str, Any] = {}
+    while True:
         try:
-            hints[name] = eval(p.annotation, namespace) if isinstance(p.annotation, str) else p.annotation
-        except Exception:
-            continue
-    return hints
+            return eval(annotation, namespace, unseen)
+        except NameError as e:
+            if e.name is None or e.name in unseen:  # not a lookup of ours: a bug, not a missing import
+                raise
+            unseen[e.name] = _Unseen()
 
 
 # values of ours that a constructor does not know: resolved before it is called
@@ -274,7 +335,7 @@ def _checkable(tp: Any) -> bool:
 
 def _accepts(value: Any, tp: Any) -> bool:
     """Whether the config value ``value`` fits the annotation ``tp``."""
-    if tp is Any or isinstance(tp, TypeVar):
+    if tp is Any or isinstance(tp, (TypeVar, _Unseen)):
         return True
     origin, args = get_origin(tp), get_args(tp)
     if _is_union(origin):
