@@ -43,6 +43,23 @@ class LossCurve(L.Callback):
         self.losses.append(float(loss))
 
 
+class RandomDraws(L.Callback):
+    """A draw of the global generator at every training step, per process: rank 0 writes every
+    process's draws to ``draws.json`` in the run directory."""
+
+    def __init__(self) -> None:
+        self.draws: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.draws.append(float(torch.rand(())))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        everyone = [None] * trainer.world_size
+        dist.all_gather_object(everyone, self.draws)
+        if trainer.is_global_zero:
+            (Path(trainer.default_root_dir) / "draws.json").write_text(json.dumps(everyone))
+
+
 def shard(batch: Any, rank: int, world: int) -> Any:
     """This process's part of a global batch: rows ``rank::world`` of every batch-sized tensor."""
     if isinstance(batch, Tensor):
@@ -79,6 +96,27 @@ def fit_fixed(saved: dict[str, Any], trainer_overrides: list[str], rank: int, wo
     return curve.losses
 
 
+def evaluate_fixed(saved: dict[str, Any], trainer_overrides: list[str]) -> dict[str, float]:
+    """Validate and test the saved task's weights on its experiment's data; the metrics logged."""
+    task: L.LightningModule = instantiate(OmegaConf.create(saved["model"]))
+    task.load_state_dict(saved["state"])
+    data = instantiate(OmegaConf.create(saved["data"]))
+    trainer = instantiate(
+        compose_train(trainer_overrides).trainer,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=saved["dir"],
+    )
+    metrics = {}
+    for run in (trainer.validate, trainer.test):
+        for part in run(task, datamodule=data, verbose=False):
+            metrics.update({k: float(v) for k, v in part.items()})
+    return metrics
+
+
 def main() -> None:
     spec_file = Path(sys.argv[1])
     spec = json.loads(spec_file.read_text())
@@ -89,6 +127,8 @@ def main() -> None:
     for name, job in spec.get("fixed", {}).items():
         saved = torch.load(job["file"], weights_only=False)
         results[name] = fit_fixed(saved, job["trainer"], dist.get_rank(), dist.get_world_size())
+    for name, job in spec.get("evals", {}).items():
+        results[f"{name}-eval"] = evaluate_fixed(torch.load(job["file"], weights_only=False), job["trainer"])
     if dist.get_rank() == 0:
         spec_file.with_suffix(".out.json").write_text(json.dumps(results))
 

@@ -96,7 +96,15 @@ def test_too_short_corpus_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"block_size": 0}, {"tokenizer": "words"}, {"val_fraction": 1.5}, {"test_stride": 65}]
+    "kw",
+    [
+        {"block_size": 0},
+        {"tokenizer": "words"},
+        {"val_fraction": 1.5},
+        {"test_fraction": 0},
+        {"test_fraction": 0.6, "val_fraction": 0.5},
+        {"test_stride": 65},
+    ],
 )
 def test_bad_data_values(kw):
     with pytest.raises(ConfigError, match=next(iter(kw))):
@@ -124,17 +132,25 @@ def test_builtin_corpus_windows_are_shifted_by_one(pydoc_dm):
 
 
 @pytest.mark.parametrize("stride", [None, 32, 7])
-def test_test_split_scores_every_validation_token_once(stride):
+def test_test_split_scores_every_test_token_once(stride):
     dm = TextDataModule(corpus="pydoc", block_size=32, batch_size=5, test_stride=stride)
     dm.setup()
     loaders = dm.test_dataloader()
     assert len(loaders) == (1 if stride is None else 2)
     for loader in loaders:
         scored = torch.cat([y[y != -100] for _, y in loader])
-        assert torch.equal(scored, dm.val_tokens[1:])
+        assert torch.equal(scored, dm.test_tokens[1:])
     if stride:  # past the first window every scored target has >= T - stride tokens of context
         x, y = next(iter(loaders[1]))
         assert (y[1:, : 32 - stride] == -100).all() and (y[1:, 32 - stride :] != -100).all()
+
+
+def test_train_validation_and_test_are_consecutive_disjoint_parts_of_the_text(pydoc_dm):
+    text = pydoc_dm.tokenizer.decode
+    whole = torch.cat([pydoc_dm.train_tokens, pydoc_dm.val_tokens, pydoc_dm.test_tokens])
+    assert len(pydoc_dm.val_tokens) == pytest.approx(0.05 * len(whole), abs=1)
+    assert len(pydoc_dm.test_tokens) == pytest.approx(0.05 * len(whole), abs=1)
+    assert text(pydoc_dm.test_tokens[:50].tolist()) not in text(pydoc_dm.val_tokens.tolist())
 
 
 def test_training_stream_is_deterministic_and_resumable(pydoc_dm):
@@ -168,7 +184,7 @@ def test_tinyshakespeare_from_shared_data():
     dm = TextDataModule(data_dir=str(data_dir))
     dm.setup()
     assert dm.vocab_size == 65
-    assert len(dm.train_tokens) + len(dm.val_tokens) == 1115394
+    assert len(dm.train_tokens) + len(dm.val_tokens) + len(dm.test_tokens) == 1115394
 
 
 def test_bpe_datamodule_from_shared_data():

@@ -8,15 +8,19 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
+from hydra.utils import instantiate
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.trainer.states import RunningStage
 from omegaconf import OmegaConf
 from torchmetrics.text import SacreBLEUScore
 from torchmetrics.utilities.data import dim_zero_sum
 
-from attnlab.data.text.batching import RepeatedBatch, TokenBatchSampler
+from attnlab.cli.sweep import compose_train
+from attnlab.data.batching import RepeatedBatch, TokenBatchSampler
 from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
+from attnlab.errors import DataError
 from conftest import VISION_NETS, assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
+from test_debug_matrix import tiny_overrides
 from test_translation import fake_multi30k
 
 LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
@@ -71,6 +75,59 @@ def test_evaluation_with_fewer_pairs_than_processes_pads_with_marked_repeats():
     assert [len(p) for p in parts] == [1, 1, 1]
     scored = [b for p in parts for b in p if not isinstance(b, RepeatedBatch)]
     assert sorted(i for b in scored for i in b) == [0, 1]
+
+
+def examples(batch) -> list[tuple]:
+    """The examples of a batch, each as a tuple of its rows (padding cut), whatever the batching."""
+    if isinstance(batch, dict):
+        keys = [k for k in ("ids", "segments", "mlm_labels", "nsp_labels", "labels") if k in batch]
+        lengths = (batch["ids"] != 0).sum(1).tolist()
+        return [
+            tuple(tuple(batch[k][i][:n].tolist()) if batch[k].dim() > 1 else batch[k][i].item() for k in keys)
+            for i, n in enumerate(lengths)
+        ]
+    return [tuple(tuple(t[i].flatten().tolist()) for t in batch) for i in range(len(batch[0]))]
+
+
+def eval_loaders(dm, stage: str) -> list:
+    loaders = dm.val_dataloader() if stage == "val" else dm.test_dataloader()
+    return loaders if isinstance(loaders, list) else [loaders]
+
+
+@pytest.mark.parametrize(
+    "experiment", ["vit_fashion_mnist", "clip_fashion_mnist", "gpt_pydoc_char", "bert_pretrain_sst2"]
+)
+def test_evaluation_splits_are_shared_out_without_repeats_in_every_family(experiment, tmp_path):
+    """Under DDP every process must run as many evaluation steps and every example must be scored
+    once: Lightning's DistributedSampler pads a split with copies instead, counted twice."""
+    cfg = compose_train(
+        [f"experiment={experiment}", *tiny_overrides(experiment, tmp_path), f"paths.root_dir={tmp_path}"]
+    )
+    dm = instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+    for stage in ("val", "test"):
+        dm.rank_world = lambda: (0, 1)
+        one = [[e for b in loader for e in examples(b)] for loader in eval_loaders(dm, stage)]
+        assert all(len(x) % 6 for x in one[:1]), "a split that divides by 2 and 3 tests nothing"
+        for world in (2, 3):
+            parts = []
+            for rank in range(world):
+                dm.rank_world = lambda rank=rank, world=world: (rank, world)
+                parts.append([list(loader) for loader in eval_loaders(dm, stage)])
+            for k, whole in enumerate(one):
+                assert len({len(p[k]) for p in parts}) == 1, "processes with different step counts"
+                shared = [e for p in parts for b in p[k] for e in examples(b)]
+                assert sorted(shared) == sorted(whole), f"{stage} loader {k}, {world} processes"
+
+
+def test_an_evaluation_split_smaller_than_the_processes_is_refused(tmp_path):
+    cfg = compose_train(["experiment=vit_fashion_mnist", *tiny_overrides("vit_fashion_mnist", tmp_path)])
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    dm.rank_world = lambda: (0, len(dm.splits["val"]) + 1)
+    with pytest.raises(DataError, match="the val split has .* examples, fewer than the .* processes"):
+        dm.val_dataloader()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 
 from attnlab.cli.sweep import compose_train
 from attnlab.utils.config import fill_missing
-from conftest import QUIET, ROOT, assert_ok, cli_env, run_cli
-from scaleout_worker import fit_fixed
+from conftest import QUIET, ROOT, assert_ok, cli_env, read_metrics, run_cli
+from scaleout_worker import evaluate_fixed, fit_fixed
 from test_debug_matrix import EXPERIMENTS, tiny_overrides
 
 STRATEGIES = ("ddp_cpu", "fsdp2")
@@ -97,7 +97,8 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["compile"] = False
     file = tmp / f"{arch}.pt"
-    torch.save({"model": model, "state": task.state_dict(), "batches": batches, "dir": str(tmp)}, file)
+    saved = {"model": model, "state": task.state_dict(), "batches": batches, "dir": str(tmp)}
+    torch.save({**saved, "data": OmegaConf.to_container(cfg.data, resolve=True)}, file)
     return file
 
 
@@ -134,18 +135,34 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
         "task_name=vit_sharded",
         "trainer.max_steps=4",
         "trainer.val_check_interval=2",
+        "callbacks.model_checkpoint.save_top_k=-1",  # every validation's checkpoint
+        "callbacks.model_checkpoint.monitor=step",
+        "callbacks.model_checkpoint.mode=max",
         f"paths.root_dir={tmp}",
         f"paths.output_dir={tmp / 'vit_sharded'}",
         *tiny_overrides("vit_fashion_mnist", tmp / "vit_sharded"),
     ]
+    # the same run resumed from its sharded step-2 checkpoint (each process its own shard)
+    step_2 = tmp / "vit_sharded" / "checkpoints" / "step_000002.ckpt"
+    runs["vit_sharded_resumed"] = [
+        *(o for o in runs["vit_sharded"] if not o.startswith(("paths.output_dir=", "task_name="))),
+        "task_name=vit_sharded_resumed",
+        f"paths.output_dir={tmp / 'vit_sharded_resumed'}",
+        f"ckpt_path={step_2}",
+    ]
+    # every process's random draws in training (dropout, augmentation): their own stream each
+    runs["gpt_pydoc_char-ddp_cpu"].append("+callbacks.draws._target_=scaleout_worker.RandomDraws")
     files = {arch: save_fixed_batches(arch, tmp) for arch in ARCHS}
     fixed = {
         f"{arch}-{strategy}": {"file": str(file), "trainer": [f"trainer={strategy}"]}
         for arch, file in files.items()
         for strategy in STRATEGIES
     }
+    evals = {
+        f"{arch}-ddp_cpu": {"file": str(file), "trainer": ["trainer=ddp_cpu"]} for arch, file in files.items()
+    }
     spec = tmp / "jobs.json"
-    spec.write_text(json.dumps({"runs": runs, "fixed": fixed}))
+    spec.write_text(json.dumps({"runs": runs, "fixed": fixed, "evals": evals}))
     env = {**cli_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run(
@@ -196,6 +213,16 @@ def test_two_processes_train_like_one_on_the_same_global_batches(two_processes, 
     saved["model"]["optimizer"]["lr"] = 0.0  # the same batches without learning: the steps matter
     frozen = fit_fixed(saved, ["trainer=cpu"], 0, 1)
     assert max(abs(a - b) / abs(a) for a, b in zip(one, frozen, strict=True)) > 10 * tolerance
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_from_its_shards_ends_where_the_uninterrupted_run_ends(two_processes):
+    _, _, tmp = two_processes
+    want, got = read_metrics(tmp / "vit_sharded"), read_metrics(tmp / "vit_sharded_resumed")
+    for key in ("val/loss", "val/acc", "test/loss", "test/acc"):
+        assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
+        values = [v for _, v in want[key]]
+        assert [v for _, v in got[key]] == pytest.approx(values, rel=1e-4, abs=1e-5), key
 
 
 @pytest.mark.slow
@@ -311,3 +338,25 @@ def test_ddp_spawn_trains_and_tests_in_two_new_processes(tmp_path):
     assert_ok(proc)
     metrics = read_metrics(run_dirs(tmp_path, "gpt_pydoc_char")[0])
     assert len(metrics["val/loss"]) == 2 and "test/loss" in metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_two_processes_evaluate_like_one(two_processes, arch):
+    """The validation and test metrics of the same weights, by 2 processes and by one, on splits
+    that do not divide by 2: each example counted once (no copies padding a process's share)."""
+    results, files, _ = two_processes
+    logging.getLogger("lightning").setLevel(logging.WARNING)
+    one = evaluate_fixed(torch.load(files[arch], weights_only=False), ["trainer=cpu"])
+    two = results[f"{arch}-ddp_cpu-eval"]
+    assert set(one) == set(two) and any(k.startswith("test/") for k in one), (one, two)
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+def test_every_process_draws_its_own_random_stream(two_processes):
+    """The run is seeded once (the same initial weights everywhere); training then reseeds each
+    process by its rank, or dropout, augmentation and masking would repeat on every process."""
+    _, _, tmp = two_processes
+    rank0, rank1 = json.loads((tmp / "gpt_pydoc_char-ddp_cpu" / "draws.json").read_text())
+    assert rank0 and len(rank0) == len(rank1)
+    assert all(a != b for a, b in zip(rank0, rank1, strict=True))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torchmetrics.text import SacreBLEUScore
 
+from attnlab.data.batching import TokenBatchSampler
 from attnlab.data.text import translation as tr
-from attnlab.data.text.batching import TokenBatchSampler
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
 from attnlab.errors import ConfigError, DataError

@@ -242,6 +242,14 @@ def test_bad_sizes_are_config_errors():
         TimmModel("no_such_net", num_classes=10, img_size=32, in_chans=3)
 
 
+def test_a_timm_model_too_deep_for_the_image_size_is_refused_at_build_time():
+    """ConvNeXt's four downsamplings leave nothing of a 28x28 image: refused with one line when
+    the net is built, not at the first (compiled) training step with a long traceback."""
+    with pytest.raises(ConfigError, match=r"'convnext_atto' cannot take 28x28 images .* raise data.img_size"):
+        TimmModel("convnext_atto", num_classes=10, img_size=28, in_chans=1)
+    assert TimmModel("convnext_atto", num_classes=10, img_size=32, in_chans=1).model.training
+
+
 def test_timm_model_takes_the_data_shape():
     net = TimmModel("test_resnet", num_classes=7, img_size=32, in_chans=1)
     assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)

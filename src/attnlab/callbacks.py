@@ -20,6 +20,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from attnlab import __version__
 from attnlab.errors import ConfigError
+from attnlab.utils.cpu import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -73,28 +74,64 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 class ResumableRandomness(L.Callback):
-    """Keep the global generators' states in every checkpoint and restore them when a run
-    resumes, as training starts: dropout, drop-path, crops, flips, erasing, mixup and masking then
-    draw what the uninterrupted run drew. In one process; under several only rank 0's states would
-    be saved, so each rank keeps its seeded generators there."""
+    """Give every process its own random stream and keep the streams in every checkpoint.
 
-    def __init__(self) -> None:
-        self.pending: dict[str, Any] | None = None
+    The run is seeded with ``seed`` before the model is built, so every process starts from the
+    same weights; as training starts, process ``r`` of several is reseeded with ``seed + r`` (as
+    nanoGPT and DeiT do), so dropout, drop-path, crops, flips, erasing, mixup and masking differ
+    between processes instead of repeating each other. Every process's generator states (torch,
+    CUDA, NumPy, Python) go into each checkpoint and are restored when a run resumes with as many
+    processes, as training starts: the resumed run then draws what the uninterrupted one drew.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self.pending: list[dict[str, Any]] | None = None
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint["rng_states"] = rng_states()
+        # every process saves (Lightning writes rank 0's copy): each sends its states to it
+        states = [rng_states()]
+        if trainer.world_size > 1:
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, rng_states())
+        checkpoint["rng_states"] = states
 
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self.pending = checkpoint.get("rng_states")
+        states = checkpoint.get("rng_states")
+        self.pending = [states] if isinstance(states, dict) else states  # one process, before lists
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.pending is not None and trainer.world_size == 1:
-            set_rng_states(self.pending)
+        if self.pending is not None and len(self.pending) == trainer.world_size:
+            set_rng_states(self.pending[trainer.global_rank])
+        elif trainer.world_size > 1 and self.seed is not None:
+            if self.pending is not None:
+                log.warning(
+                    "the checkpoint holds the random streams of %d processes, this run has %d: "
+                    "each starts afresh from seed + rank",
+                    len(self.pending),
+                    trainer.world_size,
+                )
+            L.seed_everything(self.seed + trainer.global_rank, workers=True, verbose=False)
         self.pending = None
+
+
+class ReleaseFreedMemory(L.Callback):
+    """Return the heap's free pages to the kernel every ``every_n_steps`` training steps and after
+    each validation (``attnlab.utils.cpu.release_freed_memory``), so a long run's memory stays flat."""
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            release_freed_memory()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        release_freed_memory()
 
 
 class MetricsPrinter(L.Callback):

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.tensorboard.summary import hparams
 
-from attnlab.callbacks import ResumableRandomness, RunMetadata
+from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import DataError
@@ -137,7 +137,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
-    callbacks.append(ResumableRandomness())
+    callbacks.append(ResumableRandomness(cfg.get("seed")))
+    callbacks.append(ReleaseFreedMemory())
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
         pruner = (cfg.get("sweep") or {}).get("pruner")
         callbacks.append(

@@ -3,12 +3,17 @@ inference CLI handle text, images and image-text pairs the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from attnlab.data.batching import Batches, TokenBatchSampler, collate_examples
 from attnlab.data.sampling import ResumableSampler
+from attnlab.errors import DataError
 
 
 class DataModule(L.LightningDataModule):
@@ -53,6 +58,38 @@ class DataModule(L.LightningDataModule):
         sampler = ResumableSampler(n, seed, world, rank)
         sampler.resume(self.train_batches_consumed, batch_size)
         return sampler
+
+    def eval_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
+        """This process's batches of an evaluation split, in order: every example scored once in
+        all, every process as many steps (``TokenBatchSampler``). A split with fewer examples than
+        processes cannot be shared out without repeating some, and is refused."""
+        rank, world = self.rank_world()
+        if len(lengths) < world:
+            raise DataError(
+                f"the {split} split has {len(lengths)} examples, fewer than the {world} processes "
+                "that evaluate it: add examples or run fewer processes"
+            )
+        return TokenBatchSampler(lengths, max_tokens, shuffle=False, num_replicas=world, rank=rank)
+
+    def eval_loader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        split: str,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        num_workers: int = 0,
+    ) -> DataLoader:
+        """Batches of ``batch_size`` examples of a map-style split, in order, shared out as
+        ``eval_sampler`` does. (Lightning's ``DistributedSampler`` would pad the split with
+        copies of its first examples, which every metric would then count twice.)"""
+        sampler = self.eval_sampler([1] * len(dataset), batch_size, split)
+        return DataLoader(
+            Batches(partial(collate_examples, dataset, collate_fn), sampler),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+        )
 
     def rank_world(self) -> tuple[int, int]:
         """This process's rank and the number of processes (the trainer's, else torch.distributed's),

@@ -1,5 +1,7 @@
-"""Batches of similar-length sequences under a token budget, shared out between processes:
-the sampler and the batch-indexed dataset every text DataModule uses."""
+"""Batches shared out between processes so that each runs as many steps and, in evaluation,
+scores every example once: the sampler and the batch-indexed dataset every DataModule uses for
+its evaluation splits (and the text ones for training: batches of similar-length sequences under
+a token budget). With equal lengths the batches are fixed-size runs of the split, in order."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class TokenBatchSampler(DistributedSampler):
     ``sampler`` is one is left alone by Lightning (no sampler injection, whatever
     ``use_distributed_sampler`` says), and Lightning calls its ``set_epoch`` at every epoch. Use it
     as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset indexed by whole
-    batches (``PairBatches``). With the defaults (one process) it is a plain batch sampler.
+    batches (``Batches``). With the defaults (one process) it is a plain batch sampler.
     """
 
     def __init__(
@@ -136,9 +138,10 @@ def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
     return out
 
 
-class PairBatches(Dataset):
-    """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the padded batch of those
-    pairs, for a loader with ``sampler=TokenBatchSampler(...)`` and ``batch_size=None``.
+class Batches(Dataset):
+    """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the batch of those examples
+    (``collate`` of their indices), for a loader with ``sampler=TokenBatchSampler(...)`` and
+    ``batch_size=None``.
     ``dataset[k]`` (an int) is the sampler's ``k``-th batch: Lightning's ``overfit_batches`` swaps
     the sampler for a ``SequentialSampler`` over the dataset, which then yields the first batches
     of epoch 0, the same ones every epoch."""
@@ -153,3 +156,9 @@ class PairBatches(Dataset):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def collate_examples(dataset: Dataset, collate_fn: Callable[[list[Any]], Any], idx: list[int]) -> Any:
+    """The batch of ``dataset``'s examples at ``idx``: the ``collate`` of ``Batches`` for a
+    map-style dataset (a module-level function, so loader workers can unpickle it)."""
+    return collate_fn([dataset[i] for i in idx])

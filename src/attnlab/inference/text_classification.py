@@ -53,7 +53,7 @@ def classify_sentences(
     batch_size: int = 64,
 ) -> list[tuple[str, float]]:
     """The most likely class of each sentence and its probability."""
-    from attnlab.data.text.batching import pad
+    from attnlab.data.batching import pad
 
     out: list[tuple[str, float]] = []
     for start in range(0, len(sentences), batch_size):

@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from attnlab.data.text.batching import TokenBatchSampler, pad
+from attnlab.data.batching import TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer
 from attnlab.models.text.decoding import translate_batch
 

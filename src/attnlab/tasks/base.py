@@ -90,4 +90,7 @@ class Task(L.LightningModule):
         clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.weight_decay)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
+        return build_optimizers(
+            self, self.optimizer_factory, self.scheduler_factory, self.weight_decay, scaler is not None
+        )

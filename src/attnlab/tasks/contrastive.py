@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_gather
-from torchmetrics import MaxMetric, MeanMetric, MinMetric
+from torchmetrics import MaxMetric, MinMetric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from attnlab.data.text.tokenizers import CaptionTokenizer
 from attnlab.tasks.base import Task
@@ -41,6 +42,21 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
     return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2
 
 
+def split_clip_loss(images: Tensor, texts: Tensor, scale: Tensor, chunk: int = 1024) -> Tensor:
+    """The symmetric contrastive loss of a whole split: each of the N images against all N
+    captions and each caption against all images, (N, N) logits computed ``chunk`` rows at a time."""
+
+    def one_way(queries: Tensor, keys: Tensor) -> Tensor:
+        total = queries.new_zeros(())
+        for start in range(0, len(queries), chunk):
+            logits = scale * queries[start : start + chunk] @ keys.t()  # (chunk, N)
+            targets = torch.arange(start, start + len(logits), device=logits.device)
+            total = total + F.cross_entropy(logits, targets, reduction="sum")
+        return total / len(queries)
+
+    return (one_way(images, texts) + one_way(texts, images)) / 2
+
+
 def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
     """Retrieval recall from an (N images, U captions) similarity matrix, where image i's caption
     is ``image_ids[i]`` among the U distinct captions (identical captions are one caption, and any
@@ -63,9 +79,11 @@ def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)
 class ContrastiveTask(Task):
     """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss.
 
-    Logs ``train/loss`` and ``train/logit_scale``; ``val/loss`` (contrastive, per batch) and its
-    best, ``val/zeroshot_acc`` and its best (zero-shot classification of the validation images
-    through the data's held-out prompt templates, when the data has classes); at test ``test/loss``,
+    Logs ``train/loss`` and ``train/logit_scale``; ``val/loss`` (contrastive, over the whole split:
+    every image against every caption, so it does not depend on how the split is batched or shared
+    out between processes) and its best, ``val/zeroshot_acc`` and its best (zero-shot
+    classification of the validation images through the data's held-out prompt templates, when
+    the data has classes); at test ``test/loss``,
     ``test/zeroshot_acc``, ``test/zeroshot_acc_top5``, image->text and text->image recall at 1/5/10
     (``test/i2t_r1``, ...), and a picture of the similarities of the first test pairs.
 
@@ -88,7 +106,6 @@ class ContrastiveTask(Task):
     ) -> None:
         super().__init__(net, optimizer, scheduler, weight_decay, compile)
         self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
         self.val_acc_best.persistent(True)
         self.val_loss_best.persistent(True)
@@ -115,15 +132,9 @@ class ContrastiveTask(Task):
             return None
         return class_embeddings(self.net, data.tokenizer, data.context_length, data.classes, data.templates)
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor], loss: MeanMetric) -> None:
+    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor]) -> None:
         images, tokens, labels = batch
-        image_features, text_features, scale = self(images, tokens)
-        # the loss of a batch on its own (not gathered): evaluation needs no gradients
-        logits = scale * image_features.float() @ text_features.float().t()
-        targets = torch.arange(len(labels), device=logits.device)
-        loss.update(
-            (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2, len(labels)
-        )
+        image_features, text_features, self.eval_scale = self(images, tokens)
         self.outputs.setdefault("images", []).append(image_features.float())
         self.outputs.setdefault("texts", []).append(text_features.float())
         self.outputs.setdefault("tokens", []).append(tokens)
@@ -136,19 +147,23 @@ class ContrastiveTask(Task):
     on_test_epoch_start = on_validation_epoch_start
 
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.val_loss)
+        self._evaluate(batch)
 
     def test_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.test_loss)
+        self._evaluate(batch)
 
     def _gathered(self, key: str) -> Tensor:
+        """Every process's outputs under ``key``, concatenated (processes may hold different
+        numbers of examples: the evaluation batches share a split out without repeats)."""
         x = torch.cat(self.outputs[key])
-        return self.all_gather(x).flatten(0, 1) if self.trainer.world_size > 1 else x
+        return torch.cat(gather_all_tensors(x)) if self.trainer.world_size > 1 else x
+
+    def _split_loss(self) -> Tensor:
+        return split_clip_loss(self._gathered("images"), self._gathered("texts"), self.eval_scale.float())
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
+        loss = self._split_loss()
         self.log("val/loss", loss, prog_bar=True)
-        self.val_loss.reset()
         if not self.trainer.sanity_checking:
             self.val_loss_best.update(loss)
             self.log("val/loss_best", self.val_loss_best.compute())
@@ -161,8 +176,7 @@ class ContrastiveTask(Task):
         self.outputs = {}
 
     def on_test_epoch_end(self) -> None:
-        self.log("test/loss", self.test_loss.compute())
-        self.test_loss.reset()
+        self.log("test/loss", self._split_loss())
         images, texts, tokens = self._gathered("images"), self._gathered("texts"), self._gathered("tokens")
         if self.classifier is not None:
             acc = zeroshot_accuracy(images, self.classifier, self._gathered("labels"))

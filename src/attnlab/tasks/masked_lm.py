@@ -19,8 +19,8 @@ class MaskedLMTask(EncoderTask):
     cross-entropy.
 
     Logs ``train/loss``; ``val/loss``, ``val/mlm_loss``, ``val/mlm_acc``, ``val/ppl`` (of the MLM
-    loss), ``val/nsp_acc``, ``val/loss_best``; the same under ``test/`` (the held-out documents:
-    the pre-training corpus has no test split).
+    loss), ``val/nsp_acc``, ``val/loss_best``; the same under ``test/`` (documents held out for the
+    test, apart from the validation ones that pick the checkpoint).
 
     Args:
         net: a ``BertPreTraining``.

@@ -36,12 +36,31 @@ def keep_freed_memory() -> bool:
     return all(accepted)
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``); False off glibc.
+
+    Batches of varying shapes (token budgets, every step another (B, T)) leave free blocks of
+    every size inside the heap; malloc reuses them only where the next blocks fit, and returns
+    memory to the kernel only from the top of the heap. The free pages in between stay resident,
+    so a process grew step after step, with or without ``keep_freed_memory``; trimming every few
+    dozen steps keeps it flat (``benchmarks/memory_growth.py``) at the cost of faulting those
+    pages in again once.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim(0) in (0, 1)
+    except (OSError, AttributeError):
+        return False
+
+
 def tune_cpu_for_training() -> None:
     """Flush denormal floats to zero and keep freed memory (``keep_freed_memory``).
 
     Adam's moments of rarely seen embedding rows decay through the denormal range, where each
     float operation costs ~100x. With both settings the Multi30k Transformer's sixth epoch took
-    ~80 s instead of ~95 s here (its steps still slow somewhat over a run, less so).
+    ~80 s instead of ~95 s here (its steps still slow somewhat over a run, less so). The freed
+    memory kept is released every few dozen steps (``attnlab.callbacks.ReleaseFreedMemory``).
     """
     torch.set_flush_denormal(True)
     keep_freed_memory()

@@ -343,15 +343,12 @@ class ImageTextDataModule(DataModule):
             images = random_crop_flip(images, self.crop_padding, self.hflip)
         return self.normalize(images), tokens, labels
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        sampler = self.train_sampler(len(self.splits[split]), self.batch_size, self.seed) if shuffle else None
-        return image_loader(self.splits[split], self.batch_size, self.num_workers, sampler, self.collate)
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
+        return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler, self.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self.eval_loader(self.splits["val"], self.batch_size, "val", self.collate, self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self.eval_loader(self.splits["test"], self.batch_size, "test", self.collate, self.num_workers)

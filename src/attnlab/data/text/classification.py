@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
-from attnlab.data.text.batching import PairBatches, TokenBatchSampler, pad
+from attnlab.data.batching import Batches, TokenBatchSampler, pad
 from attnlab.data.text.formats import read_conll, read_tsv
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -148,13 +148,15 @@ class LabelledTextDataModule(DataModule):
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         items = self.splits[split]
-        rank, world = self.rank_world()
         lengths = [len(it[0]) for it in items]
-        sampler = TokenBatchSampler(lengths, self.max_tokens, shuffle, self.seed, world, rank)
         if shuffle:
+            rank, world = self.rank_world()
+            sampler = TokenBatchSampler(lengths, self.max_tokens, True, self.seed, world, rank)
             sampler.resume(self.train_batches_consumed)
+        else:
+            sampler = self.eval_sampler(lengths, self.max_tokens, split)
         return DataLoader(
-            PairBatches(partial(collate, items), sampler),
+            Batches(partial(collate, items), sampler),
             sampler=sampler,
             batch_size=None,
             num_workers=self.num_workers,

@@ -61,9 +61,11 @@ class RandomWindows(IterableDataset):
 class TextDataModule(DataModule):
     """Character- or BPE-level language modelling on a text corpus.
 
-    The first ``1 - val_fraction`` of the text trains, the rest validates. Validation during
-    training uses ``val_batches`` fixed random batches (nanoGPT's estimate, but the same batches
-    every time); the test stage scores the whole validation split in non-overlapping windows.
+    The text is cut in three: the first ``1 - val_fraction - test_fraction`` trains, the next
+    ``val_fraction`` validates (it picks the checkpoint), the last ``test_fraction`` is the test
+    split, scored once at the end. Validation during training uses ``val_batches`` fixed random
+    batches (nanoGPT's estimate, but the same batches every time); the test stage scores the
+    whole test split in non-overlapping windows.
 
     Args:
         corpus: "tinyshakespeare" (downloaded or read from ``data_dir``) or "pydoc" (Python's
@@ -76,6 +78,7 @@ class TextDataModule(DataModule):
         block_size: window length (the model's context).
         batch_size: windows per batch.
         val_fraction: share of the text held out for validation.
+        test_fraction: share of the text held out for the test (the end of the text).
         val_batches: batches in each periodic validation.
         test_stride: also score the test split with windows sliding by this stride (see
             ``test_dataloader``); ``None``: non-overlapping windows only.
@@ -94,7 +97,8 @@ class TextDataModule(DataModule):
         bpe_vocab_size: int = 1024,
         block_size: int = 64,
         batch_size: int = 12,
-        val_fraction: float = 0.1,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
         val_batches: int = 20,
         test_stride: int | None = None,
         num_workers: int = 0,
@@ -114,17 +118,24 @@ class TextDataModule(DataModule):
             )
         if tokenizer not in ("char", "bpe"):
             raise ConfigError(f"data.tokenizer must be 'char' or 'bpe', got {tokenizer!r}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+        if not (
+            0.0 < val_fraction < 1.0 and 0.0 < test_fraction < 1.0 and val_fraction + test_fraction < 1.0
+        ):
+            raise ConfigError(
+                f"data.val_fraction ({val_fraction}) and data.test_fraction ({test_fraction}) must be "
+                "between 0 and 1, with room left for training"
+            )
         self.corpus, self.data_dir, self.cache_dir = corpus, data_dir, cache_dir
         self.url, self.sha256 = url, sha256
         self.tokenizer_kind, self.bpe_vocab_size = tokenizer, bpe_vocab_size
         self.block_size, self.batch_size = block_size, batch_size
-        self.val_fraction, self.val_batches, self.test_stride = val_fraction, val_batches, test_stride
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.val_batches, self.test_stride = val_batches, test_stride
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
         self.train_tokens: Tensor | None = None
         self.val_tokens: Tensor | None = None
+        self.test_tokens: Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -150,8 +161,9 @@ class TextDataModule(DataModule):
         if self.train_tokens is not None:
             return
         text = load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
-        cut = int(len(text) * (1 - self.val_fraction))
-        train_text, val_text = text[:cut], text[cut:]
+        val_start = int(len(text) * (1 - self.val_fraction - self.test_fraction))
+        test_start = int(len(text) * (1 - self.test_fraction))
+        train_text, val_text, test_text = text[:val_start], text[val_start:test_start], text[test_start:]
         if self.tokenizer is None:
             self.tokenizer = (
                 CharTokenizer.fit(text)
@@ -161,19 +173,22 @@ class TextDataModule(DataModule):
         try:
             self.train_tokens = torch.tensor(self.tokenizer.encode(train_text), dtype=torch.long)
             self.val_tokens = torch.tensor(self.tokenizer.encode(val_text), dtype=torch.long)
+            self.test_tokens = torch.tensor(self.tokenizer.encode(test_text), dtype=torch.long)
         except AttnlabError as e:
             raise DataError(f"corpus {self.corpus!r} does not fit the checkpoint's tokenizer: {e}") from e
-        for split, toks in [("train", self.train_tokens), ("validation", self.val_tokens)]:
+        splits = [("train", self.train_tokens), ("validation", self.val_tokens), ("test", self.test_tokens)]
+        for split, toks in splits:
             if len(toks) <= self.block_size + 1:
                 raise DataError(
                     f"the {split} split of corpus {self.corpus!r} has {len(toks)} tokens, "
                     f"fewer than data.block_size + 2 = {self.block_size + 2}"
                 )
         log.info(
-            "corpus %s: %d train / %d val tokens, vocab %d (%s)",
+            "corpus %s: %d train / %d val / %d test tokens, vocab %d (%s)",
             self.corpus,
             len(self.train_tokens),
             len(self.val_tokens),
+            len(self.test_tokens),
             self.vocab_size,
             self.tokenizer_kind,
         )
@@ -195,10 +210,11 @@ class TextDataModule(DataModule):
             random_batch(self.val_tokens, self.block_size, self.batch_size, seed + i)
             for i in range(self.val_batches)
         ]
-        return DataLoader(batches, batch_size=None)
+        x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))
+        return self.eval_loader(list(zip(x, y, strict=True)), self.batch_size, "validation")
 
     def test_dataloader(self) -> list[DataLoader]:
-        """The whole validation split, every target scored exactly once.
+        """The whole test split, every target scored exactly once.
 
         Loader 0 cuts it into non-overlapping windows (a token's context is 0..T-1 tokens, as in
         training and in nanoGPT's estimate). With ``test_stride``, loader 1 slides windows by that
@@ -211,7 +227,7 @@ class TextDataModule(DataModule):
         return loaders
 
     def _scored_windows(self, stride: int) -> DataLoader:
-        toks, t = self.val_tokens, self.block_size
+        toks, t = self.test_tokens, self.block_size
         last = len(toks) - 1 - t  # start of the last full window
         starts = list(range(0, last + 1, stride))
         if starts[-1] != last:
@@ -220,5 +236,4 @@ class TextDataModule(DataModule):
         scored_until = torch.tensor([0] + [s + t for s in starts[:-1]])  # targets before: done
         target_pos = torch.tensor(starts)[:, None] + torch.arange(t)  # (N, T) index of y[j]
         y = y.masked_fill(target_pos < scored_until[:, None], -100)
-        n = self.batch_size * 4
-        return DataLoader(list(zip(x.split(n), y.split(n), strict=True)), batch_size=None)
+        return self.eval_loader(list(zip(x, y, strict=True)), self.batch_size * 4, "test")

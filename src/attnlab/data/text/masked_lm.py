@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
-from attnlab.data.text.batching import PairBatches, TokenBatchSampler, pad
+from attnlab.data.batching import Batches, TokenBatchSampler, pad
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -96,9 +96,9 @@ class SegmentPairs:
 
     Training (``fixed=False``): each call draws new cuts, random partners and masks from the
     global RNG (seeded by ``seed_everything``), so every epoch sees new ones. Evaluation
-    (``fixed=True``): document ``i``'s pair is seeded by ``seed`` and ``i``, a batch's masks by
-    ``seed`` and its first index; evaluation batches are cut the same way every time, so every
-    validation scores the same predictions.
+    (``fixed=True``): document ``i``'s pair and its masks are seeded by ``seed`` and ``i``, so
+    every validation scores the same predictions, however the documents are batched or shared
+    out between processes.
     """
 
     docs: list[Document]
@@ -107,6 +107,10 @@ class SegmentPairs:
     mask_prob: float = 0.15
     fixed: bool = False
     seed: int = 0
+
+    def fixed_masks(self, ids: list[int], i: int) -> tuple[Tensor, Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return mask_tokens(torch.tensor(ids), self.vocab_size, self.mask_prob, generator)
 
     def lengths(self) -> list[int]:
         """Each document's pair length, an upper bound (the sampler's budget unit)."""
@@ -118,9 +122,13 @@ class SegmentPairs:
 
     def __call__(self, idx: list[int]) -> dict[str, Tensor]:
         items = [self.pair(i) for i in idx]
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + idx[0]) if self.fixed else None
         ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
-        inputs, labels = mask_tokens(ids, self.vocab_size, self.mask_prob, generator)
+        if self.fixed:  # each pair masked by its own seed: the same whichever batch holds it
+            masked = [self.fixed_masks(it[0], i) for it, i in zip(items, idx, strict=True)]
+            inputs = pad([m[0].tolist() for m in masked], WordPieceTokenizer.pad_id)
+            labels = pad([m[1].tolist() for m in masked], -100)
+        else:
+            inputs, labels = mask_tokens(ids, self.vocab_size, self.mask_prob)
         return {
             "ids": inputs,
             "segments": pad([it[1] for it in items], 0),
@@ -143,8 +151,10 @@ class MaskedLMDataModule(DataModule):
             length (few short pairs padded to a long one), as many as fit.
         mask_prob: share of the ordinary tokens chosen for prediction.
         val_fraction: share of the documents held out (seeded) for validation.
-        val_docs: at most this many held-out documents are scored at each validation (their
-            pairs and masks the same every time).
+        test_fraction: share of the documents held out (seeded) for the test, scored once after
+            training.
+        val_docs: at most this many documents of each held-out split are scored (their pairs
+            and masks the same every time).
         num_workers: DataLoader workers.
         seed: of the validation split and its fixed masks.
     """
@@ -159,6 +169,7 @@ class MaskedLMDataModule(DataModule):
         max_tokens: int = 4096,
         mask_prob: float = 0.15,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
         val_docs: int = 2000,
         num_workers: int = 0,
         seed: int = 1234,
@@ -173,17 +184,20 @@ class MaskedLMDataModule(DataModule):
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
         if max_tokens < max_len:
             raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
-        if not 0.0 < mask_prob < 1.0 or not 0.0 < val_fraction < 1.0:
+        if not all(0.0 < f < 1.0 for f in (mask_prob, val_fraction, test_fraction)):
             raise ConfigError(
-                f"data.mask_prob ({mask_prob}) and data.val_fraction ({val_fraction}) must be between 0 and 1"
+                f"data.mask_prob ({mask_prob}), data.val_fraction ({val_fraction}) and "
+                f"data.test_fraction ({test_fraction}) must be between 0 and 1"
             )
         self.files, self.data_dir, self.cache_dir = list(files), data_dir, cache_dir
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
-        self.mask_prob, self.val_fraction, self.val_docs_scored = mask_prob, val_fraction, val_docs
+        self.mask_prob, self.val_docs_scored = mask_prob, val_docs
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
         self.train_docs: list[Document] | None = None
         self.val_docs: list[Document] = []
+        self.test_docs: list[Document] = []
 
     def model_kwargs(self) -> dict[str, Any]:
         return {"encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id}}
@@ -202,27 +216,30 @@ class MaskedLMDataModule(DataModule):
         if self.train_docs is not None:
             return
         docs = [d for name in self.files for d in read_corpus(data_file(name, self.data_dir, self.cache_dir))]
-        if len(docs) < 2:
+        if len(docs) < 3:
             raise DataError(
                 f"the corpus ({', '.join(self.files)}) holds {len(docs)} document(s); "
-                "pre-training needs at least two"
+                "pre-training needs at least three (training, validation, test)"
             )
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = max(1, int(len(docs) * self.val_fraction))
-        val, train = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val:]]
+        n_test = max(1, int(len(docs) * self.test_fraction))
+        val, test = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val : n_val + n_test]]
+        train = [docs[i] for i in order[n_val + n_test :]]
         if self.tokenizer is None:
             self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size)
-        self.train_docs, self.val_docs = self._encode(train), self._encode(val)
-        if not self.train_docs or not self.val_docs:
+        self.train_docs, self.val_docs, self.test_docs = map(self._encode, (train, val, test))
+        if not (self.train_docs and self.val_docs and self.test_docs):
             raise DataError(
                 f"the corpus ({', '.join(self.files)}) has too few documents of two or more "
-                "tokens for a training and a validation split"
+                "tokens for a training, a validation and a test split"
             )
         log.info(
-            "corpus %s: %d train / %d val documents, vocab %d",
+            "corpus %s: %d train / %d val / %d test documents, vocab %d",
             ", ".join(self.files),
             len(self.train_docs),
             len(self.val_docs),
+            len(self.test_docs),
             self.tokenizer.vocab_size,
         )
 
@@ -237,13 +254,15 @@ class MaskedLMDataModule(DataModule):
                 out.append(sentences)
         return out
 
-    def _loader(self, pairs: SegmentPairs, shuffle: bool) -> DataLoader:
-        rank, world = self.rank_world()
-        sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, shuffle, self.seed, world, rank)
-        if shuffle:
+    def _loader(self, pairs: SegmentPairs, split: str) -> DataLoader:
+        if split == "train":
+            rank, world = self.rank_world()
+            sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, True, self.seed, world, rank)
             sampler.resume(self.train_batches_consumed)
+        else:
+            sampler = self.eval_sampler(pairs.lengths(), self.max_tokens, split)
         return DataLoader(
-            PairBatches(pairs, sampler),
+            Batches(pairs, sampler),
             sampler=sampler,
             batch_size=None,
             num_workers=self.num_workers,
@@ -253,22 +272,26 @@ class MaskedLMDataModule(DataModule):
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(
-            SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob),
-            shuffle=True,
+            SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob), "train"
         )
 
     def val_dataloader(self) -> DataLoader:
-        """The first ``val_docs`` held-out documents, with fixed pairs and masks."""
-        docs = self.val_docs[: self.val_docs_scored]
-        return self._loader(
-            SegmentPairs(
-                docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob, fixed=True, seed=self.seed
-            ),
-            shuffle=False,
-        )
+        return self._held_out(self.val_docs, "validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return self._held_out(self.test_docs, "test")
+
+    def _held_out(self, docs: list[Document], split: str) -> DataLoader:
+        """The first ``val_docs`` documents of a held-out split, with fixed pairs and masks."""
+        pairs = SegmentPairs(
+            docs[: self.val_docs_scored],
+            self.max_len,
+            self.tokenizer.vocab_size,
+            self.mask_prob,
+            fixed=True,
+            seed=self.seed,
+        )
+        return self._loader(pairs, split)
 
     def examples(self, n: int) -> list[tuple[list[int], list[int], int]]:
         """The first ``n`` validation pairs, unmasked (the same ones every time: attention pictures)."""

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
+from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
-from attnlab.data.text.batching import PairBatches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_positive
@@ -84,6 +84,21 @@ def synthetic_pairs(n: int, seed: int, min_words: int = 3, max_words: int = 8) -
         src.append(" ".join(w for w, _ in words) + ".")
         tgt.append(" ".join(t for _, t in reversed(words)).capitalize() + ".")
     return src, tgt
+
+
+def cached_tokenizer(path: Path) -> SubwordTokenizer | None:
+    """The BPE vocabulary cached in ``path``; None where the file is damaged or holds another kind
+    of tokenizer (it is a cache: trained again, not fatal)."""
+    try:
+        tok = tokenizer_from_json(path.read_text(encoding="utf-8"))
+    except Exception as e:  # OSError, bad JSON, a missing key, or the tokenizers library's own Exception
+        log.warning("ignoring unreadable BPE cache %s (%s)", path, " ".join(str(e).split())[:200])
+        return None
+    if not isinstance(tok, SubwordTokenizer):
+        log.warning("ignoring BPE cache %s: it holds a %s, not a BPE vocabulary", path, type(tok).__name__)
+        return None
+    log.info("BPE vocabulary read from %s", path)
+    return tok
 
 
 @dataclass
@@ -257,14 +272,8 @@ class TranslationDataModule(DataModule):
     def _fit_tokenizer(self, src: list[str], tgt: list[str]) -> SubwordTokenizer:
         candidates = self._bpe_cache_path(src, tgt)
         for path in candidates:
-            if path.is_file():
-                try:
-                    tok = tokenizer_from_json(path.read_text())
-                    assert isinstance(tok, SubwordTokenizer)
-                    log.info("BPE vocabulary read from %s", path)
-                    return tok
-                except Exception:  # a damaged cache is rebuilt, not fatal
-                    log.warning("ignoring unreadable BPE cache %s", path)
+            if path.is_file() and (tok := cached_tokenizer(path)) is not None:
+                return tok
         tok = SubwordTokenizer.fit([*src, *tgt], self.vocab_size_wanted)
         for path in candidates:
             try:
@@ -345,7 +354,7 @@ class TranslationDataModule(DataModule):
             sampler.resume(self.train_batches_consumed)
         tok = self.tokenizer
         return DataLoader(
-            PairBatches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler),
+            Batches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler),
             sampler=sampler,
             batch_size=None,
             num_workers=self.num_workers,

@@ -66,18 +66,18 @@ def image_loader(
     dataset: Dataset,
     batch_size: int,
     num_workers: int,
-    sampler: ResumableSampler | None = None,
+    sampler: ResumableSampler,
     collate_fn: Any = None,
 ) -> DataLoader:
-    """Batches of a split, in order; or, for training, in ``sampler``'s order with the last
-    partial batch dropped. The loader's own generator seeds its workers, so starting one draws
-    nothing from the global generator (which a resumed run restores)."""
+    """Training batches of a split in ``sampler``'s order, the last partial batch dropped. The
+    loader's own generator seeds its workers, so starting one draws nothing from the global
+    generator (which a resumed run restores). Evaluation splits: ``DataModule.eval_loader``."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        drop_last=sampler is not None,
-        generator=torch.Generator().manual_seed(sampler.seed if sampler else 0),
+        drop_last=True,
+        generator=torch.Generator().manual_seed(sampler.seed),
         collate_fn=collate_fn,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
@@ -306,7 +306,7 @@ class ImageClassificationDataModule(DataModule):
         return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return image_loader(self.splits["val"], self.batch_size, self.num_workers)
+        return self.eval_loader(self.splits["val"], self.batch_size, "val", num_workers=self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
-        return image_loader(self.splits["test"], self.batch_size, self.num_workers)
+        return self.eval_loader(self.splits["test"], self.batch_size, "test", num_workers=self.num_workers)

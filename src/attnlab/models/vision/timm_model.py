@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import timm
+import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
@@ -39,6 +40,25 @@ class TimmModel(nn.Module):
                 self.model = timm.create_model(name, pretrained=False, **args)
             except TypeError as e2:
                 raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e2}") from e2
+        self.probe()
+
+    @torch.no_grad()
+    def probe(self) -> None:
+        """One image through the net, eagerly, at build time: a net whose downsampling leaves
+        nothing of the data's image size fails here with one line, not at the first (compiled)
+        training step with a long traceback."""
+        training = self.model.training
+        self.model.eval()  # batch norm takes a batch of one
+        try:
+            self.model(torch.zeros(1, self.in_chans, self.img_size, self.img_size))
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0]
+            raise ConfigError(
+                f"model.net.name={self.name!r} cannot take {self.img_size}x{self.img_size} images "
+                f"({reason}): raise data.img_size or choose another model"
+            ) from e
+        finally:
+            self.model.train(training)
 
     @property
     def num_features(self) -> int:
