@@ -1,4 +1,6 @@
-"""Every debug config (fdr, limit, overfit, profiler) runs with every experiment, at a tiny size.
+"""Every debug config (fdr, limit, overfit, profiler) runs with one experiment of every kind of
+model (task and net: the experiments of one kind differ in data and sizes, which
+``test_scaleout.py`` runs every experiment through in its fast configuration), at a tiny size.
 
 In-process (Hydra's compose API, then ``attnlab.cli.train.train``), no interpreter start-up each.
 GPT experiments read Python's docs instead of their corpus; Multi30k ones a tiny fake corpus;
@@ -84,9 +86,19 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
     return [*NMT_TINY, *ARCH_TINY[arch], *data]
 
 
+def one_of_each_kind() -> list[str]:
+    """The first experiment of each (task, net) pair of classes, by name."""
+    kinds: dict[tuple[str, str], str] = {}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name in EXPERIMENTS:
+            model = compose("train", overrides=[f"experiment={name}"]).model
+            kinds.setdefault((model._target_, model.net._target_), name)
+    return sorted(kinds.values())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("debug", DEBUGS)
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("experiment", one_of_each_kind())
 def test_debug_config_runs_with_experiment(experiment, debug, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     overrides = [

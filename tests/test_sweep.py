@@ -173,7 +173,7 @@ def test_search_spaces_given_on_the_command_line_need_no_quotes():
 SWEEP = [
     "hparams_search=gpt_optuna",
     "experiment=gpt_pydoc_char",
-    *tiny("trainer.max_steps=40", "model.scheduler.warmup_steps=5", "logger=csv", "test=false"),
+    *tiny("trainer.max_steps=20", "model.scheduler.warmup_steps=5", "logger=csv", "test=false"),
     "sweep.n_trials=6",
     "~sweep.params",
     "+sweep.params.model.optimizer.lr='choice(3e-3, 1e-3, 1e-6, 2e-6, -1.0, 5e-3)'",

@@ -89,6 +89,9 @@ class DataModule(L.LightningDataModule):
             batch_size=None,
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
+            # its own generator: starting its workers draws nothing from the global one (which a
+            # resumed run restores, and which an evaluation must leave where training had it)
+            generator=torch.Generator().manual_seed(0),
         )
 
     def rank_world(self) -> tuple[int, int]:
