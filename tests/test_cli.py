@@ -223,3 +223,47 @@ def test_many_loggers_write_csv_wandb_and_tensorboard(tmp_path):
     (run_dir,) = run_dirs(tmp_path, "many")
     assert list(run_dir.glob("tensorboard/**/events.out.tfevents.*"))
     assert list((run_dir / "wandb").glob("offline-run-*")) and read_metrics(run_dir)["val/loss"]
+
+
+def test_ckpt_path_last_takes_the_newest_run_the_cli_can_serve(tmp_path, monkeypatch):
+    """A GPT run, then a newer ViT run: ``attnlab-generate ckpt_path=last`` takes the GPT run
+    (the newest language model), ``attnlab-predict`` the ViT run, and each says which it took."""
+    from conftest import QUIET, blank_image, run_main, vision_overrides
+
+    monkeypatch.chdir(tmp_path)
+    common = [
+        "test=false",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        f"paths.root_dir={tmp_path}",
+    ]
+    assert run_main("train", [*TINY, "logger=csv", *common])[0] == 0  # TINY is quiet already
+    vision = ["experiment=vit_fashion_mnist", *vision_overrides("vit_fashion_mnist", tmp_path)]
+    assert run_main("train", [*vision, *QUIET, *common])[0] == 0
+    (gpt,) = (tmp_path / "logs").glob("gpt_*/runs/*")
+    (vit,) = (tmp_path / "logs").glob("vit_*/runs/*")
+    status, out = run_main("generate", ["ckpt_path=last", "max_new_tokens=5", f"paths.root_dir={tmp_path}"])
+    assert status == 0 and f"ckpt_path=last -> {gpt}" in out and "LanguageModelTask run" in out, out[-2000:]
+    image = blank_image(tmp_path / "one.png")
+    status, out = run_main("predict", ["ckpt_path=last", f"image={image}", f"paths.root_dir={tmp_path}"])
+    assert status == 0 and f"ckpt_path=last -> {vit}" in out, out[-2000:]
+    status, out = run_main("translate", ["ckpt_path=last", "text=hallo", f"paths.root_dir={tmp_path}"])
+    assert status == 2 and "no run of a TranslationTask under" in out, out[-2000:]
+
+
+SCRIPTS = sorted(
+    name.removeprefix("attnlab-")
+    for name in __import__("tomllib").loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"
+    ]["scripts"]
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_console_script_answers_help_with_its_usage_and_examples(script):
+    from conftest import run_main
+
+    status, out = run_main(script, ["--help"])
+    assert status == 0, out[-2000:]
+    assert f"usage: attnlab-{script}" in out and f"attnlab-{script} " in out.split("usage:", 1)[1], out[:2000]
+    assert "example" in out.lower() and "error" not in out.lower()[:200], out[:2000]

@@ -209,3 +209,42 @@ def test_an_unknown_sort_or_metric_is_refused(sweep, capsys):
     assert status == 2 and "--sort val/acc: no run logged it (logged: test/acc, val/loss)" in err
     status, _, err = compare_main([str(sweep), "--metrics", "test/bleu"], capsys)
     assert status == 2 and "--metrics test/bleu: no run logged it" in err
+
+
+def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_path, monkeypatch):
+    """``attnlab-train -m seed=1,2 lr=a,b``: every data config takes ``seed: ${seed}``, so the
+    saved (resolved) configs differ in ``data.seed`` too; derived keys follow the key they come
+    from, and the two seeds of each learning rate make one row and one band."""
+    import attnlab.plots
+    from conftest import run_main, tiny
+
+    monkeypatch.chdir(tmp_path)
+    status, out = run_main(
+        "train",
+        [
+            "-m",
+            "seed=1,2",
+            "model.optimizer.lr=1e-3,3e-3",
+            *tiny("trainer.max_steps=4", "trainer.val_check_interval=2", "data.val_batches=1"),
+            "logger=csv",  # tiny() is quiet already
+            "test=false",
+            f"paths.root_dir={tmp_path}",
+        ],
+    )
+    assert status == 0, out[-3000:]
+    (multirun,) = (tmp_path / "logs").glob("*/multiruns/*")
+    table = compare(parse_args([str(multirun), "--format", "csv", "--metrics", "val/loss"]))
+    lines = table.strip().splitlines()
+    assert lines[0].startswith("model.optimizer.lr,runs"), table  # no data.seed column
+    assert sorted(line.split(",")[:2] for line in lines[1:]) == [["0.001", "2"], ["0.003", "2"]]
+    figures, draw = [], attnlab.plots.curves_figure
+    monkeypatch.setattr(attnlab.plots, "curves_figure", lambda *a: figures.append(draw(*a)) or figures[-1])
+    compare(parse_args([str(multirun), "--plot", "val/loss", "--out", str(tmp_path / "loss.png")]))
+    (ax,) = figures[0].axes
+    assert sorted(line.get_label() for line in ax.get_lines()) == ["lr=0.001 (2 seeds)", "lr=0.003 (2 seeds)"]
+    assert len(ax.collections) == 2  # a band around each mean
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
+        "lr=0.001 (2 seeds)",
+        "lr=0.003 (2 seeds)",
+    ]
+    attnlab.plots.plt.close(figures[0])

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,13 @@ def test_launch_scripts_parse_and_pass_the_node_count_to_lightning(script):
     path = ROOT / "scripts" / script
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     assert "trainer.num_nodes=" in path.read_text() and '"$@"' in path.read_text()
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_the_code_is_ruff_clean(command):
+    """One style (``ruff format``) and the lint rules of pyproject.toml, over src, tests and benchmarks."""
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run(
+        [str(ruff), *command, "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -325,3 +325,27 @@ def test_hparams_search_configs_compose_and_their_seeded_samplers_repeat_a_sweep
             study.tell(trial := study.ask(space), 1.0 / (1 + trial.number))
         sampled.append([t.params for t in study.trials])
     assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("multirun", [["-m"], []])
+def test_train_with_a_search_space_refuses_and_names_the_sweep_command(multirun, tmp_path, monkeypatch):
+    """lightning-hydra-template's habit, ``attnlab-train -m hparams_search=...``, trained one job
+    and ignored the search; it is refused before anything is built, with the command to run."""
+    from conftest import run_main
+
+    monkeypatch.chdir(tmp_path)
+    status, out = run_main(
+        "train",
+        [*multirun, "hparams_search=gpt_optuna", "experiment=gpt_pydoc_char", f"paths.root_dir={tmp_path}"],
+    )
+    assert status == 2, out[-2000:]
+    assert "attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char" in out
+    assert "Traceback" not in out and not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_sweep_help_prints_its_usage_and_examples():
+    from conftest import run_main
+
+    status, out = run_main("sweep", ["--help"])
+    assert status == 0 and out.startswith("usage: attnlab-sweep"), out
+    assert "attnlab-sweep hparams_search=gpt_optuna" in out and "error" not in out

@@ -121,7 +121,25 @@ def load_run(run_dir: Path) -> Run:
         raise DataError(f"{config_file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
     if not isinstance(config, dict):
         raise DataError(f"{config_file}: not a config (a YAML mapping)")
-    return Run(run_dir, flatten(config), read_curves(run_dir / "csv" / "metrics.csv"))
+    derived = derived_keys(run_dir)
+    config = {k: v for k, v in flatten(config).items() if k not in derived}
+    return Run(run_dir, config, read_curves(run_dir / "csv" / "metrics.csv"))
+
+
+def derived_keys(run_dir: Path) -> set[str]:
+    """Keys whose value the run's config took from another key by interpolation
+    (``data.seed: ${seed}``), read from Hydra's unresolved copy (``.hydra/config.yaml``): they
+    follow the key they come from, so they are not hyperparameters of their own (else every
+    seed would differ in ``data.seed`` too and no runs would group). A value set on the command
+    line replaces the interpolation there, and counts."""
+    raw = run_dir / ".hydra" / "config.yaml"
+    if not raw.is_file():
+        return set()
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(raw), resolve=False)
+    except Exception:  # unreadable: nothing is known to be derived
+        return set()
+    return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
 
 def wandb_records(path: Path) -> Iterable[bytes]:
@@ -338,20 +356,29 @@ def short(value: Any, width: int = 32) -> str:
     return text if len(text) <= width else f"{text[: width // 2 - 1]}…{text[-(width // 2) :]}"
 
 
-def plot_curves(runs: list[Run], metric: str, out: Path) -> Path:
-    """The ``metric`` of every run against the step, one line each, labelled by what varies."""
+def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = True) -> Path:
+    """The ``metric`` of every run against the step, labelled by what varies: runs that differ
+    only by seed as one line, their mean, in a band of ± one standard deviation."""
     from attnlab.plots import curves_figure
 
-    keys = varying_keys(runs)
-    series = {}
+    keys = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
+    groups: dict[str, list[dict[int, float]]] = {}
     for run in runs:
         if metric in run.curves:
-            label = (
-                ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys) or run.path.name
-            )
-            series[label] = run.curves[metric]
-    if not series:
+            label = ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys)
+            groups.setdefault(label or run.path.name, []).append(dict(run.curves[metric]))
+    if not groups:
         raise DataError(f"--plot {metric}: no run logged it")
+    series = {}
+    for label, curves in groups.items():
+        steps = sorted(set.intersection(*(set(c) for c in curves)))  # logged by every seed
+        values = [[c[s] for c in curves] for s in steps]
+        if len(curves) > 1:
+            label = f"{label} ({len(curves)} seeds)"
+        series[label] = [
+            (s, statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
+            for s, v in zip(steps, values, strict=True)
+        ]
     fig = curves_figure(series, metric)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

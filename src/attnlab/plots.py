@@ -124,12 +124,17 @@ def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figur
     return fig
 
 
-def curves_figure(series: dict[str, list[tuple[int, float]]], metric: str) -> Figure:
-    """One line per run: ``metric`` against the training step, the legend naming each run."""
+def curves_figure(series: dict[str, list[tuple[int, float, float]]], metric: str) -> Figure:
+    """One line per run or group of runs: ``metric`` (the mean) against the training step, in a
+    band of ± its standard deviation where it has one; the legend names each line once."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.22 * len(series)))  # room for the legend below
     for label, points in series.items():
-        steps, values = zip(*points, strict=True)
-        ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+        steps, means, stds = zip(*points, strict=True)
+        (line,) = ax.plot(steps, means, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+        if any(stds):
+            low = [m - s for m, s in zip(means, stds, strict=True)]
+            high = [m + s for m, s in zip(means, stds, strict=True)]
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(metric)

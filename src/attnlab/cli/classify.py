@@ -27,8 +27,11 @@ from attnlab.tasks import TextClassificationTask
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        TextClassificationTask, need="attnlab-classify needs a sentence classifier"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (TextClassificationTask,),
+        need="attnlab-classify needs a sentence classifier",
     )
     net = run.net()
     if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers

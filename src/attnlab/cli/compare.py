@@ -1,6 +1,7 @@
 """``attnlab-compare <run or sweep dirs>...``: a table of the runs' metrics beside the
 hyperparameters that differ between them; runs differing only by seed grouped as mean ± std.
 
+examples:
     attnlab-compare logs/gpt_pydoc_char/multiruns/2026-11-25_10-00-00-000000
     attnlab-compare logs/vit_fashion_mnist logs/deit_fashion_mnist --metrics test/acc --sort test/acc
     attnlab-compare logs/... --where model.optimizer.lr=0.001 --best --format md
@@ -89,7 +90,9 @@ def compare(args: argparse.Namespace) -> str:
     if not runs:
         raise ConfigError(f"--where {' '.join(args.where)}: no run matches")
     if args.plot:
-        out = plot_curves(runs, args.plot, args.out or Path(args.plot.replace("/", "_") + ".png"))
+        out = plot_curves(
+            runs, args.plot, args.out or Path(args.plot.replace("/", "_") + ".png"), not args.no_group
+        )
         print(f"plot written to {out}", file=sys.stderr)
     metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
     logged = sorted({m for r in runs for m in r.curves})

@@ -20,8 +20,11 @@ from attnlab.tasks import MaskedLMTask
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (MaskedLMTask,),
+        need="attnlab-fill-mask needs a BERT pre-training run",
     )
     net = run.net()
     return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)

@@ -40,8 +40,11 @@ def is_number(value: object) -> bool:
 
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        LanguageModelTask, need="attnlab-generate needs a language model"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (LanguageModelTask,),
+        need="attnlab-generate needs a language model",
     )
     net = run.net().to(cfg.device)
     return generate_text(

@@ -20,8 +20,11 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     files = image_files(Path(str(cfg.image)).expanduser())
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        ImageClassificationTask, need="attnlab-predict needs an image classifier"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (ImageClassificationTask,),
+        need="attnlab-predict needs an image classifier",
     )
     net = run.net().to(cfg.device)
     results = []

@@ -110,7 +110,25 @@ def sweep(args: list[str]) -> None:
     print(f"dashboard: optuna-dashboard sqlite:///{(sweep_dir / 'optuna.db').resolve()}")
 
 
+USAGE = """usage: attnlab-sweep [OVERRIDE ...] | resume=SWEEP_DIR
+
+An Optuna sweep over attnlab-train runs; every trial a run of its own, the study in
+<sweep dir>/optuna.db, so a stopped sweep goes on where it was (finished trials stay).
+The overrides compose as for attnlab-train; hparams_search=<name> (conf/hparams_search/) adds
+the search: direction, n_trials, sampler, pruner and the space (sweep.params).
+
+examples:
+  attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char
+  attnlab-sweep hparams_search=gpt_optuna sweep.n_trials=4 trainer.max_steps=500
+  attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>
+  attnlab-compare logs/gpt_pydoc_char/sweeps/<time>      # the trials side by side
+"""
+
+
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(USAGE, end="")
+        return
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
     with exit_on_user_error(console=True):
         sweep(sys.argv[1:])

@@ -11,6 +11,7 @@ import hydra
 import lightning as L
 import optuna
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -19,7 +20,7 @@ from torch.utils.tensorboard.summary import hparams
 from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten, is_hyperparameter
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.inference.generation import generate_text
 from attnlab.loggers import CSVLogger as ContinuingCSVLogger
 from attnlab.loggers import continue_history
@@ -68,6 +69,19 @@ def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
     return objects
 
 
+def refuse_a_sweep(cfg: DictConfig) -> None:
+    """``hparams_search=<name>`` (lightning-hydra-template's habit) describes an Optuna sweep;
+    attnlab-train would train one job and ignore it. Refused with the command that runs it."""
+    if not (cfg.get("sweep") or {}).get("params") or cfg.get("sweep_trial"):
+        return
+    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    overrides = " ".join(o for o in given if not o.startswith("hydra."))
+    raise ConfigError(
+        f"hparams_search describes an Optuna sweep, which attnlab-sweep runs (attnlab-train, with "
+        f"or without -m, would train one job): attnlab-sweep {overrides}"
+    )
+
+
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
     loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
@@ -81,6 +95,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     tune_cpu_for_training()
     resolve(cfg)
     check_config(cfg)
+    refuse_a_sweep(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)

@@ -28,8 +28,11 @@ log = logging.getLogger("attnlab.translate")
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        TranslationTask, need="attnlab-translate needs a translation model"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (TranslationTask,),
+        need="attnlab-translate needs a translation model",
     )
     tokenizer = run.tokenizer
     task_cfg = run.config.model

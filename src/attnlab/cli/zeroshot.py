@@ -24,8 +24,11 @@ from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
-    run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir)).require(
-        ContrastiveTask, need="attnlab-zeroshot needs a CLIP run"
+    run = TrainedRun(
+        str(cfg.ckpt_path),
+        Path(cfg.paths.log_dir),
+        (ContrastiveTask,),
+        need="attnlab-zeroshot needs a CLIP run",
     )
     net = run.net()
     templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])

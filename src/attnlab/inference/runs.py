@@ -17,18 +17,19 @@ from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, requ
 class TrainedRun:
     """A checkpoint with the config and the data artifacts (e.g. tokenizer) it was trained with."""
 
-    def __init__(self, spec: str, log_dir: Path) -> None:
-        self.path = resolve_ckpt_path(spec, log_dir, "*/runs/*/checkpoints/last.ckpt")
+    def __init__(self, spec: str, log_dir: Path, tasks: tuple[type, ...] = (), need: str = "") -> None:
+        """``spec``: a checkpoint, or ``last``: the newest run under ``log_dir`` (of one of
+        ``tasks``, when given). A checkpoint of another task than ``tasks`` is refused with one
+        line saying what it holds and ``need``."""
+        names = tuple(t.__name__ for t in tasks)
+        self.path = resolve_ckpt_path(spec, log_dir, "*/runs/*/checkpoints/last.ckpt", names)
         self.ckpt = load_checkpoint(self.path)
         meta = metadata(self.ckpt, self.path)
+        if names:
+            require_task(meta, self.path, names, need)
         self.config: DictConfig = OmegaConf.create(meta["config"])
         self.artifacts: dict[str, Any] = meta["artifacts"]
         self.meta = meta
-
-    def require(self, *tasks: type, need: str) -> TrainedRun:
-        """This run, if it trained one of ``tasks``; else one line saying what it holds and ``need``."""
-        require_task(self.meta, self.path, tuple(t.__name__ for t in tasks), need)
-        return self
 
     @property
     def tokenizer(self) -> CharTokenizer | BPETokenizer | SubwordTokenizer:

@@ -100,8 +100,11 @@ def load_teacher(
                 f"{log_dir}; train the teacher first"
             ) from None
     if ckpt_path is not None:
-        run = TrainedRun(ckpt_path, Path(log_dir)).require(
-            ImageClassificationTask, need="model.distillation.teacher needs an image classifier"
+        run = TrainedRun(
+            ckpt_path,
+            Path(log_dir),
+            (ImageClassificationTask,),
+            need="model.distillation.teacher needs an image classifier",
         )
         return _checked_classifier(run.net(), ckpt_path)
     if weights is None:

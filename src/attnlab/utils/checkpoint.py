@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -26,21 +27,43 @@ from attnlab.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 
-def find_last(root: Path, pattern: str) -> Path:
-    """The most recently written ``last.ckpt`` under ``root`` matching ``pattern``."""
+def find_last(root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path:
+    """The most recently written ``last.ckpt`` under ``root`` matching ``pattern``; with
+    ``tasks`` (class names), of a run that trained one of them."""
     found = sorted(Path(root).glob(pattern), key=lambda p: p.stat().st_mtime)
     if not found:
         raise CheckpointError(f"ckpt_path=last: no checkpoint matches {Path(root) / pattern}")
+    if tasks:
+        found = [p for p in found if trained_task(p) in tasks]
+        if not found:
+            raise CheckpointError(f"ckpt_path=last: no run of a {' or '.join(tasks)} under {root}")
     return found[-1]
 
 
-def resolve_ckpt_path(spec: str | None, root: Path, pattern: str) -> Path | None:
-    """``None``, an existing file, or ``last`` (the newest ``last.ckpt`` under ``root``)."""
+def trained_task(ckpt: Path) -> str | None:
+    """The task class a checkpoint's run trained, from the config its run folder saved
+    (``<run>/config.yaml`` beside ``<run>/checkpoints/``); None where there is none to read."""
+    from omegaconf import OmegaConf
+
+    config = ckpt.parent.parent / "config.yaml"
+    try:
+        return model_names(OmegaConf.load(config).get("model"))[0]
+    except Exception:  # any unreadable config: that run is not a candidate
+        return None
+
+
+def resolve_ckpt_path(spec: str | None, root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path | None:
+    """``None``, an existing file, or ``last``: the newest ``last.ckpt`` under ``root`` (of a run
+    of one of ``tasks``, when given: an inference CLI takes the newest run it can serve)."""
     if spec is None:
         return None
     if str(spec) == "last":
-        path = find_last(root, pattern)
-        log.info("ckpt_path=last -> %s", path)
+        path = find_last(root, pattern, tasks)
+        # on stderr, not the log: the inference CLIs keep the console free of log lines
+        print(
+            f"ckpt_path=last -> {path}" + (f" (the newest {' or '.join(tasks)} run)" if tasks else ""),
+            file=sys.stderr,
+        )
         return path
     path = Path(spec).expanduser()
     if not (path.is_file() or is_sharded(path)):
