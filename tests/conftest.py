@@ -77,16 +77,37 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(entry: str, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``attnlab-<entry>`` (as ``python -m attnlab.<entry>``) with Hydra overrides."""
-    return subprocess.run(
-        [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
-        cwd=cwd,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def run_cli(
+    entry: str, args: list[str], cwd: Path, timeout: float = 600, new_process: bool | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``attnlab-<entry>`` with Hydra overrides in ``cwd``, with a new user's environment.
+
+    In this process (the console script's own ``main()``: an interpreter start and its imports
+    cost seconds a run here), unless the run starts processes of its own by re-running its command
+    line (DDP's launcher) or runs a sweep driver, or ``new_process`` says so: then as
+    ``python -m attnlab.cli.<entry>``."""
+    if new_process is None:
+        new_process = entry == "sweep" or any(a.startswith(("trainer=ddp", "trainer=fsdp")) for a in args)
+    if new_process:
+        return subprocess.run(
+            [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
+            cwd=cwd,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    here, environ = Path.cwd(), dict(os.environ)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(cli_env())
+    try:
+        status, out, err = _in_process(entry, args)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess([f"attnlab-{entry}", *args], status, out, err)
 
 
 def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
@@ -103,17 +124,24 @@ def popen_cli(entry: str, args: list[str], cwd: Path) -> subprocess.Popen:
 def run_main(module: str, argv: list[str]) -> tuple[int, str]:
     """``attnlab-<module> argv`` in this process (the console script's own ``main()``, without an
     interpreter start each): its exit status and everything it printed."""
+    status, out, _ = _in_process(module, argv, separate=False)
+    return status, out
+
+
+def _in_process(module: str, argv: list[str], separate: bool = True) -> tuple[int, str, str]:
+    """The exit status, stdout and stderr (or both in one, ``separate=False``) of a console
+    script's ``main()`` run here; what it may change for its process is restored after."""
     import torch
 
     main = importlib.import_module(f"attnlab.cli.{module.replace('-', '_')}").main
-    printed = io.StringIO()
-    # what an entry point may change for its process: restored for the tests that follow
+    out = io.StringIO()
+    err = io.StringIO() if separate else out
     saved_argv, environ = sys.argv, dict(os.environ)
     grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
     loggers = saved_loggers()  # Hydra's logging configs replace handlers and disable loggers
     sys.argv = [f"attnlab-{module}", *argv]
     try:
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main()
         status = 0
     except SystemExit as e:
@@ -125,7 +153,7 @@ def run_main(module: str, argv: list[str]) -> tuple[int, str]:
         torch.set_grad_enabled(grad)
         torch.set_num_threads(threads)
         restore_loggers(loggers)
-    return status, printed.getvalue()
+    return status, out.getvalue(), "" if err is out else err.getvalue()
 
 
 def saved_loggers() -> dict[logging.Logger, tuple]:

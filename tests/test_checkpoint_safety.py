@@ -100,7 +100,10 @@ def test_every_entry_point_refuses_a_planted_checkpoint(kind, planted, tmp_path,
 
 def test_ckpt_path_last_refuses_a_planted_folder_under_logs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plant_folder(tmp_path / "logs/gpt_pydoc_char/runs/x/checkpoints/last.ckpt", tmp_path / MARKER)
+    run = tmp_path / "logs/gpt_pydoc_char/runs/x"
+    plant_folder(run / "checkpoints/last.ckpt", tmp_path / MARKER)
+    # a planted run folder can claim any task: attnlab-generate takes the newest language-model run
+    (run / "config.yaml").write_text("model:\n  _target_: attnlab.tasks.LanguageModelTask\n")
     for module in ("train", "eval", "generate"):
         status, out = run_main(module, ["ckpt_path=last"])
         assert not (tmp_path / MARKER).exists(), f"{module} ckpt_path=last ran code"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import (
     TINY,
@@ -214,6 +215,11 @@ def test_multirun_gives_each_job_its_own_run(tmp_path):
     assert len(jobs) == 2
     wandb_ids = {next((j / "wandb").glob("offline-run-*")).name for j in jobs}
     assert len(wandb_ids) == 2 and all(read_metrics(j)["test/loss"] for j in jobs)
+    # W&B: each job named by its overrides, the jobs grouped as one multirun
+    wandb = [OmegaConf.load(j / "config.yaml").logger.wandb for j in jobs]
+    assert [w.name.split()[-1] for w in wandb] == ["model.optimizer.lr=0.001", "model.optimizer.lr=0.003"]
+    assert all(w.name.startswith("sweep model.net.n_layer=1") for w in wandb)
+    assert wandb[0].group == wandb[1].group == f"sweep multirun {jobs[0].parent.name}"
 
 
 @pytest.mark.slow
@@ -267,3 +273,53 @@ def test_every_console_script_answers_help_with_its_usage_and_examples(script):
     assert status == 0, out[-2000:]
     assert f"usage: attnlab-{script}" in out and f"attnlab-{script} " in out.split("usage:", 1)[1], out[:2000]
     assert "example" in out.lower() and "error" not in out.lower()[:200], out[:2000]
+
+
+def test_early_stopping_ends_a_run_that_stops_improving(tmp_path, monkeypatch):
+    """``callbacks=early_stopping`` (lightning-hydra-template's): with an improvement of 10 asked
+    for, the run stops after patience + 1 validations instead of running to max_steps."""
+    from conftest import run_main
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        *tiny("trainer.max_steps=40", "trainer.val_check_interval=5"),
+        "callbacks=early_stopping",
+        "callbacks.early_stopping.patience=1",
+        "callbacks.early_stopping.min_delta=10",
+        "logger=csv",
+        "test=false",
+        f"paths.root_dir={tmp_path}",
+    ]
+    status, out = run_main(
+        "train", [a for a in argv if not a.startswith("~callbacks.") or argv.count(a) == 1]
+    )
+    assert status == 0, out[-2000:]
+    (run,) = run_dirs(tmp_path, "gpt_pydoc_char")
+    steps = [s for s, _ in read_metrics(run)["val/loss"]]
+    assert steps == [4, 9], steps  # stopped at the second validation, not at step 40
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("generate", []),
+        ("predict", ["image={image}"]),
+        ("translate", ["text=hallo"]),
+        ("zeroshot", ["image={image}", "labels=a,b"]),
+        ("fill-mask", ["text=the [MASK] ."]),
+        ("classify", ["text=a film"]),
+    ],
+)
+def test_inference_device_is_checked_before_the_checkpoint_is_read(script, args, tmp_path):
+    """``device=`` (cpu, cuda, cuda:N, auto) of every inference CLI: a wrong one is one line."""
+    from conftest import blank_image, run_main
+
+    image = blank_image(tmp_path / "one.png")
+    argv = ["ckpt_path=last", f"paths.root_dir={tmp_path}", *(a.format(image=image) for a in args)]
+    status, out = run_main(script, [*argv, "device=tpu"])
+    assert status == 2 and "device must be cpu, cuda, cuda:N or auto, got 'tpu'" in out, out[-2000:]
+    if not torch.cuda.is_available():
+        status, out = run_main(script, [*argv, "device=cuda"])
+        assert status == 2 and "device=cuda: no CUDA GPU here" in out, out[-2000:]
+    status, out = run_main(script, [*argv, "device=auto"])  # past the device: no run to read
+    assert status == 2 and "error: ckpt_path=last: no checkpoint matches" in out, out[-2000:]

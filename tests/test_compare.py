@@ -248,3 +248,11 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
         "lr=0.003 (2 seeds)",
     ]
     attnlab.plots.plt.close(figures[0])
+
+
+def test_the_table_follows_the_terminal_width(sweep, monkeypatch):
+    widest = {}
+    for columns in (40, 200):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        widest[columns] = max(len(line) for line in compare(parse_args([str(sweep)])).splitlines())
+    assert widest[40] <= 40 < widest[200]

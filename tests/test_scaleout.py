@@ -222,7 +222,10 @@ def test_a_sharded_run_resumed_from_its_shards_ends_where_the_uninterrupted_run_
     for key in ("val/loss", "val/acc", "test/loss", "test/acc"):
         assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
         values = [v for _, v in want[key]]
-        assert [v for _, v in got[key]] == pytest.approx(values, rel=1e-4, abs=1e-5), key
+        # the net is 4 steps from random, its classes near ties: the sharded gradient's sums (in
+        # another order after a resume) may flip one of the 10 images either way
+        close = dict(rel=1e-4, abs=1e-5) if key.endswith("loss") else dict(abs=0.1 + 1e-6)
+        assert [v for _, v in got[key]] == pytest.approx(values, **close), key
 
 
 @pytest.mark.slow

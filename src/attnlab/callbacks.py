@@ -134,6 +134,31 @@ class ReleaseFreedMemory(L.Callback):
         release_freed_memory()
 
 
+class StepProgressBar(pl_callbacks.RichProgressBar):
+    """Lightning's rich progress bar, counting a step recipe's optimizer steps: ``step n/max_steps``
+    with the time left, where Lightning counts the batches of an epoch that never ends
+    ("Epoch 0/-2"), starts again at 0 after a resume ("60/10") and counts every accumulated batch
+    ("40/20"). Recipes without ``max_steps`` keep Lightning's epoch bar."""
+
+    def _by_steps(self) -> bool:
+        return self.trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "step" if self._by_steps() else super()._get_train_description(current_epoch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:  # a resumed run, mid-epoch
+            self._initialize_train_progress_bar_id()
+        batch_idx = args[-1]
+        self._update(self.train_progress_bar_id, trainer.global_step if self._by_steps() else batch_idx + 1)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+
 class MetricsPrinter(L.Callback):
     """One plain log line per validation: step, losses, learning rate, ms per iteration.
 

@@ -14,6 +14,7 @@ from attnlab.cli.common import (
     config_dir,
     exit_on_user_error,
     free_output,
+    inference_device,
     quote_free_text,
     read_sentences,
     write_lines,
@@ -27,13 +28,14 @@ from attnlab.tasks import TextClassificationTask
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
+    device = inference_device(cfg.device)
     run = TrainedRun(
         str(cfg.ckpt_path),
         Path(cfg.paths.log_dir),
         (TextClassificationTask,),
         need="attnlab-classify needs a sentence classifier",
     )
-    net = run.net()
+    net = run.net().to(device)
     if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
         raise CheckpointError(
             f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
@@ -137,3 +138,16 @@ def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
     return instantiate_trainer(cfg.trainer, **kwargs)
+
+
+def inference_device(value: Any) -> torch.device:
+    """``device=`` of the inference CLIs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (a GPU where
+    there is one); a GPU asked for where there is none is one line, not a CUDA traceback."""
+    value = str(value)
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
+    if value.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
+    return torch.device(value)

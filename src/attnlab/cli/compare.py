@@ -14,6 +14,7 @@ import argparse
 import csv
 import io
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def render(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
     for row in body:
         table.add_row(*row)
     out = io.StringIO()
-    Console(file=out, width=200).print(table)
+    # the terminal's width (COLUMNS where set); 200 when the table goes to a file or a pipe
+    Console(file=out, width=shutil.get_terminal_size((200, 24)).columns).print(table)
     return out.getvalue()
 
 

@@ -10,7 +10,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.inference.runs import TrainedRun
 from attnlab.inference.text_classification import fill_mask
@@ -20,13 +20,14 @@ from attnlab.tasks import MaskedLMTask
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
+    device = inference_device(cfg.device)
     run = TrainedRun(
         str(cfg.ckpt_path),
         Path(cfg.paths.log_dir),
         (MaskedLMTask,),
         need="attnlab-fill-mask needs a BERT pre-training run",
     )
-    net = run.net()
+    net = run.net().to(device)
     return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 
 

@@ -9,7 +9,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.inference.generation import generate_text
 from attnlab.inference.runs import TrainedRun
@@ -40,13 +40,14 @@ def is_number(value: object) -> bool:
 
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
+    device = inference_device(cfg.device)
     run = TrainedRun(
         str(cfg.ckpt_path),
         Path(cfg.paths.log_dir),
         (LanguageModelTask,),
         need="attnlab-generate needs a language model",
     )
-    net = run.net().to(cfg.device)
+    net = run.net().to(device)
     return generate_text(
         net,
         run.tokenizer,

@@ -12,6 +12,7 @@ import lightning as L
 import optuna
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -82,6 +83,24 @@ def refuse_a_sweep(cfg: DictConfig) -> None:
     )
 
 
+def name_wandb_run(cfg: DictConfig) -> None:
+    """A readable W&B name where the config leaves it null: the task and the command line's
+    overrides (``gpt_pydoc_char seed=2 model.optimizer.lr=0.003``), not W&B's random words; and
+    the jobs of one multirun in a group of their own (``<task> multirun <time>``)."""
+    wandb = cfg.logger.wandb
+    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    shown = [o for o in given if not o.startswith(("hydra.", "paths.", "experiment=", "logger", "~"))]
+    with open_dict(cfg):
+        if wandb.get("name") is None:
+            wandb.name = " ".join([cfg.task_name, *shown])
+        if (
+            HydraConfig.initialized()
+            and HydraConfig.get().mode == RunMode.MULTIRUN
+            and wandb.group == cfg.task_name
+        ):
+            wandb.group = f"{cfg.task_name} multirun {Path(HydraConfig.get().sweep.dir).name}"
+
+
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
     loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
@@ -126,10 +145,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
     with open_dict(cfg):  # resolved before the config is saved, so the run records the choice
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
-    if meta.get("wandb_run_id") and cfg.get("logger") and "wandb" in cfg.logger:
-        with open_dict(cfg):  # continue the interrupted run's W&B run
-            cfg.logger.wandb.id = meta["wandb_run_id"]
-            cfg.logger.wandb.resume = "allow"
+    if cfg.get("logger") and "wandb" in cfg.logger:
+        name_wandb_run(cfg)
+        if meta.get("wandb_run_id"):
+            with open_dict(cfg):  # continue the interrupted run's W&B run
+                cfg.logger.wandb.id = meta["wandb_run_id"]
+                cfg.logger.wandb.resume = "allow"
     save_config(cfg, out / "config.yaml")
     if cfg.extras.get("print_config"):
         print_config_tree(cfg)

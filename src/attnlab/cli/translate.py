@@ -14,6 +14,7 @@ from attnlab.cli.common import (
     config_dir,
     exit_on_user_error,
     free_output,
+    inference_device,
     quote_free_text,
     read_sentences,
     write_lines,
@@ -28,6 +29,7 @@ log = logging.getLogger("attnlab.translate")
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
+    device = inference_device(cfg.device)
     run = TrainedRun(
         str(cfg.ckpt_path),
         Path(cfg.paths.log_dir),
@@ -40,7 +42,7 @@ def translate(cfg: DictConfig) -> list[str]:
     if beam < 1:
         raise ConfigError(f"beam_size must be >= 1, got {beam}")
     alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
-    net = run.net().to(cfg.device)
+    net = run.net().to(device)
     return translate_sentences(
         net,
         tokenizer,
@@ -51,7 +53,7 @@ def translate(cfg: DictConfig) -> list[str]:
         task_cfg.max_len_b,
         run.config.data.max_len,
         cfg.max_tokens,
-        cfg.device,
+        device,
     )
 
 

@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
 from attnlab.data.vision.classification import normalize
 from attnlab.errors import CheckpointError, ConfigError
 from attnlab.inference.classification import image_files, load_image
@@ -24,6 +24,7 @@ from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
+    device = inference_device(cfg.device)
     run = TrainedRun(
         str(cfg.ckpt_path),
         Path(cfg.paths.log_dir),
@@ -32,7 +33,7 @@ def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
     )
     net = run.net()
     templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
-    return run, net.to(cfg.device), templates
+    return run, net.to(device), templates
 
 
 def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
@@ -41,10 +42,11 @@ def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     run, net, templates = load_clip(cfg)
     files = image_files(Path(str(cfg.image)).expanduser())
     classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
+    device = next(net.parameters()).device
     results = []
     for start in range(0, len(files), cfg.batch_size):
         chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(cfg.device)
+        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
         images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
         probs = zeroshot_probs(net, images, classifier)
         for path, row in zip(chunk, probs.tolist(), strict=True):
@@ -68,11 +70,12 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
     data.setup("test")
     classes = run.artifacts["classes"]
     classifier = class_embeddings(net, data.tokenizer, data.context_length, classes, templates)
+    device = next(net.parameters()).device
     features, labels = [], []
     loader = data.test_dataloader() if cfg.split == "test" else data.val_dataloader()
     for images, _, batch_labels in loader:
-        features.append(net.encode_image(data.normalize(images.to(cfg.device))).float())
-        labels.append(batch_labels.to(cfg.device))
+        features.append(net.encode_image(data.normalize(images.to(device))).float())
+        labels.append(batch_labels.to(device))
     acc = zeroshot_accuracy(torch.cat(features), classifier, torch.cat(labels))
     return {
         "top1": acc[1],

@@ -29,7 +29,7 @@ def fill_mask(
     """For each ``[MASK]`` in ``text``, the ``top_k`` most likely tokens and their probabilities."""
     if MASK not in text:
         raise DataError(f"text={text!r} has no {MASK} to fill")
-    ids = torch.tensor([encode_sentence(tokenizer, text, max_len)])
+    ids = torch.tensor([encode_sentence(tokenizer, text, max_len)], device=next(net.parameters()).device)
     masked = ids == WordPieceTokenizer.mask_id
     if not masked.any():
         raise DataError(f"text={text!r}: every {MASK} lies beyond the model's {max_len} tokens")
@@ -58,7 +58,7 @@ def classify_sentences(
     out: list[tuple[str, float]] = []
     for start in range(0, len(sentences), batch_size):
         rows = [encode_sentence(tokenizer, s, max_len) for s in sentences[start : start + batch_size]]
-        ids = pad(rows, WordPieceTokenizer.pad_id)
+        ids = pad(rows, WordPieceTokenizer.pad_id).to(next(net.parameters()).device)
         probs = net(ids, torch.zeros_like(ids)).float().softmax(-1)
         p, k = probs.max(-1)
         out += [(classes[i], v) for i, v in zip(k.tolist(), p.tolist(), strict=True)]
