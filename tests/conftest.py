@@ -97,10 +97,10 @@ def run_cli(
             text=True,
             timeout=timeout,
         )
-    here, environ = Path.cwd(), dict(os.environ)
+    here, environ, new_user = Path.cwd(), dict(os.environ), cli_env()
     os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(cli_env())
+    os.environ.update(new_user)
     try:
         status, out, err = _in_process(entry, args)
     finally:

@@ -137,7 +137,8 @@ def derived_keys(run_dir: Path) -> set[str]:
         return set()
     try:
         config = OmegaConf.to_container(OmegaConf.load(raw), resolve=False)
-    except Exception:  # unreadable: nothing is known to be derived
+    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
+        notice(f"{raw}: not readable ({str(e).strip().splitlines()[0]}): its interpolated keys count as set")
         return set()
     return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
