@@ -14,6 +14,7 @@ from attnlab.errors import ConfigError
 from attnlab.inference.generation import generate_text
 from attnlab.inference.runs import TrainedRun
 from attnlab.tasks import LanguageModelTask
+from attnlab.utils.checks import is_int, is_number
 
 
 def check_options(cfg: DictConfig) -> None:
@@ -28,14 +29,6 @@ def check_options(cfg: DictConfig) -> None:
         raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p!r}")
     if not is_int(cfg.num_samples) or cfg.num_samples < 1:
         raise ConfigError(f"num_samples must be a positive integer, got {cfg.num_samples!r}")
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # true/false parse as bools
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def generate(cfg: DictConfig) -> list[str]:

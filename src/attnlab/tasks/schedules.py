@@ -12,11 +12,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from attnlab.errors import ConfigError
+from attnlab.utils.checks import is_int, is_number
 
 
 def check_steps(name: str, value: int, low: int) -> None:
     """``model.scheduler.<name>`` must be an integer >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         bound = "a non-negative" if low == 0 else "a positive"
         # total_steps follows trainer.max_steps unless set, and -1 there means "no limit"
         why = " (set it, or model.scheduler=null, when trainer.max_steps=-1)" if name == "total_steps" else ""
@@ -46,7 +47,7 @@ def warmup_cosine(
     check_steps("warmup_steps", warmup_steps, 0)
     check_steps("total_steps", total_steps, 1)
     ratio = min_lr_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+    if not is_number(ratio) or not 0 <= ratio <= 1:
         raise ConfigError(f"model.scheduler.min_lr_ratio={ratio!r}: must be in [0, 1]")
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 

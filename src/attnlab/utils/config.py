@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from attnlab.errors import AttnlabError, ConfigError
+from attnlab.utils.checks import is_int, is_number
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def _int_at(cfg: DictConfig, key: str) -> int | None:
     """The int at the dotted ``key``; None where it is absent, ``???`` or not an int (the type
     check names those)."""
     value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_int(value) else None
 
 
 def _walk(node: Any, path: str) -> None:
@@ -349,9 +350,9 @@ def _accepts(value: Any, tp: Any) -> bool:
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return is_number(value)
     if tp is str:
         return isinstance(value, str)
     kind = origin or tp
