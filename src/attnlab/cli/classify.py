@@ -4,7 +4,6 @@ of each sentence, with its probability, from any sentence-classification run."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 import torch
@@ -29,12 +28,7 @@ from attnlab.tasks import TextClassificationTask
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (TextClassificationTask,),
-        need="attnlab-classify needs a sentence classifier",
-    )
+    run = TrainedRun.for_cli(cfg, TextClassificationTask, need="attnlab-classify needs a sentence classifier")
     net = run.net().to(device)
     if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
         raise CheckpointError(

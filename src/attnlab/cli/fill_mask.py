@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 import torch
@@ -21,12 +20,7 @@ def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (MaskedLMTask,),
-        need="attnlab-fill-mask needs a BERT pre-training run",
-    )
+    run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
     net = run.net().to(device)
     return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 

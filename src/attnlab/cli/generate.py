@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 import torch
@@ -34,12 +33,7 @@ def check_options(cfg: DictConfig) -> None:
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (LanguageModelTask,),
-        need="attnlab-generate needs a language model",
-    )
+    run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
     net = run.net().to(device)
     return generate_text(
         net,

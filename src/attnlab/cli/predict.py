@@ -21,12 +21,7 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     files = image_files(Path(str(cfg.image)).expanduser())
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (ImageClassificationTask,),
-        need="attnlab-predict needs an image classifier",
-    )
+    run = TrainedRun.for_cli(cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier")
     net = run.net().to(device)
     results = []
     for start in range(0, len(files), cfg.batch_size):

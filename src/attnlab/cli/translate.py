@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 import torch
@@ -30,12 +29,7 @@ log = logging.getLogger("attnlab.translate")
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (TranslationTask,),
-        need="attnlab-translate needs a translation model",
-    )
+    run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
     tokenizer = run.tokenizer
     task_cfg = run.config.model
     beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size

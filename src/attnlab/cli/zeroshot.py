@@ -25,12 +25,7 @@ from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
     device = inference_device(cfg.device)
-    run = TrainedRun(
-        str(cfg.ckpt_path),
-        Path(cfg.paths.log_dir),
-        (ContrastiveTask,),
-        need="attnlab-zeroshot needs a CLIP run",
-    )
+    run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
     net = run.net()
     templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
     return run, net.to(device), templates

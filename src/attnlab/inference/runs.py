@@ -31,6 +31,12 @@ class TrainedRun:
         self.artifacts: dict[str, Any] = meta["artifacts"]
         self.meta = meta
 
+    @classmethod
+    def for_cli(cls, cfg: Any, task: type, need: str) -> TrainedRun:
+        """The run an inference CLI's ``ckpt_path`` names (``last``: its task's newest under
+        ``paths.log_dir``), refused with ``need`` if it trained another task."""
+        return cls(str(cfg.ckpt_path), Path(cfg.paths.log_dir), (task,), need)
+
     @property
     def tokenizer(self) -> CharTokenizer | BPETokenizer | SubwordTokenizer:
         if "tokenizer" not in self.artifacts:

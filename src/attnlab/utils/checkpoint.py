@@ -33,11 +33,12 @@ def find_last(root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path:
     found = sorted(Path(root).glob(pattern), key=lambda p: p.stat().st_mtime)
     if not found:
         raise CheckpointError(f"ckpt_path=last: no checkpoint matches {Path(root) / pattern}")
-    if tasks:
-        found = [p for p in found if trained_task(p) in tasks]
-        if not found:
-            raise CheckpointError(f"ckpt_path=last: no run of a {' or '.join(tasks)} under {root}")
-    return found[-1]
+    if not tasks:
+        return found[-1]
+    newest = next((p for p in reversed(found) if trained_task(p) in tasks), None)  # reads what it must
+    if newest is None:
+        raise CheckpointError(f"ckpt_path=last: no run of a {' or '.join(tasks)} under {root}")
+    return newest
 
 
 def trained_task(ckpt: Path) -> str | None:
