@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from functools import cache
 
 import torch
 
 # mallopt parameters, from glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+@cache
+def glibc() -> ctypes.CDLL | None:
+    """glibc, for its malloc settings; None elsewhere (not Linux, or another libc such as musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def keep_freed_memory() -> bool:
@@ -20,11 +33,8 @@ def keep_freed_memory() -> bool:
     Serving blocks up to 32 MiB from the heap and not trimming it cut that by a third and the
     step time by ~5% here. Returns whether the settings took (False off glibc).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl)
+    libc = glibc()
+    if libc is None:
         return False
     settings = (
         (_M_MMAP_THRESHOLD, 32 << 20),  # the largest threshold glibc allows on 64-bit
@@ -32,7 +42,7 @@ def keep_freed_memory() -> bool:
         (_M_TOP_PAD, 64 << 20),
     )
     # apply every setting, even after one is refused
-    accepted = [mallopt(param, value) == 1 for param, value in settings]
+    accepted = [libc.mallopt(param, value) == 1 for param, value in settings]
     return all(accepted)
 
 
@@ -46,12 +56,8 @@ def release_freed_memory() -> bool:
     dozen steps keeps it flat (``benchmarks/memory_growth.py``) at the cost of faulting those
     pages in again once.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim(0) in (0, 1)
-    except (OSError, AttributeError):
-        return False
+    libc = glibc()
+    return libc is not None and libc.malloc_trim(0) in (0, 1)
 
 
 def tune_cpu_for_training() -> None:
