@@ -141,20 +141,26 @@ def test_batches_are_reshuffled_each_epoch_and_reproducible_from_the_seed(world)
             assert all(len(b) * max(LENGTHS[i] for i in b) <= 200 for b in p)
 
 
+def synthetic_translation(tmp_path: Path, pairs: int, eval_max_tokens: int) -> TranslationDataModule:
+    """A set-up DataModule of ``pairs`` synthetic pairs, batches of at most 64 tokens."""
+    dm = TranslationDataModule(
+        corpus="synthetic",
+        synthetic_size=pairs,
+        vocab_size=200,
+        max_len=40,
+        max_tokens=64,
+        eval_max_tokens=eval_max_tokens,
+        cache_dir=str(tmp_path),
+    )
+    dm.setup()
+    return dm
+
+
 def test_lightning_keeps_the_sampler_and_sets_its_epoch(tmp_path):
     """Under DDP Lightning replaces a loader's sampler with its DistributedSampler unless the
     sampler is one already; and it calls set_epoch only on ``loader.sampler`` (or
     ``loader.batch_sampler.sampler``), never on a custom batch sampler."""
-    dm = TranslationDataModule(
-        corpus="synthetic",
-        synthetic_size=100,
-        vocab_size=200,
-        max_len=40,
-        max_tokens=64,
-        eval_max_tokens=64,
-        cache_dir=str(tmp_path),
-    )
-    dm.setup()
+    dm = synthetic_translation(tmp_path, 100, eval_max_tokens=64)
     trainer = L.Trainer(
         accelerator="cpu",
         strategy="ddp",
@@ -183,16 +189,7 @@ def test_overfit_batches_swaps_in_a_sequential_sampler_of_the_first_batches(tmp_
     from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches
     from lightning.pytorch.utilities import CombinedLoader
 
-    dm = TranslationDataModule(
-        corpus="synthetic",
-        synthetic_size=100,
-        vocab_size=200,
-        max_len=40,
-        max_tokens=64,
-        eval_max_tokens=64,
-        cache_dir=str(tmp_path),
-    )
-    dm.setup()
+    dm = synthetic_translation(tmp_path, 100, eval_max_tokens=64)
     loader = dm.train_dataloader()
     first = [b["idx"].tolist() for b in loader]
     combined = CombinedLoader(loader)
@@ -206,16 +203,7 @@ def test_overfit_batches_swaps_in_a_sequential_sampler_of_the_first_batches(tmp_
 
 
 def test_the_datamodule_shards_by_the_trainers_rank(tmp_path):
-    dm = TranslationDataModule(
-        corpus="synthetic",
-        synthetic_size=300,
-        vocab_size=200,
-        max_len=40,
-        max_tokens=64,
-        eval_max_tokens=128,
-        cache_dir=str(tmp_path),
-    )
-    dm.setup()
+    dm = synthetic_translation(tmp_path, 300, eval_max_tokens=128)
     train, val = [], []
     for rank in range(2):
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
