@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,10 +85,16 @@ def run_cli(
 
     In this process (the console script's own ``main()``: an interpreter start and its imports
     cost seconds a run here), unless the run starts processes of its own by re-running its command
-    line (DDP's launcher) or runs a sweep driver, or ``new_process`` says so: then as
+    line (DDP's launcher), runs a sweep driver, or is called from another thread than the main one
+    (a run here changes the working directory, the environment and ``sys.stdout`` of the whole
+    process, which runs in parallel threads would share), or ``new_process`` says so: then as
     ``python -m attnlab.cli.<entry>``."""
     if new_process is None:
-        new_process = entry == "sweep" or any(a.startswith(("trainer=ddp", "trainer=fsdp")) for a in args)
+        new_process = (
+            entry == "sweep"
+            or threading.current_thread() is not threading.main_thread()
+            or any(a.startswith(("trainer=ddp", "trainer=fsdp")) for a in args)
+        )
     if new_process:
         return subprocess.run(
             [sys.executable, "-m", f"attnlab.cli.{entry}", *args],
