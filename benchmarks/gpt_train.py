@@ -33,7 +33,14 @@ class StepTimer(L.Callback):
         self.times: list[float] = []
 
     def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(step_done())
+
+
+def step_done() -> float:
+    """The time once the step's work has finished: on a GPU, once its queued kernels have run."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def compose_experiment(data_dir: str | None, out: str):
@@ -82,11 +89,13 @@ def plain_loop_ms(cfg, precision: str, steps: int, warmup: int) -> float:
         betas=(0.9, 0.99),
         fused=True,
     )
-    data, t, b = dm.train_tokens, dm.block_size, dm.batch_size
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Trainer's accelerator: auto
+    net.to(device)
+    data, t, b = dm.train_tokens.to(device), dm.block_size, dm.batch_size
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     times = []
     for _ in range(steps + warmup):
-        ix = torch.randint(len(data) - t, (b,))
+        ix = torch.randint(len(data) - t, (b,), device=device)
         x = torch.stack([data[i : i + t] for i in ix])
         y = torch.stack([data[i + 1 : i + 1 + t] for i in ix])
         with ctx:
@@ -96,7 +105,7 @@ def plain_loop_ms(cfg, precision: str, steps: int, warmup: int) -> float:
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter())
+        times.append(step_done())
     deltas = [b - a for a, b in zip(times[warmup:-1], times[warmup + 1 :], strict=True)]
     return 1000 * statistics.median(deltas)
 
@@ -113,10 +122,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     precisions = ["32-true"]
-    if args.bf16 or native_bf16_cpu():
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model()
+    if args.bf16 or native_bf16_cpu() or (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         precisions.append("bf16-mixed")
     else:
-        print(f"{cpu_model()} has no native bf16: fp32 only (--bf16 to measure it anyway)")
+        print(f"{machine} has no native bf16: fp32 only (--bf16 to measure it anyway)")
     goal = 1.10  # the Trainer's overhead: at most 10% over the plain loop, on any machine
     rows = []
     with tempfile.TemporaryDirectory() as out:
@@ -127,7 +137,7 @@ def main() -> None:
             rows.append((precision, ours, ref))
     print(
         f"\nGPT (gpt_shakespeare_char config), median ms per training iteration, "
-        f"{args.steps} steps, {torch.get_num_threads()} threads"
+        f"{args.steps} steps, {machine}, {torch.get_num_threads()} threads"
     )
     print(f"{'precision':<12}{'attnlab':>10}{'plain loop':>12}{'ratio':>8}{'goal':>8}")
     for precision, ours, ref in rows:

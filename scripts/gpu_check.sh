@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-uv run pytest -p no:cacheprovider -m gpu -v --durations=0 tests/test_gpu.py "$@"
+# --dist load: the cases of this one file spread over the workers (the default keeps a file on one)
+uv run pytest -p no:cacheprovider -m gpu -v --durations=0 --dist load tests/test_gpu.py "$@"

@@ -218,7 +218,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     sample = None
     if cfg.get("sample") and hasattr(model.net, "generate"):  # every process: a sharded net needs them all
         s = cfg.sample
-        with unsharded(model.net):
+        # in the training precision: FSDP's mixed precision keeps each unit's weights in bf16/fp16
+        # and casts only the inputs of the root's forward, which generation does not go through
+        with unsharded(model.net), trainer.precision_plugin.forward_context():
             sample = generate_text(
                 model.net,
                 datamodule.tokenizer,
