@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from attnlab.callbacks import StepProgressBar
+from conftest import assert_ok, read_metrics, run_cli, tiny
 
 
 class Regression(L.LightningModule):
@@ -60,3 +61,21 @@ def test_a_resumed_run_s_bar_goes_on_from_its_step(tmp_path):
     (ckpt,) = tmp_path.rglob("*.ckpt")
     completed, total, _ = fit(tmp_path / "resumed", 13, ckpt_path=ckpt)
     assert (completed, total) == (13, 13)
+
+
+def test_validation_keeps_the_recipes_step_schedule_under_gradient_accumulation(tmp_path):
+    """``val_check_interval`` counts optimizer steps as ``max_steps`` does: Lightning counts
+    batches, so 2 batches a step validated after steps 2, 4, 6, 8 instead of 4 and 8."""
+    out = tmp_path / "run"
+    overrides = tiny(
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=4",
+        "trainer.accumulate_grad_batches=2",
+        "test=false",
+        "sample=null",
+        f"paths.output_dir={out}",
+    )
+    assert_ok(run_cli("train", ["experiment=gpt_pydoc_char", *overrides, "logger=csv"], tmp_path))
+    metrics = read_metrics(out)
+    # logged at the step index (global step - 1), as without accumulation; it was [1, 3, 5, 7]
+    assert [step for step, _ in metrics["val/loss"]] == [3, 7]

@@ -80,7 +80,13 @@ def container(cfg: DictConfig) -> dict[str, Any]:
 
 
 def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
-    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``constructor_errors``."""
+    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``constructor_errors``.
+
+    ``val_check_interval`` counts optimizer steps, as ``max_steps`` does, so gradient accumulation
+    keeps a recipe's validation schedule; Lightning counts batches, hence the scaling."""
+    every, accumulate = node.get("val_check_interval"), node.get("accumulate_grad_batches", 1)
+    if is_int(every) and is_int(accumulate) and accumulate > 1:
+        kwargs.setdefault("val_check_interval", every * accumulate)
     with constructor_errors("trainer"):
         return instantiate(node, **kwargs)
 
