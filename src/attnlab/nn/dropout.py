@@ -1,11 +1,11 @@
 """Dropout whose mask costs one random byte per element on CPU.
 
-On CPU, ``nn.Dropout`` samples a Bernoulli per element through torch's float sampler: ~7.5 ms
-per million elements on this machine, which made the 17 dropouts of a small Transformer 13% of
-its training step. Comparing random bytes to a threshold gives the same mask for ~1 ms. The drop
-probability is rounded to a multiple of 1/256 (0.2 -> 51/256 = 0.199) and the kept elements are
-scaled by the exact inverse keep probability, so the expectation is unchanged. Elsewhere (CUDA's
-fused kernel is fast) it is ``F.dropout``.
+On CPU, ``nn.Dropout`` samples a Bernoulli per element through torch's float sampler, slow enough
+to be a visible share of a small Transformer's training step; comparing random bytes to a
+threshold gives the same kind of mask for a fraction of that (``benchmarks/dropout.py`` measures
+both on your machine). The drop probability is rounded to a multiple of 1/256 (0.2 -> 51/256 =
+0.199) and the kept elements are scaled by the exact inverse keep probability, so the expectation
+is unchanged. Elsewhere (CUDA's fused kernel is fast) it is ``F.dropout``.
 """
 
 from __future__ import annotations

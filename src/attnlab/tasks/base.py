@@ -80,8 +80,8 @@ class Task(L.LightningModule):
         self.to(self.trainer.strategy.root_device)  # what is not sharded (a distillation teacher)
 
     def log_train_loss(self, loss: Tensor, **kwargs: Any) -> None:
-        # loggers only write every log_every_n_steps; each self.log call costs ~0.7 ms on CPU,
-        # a few percent of a small model's step, so log only on the steps that are written
+        # loggers only write every log_every_n_steps, and each self.log call has a cost of its
+        # own (visible on a small model's step), so log only on the steps that are written
         every = self.trainer.log_every_n_steps
         if every and (self.global_step + 1) % every == 0:
             self.log("train/loss", loss, prog_bar=True, **kwargs)

@@ -1,8 +1,9 @@
 """What machine a run is on, and the precision that suits it.
 
 bf16 pays only where the hardware multiplies in it: GPUs from Ampere on, and CPUs with AMX or
-AVX512-BF16. Elsewhere torch's CPU bf16 matmul falls back to a slow generic kernel (measured on an
-AVX2-only AMD EPYC: 1.4 GFLOP/s against 63 in fp32), so a bf16 recipe would crawl there.
+AVX512-BF16. Elsewhere torch's CPU bf16 matmul falls back to a generic kernel far slower than
+fp32 (README, "Same command, same model, any machine", has the figures), so a bf16 recipe would
+crawl there.
 """
 
 from __future__ import annotations
