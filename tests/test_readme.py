@@ -1,6 +1,8 @@
-"""Every command in the README runs: each ``uv run attnlab-...`` line of its code blocks, in a fast form.
+"""Every command in the README and the docs runs: each ``uv run attnlab-...`` line of their code
+blocks, in a fast form.
 
-The lines are read from README.md (so a new or changed line is tested as written) and each is run
+The lines are read from README.md and docs/*.md (so a new or changed line is tested as written);
+each is run
 in this process (``run_main``, the console script's own ``main()``) in a temporary directory:
 
 - ``attnlab-train``: the experiment's tiny overrides (``tiny_overrides`` of test_debug_matrix: fake
@@ -33,6 +35,9 @@ from conftest import QUIET, ROOT, blank_image, run_cli, run_main, write_image_fo
 from test_debug_matrix import GPT_TINY, tiny_overrides
 
 README = ROOT / "README.md"
+# the pages whose commands run; tables are checked in these and in the results page too
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+MARKDOWN = [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]
 DEFAULT_EXPERIMENT = "gpt_pydoc_char"
 
 # debug=fdr's limits without its config group (which would also set task_name=debug and the logger)
@@ -71,6 +76,7 @@ PREREQUISITE = {
 
 @dataclass(frozen=True)
 class Command:
+    page: str  # README.md, docs/sweeps.md, ...
     lineno: int
     text: str
     entry: str  # train, eval, fill-mask, ...
@@ -80,16 +86,23 @@ class Command:
     @property
     def id(self) -> str:
         short = re.sub(r"[^\w.=/@,+~-]+", "_", " ".join(self.args))[:50]
-        return f"L{self.lineno}-{self.entry}-{short}".rstrip("-")
+        page = "" if self.page == "README.md" else f"{Path(self.page).stem}:"
+        return f"{page}L{self.lineno}-{self.entry}-{short}".rstrip("-")
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.lineno}"
 
     def value(self, key: str) -> str | None:
         return next((a.partition("=")[2] for a in self.args if a.partition("=")[0] == key), None)
 
 
-def readme_commands(text: str | None = None) -> list[Command]:
-    """The ``uv run attnlab-...`` lines of the README's fenced code blocks (a trailing ``\\``
-    continues a line; a ``# comment`` ends one)."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def readme_commands(text: str | None = None, page: str = "README.md") -> list[Command]:
+    """The ``uv run attnlab-...`` lines of the fenced code blocks of every page (of ``text``
+    when given; a trailing ``\\`` continues a line; a ``# comment`` ends one)."""
+    if text is None:
+        return [c for p in PAGES for c in readme_commands(p.read_text(), str(p.relative_to(ROOT)))]
+    lines = text.splitlines()
     commands: list[Command] = []
     fenced, previous, i = False, None, 0
     while i < len(lines):
@@ -111,7 +124,7 @@ def readme_commands(text: str | None = None) -> list[Command]:
             experiment = previous or DEFAULT_EXPERIMENT
         else:
             experiment = ENTRY_EXPERIMENT.get(entry, previous or DEFAULT_EXPERIMENT)
-        commands.append(Command(lineno, line.split("#")[0].strip(), entry, args, experiment))
+        commands.append(Command(page, lineno, line.split("#")[0].strip(), entry, args, experiment))
         previous = experiment
     return commands
 
@@ -292,12 +305,12 @@ class Workspaces:
 
     def sweep(self, cmd: Command) -> tuple[int, str, Path]:
         """A sweep line's result and directory: run once per module, as ``resume=`` reads it too."""
-        if cmd.lineno not in self.dirs:
+        if cmd.where not in self.dirs:
             cwd = self.factory.mktemp(f"sweep{cmd.lineno}")
             args = concrete(cmd, cwd)
             tiny = without_replaced(tiny_for(cmd.experiment, cwd / "data", cmd.args), args, cmd.experiment)
-            self.dirs[cmd.lineno] = (*run_in(cwd, "sweep", [*QUIET, *tiny, *args, *SWEEP_FAST]), cwd)
-        return self.dirs[cmd.lineno]
+            self.dirs[cmd.where] = (*run_in(cwd, "sweep", [*QUIET, *tiny, *args, *SWEEP_FAST]), cwd)
+        return self.dirs[cmd.where]
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +379,11 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
             status, out = run_in(cwd, "train", argv)
         assert "downloading http" not in out, out[-3000:]  # the fake data, never the network
     elif cmd.entry == "sweep" and cmd.value("resume"):  # the sweep above, whatever order tests run in
-        above = next(c for c in reversed(COMMANDS) if c.entry == "sweep" and c.lineno < cmd.lineno)
+        above = next(
+            c
+            for c in reversed(COMMANDS)
+            if c.entry == "sweep" and c.page == cmd.page and c.lineno < cmd.lineno
+        )
         cwd = workspaces.sweep(above)[2]
         status, out = run_in(cwd, "sweep", concrete(cmd, cwd))
     elif cmd.entry == "sweep":
@@ -379,7 +396,7 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
         cwd = workspaces(cmd.experiment)
         write_inputs(cmd.args, cwd)
         status, out = run_in(cwd, cmd.entry, concrete(cmd, cwd))
-    check(status, out, f"README.md:{cmd.lineno}: {cmd.text}")
+    check(status, out, f"{cmd.where}: {cmd.text}")
     if cmd.entry == "sweep":
         assert "best: trial 0" in out, out[-3000:]
     for a in cmd.args:  # what the line writes is there
@@ -410,20 +427,30 @@ def table_cells(line: str) -> list[str]:
     return re.split(r"(?<!\\)\|", line.strip().strip("|"))
 
 
-def test_every_readme_table_row_has_the_header_s_columns():
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_row_has_the_header_s_columns(page: Path):
     """A row with a cell too many or too few renders broken (its cells shift or vanish)."""
     tables, current = [], []
-    for n, line in enumerate(README.read_text().splitlines(), start=1):
+    for n, line in enumerate(page.read_text().splitlines(), start=1):
         if line.lstrip().startswith("|"):
             current.append((n, line))
         elif current:
             tables.append(current)
             current = []
     tables += [current] if current else []
-    assert len(tables) >= 5
+    name = page.relative_to(ROOT)
     for table in tables:
         (head_n, head), *rows = table
         width = len(table_cells(head))
-        assert set(rows[0][1].replace("|", "").strip()) <= set("-: "), f"README.md:{head_n}: no separator row"
+        assert set(rows[0][1].replace("|", "").strip()) <= set("-: "), f"{name}:{head_n}: no separator row"
         bad = [(n, len(table_cells(row))) for n, row in rows if len(table_cells(row)) != width]
-        assert not bad, f"README.md:{head_n}: {width} columns, but rows {bad}"
+        assert not bad, f"{name}:{head_n}: {width} columns, but rows {bad}"
+
+
+def test_the_pages_link_to_files_that_exist():
+    """The README's contents and the docs' links survive files moving."""
+    for page in MARKDOWN:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith("http"):
+                assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: {target}"
+    assert sum(len(re.findall(r"^\|", p.read_text(), re.M)) > 0 for p in MARKDOWN) >= 5
