@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.errors import ConfigError
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 
 ATTENTION_TYPES = ("additive", "general", "dot")
@@ -29,7 +30,7 @@ class Encoder(nn.Module):
 
     def __init__(self, emb: nn.Embedding, rnn: str, hidden: int, n_layers: int, dropout: float) -> None:
         super().__init__()
-        self.emb, self.drop = emb, nn.Dropout(dropout)
+        self.emb, self.drop = emb, Dropout(dropout)
         rnn_cls = nn.GRU if rnn == "gru" else nn.LSTM
         self.rnn = rnn_cls(
             emb.embedding_dim,
@@ -110,7 +111,7 @@ class Seq2Seq(nn.Module):
             cell_in, readout_in = emb_dim + emb_dim, dec_hidden + ctx
         self.cell = nn.GRUCell(cell_in, dec_hidden) if rnn == "gru" else nn.LSTMCell(cell_in, dec_hidden)
         self.readout = nn.Linear(readout_in, emb_dim)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         self.out = nn.Linear(emb_dim, vocab_size, bias=False)
         for emb in {self.src_emb, self.tgt_emb}:  # small, so tied output logits start near uniform
             nn.init.normal_(emb.weight, std=emb_dim**-0.5)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import conv_bn_relu
+from attnlab.nn import Dropout, conv_bn_relu
 from attnlab.utils.checks import check_positive, check_probability
 
 
@@ -45,7 +45,7 @@ class ConvNet(nn.Module):
             stages.append(nn.Sequential(*pool, conv_bn_relu(chans, width), conv_bn_relu(width, width)))
             chans = width
         self.stages = nn.Sequential(*stages)
-        self.head_drop = nn.Dropout(dropout)
+        self.head_drop = Dropout(dropout)
         self.num_features = chans  # what forward_head(pre_logits=True) returns, as in timm
         self.head = nn.Linear(chans, num_classes)
 
