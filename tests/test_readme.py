@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from attnlab.data.text.corpora import python_docs
+from attnlab.data.text.shards import prepare
 from conftest import QUIET, ROOT, blank_image, run_cli, run_main, write_image_folder, write_pairs
 from test_debug_matrix import GPT_TINY, tiny_overrides
 
@@ -225,11 +227,16 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         "prompts.txt": lambda p: p.write_text("a photo of a {}.\na blurry picture of a {}.\n"),
         "my_images": lambda p: write_image_folder(p),
         "captions.csv": lambda p: write_pairs(p.parent, n=24).rename(p),
+        "corpus.txt": lambda p: p.write_text(python_docs()),
     }
     for a in args:
-        name = a.partition("=")[2]
+        name = a.partition("=")[2] or a  # key=file, or a file given by position
         if name in writers and not (cwd / name).exists():
             writers[name](cwd / name)
+    shards = next((a.partition("=")[2] for a in args if a.startswith("data.shards_dir=")), None)
+    if shards and not (cwd / shards).exists():  # what attnlab-prepare would have written there
+        (cwd / "corpus.txt").write_text(python_docs())
+        prepare([str(cwd / "corpus.txt")], cwd / shards, val_tokens=5000, test_tokens=5000, progress=False)
 
 
 def concrete(cmd: Command, cwd: Path) -> list[str]:
@@ -389,6 +396,10 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
     elif cmd.entry == "sweep":
         status, out, cwd = workspaces.sweep(cmd)
         assert "failed:" not in out, out[-3000:]  # its trial trained (a failed trial does not fail a sweep)
+    elif cmd.entry == "prepare":  # reads the files it names, needs no run
+        write_inputs(cmd.args, tmp_path)
+        cwd = tmp_path
+        status, out = run_in(cwd, "prepare", list(cmd.args))
     elif cmd.entry == "compare":
         cwd = workspaces.compare()
         status, out = run_in(cwd, "compare", concrete(cmd, cwd))
@@ -404,7 +415,7 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
         if key == "output":
             assert (cwd / value).is_file(), out[-3000:]
     if "--out" in cmd.args:
-        assert (cwd / cmd.args[cmd.args.index("--out") + 1]).is_file(), out[-3000:]
+        assert (cwd / cmd.args[cmd.args.index("--out") + 1]).exists(), out[-3000:]  # a file or a folder
 
 
 def compose_and_check(cmd: Command, tmp: Path) -> None:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from attnlab.data.base import DataModule
 from attnlab.data.text.corpora import load_corpus
+from attnlab.data.text.shards import ShardWindows, TokenShards
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import AttnlabError, ConfigError, DataError
 from attnlab.utils.checks import check_positive
@@ -84,6 +85,10 @@ class TextDataModule(DataModule):
             ``test_dataloader``); ``None``: non-overlapping windows only.
         num_workers: DataLoader workers for the training stream.
         seed: seed of the training and validation batch streams.
+        shards_dir: a folder of token shards made by ``attnlab-prepare`` (a corpus of any size):
+            training windows are read from disk as they are drawn, validation and test are the
+            shards' held-out splits, and the tokenizer is the one they were made with;
+            ``corpus``, ``tokenizer`` and the fractions are then not used.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class TextDataModule(DataModule):
         test_stride: int | None = None,
         num_workers: int = 0,
         seed: int = 1337,
+        shards_dir: str | None = None,
     ) -> None:
         super().__init__()
         check_positive(
@@ -132,6 +138,7 @@ class TextDataModule(DataModule):
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.val_batches, self.test_stride = val_batches, test_stride
         self.num_workers, self.seed = num_workers, seed
+        self.shards_dir, self.shards = shards_dir, None
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
         self.train_tokens: Tensor | None = None
         self.val_tokens: Tensor | None = None
@@ -155,11 +162,14 @@ class TextDataModule(DataModule):
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
-        load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
+        if self.shards_dir is None:
+            load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_tokens is not None:
+        if self.train_tokens is not None or self.shards is not None:
             return
+        if self.shards_dir is not None:
+            return self._setup_shards()
         text = load_corpus(self.corpus, self.data_dir, self.cache_dir, self.url, self.sha256)
         val_start = int(len(text) * (1 - self.val_fraction - self.test_fraction))
         test_start = int(len(text) * (1 - self.test_fraction))
@@ -176,13 +186,7 @@ class TextDataModule(DataModule):
             self.test_tokens = torch.tensor(self.tokenizer.encode(test_text), dtype=torch.long)
         except AttnlabError as e:
             raise DataError(f"corpus {self.corpus!r} does not fit the checkpoint's tokenizer: {e}") from e
-        splits = [("train", self.train_tokens), ("validation", self.val_tokens), ("test", self.test_tokens)]
-        for split, toks in splits:
-            if len(toks) <= self.block_size + 1:
-                raise DataError(
-                    f"the {split} split of corpus {self.corpus!r} has {len(toks)} tokens, "
-                    f"fewer than data.block_size + 2 = {self.block_size + 2}"
-                )
+        self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
         log.info(
             "corpus %s: %d train / %d val / %d test tokens, vocab %d (%s)",
             self.corpus,
@@ -193,8 +197,42 @@ class TextDataModule(DataModule):
             self.tokenizer_kind,
         )
 
+    def _setup_shards(self) -> None:
+        shards = TokenShards(self.shards_dir)
+        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
+            raise DataError(
+                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
+                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
+            )
+        self.tokenizer = self.tokenizer or shards.tokenizer()
+        self.val_tokens, self.test_tokens = shards.read_split("val"), shards.read_split("test")
+        largest = max((s.tokens for s in shards.splits["train"]), default=0)
+        self._check_lengths([("train", largest), ("validation", len(self.val_tokens))])
+        self.shards = shards
+        log.info(
+            "shards %s: %d train / %d val / %d test tokens, vocab %d",
+            self.shards_dir,
+            shards.tokens("train"),
+            len(self.val_tokens),
+            len(self.test_tokens),
+            self.vocab_size,
+        )
+
+    def _check_lengths(self, splits: list[tuple[str, int]]) -> None:
+        source = f"shards {self.shards_dir}" if self.shards_dir else f"corpus {self.corpus!r}"
+        for split, n in [*splits, ("test", len(self.test_tokens))]:
+            if n <= self.block_size + 1:
+                raise DataError(
+                    f"the {split} split of {source} has {n} tokens"
+                    f"{' in its largest shard' if split == 'train' and self.shards_dir else ''}, "
+                    f"fewer than data.block_size + 2 = {self.block_size + 2}"
+                )
+
     def train_dataloader(self) -> DataLoader:
-        ds = RandomWindows(self.train_tokens, self.block_size, self.batch_size, self.seed)
+        if self.shards is not None:
+            ds = ShardWindows(self.shards, self.block_size, self.batch_size, self.seed)
+        else:
+            ds = RandomWindows(self.train_tokens, self.block_size, self.batch_size, self.seed)
         ds.start = self.train_batches_consumed
         return DataLoader(
             ds,

@@ -1,0 +1,410 @@
+"""Token shards on disk: a corpus of any size tokenised once (``attnlab-prepare``) and read a
+window at a time, so training holds neither the text nor its tokens in memory.
+
+nanoGPT's ``train.bin`` is the model: flat arrays of token ids (uint16 while the vocabulary fits,
+else uint32), here cut into shards of a bounded size and described by a manifest (the tokenizer
+and its hash, each shard's token count and sha256, the source files). Windows are read with
+``np.fromfile`` at an offset rather than through a memory map: a map's pages count towards the
+training process's resident memory as random windows touch them, plain reads leave them in the
+page cache.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing import get_all_start_methods, get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import IterableDataset, get_worker_info
+
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.errors import ConfigError, DataError
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val", "test")
+Tokenizer = CharTokenizer | BPETokenizer
+
+
+# ---- reading the sources ------------------------------------------------------------------------
+
+
+def source_files(patterns: Sequence[str]) -> list[Path]:
+    """The files named by ``patterns`` (paths or globs), in order, each once."""
+    files: list[Path] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not found:
+            raise DataError(f"{pattern}: no file matches")
+        for name in found:
+            path = Path(name)
+            if not path.is_file():
+                raise DataError(f"{path}: not a file")
+            if path not in files:
+                files.append(path)
+    return files
+
+
+def text_chunks(files: Sequence[Path], chunk_bytes: int) -> Iterator[tuple[str, int]]:
+    """The text of ``files`` in pieces of about ``chunk_bytes``, each cut after a newline where
+    there is one (a character split between reads is joined by the incremental decoder), with
+    the bytes read for each piece."""
+    for path in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        with open(path, "rb") as f:
+            offset, rest = 0, ""
+            while block := f.read(chunk_bytes):
+                text = rest + _decode(decoder, block, path, offset)
+                cut = text.rfind("\n") + 1 or len(text)
+                rest = text[cut:]
+                offset += len(block)
+                yield text[:cut], len(block)
+            rest += _decode(decoder, b"", path, offset, final=True)
+            if rest:
+                yield rest, 0
+
+
+def _decode(
+    decoder: codecs.IncrementalDecoder, data: bytes, path: Path, offset: int, final: bool = False
+) -> str:
+    try:
+        return decoder.decode(data, final=final)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text near byte {offset + e.start} ({e.reason})") from None
+
+
+# ---- tokenising ---------------------------------------------------------------------------------
+
+
+def fit_tokenizer(files: Sequence[Path], kind: str, vocab_size: int, sample_bytes: int) -> Tokenizer:
+    """A character vocabulary from every file (one pass), or byte-level BPE trained on the first
+    ``sample_bytes`` of text (BPE's merges settle long before a large corpus ends)."""
+    if kind == "char":
+        chars: set[str] = set()
+        for text, _ in text_chunks(files, 1 << 24):
+            chars.update(text)
+        return CharTokenizer("".join(sorted(chars)))
+    if kind == "bpe":
+        sample, size = [], 0
+        for text, n in text_chunks(files, 1 << 22):
+            sample.append(text)
+            size += n
+            if size >= sample_bytes:
+                break
+        return BPETokenizer.fit("".join(sample), vocab_size)
+    raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {kind!r}")
+
+
+class ChunkEncoder:
+    """Text -> token ids as a numpy array; picklable, so worker processes each hold one."""
+
+    def __init__(self, tokenizer_json: str, dtype: str) -> None:
+        self.tokenizer_json, self.dtype = tokenizer_json, dtype
+        self.tokenizer: Tokenizer | None = None
+        self.table: np.ndarray | None = None
+
+    def __call__(self, text: str) -> np.ndarray:
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer_from_json(self.tokenizer_json)
+            if isinstance(self.tokenizer, CharTokenizer):  # code point -> id, one lookup per char
+                points = np.array([ord(c) for c in self.tokenizer.chars], dtype=np.int64)
+                self.table = np.full(points.max() + 1, -1, dtype=np.int64)
+                self.table[points] = np.arange(len(points))
+        if self.table is None:
+            return np.asarray(self.tokenizer.encode(text), dtype=self.dtype)
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = self.table[np.minimum(points, len(self.table) - 1)]
+        if (ids < 0).any() or (points >= len(self.table)).any():
+            self.tokenizer.encode(text)  # raises, naming the characters
+        return ids.astype(self.dtype)
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+class SplitWriter:
+    """Token ids of one split into files of at most ``shard_tokens`` tokens each."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int) -> None:
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.file = None
+
+    def write(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self.file is None or self.shards[-1]["tokens"] == self.shard_tokens:
+                self._next()
+            room = self.shard_tokens - self.shards[-1]["tokens"]
+            part, ids = ids[:room], ids[room:]
+            part.tofile(self.file)
+            self.shards[-1]["tokens"] += len(part)
+
+    def _next(self) -> None:
+        self.close()
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self.file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in close())
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            shard = self.shards[-1]
+            shard["sha256"] = file_sha256(self.folder / shard["file"])
+
+
+def prepare(
+    inputs: Sequence[str],
+    out_dir: str | os.PathLike,
+    tokenizer: str = "char",
+    vocab_size: int = 1024,
+    val_tokens: int = 100_000,
+    test_tokens: int = 100_000,
+    shard_tokens: int = 100_000_000,
+    workers: int = 1,
+    chunk_bytes: int = 1 << 22,
+    bpe_sample_bytes: int = 100 << 20,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenise the files ``inputs`` name into token shards in ``out_dir``; return the manifest.
+
+    The first ``val_tokens`` tokens validate and the next ``test_tokens`` are the test split
+    (held out from the start: a stream's length is not known before its end); the rest trains.
+    Everything is written to ``<out_dir>.partial`` and moved into place with its manifest at the
+    end, so an interrupted prepare leaves no half-written shards behind: the next one starts clean.
+    """
+    out = Path(out_dir)
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out}: exists and is not empty; choose another folder")
+    for name, value in (("val_tokens", val_tokens), ("test_tokens", test_tokens)):
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ConfigError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
+    files = source_files(inputs)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+    tok = fit_tokenizer(files, tokenizer, vocab_size, bpe_sample_bytes)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: SplitWriter(partial, s, dtype, shard_tokens) for s in SPLITS}
+    held_out = {"val": val_tokens, "test": test_tokens}
+    encoder = ChunkEncoder(tok.to_json(), dtype)
+    total_bytes = sum(f.stat().st_size for f in files)
+    with _progress(progress, total_bytes) as advance, _pool(workers) as pool:
+        chunks = text_chunks(files, chunk_bytes)
+        texts = (text for text, n in _counted(chunks, advance))
+        for ids in pool.imap(encoder, texts) if pool else map(encoder, texts):
+            for split in ("val", "test"):
+                take = min(held_out[split], len(ids))
+                writers[split].write(ids[:take])
+                held_out[split] -= take
+                ids = ids[take:]
+            writers["train"].write(ids)
+    for w in writers.values():
+        w.close()
+    manifest = {
+        "version": 1,
+        "tokenizer": tok.to_json(),
+        "tokenizer_sha256": hashlib.sha256(tok.to_json().encode()).hexdigest(),
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype,
+        "splits": {s: writers[s].shards for s in SPLITS},
+        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+    }
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(partial, out)
+    return manifest
+
+
+def _counted(chunks: Iterator[tuple[str, int]], advance) -> Iterator[tuple[str, int]]:
+    for text, n in chunks:
+        advance(n)
+        yield text, n
+
+
+class _pool:
+    """A pool of ``workers`` processes, or none for 1. Forked where the platform can (nothing
+    here has started torch's threads; a spawned worker would spend seconds importing torch),
+    with the tokenizers library's own threads off in them, as it asks after a fork."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers, self.pool = workers, None
+
+    def __enter__(self):
+        if self.workers > 1:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            method = "fork" if "fork" in get_all_start_methods() else "spawn"
+            self.pool = get_context(method).Pool(self.workers)
+        return self.pool
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate() if exc[0] else self.pool.close()
+            self.pool.join()
+
+
+class _progress:
+    """A rich progress bar over the source bytes, on stderr; ``enabled=False``: nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total, self.bar = enabled, total, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.bar = Progress(
+            "tokenising",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.start()
+        task = self.bar.add_task("tokenising", total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    tokens: int
+
+
+class TokenShards:
+    """A prepared folder: its tokenizer and each split's shards, checked against the manifest."""
+
+    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise DataError(f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare")
+        try:
+            manifest = json.loads(path.read_text())
+            self.dtype = np.dtype(manifest["dtype"])
+            self.tokenizer_json: str = manifest["tokenizer"]
+            self.tokenizer_sha256: str = manifest["tokenizer_sha256"]
+            entries = manifest["splits"]
+            self.splits = {
+                s: [Shard(self.folder / e["file"], int(e["tokens"])) for e in entries[s]] for s in SPLITS
+            }
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+        for split in SPLITS:
+            for shard, entry in zip(self.splits[split], entries[split], strict=True):
+                self._check(shard, entry.get("sha256") if verify else None)
+
+    def _check(self, shard: Shard, sha256: str | None) -> None:
+        if not shard.path.is_file():
+            raise DataError(f"{shard.path}: a shard the manifest lists is missing")
+        size = shard.path.stat().st_size
+        if size != shard.tokens * self.dtype.itemsize:
+            raise DataError(
+                f"{shard.path}: {size} bytes, but the manifest says {shard.tokens} tokens of "
+                f"{self.dtype} ({shard.tokens * self.dtype.itemsize} bytes); truncated or replaced?"
+            )
+        if sha256 is not None and file_sha256(shard.path) != sha256:
+            raise DataError(f"{shard.path}: its sha256 differs from the manifest's; corrupt or replaced")
+
+    def tokenizer(self) -> Tokenizer:
+        return tokenizer_from_json(self.tokenizer_json)
+
+    def tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.splits[split])
+
+    def read(self, shard: Shard, start: int, n: int) -> np.ndarray:
+        return np.fromfile(shard.path, dtype=self.dtype, count=n, offset=start * self.dtype.itemsize)
+
+    def read_split(self, split: str) -> Tensor:
+        """A whole (small) split in memory: validation and test."""
+        parts = [self.read(s, 0, s.tokens) for s in self.splits[split]]
+        return (
+            torch.from_numpy(np.concatenate(parts).astype(np.int64))
+            if parts
+            else torch.zeros(0, dtype=torch.long)
+        )
+
+
+class ShardWindows(IterableDataset):
+    """Endless batches of random windows from the training shards, as ``RandomWindows`` draws
+    them from a tensor: batch ``n`` from a generator seeded by ``(seed, n)``, so a resumed run
+    sees the batches the uninterrupted one would have, and ranks and workers interleave the
+    stream. A window lies inside one shard, each shard chosen in proportion to its windows."""
+
+    def __init__(self, shards: TokenShards, block_size: int, batch_size: int, seed: int) -> None:
+        self.shards, self.block_size, self.batch_size, self.seed = shards, block_size, batch_size, seed
+        self.usable = [s for s in shards.splits["train"] if s.tokens > block_size + 1]
+        if not self.usable:
+            raise DataError(
+                f"{shards.folder}: no training shard holds more than data.block_size + 1 = "
+                f"{block_size + 1} tokens"
+            )
+        self.weights = torch.tensor([float(s.tokens - block_size - 1) for s in self.usable])
+        self.start = 0
+
+    def batch(self, index: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        which = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=g)
+        fractions = torch.rand(self.batch_size, generator=g, dtype=torch.float64)
+        rows = []
+        for i, u in zip(which.tolist(), fractions.tolist(), strict=True):
+            shard = self.usable[i]
+            start = int(u * (shard.tokens - self.block_size - 1))
+            rows.append(self.shards.read(shard, start, self.block_size + 1))
+        chunk = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        rank, world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        n = self.start + worker
+        while True:
+            yield self.batch(n * world + rank)
+            n += n_workers
