@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from attnlab.errors import DataError
+from attnlab.study import load_trials
 
 # config keys that say where or how a run was logged, not what was trained
 IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.", "sweep_trial.", "sweep.dir")
@@ -287,14 +288,7 @@ def sweep_states(sweep_dir: Path) -> dict[str, str]:
 def sweep_trials(sweep_dir: Path) -> list[Any]:
     """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
     none for any other directory."""
-    if not (sweep_dir / "optuna.db").is_file():
-        return []
-    import optuna
-
-    from attnlab.sweep import STUDY, storage_url  # optuna and Lightning only where there is a sweep
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=STUDY, storage=storage_url(sweep_dir)).get_trials(deepcopy=False)
+    return load_trials(sweep_dir)
 
 
 def is_hyperparameter(key: str) -> bool:

@@ -6,7 +6,6 @@ import logging
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
@@ -16,18 +15,25 @@ from attnlab.cli.common import (
     inference_device,
     quote_free_text,
     read_sentences,
+    resolve_checkpoint,
     write_lines,
 )
 from attnlab.errors import ConfigError
-from attnlab.inference.runs import TrainedRun
-from attnlab.inference.translation import translate_sentences
-from attnlab.tasks import TranslationTask
 
 log = logging.getLogger("attnlab.translate")
 
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
+    resolve_checkpoint(cfg, "TranslationTask")
+    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
+    import torch
+
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.translation import translate_sentences
+    from attnlab.tasks import TranslationTask
+
+    torch.set_grad_enabled(False)
     device = inference_device(cfg.device)
     run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
     tokenizer = run.tokenizer
@@ -53,7 +59,6 @@ def translate(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="translate")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         path = free_output(cfg)
         out = translate(cfg)
