@@ -113,22 +113,26 @@ def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys,
     assert "no runs (csv/metrics.csv) under" in said()
 
 
-def test_offline_wandb_runs_are_read_when_there_is_no_csv_log(tmp_path, monkeypatch):
-    import wandb
+def test_an_offline_wandb_run_is_compared_from_its_csv_log_and_named_without_one(tmp_path, capsys):
+    """A real attnlab-train run logging to W&B (offline: no key) has its CSV log beside the W&B
+    run, which is read; a W&B run folder alone (no public reader of .wandb files) is one line
+    saying how to see it."""
+    from conftest import TINY, assert_ok, run_cli, run_dirs
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for lr in (0.1, 0.2):
-        run = wandb.init(dir=tmp_path, project="p", config={"model": {"optimizer": {"lr": lr}}, "seed": 1})
-        for step in (10, 20, 30):
-            run.log({"val/loss": 1 / (lr * step), "trainer/global_step": step})
-        run.log({"test/acc": lr * 4, "trainer/global_step": 30})
-        run.finish()
-    out = compare(parse_args([str(tmp_path), "--format", "csv", "--metrics", "test/acc,val/loss", "--best"]))
-    header, *rows = out.strip().splitlines()
-    # runs come in path order, and two runs started in the same second order by their random ids
-    assert header == "model.optimizer.lr,runs,test/acc,val/loss"
-    assert sorted(rows) == ["0.1,1,0.4,0.3333", "0.2,1,0.8,0.1667"]
+    assert_ok(run_cli("train", [*TINY, "task_name=wb", "logger=wandb", "test=false"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path, "wb")
+    (offline,) = run_dir.rglob("offline-run-*")
+    status, out, err = compare_main([str(run_dir), "--format", "csv", "--metrics", "val/loss"], capsys)
+    assert status == 0 and len(out.strip().splitlines()) == 2 and "W&B" not in err, err
+
+    alone = tmp_path / "wandb-only"
+    alone.mkdir()
+    offline.rename(alone / offline.name)  # as a run of another tool that logged to W&B only
+    status, out, err = compare_main([str(alone)], capsys)
+    assert status == 2 and out == "", out
+    assert err.count("\n") == 1 and "an offline W&B run without a CSV log" in err and "wandb sync" in err, err
+    both = compare_main([str(run_dir), str(alone), "--format", "csv", "--metrics", "val/loss"], capsys)
+    assert both[0] == 0 and "wandb sync" in both[2] and "left out" in both[2], both
 
 
 def test_a_sweep_trial_killed_before_its_csv_log_is_one_row_from_the_study(tmp_path, monkeypatch):

@@ -1,19 +1,18 @@
 """Comparing finished runs: their final and best metrics beside the hyperparameters that differ
 between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
 
-A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log) and ``config.yaml`` (the
-composed config the run saved), or an offline W&B run directory (``offline-run-*/run-*.wandb``)
-of a run without a CSV log; a sweep directory holds many (``multiruns/<time>/<n>/``).
+A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
+writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
+directory holds many (``multiruns/<time>/<n>/``). An offline W&B run with no CSV log beside it
+is named in a notice: W&B has no public reader of its ``.wandb`` file; ``wandb sync`` uploads it.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
-import json
 import math
 import statistics
-import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,6 +40,11 @@ IGNORED_KEYS = {
     "model.net.plot_dir",
 }
 SEED = "seed"
+WANDB_ONLY = (
+    "an offline W&B run without a CSV log, which attnlab-compare cannot read (W&B has no public "
+    "reader of .wandb files): upload it with `wandb sync <dir>` and compare on W&B, or log with "
+    "logger=csv too (attnlab-train always does)"
+)
 
 
 @dataclass
@@ -144,53 +148,6 @@ def derived_keys(run_dir: Path) -> set[str]:
     return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
 
-def wandb_records(path: Path) -> Iterable[bytes]:
-    """The records of an offline W&B run file (``run-<id>.wandb``): a 7-byte header, then a
-    LevelDB-style log of 32 KiB blocks, each record a 7-byte header (CRC, length, kind: full,
-    first, middle, last fragment) and its bytes."""
-    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
-    if data[:4] != b":W&B":
-        raise DataError(f"{path}: not a W&B run file")
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
-        if kind == 0:  # the zero padding at the end of a block
-            pos += left
-            continue
-        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = payload if kind in (1, 2) else pending + payload
-        if kind in (1, 4):
-            yield pending
-
-
-def load_wandb_run(run_file: Path) -> Run:
-    """Config and metric curves from an offline W&B run (step: Lightning's ``trainer/global_step``)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    config: dict[str, Any] = {}
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for payload in wandb_records(run_file):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind in ("run", "config"):  # the config given at init, then updates (Lightning's hparams)
-            updates = record.run.config.update if kind == "run" else record.config.update
-            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
-        elif kind == "history":
-            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            step = int(row.get("trainer/global_step", row.get("_step", 0)))
-            for k, v in row.items():
-                if (
-                    not k.startswith("_")
-                    and k not in ("epoch", "trainer/global_step")
-                    and isinstance(v, int | float)
-                ):
-                    curves.setdefault(k, []).append((step, float(v)))
-    for key in ("machine", "_wandb"):
-        config.pop(key, None)
-    return Run(run_file.parent, flatten(config), curves)
-
-
 def _read_elsewhere(wandb_dir: Path) -> bool:
     """An offline W&B run inside a run directory that also has its CSV log (read that instead),
     or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
@@ -202,7 +159,7 @@ def _read_elsewhere(wandb_dir: Path) -> bool:
 
 def find_runs(paths: Iterable[Path]) -> list[Run]:
     """Every run under ``paths`` (each a run directory, or a folder holding runs), in path order."""
-    runs, missing = [], []
+    runs, missing, wandb_only = [], [], []
     for path in paths:
         if not path.exists():
             missing.append(str(path))
@@ -211,7 +168,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         logs = logs or sorted(path.rglob("csv/metrics.csv"))
         runs += [load_run(log.parent.parent) for log in logs]
         offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
-        runs += [load_wandb_run(f) for f in offline if not _read_elsewhere(f.parent)]
+        wandb_only += [f.parent for f in offline if not _read_elsewhere(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
     runs = without_copies(without_empty(runs))
@@ -221,7 +178,11 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         if run.path.name in states:
             run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
     if not runs:
+        if wandb_only:
+            raise DataError(f"{wandb_only[0]}: {WANDB_ONLY}")
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
+    for folder in wandb_only:
+        notice(f"{folder}: {WANDB_ONLY}: left out")
     return runs
 
 
