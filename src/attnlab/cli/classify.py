@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     free_output,
@@ -23,6 +24,7 @@ from attnlab.errors import CheckpointError
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
+    check_device(cfg.device)
     resolve_checkpoint(cfg, "TextClassificationTask")
     # torch and the model load after the options and the checkpoint's path are checked (quick errors)
     import torch

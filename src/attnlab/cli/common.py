@@ -177,16 +177,28 @@ def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     return instantiate_trainer(cfg.trainer, **kwargs)
 
 
-def inference_device(value: Any) -> torch.device:
+def check_device(value: Any) -> None:
     """``device=`` of the inference CLIs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (a GPU where
-    there is one); a GPU asked for where there is none is one line, not a CUDA traceback."""
+    there is one); a GPU asked for where there is none is one line, not a CUDA traceback. Torch
+    loads only to answer whether there is a GPU, where one is asked for."""
+    value = str(value)
+    if value == "auto":
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
+    if value.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
+
+
+def inference_device(value: Any) -> torch.device:
+    """The ``torch.device`` of ``device=`` (see ``check_device``)."""
+    check_device(value)
     import torch
 
     value = str(value)
     if value == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
-    if value.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
     return torch.device(value)

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     inference_device,
@@ -21,6 +22,7 @@ from attnlab.errors import ConfigError
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
+    check_device(cfg.device)
     resolve_checkpoint(cfg, "MaskedLMTask")
     # torch and the model load after the options and the checkpoint's path are checked (quick errors)
     import torch

@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     inference_device,
@@ -34,6 +35,7 @@ def check_options(cfg: DictConfig) -> None:
 
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
+    check_device(cfg.device)
     resolve_checkpoint(cfg, "LanguageModelTask")
     # torch and the model load after the options and the checkpoint's path are checked (quick errors)
     import torch

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     free_output,
@@ -25,6 +26,7 @@ log = logging.getLogger("attnlab.translate")
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
+    check_device(cfg.device)
     resolve_checkpoint(cfg, "TranslationTask")
     # torch and the model load after the options and the checkpoint's path are checked (quick errors)
     import torch

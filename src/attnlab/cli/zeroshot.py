@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     inference_device,
@@ -106,6 +107,7 @@ def run(cfg: DictConfig) -> None:
             raise ConfigError(
                 'give exactly one of image=<file or folder> (with labels="a,b,c") or split=test'
             )
+        check_device(cfg.device)
         resolve_checkpoint(cfg, "ContrastiveTask")
         import torch
 

@@ -303,9 +303,10 @@ def _source_signature(target: str) -> tuple[inspect.Signature, dict[str, Any], b
     for name, p in sig.parameters.items():
         if p.annotation is not inspect.Parameter.empty:
             try:
-                hints[name] = _evaluate(p.annotation, dict(namespace))
+                hint = _evaluate(p.annotation, dict(namespace))
             except Exception:  # e.g. Union[int, <a name left out>]: not checked here
-                hints[name] = Any
+                hint = Any
+            hints[name] = Any if isinstance(hint, _Unseen) else hint
     return sig, hints, where == TRAINER
 
 
