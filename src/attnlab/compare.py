@@ -4,15 +4,19 @@ between them, runs that differ only by seed grouped as mean ± std, and metric c
 A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
 writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
 directory holds many (``multiruns/<time>/<n>/``). An offline W&B run with no CSV log beside it
-is named in a notice: W&B has no public reader of its ``.wandb`` file; ``wandb sync`` uploads it.
+(``offline-run-*/run-*.wandb``, a run of another tool) is read through W&B's own command line,
+``wandb leet inspect --json``, which prints the records of its ``.wandb`` log as JSON.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import json
 import math
+import shutil
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,11 +44,8 @@ IGNORED_KEYS = {
     "model.net.plot_dir",
 }
 SEED = "seed"
-WANDB_ONLY = (
-    "an offline W&B run without a CSV log, which attnlab-compare cannot read (W&B has no public "
-    "reader of .wandb files): upload it with `wandb sync <dir>` and compare on W&B, or log with "
-    "logger=csv too (attnlab-train always does)"
-)
+# where `wandb leet inspect` cannot read an offline W&B run (an older wandb, a damaged file)
+WANDB_UNREAD = "upload it with `wandb sync <dir>` and compare on W&B, or log with logger=csv too"
 
 
 @dataclass
@@ -70,15 +71,15 @@ def lower_is_better(metric: str) -> bool:
     return any(k in name for k in ("loss", "ppl", "perplexity", "error", "ms_per"))
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
-            out |= flatten(v, f"{prefix}{k}.")
+            out |= flatten(v, f"{prefix}{k}{sep}", sep)
         return out
     if isinstance(node, list):
-        return {prefix[:-1]: str(node)}
-    return {prefix[:-1]: node}
+        return {prefix[: -len(sep)]: str(node)}
+    return {prefix[: -len(sep)]: node}
 
 
 def notice(message: str) -> None:
@@ -148,6 +149,50 @@ def derived_keys(run_dir: Path) -> set[str]:
     return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
 
+def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run's ``.wandb`` log, as ``wandb leet inspect --json``
+    prints them (one JSON object a line: ``{"type": "history", "history": {"item": {...}}}``)."""
+    beside = Path(sys.executable).with_name("wandb")  # the wandb of this environment first
+    cli = str(beside) if beside.is_file() else shutil.which("wandb")
+    if cli is None:
+        raise DataError(
+            f"{run_dir}: an offline W&B run without a CSV log, and no wandb command to read it; "
+            + WANDB_UNREAD
+        )
+    proc = subprocess.run([cli, "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise DataError(f"{run_dir}: wandb leet inspect cannot read it ({why}); {WANDB_UNREAD}")
+    try:
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{run_dir}: wandb leet inspect printed no JSON ({e}); {WANDB_UNREAD}") from None
+
+
+def load_wandb_run(run_dir: Path) -> Run:
+    """Config and metric curves of an offline W&B run (step: Lightning's ``trainer/global_step``)."""
+    config: dict[str, Any] = {}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for record in wandb_records(run_dir):
+        kind = record.get("type")
+        if kind in ("run", "config"):  # the config given at init, then updates (Lightning's hparams)
+            config |= (record[kind].get("config", {}) if kind == "run" else record[kind]).get("update", {})
+        elif kind == "history":
+            row = flatten(record["history"].get("item", {}), sep="/")
+            step = int(row.get("trainer/global_step", row.get("_step", 0)))
+            for k, v in row.items():
+                if (
+                    not k.startswith("_")
+                    and k not in ("epoch", "trainer/global_step")
+                    and isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                ):
+                    curves.setdefault(k, []).append((step, float(v)))
+    for key in ("machine", "_wandb"):
+        config.pop(key, None)
+    return Run(run_dir, flatten(config), curves)
+
+
 def _read_elsewhere(wandb_dir: Path) -> bool:
     """An offline W&B run inside a run directory that also has its CSV log (read that instead),
     or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
@@ -159,7 +204,7 @@ def _read_elsewhere(wandb_dir: Path) -> bool:
 
 def find_runs(paths: Iterable[Path]) -> list[Run]:
     """Every run under ``paths`` (each a run directory, or a folder holding runs), in path order."""
-    runs, missing, wandb_only = [], [], []
+    runs, missing = [], []
     for path in paths:
         if not path.exists():
             missing.append(str(path))
@@ -168,7 +213,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         logs = logs or sorted(path.rglob("csv/metrics.csv"))
         runs += [load_run(log.parent.parent) for log in logs]
         offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
-        wandb_only += [f.parent for f in offline if not _read_elsewhere(f.parent)]
+        runs += [load_wandb_run(f.parent) for f in offline if not _read_elsewhere(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
     runs = without_copies(without_empty(runs))
@@ -178,11 +223,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         if run.path.name in states:
             run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
     if not runs:
-        if wandb_only:
-            raise DataError(f"{wandb_only[0]}: {WANDB_ONLY}")
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
-    for folder in wandb_only:
-        notice(f"{folder}: {WANDB_ONLY}: left out")
     return runs
 
 

@@ -15,8 +15,19 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import ConfigError, DataError
-from attnlab.utils.config import check_config, constructor_errors, resolve
+from attnlab.utils.config import (
+    check_config,
+    constructor_errors,
+    container,
+    fill_missing,
+    instantiate_trainer,
+    print_config_tree,
+    resolve,
+    save_config,
+)
+from attnlab.utils.run_paths import resolve_ckpt_path
 
 # torch, Lightning and the models load in train(), after the config is checked: --help and a
 # wrong value end without them (tests/test_cli.py checks that this module does not import torch)
@@ -107,17 +118,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         require_same_model,
         resolve_pretrained,
     )
-    from attnlab.utils.config import (
-        container,
-        fill_missing,
-        instantiate_trainer,
-        print_config_tree,
-        save_config,
-    )
     from attnlab.utils.cpu import tune_cpu_for_training
     from attnlab.utils.distributed import relaunch_this_multirun_job, unsharded
     from attnlab.utils.hardware import machine_info, resolve_precision
-    from attnlab.utils.run_paths import resolve_ckpt_path
     from attnlab.utils.wandb_mode import ensure_wandb_mode
 
     torch.set_float32_matmul_precision("high")
@@ -277,9 +280,6 @@ def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics:
     say where or how the run logged (callbacks, loggers, paths) are left out, as attnlab-compare
     does: the table then opens on data, model and trainer settings."""
     from torch.utils.tensorboard.summary import hparams
-
-    from attnlab.compare import flatten, is_hyperparameter
-    from attnlab.utils.config import container
 
     params = {
         k: v if isinstance(v, int | float | str | bool) else str(v)
