@@ -11,12 +11,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error, resolve_checkpoint
+from attnlab.utils.config import check_config
 
 log = logging.getLogger("attnlab.eval")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    resolve_checkpoint(cfg)  # before torch loads: nothing to evaluate is one quick line
+    check_config(cfg, imports=False)  # before torch loads: a wrong trainer value is one quick line
+    resolve_checkpoint(cfg)  # and so is a checkpoint that is not there
     from lightning.pytorch.loggers import CSVLogger
 
     from attnlab.inference.runs import TrainedRun
