@@ -34,22 +34,24 @@ def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     from attnlab.models import BertSequenceClassifier
     from attnlab.tasks import TextClassificationTask
 
-    torch.set_grad_enabled(False)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, TextClassificationTask, need="attnlab-classify needs a sentence classifier")
-    net = run.net().to(device)
-    if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
-        raise CheckpointError(
-            f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(
+            cfg, TextClassificationTask, need="attnlab-classify needs a sentence classifier"
         )
-    return classify_sentences(
-        net,
-        run.tokenizer,
-        sentences,
-        run.artifacts["classes"],
-        run.artifacts.get("max_len", net.encoder.max_len),
-        cfg.batch_size,
-    )
+        net = run.net().to(device)
+        if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
+            raise CheckpointError(
+                f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"
+            )
+        return classify_sentences(
+            net,
+            run.tokenizer,
+            sentences,
+            run.artifacts["classes"],
+            run.artifacts.get("max_len", net.encoder.max_len),
+            cfg.batch_size,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="classify")

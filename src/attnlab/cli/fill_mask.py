@@ -31,11 +31,11 @@ def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     from attnlab.inference.text_classification import fill_mask
     from attnlab.tasks import MaskedLMTask
 
-    torch.set_grad_enabled(False)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
-    net = run.net().to(device)
-    return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
+        net = run.net().to(device)
+        return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="fill_mask")

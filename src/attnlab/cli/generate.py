@@ -44,22 +44,22 @@ def generate(cfg: DictConfig) -> list[str]:
     from attnlab.inference.runs import TrainedRun
     from attnlab.tasks import LanguageModelTask
 
-    torch.set_grad_enabled(False)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
-    net = run.net().to(device)
-    return generate_text(
-        net,
-        run.tokenizer,
-        str(cfg.prompt),
-        cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-        cfg.num_samples,
-        cfg.seed,
-        cfg.use_cache,
-    )
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
+        net = run.net().to(device)
+        return generate_text(
+            net,
+            run.tokenizer,
+            str(cfg.prompt),
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.top_p,
+            cfg.num_samples,
+            cfg.seed,
+            cfg.use_cache,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="generate")

@@ -31,17 +31,19 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     from attnlab.inference.runs import TrainedRun
     from attnlab.tasks import ImageClassificationTask
 
-    torch.set_grad_enabled(False)
-    files = image_files(Path(str(cfg.image)).expanduser())
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier")
-    net = run.net().to(device)
-    results = []
-    for start in range(0, len(files), cfg.batch_size):
-        chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-        results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
-    return results
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        files = image_files(Path(str(cfg.image)).expanduser())
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(
+            cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier"
+        )
+        net = run.net().to(device)
+        results = []
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+            results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+        return results
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="predict")

@@ -35,28 +35,28 @@ def translate(cfg: DictConfig) -> list[str]:
     from attnlab.inference.translation import translate_sentences
     from attnlab.tasks import TranslationTask
 
-    torch.set_grad_enabled(False)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
-    tokenizer = run.tokenizer
-    task_cfg = run.config.model
-    beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
-    if beam < 1:
-        raise ConfigError(f"beam_size must be >= 1, got {beam}")
-    alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
-    net = run.net().to(device)
-    return translate_sentences(
-        net,
-        tokenizer,
-        sentences,
-        beam,
-        alpha,
-        task_cfg.max_len_a,
-        task_cfg.max_len_b,
-        run.config.data.max_len,
-        cfg.max_tokens,
-        device,
-    )
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
+        tokenizer = run.tokenizer
+        task_cfg = run.config.model
+        beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
+        if beam < 1:
+            raise ConfigError(f"beam_size must be >= 1, got {beam}")
+        alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
+        net = run.net().to(device)
+        return translate_sentences(
+            net,
+            tokenizer,
+            sentences,
+            beam,
+            alpha,
+            task_cfg.max_len_a,
+            task_cfg.max_len_b,
+            run.config.data.max_len,
+            cfg.max_tokens,
+            device,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="translate")
