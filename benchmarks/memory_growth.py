@@ -22,7 +22,7 @@ from pathlib import Path
 
 import lightning as L
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.cli.train import train
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 

@@ -27,7 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 

@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.cli.train import train
 
 

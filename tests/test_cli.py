@@ -15,6 +15,7 @@ from conftest import (
     TINY,
     assert_ok,
     assert_user_error,
+    cli_env,
     needs_shared,
     popen_cli,
     read_metrics,
@@ -323,3 +324,69 @@ def test_inference_device_is_checked_before_the_checkpoint_is_read(script, args,
         assert status == 2 and "device=cuda: no CUDA GPU here" in out, out[-2000:]
     status, out = run_main(script, [*argv, "device=auto"])  # past the device: no run to read
     assert status == 2 and "error: ckpt_path=last: no checkpoint matches" in out, out[-2000:]
+
+
+# ---- start-up: --help and a config error end before torch and Lightning load -----------------------
+
+HEAVY = ("torch", "lightning", "timm", "transformers")
+CLI_MODULES = sorted(
+    p.stem
+    for p in (Path(__file__).parents[1] / "src" / "attnlab" / "cli").glob("*.py")
+    if p.stem != "__init__"
+)
+
+
+def test_no_cli_module_imports_torch_or_lightning():
+    """Every ``attnlab.cli`` module (the console scripts' and what they share) imports without
+    torch, Lightning, timm or transformers: each script's --help and config check run first."""
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {CLI_MODULES!r}:\n"
+        "    importlib.import_module(f'attnlab.cli.{name}')\n"
+        f"    heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "    if heavy:\n"
+        "        print(f'attnlab.cli.{name} imports {heavy}'); break\n"
+        "else:\n"
+        "    print('light')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "light", out
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "needle"),
+    [
+        ("train", ["trainer.max_steps=abc"], "trainer.max_steps='abc': expected an int"),
+        ("generate", ["ckpt_path=last"], "ckpt_path=last: no checkpoint matches"),
+        ("eval", ["ckpt_path=nowhere.ckpt"], "ckpt_path=nowhere.ckpt: no such file"),
+        (
+            "sweep",
+            ["hparams_search=gpt_optuna", "sweep.n_trials=abc"],
+            "sweep.n_trials: expected a positive int",
+        ),
+    ],
+)
+def test_a_config_error_ends_before_torch_loads(script, args, needle, tmp_path):
+    probe = (
+        "import sys\n"
+        f"sys.argv = ['attnlab-{script}', *{args!r}, 'paths.root_dir={tmp_path}']\n"
+        f"from attnlab.cli.{script} import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code, [m for m in ('torch', 'lightning') if m in sys.modules])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=cli_env()
+    )
+    assert needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "exit 2 []" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_sharded_checkpoint_marker_is_lightnings():
+    """``attnlab.utils.run_paths`` restates Lightning's file name to stay torch-free."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from attnlab.utils.run_paths import SHARDED_METADATA
+
+    assert SHARDED_METADATA == _METADATA_FILENAME

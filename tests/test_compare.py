@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from attnlab.cli.compare import compare, main, parse_args
+from attnlab.compare import find_runs
 
 
 def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
@@ -113,22 +114,36 @@ def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys,
     assert "no runs (csv/metrics.csv) under" in said()
 
 
-def test_offline_wandb_runs_are_read_when_there_is_no_csv_log(tmp_path, monkeypatch):
-    import wandb
+def test_an_offline_wandb_run_is_read_from_its_csv_log_or_through_wandbs_cli(tmp_path, capsys):
+    """A real attnlab-train run logging to W&B (offline: no key): read from the CSV log beside
+    it; its W&B run folder alone (a run of a tool that logged to W&B only) is read through
+    ``wandb leet inspect --json``, with the same config and curves; a damaged one is one line."""
+    from conftest import TINY, assert_ok, run_cli, run_dirs
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for lr in (0.1, 0.2):
-        run = wandb.init(dir=tmp_path, project="p", config={"model": {"optimizer": {"lr": lr}}, "seed": 1})
-        for step in (10, 20, 30):
-            run.log({"val/loss": 1 / (lr * step), "trainer/global_step": step})
-        run.log({"test/acc": lr * 4, "trainer/global_step": 30})
-        run.finish()
-    out = compare(parse_args([str(tmp_path), "--format", "csv", "--metrics", "test/acc,val/loss", "--best"]))
-    header, *rows = out.strip().splitlines()
-    # runs come in path order, and two runs started in the same second order by their random ids
-    assert header == "model.optimizer.lr,runs,test/acc,val/loss"
-    assert sorted(rows) == ["0.1,1,0.4,0.3333", "0.2,1,0.8,0.1667"]
+    assert_ok(run_cli("train", [*TINY, "task_name=wb", "logger=wandb", "test=false"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path, "wb")
+    (offline,) = run_dir.rglob("offline-run-*")
+    args = ["--format", "csv", "--metrics", "val/loss,val/loss_best", "--no-group"]
+    status, from_csv, err = compare_main([str(run_dir), *args], capsys)
+    assert status == 0 and len(from_csv.strip().splitlines()) == 2, err
+
+    alone = tmp_path / "wandb-only"
+    alone.mkdir()
+    offline.rename(alone / offline.name)  # as a run of another tool, with no CSV log
+    status, from_wandb, err = compare_main([str(alone), *args], capsys)
+    assert status == 0, err
+    assert from_wandb.strip().splitlines()[1] == from_csv.strip().splitlines()[1]  # the same final values
+    (wandb_run,) = find_runs([alone])
+    (csv_run,) = find_runs([run_dir])
+    assert wandb_run.curves["val/loss"] == csv_run.curves["val/loss"]  # every point, at its step
+    assert wandb_run.config["model.optimizer.lr"] == csv_run.config["model.optimizer.lr"]
+
+    damaged = tmp_path / "damaged" / "offline-run-20260101_000000-x"
+    damaged.mkdir(parents=True)
+    (damaged / "run-x.wandb").write_bytes(b"not a W&B log")
+    status, out, err = compare_main([str(damaged.parent)], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "wandb leet inspect cannot read it" in err and "wandb sync" in err, err
 
 
 def test_a_sweep_trial_killed_before_its_csv_log_is_one_row_from_the_study(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -16,7 +16,15 @@ from attnlab.cli.common import config_dir
 from attnlab.errors import ConfigError
 from attnlab.tasks.optim import build_optimizers
 from attnlab.tasks.schedules import warmup_cosine, warmup_inverse_sqrt
-from attnlab.utils.config import _type_hints, check_config, check_types, describe, instantiate_trainer
+from attnlab.utils.config import (
+    _imported_signature,
+    _source_signature,
+    _type_hints,
+    check_config,
+    check_types,
+    describe,
+    instantiate_trainer,
+)
 from conftest import QUIET, run_cli, run_main, tiny
 
 if TYPE_CHECKING:  # as optuna and wandb import some of the types their hints name
@@ -152,6 +160,51 @@ CASES = [
 @pytest.mark.parametrize("experiment,override,message", CASES, ids=[f"{e}:{o}" for e, o, _ in CASES])
 def test_wrong_type_is_one_line_naming_key_value_and_type(experiment, override, message):
     assert message in config_error(f"experiment={experiment}", override)
+
+
+@pytest.mark.parametrize("experiment,override,message", CASES, ids=[f"{e}:{o}" for e, o, _ in CASES])
+def test_the_quick_check_refuses_the_same_or_leaves_it_to_the_full_one(experiment, override, message):
+    """``check_config(cfg, imports=False)``, the entry points' check before torch loads."""
+    try:
+        check_config(composed(f"experiment={experiment}", override), imports=False)
+    except ConfigError as e:
+        assert message in str(e)
+
+
+def test_the_quick_check_finds_a_wrong_trainer_value():
+    with pytest.raises(ConfigError, match=r"^trainer\.max_steps='abc': expected an int \(lightning"):
+        check_config(composed("trainer.max_steps=abc"), imports=False)
+
+
+def all_targets(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["_target_"]} if isinstance(node.get("_target_"), str) else set()
+        return found.union(*(all_targets(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(all_targets(v) for v in node))
+    return set()
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_signatures_read_from_the_source_agree_with_the_imported_ones(experiment):
+    """Where the quick check reads a constructor's signature from its source, the parameters,
+    their None defaults and each annotation it evaluates are the imported constructor's."""
+    cfg = composed(f"experiment={experiment}")
+    check_config(cfg, imports=False)  # no shipped experiment is refused by it
+    read = set()
+    for target in sorted(all_targets(OmegaConf.to_container(cfg))):
+        found = _source_signature(target)
+        if found is None:
+            continue
+        read.add(target)
+        (sig, hints, trainer), (real, real_hints, real_trainer) = found, _imported_signature(target, "x")
+        shape = [(p.name, p.kind, p.default is None) for p in sig.parameters.values()]
+        assert shape == [(p.name, p.kind, p.default is None) for p in real.parameters.values()], target
+        assert trainer == real_trainer, target
+        for name, hint in hints.items():  # names from outside the standard library accept anything
+            if hint is not Any and "_Unseen" not in repr(hint):
+                assert hint == real_hints[name], (target, name, hint, real_hints[name])
+    assert "lightning.pytorch.Trainer" in read  # (a net that inherits its __init__ is left to the full check)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

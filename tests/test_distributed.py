@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torchmetrics.text import SacreBLEUScore
 from torchmetrics.utilities.data import dim_zero_sum
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.data.batching import RepeatedBatch, TokenBatchSampler
 from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
 from attnlab.errors import DataError

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.tasks.optim import clip_gradients
 from attnlab.utils.config import fill_missing
 from attnlab.utils.hardware import choose_precision

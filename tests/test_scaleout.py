@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from attnlab.cli.sweep import compose_train
+from attnlab.cli.common import compose_train
 from attnlab.data.vision.datasets import IDX_DATASETS
 from attnlab.utils.config import fill_missing
 from conftest import QUIET, ROOT, assert_ok, cli_env, read_metrics, run_cli

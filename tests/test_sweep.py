@@ -18,7 +18,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from attnlab.errors import ConfigError
-from attnlab.sweep import counted, open_study, recover_interrupted, search_space, trial_command
+from attnlab.sweep import counted, open_study, recover_interrupted, run_sweep, search_space, trial_command
 from conftest import assert_ok, cli_env, run_cli, tiny
 
 
@@ -100,6 +100,7 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
         ("sweep.sampler._target_=optuna.samplers.FooSampler", "sweep.sampler: Error locating target"),
         ("+sweep.pruner.foo=1", "got an unexpected keyword argument 'foo'"),
         ("sweep.direction=up", "sweep.direction: expected minimize or maximize"),
+        ("sweep.n_trials=abc", "sweep.n_trials: expected a positive int, got 'abc'"),
     ],
 )
 def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, needle, tmp_path):
@@ -110,6 +111,36 @@ def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, need
     assert status == 2 and needle in out and "Traceback" not in out, out[-2000:]
     assert out.count("error: ") == 1, out  # printed once
     assert not (tmp_path / "s").exists()
+
+
+def test_each_finished_trial_says_the_best_so_far(tmp_path, monkeypatch):
+    """The driver's line per trial, with trials that return preset values instead of training
+    (the real sweep's lines are checked by the slow resume test)."""
+    import attnlab.sweep as sweep_module
+
+    values = iter([2.0, 1.5, None, 1.8])
+
+    def preset(space, overrides, sweep_dir, metric):
+        def run(trial: optuna.Trial) -> float:
+            trial.suggest_float("lr", 0.0, 1.0)
+            value = next(values)
+            if value is None:
+                sweep_module.fail(trial, "exit status 2: error: boom")
+            return value
+
+        return run
+
+    monkeypatch.setattr(sweep_module, "objective", preset)
+    lines: list[str] = []
+    study = open_study(tmp_path, "minimize")
+    run_sweep(study, {"lr": FloatDistribution(0.0, 1.0)}, [], tmp_path, "val/loss", 4, echo=lines.append)
+    assert [line.split("; ")[0] for line in lines] == [
+        "trial 1/4 done: val/loss 2.0000 (best so far 2.0000, trial 0)",
+        "trial 2/4 done: val/loss 1.5000 (best so far 1.5000, trial 1)",
+        "trial 3/4 done: failed: exit status 2: error: boom (best so far 1.5000, trial 1)",
+        "trial 4/4 done: val/loss 1.8000 (best so far 1.5000, trial 1)",
+    ]
+    assert lines[0].split("; ")[1].startswith("trial 0: lr=")
 
 
 @pytest.mark.slow
@@ -153,7 +184,8 @@ def trial_pids(sweep_dir: Path) -> list[int]:
 
 
 def test_search_spaces_given_on_the_command_line_need_no_quotes():
-    from attnlab.cli.sweep import compose_train, quote_search_spaces
+    from attnlab.cli.common import compose_train
+    from attnlab.cli.sweep import quote_search_spaces
 
     args = quote_search_spaces(
         [
@@ -224,6 +256,7 @@ def test_a_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
     assert any(t.state == TrialState.PRUNED for t in done)
     assert all(t.state == TrialState.COMPLETE for t in done if t.params["model.optimizer.lr"] >= 1e-3)
     assert "best: trial" in resumed.stdout
+    assert "trial 6/6 done: " in resumed.stdout and "(best so far " in resumed.stdout
 
     table = run_cli("compare", [str(sweep_dir), "--format", "csv", "--metrics", "val/loss_best"], tmp_path)
     assert_ok(table)
@@ -260,7 +293,7 @@ def test_wandb_sweep_files_compose_for_values_drawn_from_their_spaces(path):
 
     from wandb.sdk.launch.sweeps.utils import load_sweep_config
 
-    from attnlab.cli.sweep import compose_train
+    from attnlab.cli.common import compose_train
 
     sweep = load_sweep_config(str(path))
     assert sweep["method"] in ("grid", "random", "bayes")
@@ -306,7 +339,7 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
 def test_hparams_search_configs_compose_and_their_seeded_samplers_repeat_a_sweep(name, tmp_path):
     from hydra.utils import instantiate
 
-    from attnlab.cli.sweep import compose_train
+    from attnlab.cli.common import compose_train
 
     experiment = {
         "gpt_optuna": "gpt_pydoc_char",

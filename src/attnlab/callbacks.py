@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import optuna
 import torch
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.loggers import WandbLogger
@@ -20,6 +21,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from attnlab import __version__
 from attnlab.errors import ConfigError
+from attnlab.study import STUDY, trial_id
 from attnlab.utils.cpu import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -227,3 +229,32 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
     ) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+class TrialPruning(L.Callback):
+    """Report the sweep's metric to the trial after every validation and stop the trial when the
+    pruner finds it clearly worse than the others at the same step.
+
+    optuna-integration's Lightning callback reports once per epoch; recipes here validate every
+    N steps, so this one reports by global step. Only rank 0 reports; the decision is broadcast
+    so that every rank stops together.
+    """
+
+    def __init__(self, storage: str, number: int, monitor: str, pruner: optuna.pruners.BasePruner) -> None:
+        # the pruner is not stored with the study: each trial builds the sweep's own from its config
+        study = optuna.load_study(study_name=STUDY, storage=storage, pruner=pruner)
+        self.trial = optuna.trial.Trial(study, trial_id(study, number))
+        self.monitor = monitor
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        prune = False
+        value = trainer.callback_metrics.get(self.monitor)
+        if trainer.is_global_zero and value is not None:
+            self.trial.report(float(value), step=trainer.global_step)
+            prune = self.trial.should_prune()
+            if prune:
+                self.trial.set_user_attr("pruned_at_step", trainer.global_step)
+        if trainer.strategy.broadcast(prune):
+            raise optuna.TrialPruned(f"pruned at step {trainer.global_step} ({self.monitor} {value})")

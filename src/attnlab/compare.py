@@ -1,9 +1,11 @@
 """Comparing finished runs: their final and best metrics beside the hyperparameters that differ
 between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
 
-A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log) and ``config.yaml`` (the
-composed config the run saved), or an offline W&B run directory (``offline-run-*/run-*.wandb``)
-of a run without a CSV log; a sweep directory holds many (``multiruns/<time>/<n>/``).
+A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
+writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
+directory holds many (``multiruns/<time>/<n>/``). An offline W&B run with no CSV log beside it
+(``offline-run-*/run-*.wandb``, a run of another tool) is read through W&B's own command line,
+``wandb leet inspect --json``, which prints the records of its ``.wandb`` log as JSON.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import csv
 import functools
 import json
 import math
+import shutil
 import statistics
-import struct
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from attnlab.errors import DataError
+from attnlab.study import load_trials
 
 # config keys that say where or how a run was logged, not what was trained
 IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.", "sweep_trial.", "sweep.dir")
@@ -40,6 +44,8 @@ IGNORED_KEYS = {
     "model.net.plot_dir",
 }
 SEED = "seed"
+# where `wandb leet inspect` cannot read an offline W&B run (an older wandb, a damaged file)
+WANDB_UNREAD = "upload it with `wandb sync <dir>` and compare on W&B, or log with logger=csv too"
 
 
 @dataclass
@@ -65,15 +71,15 @@ def lower_is_better(metric: str) -> bool:
     return any(k in name for k in ("loss", "ppl", "perplexity", "error", "ms_per"))
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
-            out |= flatten(v, f"{prefix}{k}.")
+            out |= flatten(v, f"{prefix}{k}{sep}", sep)
         return out
     if isinstance(node, list):
-        return {prefix[:-1]: str(node)}
-    return {prefix[:-1]: node}
+        return {prefix[: -len(sep)]: str(node)}
+    return {prefix[: -len(sep)]: node}
 
 
 def notice(message: str) -> None:
@@ -143,51 +149,48 @@ def derived_keys(run_dir: Path) -> set[str]:
     return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
 
-def wandb_records(path: Path) -> Iterable[bytes]:
-    """The records of an offline W&B run file (``run-<id>.wandb``): a 7-byte header, then a
-    LevelDB-style log of 32 KiB blocks, each record a 7-byte header (CRC, length, kind: full,
-    first, middle, last fragment) and its bytes."""
-    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
-    if data[:4] != b":W&B":
-        raise DataError(f"{path}: not a W&B run file")
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
-        if kind == 0:  # the zero padding at the end of a block
-            pos += left
-            continue
-        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = payload if kind in (1, 2) else pending + payload
-        if kind in (1, 4):
-            yield pending
+def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run's ``.wandb`` log, as ``wandb leet inspect --json``
+    prints them (one JSON object a line: ``{"type": "history", "history": {"item": {...}}}``)."""
+    beside = Path(sys.executable).with_name("wandb")  # the wandb of this environment first
+    cli = str(beside) if beside.is_file() else shutil.which("wandb")
+    if cli is None:
+        raise DataError(
+            f"{run_dir}: an offline W&B run without a CSV log, and no wandb command to read it; "
+            + WANDB_UNREAD
+        )
+    proc = subprocess.run([cli, "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise DataError(f"{run_dir}: wandb leet inspect cannot read it ({why}); {WANDB_UNREAD}")
+    try:
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{run_dir}: wandb leet inspect printed no JSON ({e}); {WANDB_UNREAD}") from None
 
 
-def load_wandb_run(run_file: Path) -> Run:
-    """Config and metric curves from an offline W&B run (step: Lightning's ``trainer/global_step``)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def load_wandb_run(run_dir: Path) -> Run:
+    """Config and metric curves of an offline W&B run (step: Lightning's ``trainer/global_step``)."""
     config: dict[str, Any] = {}
     curves: dict[str, list[tuple[int, float]]] = {}
-    for payload in wandb_records(run_file):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
+    for record in wandb_records(run_dir):
+        kind = record.get("type")
         if kind in ("run", "config"):  # the config given at init, then updates (Lightning's hparams)
-            updates = record.run.config.update if kind == "run" else record.config.update
-            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
+            config |= (record[kind].get("config", {}) if kind == "run" else record[kind]).get("update", {})
         elif kind == "history":
-            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            row = flatten(record["history"].get("item", {}), sep="/")
             step = int(row.get("trainer/global_step", row.get("_step", 0)))
             for k, v in row.items():
                 if (
                     not k.startswith("_")
                     and k not in ("epoch", "trainer/global_step")
                     and isinstance(v, int | float)
+                    and not isinstance(v, bool)
                 ):
                     curves.setdefault(k, []).append((step, float(v)))
     for key in ("machine", "_wandb"):
         config.pop(key, None)
-    return Run(run_file.parent, flatten(config), curves)
+    return Run(run_dir, flatten(config), curves)
 
 
 def _read_elsewhere(wandb_dir: Path) -> bool:
@@ -210,7 +213,7 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         logs = logs or sorted(path.rglob("csv/metrics.csv"))
         runs += [load_run(log.parent.parent) for log in logs]
         offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
-        runs += [load_wandb_run(f) for f in offline if not _read_elsewhere(f.parent)]
+        runs += [load_wandb_run(f.parent) for f in offline if not _read_elsewhere(f.parent)]
     if missing:
         raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
     runs = without_copies(without_empty(runs))
@@ -287,14 +290,7 @@ def sweep_states(sweep_dir: Path) -> dict[str, str]:
 def sweep_trials(sweep_dir: Path) -> list[Any]:
     """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
     none for any other directory."""
-    if not (sweep_dir / "optuna.db").is_file():
-        return []
-    import optuna
-
-    from attnlab.sweep import STUDY, storage_url  # optuna and Lightning only where there is a sweep
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=STUDY, storage=storage_url(sweep_dir)).get_trials(deepcopy=False)
+    return load_trials(sweep_dir)
 
 
 def is_hyperparameter(key: str) -> bool:

@@ -4,7 +4,8 @@ The study lives in SQLite inside the sweep directory (``optuna.db``), so a sweep
 resumes where it was and ``optuna-dashboard`` can read it. Every trial is its own
 ``attnlab-train`` process: a crash, an out-of-memory kill or DDP's relaunch of the command line
 stays inside its trial, and the trial's ranks all run the same overrides. The trial reports its
-validation metric to the study while it trains (``TrialPruning``), so the pruner can stop it early.
+validation metric to the study while it trains (``attnlab.callbacks.TrialPruning``), so the
+pruner can stop it early.
 
 Search spaces are written as for Hydra's Optuna sweeper, so its users' configs carry over:
 ``choice(a, b, ...)``, ``range(start, stop[, step])``, ``interval(low, high)``, and
@@ -25,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import optuna
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
@@ -39,8 +39,8 @@ from optuna.trial import TrialState
 
 from attnlab.compare import load_run
 from attnlab.errors import ConfigError
+from attnlab.study import STUDY, storage_url, trial_id
 
-STUDY = "sweep"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 INTERRUPTED = "interrupted: the sweep stopped during this trial; its values run again"
 
@@ -117,10 +117,6 @@ def open_study(
     )
 
 
-def storage_url(sweep_dir: Path) -> str:
-    return f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
-
-
 def counted(trial: optuna.trial.FrozenTrial) -> bool:
     """A trial that counts towards ``n_trials``: finished, and not cut short by a stopped sweep."""
     return trial.state in FINISHED and not trial.user_attrs.get("interrupted")
@@ -142,10 +138,6 @@ def mark_interrupted(study: optuna.Study, number: int, params: dict[str, Any]) -
     trial.set_user_attr("error", INTERRUPTED)
     study.tell(number, state=TrialState.FAIL)
     study.enqueue_trial(params, user_attrs={"rerun_of": number})
-
-
-def trial_id(study: optuna.Study, number: int) -> int:
-    return next(t._trial_id for t in study.get_trials(deepcopy=False) if t.number == number)
 
 
 def override_value(value: Any) -> str:
@@ -275,33 +267,15 @@ def run_sweep(
         else:
             outcome = f"failed: {t.user_attrs.get('error')}"
         seconds = time.monotonic() - start
-        echo(f"trial {t.number} [{done + 1}/{n_trials}] {params}: {outcome} ({seconds:.0f} s)")
+        so_far = best_so_far(study)
+        ran = f"trial {t.number}: {params} ({seconds:.0f} s)"
+        echo(f"trial {done + 1}/{n_trials} done: {outcome} ({so_far}); {ran}")
 
 
-class TrialPruning(L.Callback):
-    """Report the sweep's metric to the trial after every validation and stop the trial when the
-    pruner finds it clearly worse than the others at the same step.
-
-    optuna-integration's Lightning callback reports once per epoch; recipes here validate every
-    N steps, so this one reports by global step. Only rank 0 reports; the decision is broadcast
-    so that every rank stops together.
-    """
-
-    def __init__(self, storage: str, number: int, monitor: str, pruner: optuna.pruners.BasePruner) -> None:
-        # the pruner is not stored with the study: each trial builds the sweep's own from its config
-        study = optuna.load_study(study_name=STUDY, storage=storage, pruner=pruner)
-        self.trial = optuna.trial.Trial(study, trial_id(study, number))
-        self.monitor = monitor
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        prune = False
-        value = trainer.callback_metrics.get(self.monitor)
-        if trainer.is_global_zero and value is not None:
-            self.trial.report(float(value), step=trainer.global_step)
-            prune = self.trial.should_prune()
-            if prune:
-                self.trial.set_user_attr("pruned_at_step", trainer.global_step)
-        if trainer.strategy.broadcast(prune):
-            raise optuna.TrialPruned(f"pruned at step {trainer.global_step} ({self.monitor} {value})")
+def best_so_far(study: optuna.Study) -> str:
+    """``best so far <value>, trial <number>`` among the complete trials (a resumed sweep's
+    earlier ones included)."""
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return "no complete trial yet"
+    best = study.best_trial
+    return f"best so far {best.value:.4f}, trial {best.number}"

@@ -1,4 +1,9 @@
-"""What the entry points share: the config directory and turning input errors into one line."""
+"""What the entry points share: the config directory, composing a config, and turning input
+errors into one line.
+
+Imported before the command line is read, so it imports neither torch nor Lightning at module
+level: ``--help`` and a config error end before those load (``tests/test_cli.py`` checks it).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-import torch
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from attnlab.data.text.formats import read_lines
 from attnlab.errors import AttnlabError, ConfigError, DataError
-from attnlab.utils.hardware import resolve_precision
+
+if TYPE_CHECKING:
+    import lightning as L
+    import torch
 
 log = logging.getLogger("attnlab")
 
@@ -30,6 +35,24 @@ def config_dir() -> str:
         if (candidate / "train.yaml").is_file():
             return str(candidate)
     raise RuntimeError(f"attnlab: no conf/ directory found near {here}")
+
+
+def compose_config(name: str, overrides: list[str]) -> DictConfig:
+    """The config ``conf/<name>.yaml`` composed with ``overrides``, as its entry point would
+    compose it; an override Hydra refuses is a one-line ``ConfigError``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        try:
+            return compose(config_name=name, overrides=overrides)
+        except HydraException as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """The config ``attnlab-train`` would compose (what ``attnlab-sweep`` runs, and tests build)."""
+    return compose_config("train", overrides)
 
 
 def user_error(e: BaseException) -> AttnlabError | None:
@@ -97,6 +120,8 @@ def read_sentences(cfg: DictConfig) -> list[str]:
         if not str(cfg.text).strip():
             raise ConfigError(f"text={str(cfg.text)!r} is empty; give a sentence")
         return [str(cfg.text)]
+    from attnlab.data.text.formats import read_lines  # attnlab.data loads torch
+
     path = Path(str(cfg.input))
     lines = read_lines(path, "input")
     if not any(line.strip() for line in lines):
@@ -128,26 +153,52 @@ def write_lines(path: Path, lines: list[str]) -> None:
         raise DataError(f"output={path}: cannot write it ({e.strerror or e})") from e
 
 
+def resolve_checkpoint(cfg: DictConfig, task: str | None = None) -> None:
+    """Set ``cfg.ckpt_path`` to the checkpoint it names (``last``: the newest run, of ``task``
+    when given, a class name such as ``LanguageModelTask``) before torch loads: a missing file,
+    or no run to take, is one quick line."""
+    from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
+
+    tasks = (task,) if task else ()
+    path = resolve_ckpt_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir), LAST_OF_ANY_RUN, tasks)
+    cfg.ckpt_path = str(path)
+
+
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The ``trainer`` node instantiated, with ``precision: auto`` resolved for this machine.
 
     A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
     """
     from attnlab.utils.config import instantiate_trainer
+    from attnlab.utils.hardware import resolve_precision
 
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
     return instantiate_trainer(cfg.trainer, **kwargs)
 
 
-def inference_device(value: Any) -> torch.device:
+def check_device(value: Any) -> None:
     """``device=`` of the inference CLIs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (a GPU where
-    there is one); a GPU asked for where there is none is one line, not a CUDA traceback."""
+    there is one); a GPU asked for where there is none is one line, not a CUDA traceback. Torch
+    loads only to answer whether there is a GPU, where one is asked for."""
+    value = str(value)
+    if value == "auto":
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
+    if value.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
+
+
+def inference_device(value: Any) -> torch.device:
+    """The ``torch.device`` of ``device=`` (see ``check_device``)."""
+    check_device(value)
+    import torch
+
     value = str(value)
     if value == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
-    if value.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
     return torch.device(value)

@@ -8,16 +8,21 @@ from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error
-from attnlab.inference.runs import TrainedRun
+from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error, resolve_checkpoint
+from attnlab.utils.config import check_config
 
 log = logging.getLogger("attnlab.eval")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    check_config(cfg, imports=False)  # before torch loads: a wrong trainer value is one quick line
+    resolve_checkpoint(cfg)  # and so is a checkpoint that is not there
+    from lightning.pytorch.loggers import CSVLogger
+
+    from attnlab.inference.runs import TrainedRun
+
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     log.info("evaluating %s", run.path)
     data_cfg = OmegaConf.merge(run.config.data, cfg.get("data") or {})

@@ -6,28 +6,40 @@ from __future__ import annotations
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
+from attnlab.cli.common import (
+    check_device,
+    config_dir,
+    exit_on_user_error,
+    inference_device,
+    quote_free_text,
+    resolve_checkpoint,
+)
 from attnlab.errors import ConfigError
-from attnlab.inference.runs import TrainedRun
-from attnlab.inference.text_classification import fill_mask
-from attnlab.tasks import MaskedLMTask
 
 
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
-    net = run.net().to(device)
-    return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
+    check_device(cfg.device)
+    resolve_checkpoint(cfg, "MaskedLMTask")
+    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
+    import torch
+
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.text_classification import fill_mask
+    from attnlab.tasks import MaskedLMTask
+
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
+        net = run.net().to(device)
+        return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="fill_mask")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         for n, top in enumerate(fill(cfg)):
             print(f"[MASK] {n + 1}: " + ", ".join(f"{token} {p:.3f}" for token, p in top))

@@ -5,14 +5,17 @@ from __future__ import annotations
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
+from attnlab.cli.common import (
+    check_device,
+    config_dir,
+    exit_on_user_error,
+    inference_device,
+    quote_free_text,
+    resolve_checkpoint,
+)
 from attnlab.errors import ConfigError
-from attnlab.inference.generation import generate_text
-from attnlab.inference.runs import TrainedRun
-from attnlab.tasks import LanguageModelTask
 from attnlab.utils.checks import is_int, is_number
 
 
@@ -32,26 +35,35 @@ def check_options(cfg: DictConfig) -> None:
 
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
-    net = run.net().to(device)
-    return generate_text(
-        net,
-        run.tokenizer,
-        str(cfg.prompt),
-        cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-        cfg.num_samples,
-        cfg.seed,
-        cfg.use_cache,
-    )
+    check_device(cfg.device)
+    resolve_checkpoint(cfg, "LanguageModelTask")
+    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
+    import torch
+
+    from attnlab.inference.generation import generate_text
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.tasks import LanguageModelTask
+
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
+        net = run.net().to(device)
+        return generate_text(
+            net,
+            run.tokenizer,
+            str(cfg.prompt),
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.top_p,
+            cfg.num_samples,
+            cfg.seed,
+            cfg.use_cache,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="generate")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         for i, text in enumerate(generate(cfg)):
             if i:

@@ -6,34 +6,48 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
+from attnlab.cli.common import (
+    check_device,
+    config_dir,
+    exit_on_user_error,
+    inference_device,
+    quote_free_text,
+    resolve_checkpoint,
+)
 from attnlab.errors import ConfigError
-from attnlab.inference.classification import classify, image_files, load_image
-from attnlab.inference.runs import TrainedRun
-from attnlab.tasks import ImageClassificationTask
 
 
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    files = image_files(Path(str(cfg.image)).expanduser())
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier")
-    net = run.net().to(device)
-    results = []
-    for start in range(0, len(files), cfg.batch_size):
-        chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-        results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
-    return results
+    check_device(cfg.device)
+    resolve_checkpoint(cfg, "ImageClassificationTask")
+    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
+    import torch
+
+    from attnlab.inference.classification import classify, image_files, load_image
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.tasks import ImageClassificationTask
+
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        files = image_files(Path(str(cfg.image)).expanduser())
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(
+            cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier"
+        )
+        net = run.net().to(device)
+        results = []
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+            results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+        return results
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="predict")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         for path, top in predict(cfg):
             print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))

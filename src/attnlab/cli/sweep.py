@@ -14,26 +14,17 @@ from datetime import datetime
 from pathlib import Path
 
 import optuna
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException, InstantiationException
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
+from attnlab.cli.common import compose_train, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
+from attnlab.utils.checks import is_int
 from attnlab.utils.config import constructor_errors
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
-
-
-def compose_train(overrides: list[str]) -> DictConfig:
-    """The config ``attnlab-train`` would compose; an override Hydra refuses is a one-line error."""
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        try:
-            return compose(config_name="train", overrides=overrides)
-        except HydraException as e:
-            raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def sweep_dir_of(cfg: DictConfig) -> Path:
@@ -79,6 +70,8 @@ def sweep_parts(
     """The search space, fixed overrides, sampler and pruner of the ``sweep`` node, each checked."""
     if s.direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {s.direction!r}")
+    if not is_int(s.n_trials) or s.n_trials < 1:
+        raise ConfigError(f"sweep.n_trials: expected a positive int, got {s.n_trials!r}")
     space, fixed = search_space(s.params)
     parts = []
     for name in ("sampler", "pruner"):

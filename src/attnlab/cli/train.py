@@ -4,38 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning as L
-import optuna
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
-from torch.utils.tensorboard.summary import hparams
 
-from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata
 from attnlab.cli.common import config_dir, exit_on_user_error
 from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import ConfigError, DataError
-from attnlab.inference.generation import generate_text
-from attnlab.loggers import CSVLogger as ContinuingCSVLogger
-from attnlab.loggers import continue_history
-from attnlab.sweep import TrialPruning
-from attnlab.utils.checkpoint import (
-    AtomicCheckpointIO,
-    check_fits,
-    load_checkpoint,
-    metadata,
-    pretrained_artifacts,
-    require_same_model,
-    resolve_ckpt_path,
-    resolve_pretrained,
-)
 from attnlab.utils.config import (
     check_config,
     constructor_errors,
@@ -46,10 +27,13 @@ from attnlab.utils.config import (
     resolve,
     save_config,
 )
-from attnlab.utils.cpu import tune_cpu_for_training
-from attnlab.utils.distributed import relaunch_this_multirun_job, unsharded
-from attnlab.utils.hardware import machine_info, resolve_precision
-from attnlab.utils.wandb_mode import ensure_wandb_mode
+from attnlab.utils.run_paths import resolve_ckpt_path
+
+# torch, Lightning and the models load in train(), after the config is checked: --help and a
+# wrong value end without them (tests/test_cli.py checks that this module does not import torch)
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 log = logging.getLogger("attnlab.train")
 
@@ -102,6 +86,10 @@ def name_wandb_run(cfg: DictConfig) -> None:
 
 
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from attnlab.loggers import CSVLogger as ContinuingCSVLogger
+
     loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
         loggers.append(ContinuingCSVLogger(save_dir=out, name="csv", version=""))
@@ -110,11 +98,35 @@ def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Train (and test) the model the config describes; return the final metrics."""
+    resolve(cfg)
+    check_config(cfg, imports=False)  # before torch loads: a wrong value is one quick line
+    refuse_a_sweep(cfg)
+
+    import lightning as L
+    import optuna
+    import torch
+
+    from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata, TrialPruning
+    from attnlab.inference.generation import generate_text
+    from attnlab.loggers import continue_history
+    from attnlab.utils.checkpoint import (
+        AtomicCheckpointIO,
+        check_fits,
+        load_checkpoint,
+        metadata,
+        pretrained_artifacts,
+        require_same_model,
+        resolve_pretrained,
+    )
+    from attnlab.utils.cpu import tune_cpu_for_training
+    from attnlab.utils.distributed import relaunch_this_multirun_job, unsharded
+    from attnlab.utils.hardware import machine_info, resolve_precision
+    from attnlab.utils.wandb_mode import ensure_wandb_mode
+
+    torch.set_float32_matmul_precision("high")
     ensure_wandb_mode()
     tune_cpu_for_training()
-    resolve(cfg)
-    check_config(cfg)
-    refuse_a_sweep(cfg)
+    check_config(cfg)  # what the quick check could not see without importing the targets
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
@@ -245,6 +257,8 @@ def finish(
     sample: str | None,
 ) -> None:
     """Print the sample and the final metrics; close the W&B run with them in its summary."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
     if sample is not None:
         log.info("sample:\n%s\n%s\n%s", "-" * 60, sample, "-" * 60)
     summary = " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
@@ -265,6 +279,8 @@ def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics:
     them only with metrics in hand, and then also logs those metrics as scalars at step 0. Keys that
     say where or how the run logged (callbacks, loggers, paths) are left out, as attnlab-compare
     does: the table then opens on data, model and trainer settings."""
+    from torch.utils.tensorboard.summary import hparams
+
     params = {
         k: v if isinstance(v, int | float | str | bool) else str(v)
         for k, v in sorted(flatten(container(cfg)).items())
@@ -276,14 +292,21 @@ def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics:
     writer.flush()
 
 
+def pruned(e: BaseException) -> bool:
+    """Whether ``e`` is Optuna's ``TrialPruned`` (only a sweep trial, which loaded Optuna, raises it)."""
+    optuna = sys.modules.get("optuna")
+    return optuna is not None and isinstance(e, optuna.TrialPruned)
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    torch.set_float32_matmul_precision("high")
     with exit_on_user_error():
         try:
             metrics = train(cfg)
-        except optuna.TrialPruned as e:  # a sweep trial stopped early: the sweep records it
-            log.info("%s", e)
+        except Exception as e:
+            if not pruned(e):
+                raise
+            log.info("%s", e)  # a sweep trial stopped early: the sweep records it
             return None
     name = cfg.get("optimized_metric")
     return metrics.get(name) if name else None

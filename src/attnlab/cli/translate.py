@@ -6,54 +6,61 @@ import logging
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
+    check_device,
     config_dir,
     exit_on_user_error,
     free_output,
     inference_device,
     quote_free_text,
     read_sentences,
+    resolve_checkpoint,
     write_lines,
 )
 from attnlab.errors import ConfigError
-from attnlab.inference.runs import TrainedRun
-from attnlab.inference.translation import translate_sentences
-from attnlab.tasks import TranslationTask
 
 log = logging.getLogger("attnlab.translate")
 
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
-    device = inference_device(cfg.device)
-    run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
-    tokenizer = run.tokenizer
-    task_cfg = run.config.model
-    beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
-    if beam < 1:
-        raise ConfigError(f"beam_size must be >= 1, got {beam}")
-    alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
-    net = run.net().to(device)
-    return translate_sentences(
-        net,
-        tokenizer,
-        sentences,
-        beam,
-        alpha,
-        task_cfg.max_len_a,
-        task_cfg.max_len_b,
-        run.config.data.max_len,
-        cfg.max_tokens,
-        device,
-    )
+    check_device(cfg.device)
+    resolve_checkpoint(cfg, "TranslationTask")
+    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
+    import torch
+
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.translation import translate_sentences
+    from attnlab.tasks import TranslationTask
+
+    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
+        tokenizer = run.tokenizer
+        task_cfg = run.config.model
+        beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
+        if beam < 1:
+            raise ConfigError(f"beam_size must be >= 1, got {beam}")
+        alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
+        net = run.net().to(device)
+        return translate_sentences(
+            net,
+            tokenizer,
+            sentences,
+            beam,
+            alpha,
+            task_cfg.max_len_a,
+            task_cfg.max_len_b,
+            run.config.data.max_len,
+            cfg.max_tokens,
+            device,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="translate")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         path = free_output(cfg)
         out = translate(cfg)

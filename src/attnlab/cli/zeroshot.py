@@ -6,24 +6,33 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
-from attnlab.data.vision.classification import normalize
+from attnlab.cli.common import (
+    check_device,
+    config_dir,
+    exit_on_user_error,
+    inference_device,
+    quote_free_text,
+    resolve_checkpoint,
+)
 from attnlab.errors import CheckpointError, ConfigError
-from attnlab.inference.classification import image_files, load_image
-from attnlab.inference.runs import TrainedRun
-from attnlab.inference.zeroshot import parse_labels, read_templates, zeroshot_probs
-from attnlab.models import CLIP
-from attnlab.tasks import ContrastiveTask
-from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
+
+# torch and the model load after the options and the checkpoint's path are checked (quick errors)
+if TYPE_CHECKING:
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.models import CLIP
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.zeroshot import read_templates
+    from attnlab.tasks import ContrastiveTask
+
     device = inference_device(cfg.device)
     run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
     net = run.net()
@@ -33,6 +42,13 @@ def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
 
 def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     """Per image file, the labels with their probabilities, most likely first."""
+    import torch
+
+    from attnlab.data.vision.classification import normalize
+    from attnlab.inference.classification import image_files, load_image
+    from attnlab.inference.zeroshot import parse_labels, zeroshot_probs
+    from attnlab.tasks.contrastive import class_embeddings
+
     labels = parse_labels(cfg.labels)
     run, net, templates = load_clip(cfg)
     files = image_files(Path(str(cfg.image)).expanduser())
@@ -53,6 +69,10 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
     """Top-1 and top-5 zero-shot accuracy on the run's ``split`` with the templates."""
     if cfg.split not in ("val", "test"):
         raise ConfigError(f"split must be 'val' or 'test', got {cfg.split!r}")
+    import torch
+
+    from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
+
     run, net, templates = load_clip(cfg)
     if not run.artifacts.get("classes"):
         raise CheckpointError(f"checkpoint {run.path}: its data has no classes to classify into")
@@ -82,12 +102,16 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="zeroshot")
 def run(cfg: DictConfig) -> None:
-    torch.set_grad_enabled(False)
     with exit_on_user_error():
         if (cfg.image is None) == (cfg.split is None):
             raise ConfigError(
                 'give exactly one of image=<file or folder> (with labels="a,b,c") or split=test'
             )
+        check_device(cfg.device)
+        resolve_checkpoint(cfg, "ContrastiveTask")
+        import torch
+
+        torch.set_grad_enabled(False)
         if cfg.split is not None:
             r = score_split(cfg)
             print(

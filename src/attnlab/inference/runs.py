@@ -11,7 +11,8 @@ from torch import nn
 
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import CheckpointError
-from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task, resolve_ckpt_path
+from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task
+from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
 
 
 class TrainedRun:
@@ -22,7 +23,7 @@ class TrainedRun:
         ``tasks``, when given). A checkpoint of another task than ``tasks`` is refused with one
         line saying what it holds and ``need``."""
         names = tuple(t.__name__ for t in tasks)
-        self.path = resolve_ckpt_path(spec, log_dir, "*/runs/*/checkpoints/last.ckpt", names)
+        self.path = resolve_ckpt_path(spec, log_dir, LAST_OF_ANY_RUN, names)
         self.ckpt = load_checkpoint(self.path)
         meta = metadata(self.ckpt, self.path)
         if names:

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import pickle
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,58 +22,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from attnlab.errors import CheckpointError
+from attnlab.utils.run_paths import find_last, is_sharded, model_names
 
 log = logging.getLogger(__name__)
-
-
-def find_last(root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path:
-    """The most recently written ``last.ckpt`` under ``root`` matching ``pattern``; with
-    ``tasks`` (class names), of a run that trained one of them."""
-    found = sorted(Path(root).glob(pattern), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise CheckpointError(f"ckpt_path=last: no checkpoint matches {Path(root) / pattern}")
-    if not tasks:
-        return found[-1]
-    newest = next((p for p in reversed(found) if trained_task(p) in tasks), None)  # reads what it must
-    if newest is None:
-        raise CheckpointError(f"ckpt_path=last: no run of a {' or '.join(tasks)} under {root}")
-    return newest
-
-
-def trained_task(ckpt: Path) -> str | None:
-    """The task class a checkpoint's run trained, from the config its run folder saved
-    (``<run>/config.yaml`` beside ``<run>/checkpoints/``); None where there is none to read."""
-    from omegaconf import OmegaConf
-
-    config = ckpt.parent.parent / "config.yaml"
-    try:
-        return model_names(OmegaConf.load(config).get("model"))[0]
-    except Exception:  # any unreadable config: that run is not a candidate
-        return None
-
-
-def resolve_ckpt_path(spec: str | None, root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path | None:
-    """``None``, an existing file, or ``last``: the newest ``last.ckpt`` under ``root`` (of a run
-    of one of ``tasks``, when given: an inference CLI takes the newest run it can serve)."""
-    if spec is None:
-        return None
-    if str(spec) == "last":
-        path = find_last(root, pattern, tasks)
-        # on stderr, not the log: the inference CLIs keep the console free of log lines
-        print(
-            f"ckpt_path=last -> {path}" + (f" (the newest {' or '.join(tasks)} run)" if tasks else ""),
-            file=sys.stderr,
-        )
-        return path
-    path = Path(spec).expanduser()
-    if not (path.is_file() or is_sharded(path)):
-        raise CheckpointError(f"ckpt_path={spec}: no such file")
-    return path
-
-
-def is_sharded(path: Path) -> bool:
-    """A sharded checkpoint (FSDP, FSDP2): a folder of per-rank files plus Lightning's ``meta.pt``."""
-    return path.is_dir() and (path / _METADATA_FILENAME).is_file()
 
 
 # The records torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``.
@@ -196,13 +146,6 @@ def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     if "artifacts" not in meta:  # written before artifacts: only text runs, with a tokenizer
         meta["artifacts"] = {"tokenizer": meta["tokenizer"]} if meta.get("tokenizer") else {}
     return meta
-
-
-def model_names(model: Any) -> tuple[str, str]:
-    """The class names of a ``model`` config node's task and net (its ``_target_``s, not imported)."""
-    model = model or {}
-    task, net = model.get("_target_"), (model.get("net") or {}).get("_target_")
-    return str(task).rsplit(".", 1)[-1], str(net).rsplit(".", 1)[-1]
 
 
 def recorded_model(meta: dict[str, Any]) -> tuple[str, str]:

@@ -1,4 +1,8 @@
-"""Printing, saving and checking the composed Hydra config."""
+"""Printing, saving and checking the composed Hydra config.
+
+Imported before the command line's config is checked, so torch and Lightning are imported only
+inside the functions that need them (``check_config(cfg, imports=False)`` needs neither).
+"""
 
 from __future__ import annotations
 
@@ -6,34 +10,45 @@ import difflib
 import inspect
 import logging
 import os
+import sys
 import types
 from collections import abc
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path, PurePath
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-import lightning as L
-import rich
-import rich.syntax
-import rich.tree
 from hydra.utils import get_object, instantiate
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from attnlab.errors import AttnlabError, ConfigError
 from attnlab.utils.checks import is_int, is_number
+from attnlab.utils.signatures import static_signature
+
+if TYPE_CHECKING:
+    import lightning as L
 
 log = logging.getLogger(__name__)
 
 PRINT_ORDER = ("data", "model", "callbacks", "logger", "trainer", "paths", "extras")
 
 
-@rank_zero_only
+def rank_zero() -> bool:
+    """Whether this is the process that prints and saves (Lightning's rank 0)."""
+    from lightning.pytorch.utilities import rank_zero_only  # only called while training
+
+    return rank_zero_only.rank == 0
+
+
 def print_config_tree(cfg: DictConfig) -> None:
     """Print the resolved config as a rich tree, main groups first."""
+    if not rank_zero():
+        return
+    import rich
+    import rich.syntax
+    import rich.tree
+
     tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
     keys = [k for k in PRINT_ORDER if k in cfg] + [k for k in cfg if k not in PRINT_ORDER]
     for key in keys:
@@ -44,9 +59,10 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
-@rank_zero_only
 def save_config(cfg: DictConfig, path: Path) -> None:
     """The resolved config as YAML (Hydra's ``.hydra/config.yaml`` keeps the unresolved one)."""
+    if not rank_zero():
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -99,11 +115,14 @@ def constructor_errors(key: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
+        # Lightning's exception only where Lightning is loaded (else nothing raised it)
+        exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
+        refusals = (ValueError, *([exceptions.MisconfigurationException] if exceptions else []))
         cause: BaseException | None = e
         while cause is not None:
             if isinstance(cause, AttnlabError):
                 raise
-            if isinstance(cause, (MisconfigurationException, ValueError)):
+            if isinstance(cause, refusals):
                 raise ConfigError(f"{key}: {one_line(cause)}") from e
             cause = cause.__cause__
         raise
@@ -119,7 +138,7 @@ NAMES = {bool: "a bool", int: "an int", float: "a float", str: "a string"}
 PLURALS = {bool: "bools", int: "ints", float: "floats", str: "strings"}
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, imports: bool = True) -> None:
     """Check every value's type against the constructor it is passed to (see ``check_types``).
 
     Walks every node with a ``_target_`` (nested ones and list items too) before anything is
@@ -129,6 +148,11 @@ def check_config(cfg: DictConfig) -> None:
     (``total_steps: ${trainer.max_steps}``, ``block_size: ${model.net.block_size}``), and the
     error should name the key the user set. Then the data's sequence length is checked against
     the model's position table (see ``check_lengths``).
+
+    ``imports=False``: the quick check of an entry point before torch loads; each constructor's
+    signature is read from its source (``attnlab.utils.signatures``), nodes whose source does not
+    say it plainly are passed over, and names its annotations take from outside the standard
+    library accept anything. It refuses only what the full check refuses; run that one after.
     """
     first = [k for k in ("trainer", "model") if k in cfg]
     for key in [*first, *(k for k in cfg.keys() if k not in first)]:
@@ -136,7 +160,7 @@ def check_config(cfg: DictConfig) -> None:
             continue
         child = _get(cfg, key)
         if isinstance(child, (DictConfig, ListConfig)):
-            _walk(child, str(key))
+            _walk(child, str(key), imports)
     check_lengths(cfg)
 
 
@@ -169,25 +193,28 @@ def _int_at(cfg: DictConfig, key: str) -> int | None:
     return value if is_int(value) else None
 
 
-def _walk(node: Any, path: str) -> None:
+def _walk(node: Any, path: str, imports: bool = True) -> None:
     if isinstance(node, DictConfig):
         if node._is_none() or node._is_missing():
             return
         if "_target_" in node:
-            check_types(node, path)
+            if imports:
+                check_types(node, path)
+            else:
+                check_types(node, path, imports=False)
         for key in node.keys():
             if key in HYDRA_KEYS:
                 continue
             child = _get(node, key)
             if isinstance(child, (DictConfig, ListConfig)):
-                _walk(child, f"{path}.{key}")
+                _walk(child, f"{path}.{key}", imports)
     elif isinstance(node, ListConfig):
         if node._is_none() or node._is_missing():
             return
         for i in range(len(node)):
             child = _get(node, i)
             if isinstance(child, (DictConfig, ListConfig)):
-                _walk(child, f"{path}[{i}]")
+                _walk(child, f"{path}[{i}]", imports)
 
 
 _MISSING = object()
@@ -203,29 +230,22 @@ def _get(node: DictConfig | ListConfig, key: Any) -> Any:
         return _MISSING
 
 
-def check_types(node: DictConfig, path: str) -> None:
-    """Check the keys and values of one ``_target_`` node against the target's signature."""
+def check_types(node: DictConfig, path: str, imports: bool = True) -> None:
+    """Check the keys and values of one ``_target_`` node against the target's signature
+    (read from its source without importing it where ``imports`` is False: see ``check_config``)."""
     target = node._target_
     if not isinstance(target, str):
         return
-    try:
-        obj = get_object(target)
-    except Exception as e:
-        cause = e
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {one_line(cause)}") from e
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):  # builtins and the like: nothing to check against
+    found = _imported_signature(target, path) if imports else _source_signature(target)
+    if found is None:
         return
+    sig, hints, trainer = found
     params = {
         name: p
         for name, p in sig.parameters.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-    hints = _type_hints(obj.__init__ if inspect.isclass(obj) else obj, sig)
     for key in node.keys():
         key = str(key)
         if key in HYDRA_KEYS:
@@ -249,11 +269,51 @@ def check_types(node: DictConfig, path: str) -> None:
         if value is None and params[key].default is None:
             continue
         tp = hints[key]
-        extra = EXTRA_CHOICES.get(key, ()) if _is_trainer(obj) else ()
+        extra = EXTRA_CHOICES.get(key, ()) if trainer else ()
         if isinstance(value, str) and value in extra:
             continue
         if _checkable(tp) and not _accepts(value, tp):
             raise ConfigError(f"{path}.{key}={show(value)}: expected {describe(tp, extra)} ({target} {key})")
+
+
+def _imported_signature(target: str, path: str) -> tuple[inspect.Signature, dict[str, Any], bool] | None:
+    """The signature of the imported ``target``, its evaluated annotations, and whether it is
+    Lightning's Trainer; None where it has none to check against. A target that does not import
+    is a ``ConfigError`` naming ``path``."""
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {one_line(cause)}") from e
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins and the like: nothing to check against
+        return None
+    return sig, _type_hints(obj.__init__ if inspect.isclass(obj) else obj, sig), _is_trainer(obj)
+
+
+TRAINER = "lightning.pytorch.trainer.trainer.Trainer"
+
+
+def _source_signature(target: str) -> tuple[inspect.Signature, dict[str, Any], bool] | None:
+    """As ``_imported_signature``, read from the source (``attnlab.utils.signatures``); None
+    where the source does not say it plainly. An annotation that does not evaluate from the
+    standard library's names accepts anything: the full check sees it."""
+    found = static_signature(target)
+    if found is None:
+        return None
+    sig, namespace, where = found
+    hints = {}
+    for name, p in sig.parameters.items():
+        if p.annotation is not inspect.Parameter.empty:
+            try:
+                hint = _evaluate(p.annotation, dict(namespace))
+            except Exception:  # e.g. Union[int, <a name left out>]: not checked here
+                hint = Any
+            hints[name] = Any if isinstance(hint, _Unseen) else hint
+    return sig, hints, where == TRAINER
 
 
 def _type_hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
@@ -310,6 +370,8 @@ EXTRA_CHOICES = {"precision": ("auto",)}  # attnlab.utils.hardware.resolve_preci
 
 
 def _is_trainer(obj: Any) -> bool:
+    import lightning as L  # obj is imported: so is Lightning, where obj is its Trainer
+
     return inspect.isclass(obj) and issubclass(obj, L.Trainer)
 
 
