@@ -162,7 +162,7 @@ def test_recall_counts_identical_captions_as_one_and_ranks_correctly():
 
 
 def test_zeroshot_classifier_averages_templates_and_renormalises():
-    from attnlab.tasks.contrastive import zeroshot_accuracy, zeroshot_classifier
+    from attnlab.inference.zeroshot import zeroshot_accuracy, zeroshot_classifier
 
     class Fixed(torch.nn.Module):
         def encode_text(self, tokens):
@@ -179,8 +179,7 @@ def test_zeroshot_classifier_averages_templates_and_renormalises():
 
 def test_a_tiny_clip_learns_to_tell_two_caption_classes_apart():
     from attnlab.data.text.tokenizers import CaptionTokenizer
-    from attnlab.inference.zeroshot import zeroshot_probs
-    from attnlab.tasks.contrastive import class_embeddings
+    from attnlab.inference.zeroshot import class_embeddings, zeroshot_probs
 
     torch.manual_seed(0)
     texts = {0: "a bright square in the middle", 1: "a thin bar along the top"}

@@ -17,8 +17,8 @@ from attnlab.data.text import translation as tr
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
 from attnlab.errors import ConfigError, DataError
+from attnlab.inference.decoding import beam_search, greedy_decode
 from attnlab.models import Seq2Seq, Transformer
-from attnlab.models.text.decoding import beam_search, greedy_decode
 from attnlab.nn import AdditiveAttention, MultiplicativeAttention
 from conftest import assert_ok, needs_shared, read_metrics, run_cli, run_dirs
 

@@ -17,10 +17,15 @@ from attnlab.data.vision.classification import normalize
 from attnlab.errors import CheckpointError, ConfigError
 from attnlab.inference.classification import image_files, load_image
 from attnlab.inference.runs import TrainedRun
-from attnlab.inference.zeroshot import parse_labels, read_templates, zeroshot_probs
+from attnlab.inference.zeroshot import (
+    class_embeddings,
+    parse_labels,
+    read_templates,
+    zeroshot_accuracy,
+    zeroshot_probs,
+)
 from attnlab.models import CLIP
 from attnlab.tasks import ContrastiveTask
-from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
 
 
 def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:

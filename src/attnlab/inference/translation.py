@@ -9,7 +9,7 @@ from torch import nn
 
 from attnlab.data.batching import TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer
-from attnlab.models.text.decoding import translate_batch
+from attnlab.inference.decoding import translate_batch
 
 log = logging.getLogger(__name__)
 
