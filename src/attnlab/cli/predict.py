@@ -9,7 +9,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, progress, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.inference.classification import classify, image_files, load_image
 from attnlab.inference.runs import TrainedRun
@@ -19,15 +19,18 @@ from attnlab.tasks import ImageClassificationTask
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    files = image_files(Path(str(cfg.image)).expanduser())
+    folder = Path(str(cfg.image)).expanduser()
+    files = image_files(folder)
     device = inference_device(cfg.device)
     run = TrainedRun.for_cli(cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier")
     net = run.net().to(device)
     results = []
-    for start in range(0, len(files), cfg.batch_size):
-        chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-        results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+    with progress(len(files), "predicting", show=folder.is_dir()) as advance:
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+            results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+            advance(len(chunk))
     return results
 
 

@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, quote_free_text
+from attnlab.cli.common import config_dir, exit_on_user_error, inference_device, progress, quote_free_text
 from attnlab.data.vision.classification import normalize
 from attnlab.errors import CheckpointError, ConfigError
 from attnlab.inference.classification import image_files, load_image
@@ -40,17 +40,20 @@ def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     """Per image file, the labels with their probabilities, most likely first."""
     labels = parse_labels(cfg.labels)
     run, net, templates = load_clip(cfg)
-    files = image_files(Path(str(cfg.image)).expanduser())
+    folder = Path(str(cfg.image)).expanduser()
+    files = image_files(folder)
     classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
     device = next(net.parameters()).device
     results = []
-    for start in range(0, len(files), cfg.batch_size):
-        chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-        images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
-        probs = zeroshot_probs(net, images, classifier)
-        for path, row in zip(chunk, probs.tolist(), strict=True):
-            results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
+    with progress(len(files), "labelling", show=folder.is_dir()) as advance:
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+            images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
+            probs = zeroshot_probs(net, images, classifier)
+            for path, row in zip(chunk, probs.tolist(), strict=True):
+                results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
+            advance(len(chunk))
     return results
 
 
