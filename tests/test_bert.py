@@ -321,6 +321,7 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     ckpt = last_ckpt(pretrained, "scratch")
     proc = run_cli("classify", [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "classifying" in proc.stderr and "2/2" in proc.stderr  # a file: progress on stderr
     labels = [line.split("\t") for line in out.read_text().splitlines()]
     assert [lab for lab, _ in labels] == ["1", "0"]  # GLUE's labels: 1 positive, 0 negative
     # each printed probability is the model's probability of the printed label, the largest: here
@@ -341,6 +342,7 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
     assert out.read_text() == written  # never replaced without being asked
     proc = run_cli("classify", [f"ckpt_path={ckpt}", "text=the plot was dull and the ending too"], tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("0\t"), proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.count("\n") == 1 and "classifying" not in proc.stderr  # one sentence: no bar
 
 
 def test_fill_mask_gives_top_k_candidates(pretrained):

@@ -184,14 +184,16 @@ def test_train_then_predict_on_an_image_folder(tmp_path):
     Image.open(next((data / "test" / "dog").glob("*.png"))).convert("L").save(gray)
     proc = run_cli("predict", ["ckpt_path=last", f"image={gray}"], tmp_path)
     assert_ok(proc)
-    assert "converted" in proc.stderr
+    assert "converted" in proc.stderr and "predicting" not in proc.stderr  # one image: no bar
     line = proc.stdout.strip()
     assert line.startswith(f"{gray}: ") and {"cat", "dog"} <= set(line.replace(",", " ").split())
     probs = [float(t) for t in line.split(": ", 1)[1].replace(",", " ").split() if t[0].isdigit()]
     assert len(probs) == 2 and abs(sum(probs) - 1) < 1e-3  # top_k 5 clipped to the 2 classes
     proc = run_cli("predict", ["ckpt_path=last", f"image={data / 'test' / 'cat'}", "top_k=1"], tmp_path)
     assert_ok(proc)
-    assert len(proc.stdout.strip().splitlines()) == 12
+    lines = proc.stdout.splitlines()  # a folder: one line per image on stdout, progress on stderr
+    assert len(lines) == 12 and all(line.startswith(str(data / "test" / "cat")) for line in lines)
+    assert "predicting" in proc.stderr and "12/12" in proc.stderr
     (tmp_path / "notes.png").write_text("not an image")
     assert_user_error(
         run_cli("predict", ["ckpt_path=last", f"image={tmp_path / 'notes.png'}"], tmp_path),

@@ -1,6 +1,8 @@
 """The entry points as a user runs them: the main job, resume, generate, eval and bad input."""
 
+import csv
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,11 @@ from conftest import (
 
 def wandb_summary(run_dir: Path) -> dict:
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    return inspect_wandb(wandb_run)
+
+
+def inspect_wandb(wandb_run: Path) -> dict:
+    """The summary and config of an offline W&B run folder."""
     exe = Path(sys.executable).parent / "wandb"
     out = subprocess.run(
         [str(exe), "leet", "inspect", "--summary", "--json", str(wandb_run)],
@@ -68,17 +75,52 @@ def test_generate_from_checkpoint(trained: Path):
     assert a.stdout == b.stdout
 
 
-def test_eval_reproduces_the_test_metric(trained: Path):
+def read_csv_log(run_dir: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def test_eval_reproduces_the_test_metric_and_logs_into_the_run(trained: Path, tmp_path: Path):
+    run = tmp_path / "run"  # a copy: the session's run stays as its training left it
+    shutil.copytree(trained, run)
+    columns, rows = read_csv_log(run)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    run_id, step = ckpt["attnlab"]["wandb_run_id"], ckpt["global_step"]
     proc = run_cli(
-        "eval",
-        [f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", "trainer.limit_test_batches=2"],
-        trained,
+        "eval", [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "trainer.limit_test_batches=2"], tmp_path
     )
     assert_ok(proc)
-    (out,) = run_dirs(trained, "eval")
+    (out,) = run_dirs(tmp_path, "eval")
     got = json.loads((out / "metrics.json").read_text())["test/loss"]
     best = read_metrics(trained)["test/loss"][-1][1]  # tested on the best checkpoint (= last here)
     assert got == pytest.approx(best, rel=1e-4)
+
+    # the run's CSV log: its columns and rows as they were, and one row more, at the checkpoint's step
+    new_columns, new_rows = read_csv_log(run)
+    assert set(columns) < set(new_columns) and "eval/test/loss" in new_columns
+    assert [{k: r[k] for k in columns} for r in new_rows[: len(rows)]] == rows
+    (added,) = new_rows[len(rows) :]
+    assert int(added["step"]) == step and float(added["eval/test/loss"]) == pytest.approx(got, rel=1e-6)
+    assert all(added[k] == "" for k in columns if k != "step")  # the run's own test/loss untouched
+    assert read_metrics(run)["test/loss"] == read_metrics(trained)["test/loss"]
+
+    # W&B: the run's own id, continued (offline here: a second folder of the same run)
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and {p.name.rsplit("-", 1)[1] for p in folders} == {run_id}
+    assert inspect_wandb(folders[-1])["summary"]["eval/test/loss"] == pytest.approx(got, rel=1e-6)
+
+    # log_to_run=false: the run's logs are left alone
+    before = (run / "csv" / "metrics.csv").read_text()
+    args = [
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "trainer.limit_test_batches=1",
+        "log_to_run=false",
+    ]
+    assert_ok(run_cli("eval", args, tmp_path))
+    assert (run / "csv" / "metrics.csv").read_text() == before
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
 def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path: Path):

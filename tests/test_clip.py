@@ -162,7 +162,7 @@ def test_recall_counts_identical_captions_as_one_and_ranks_correctly():
 
 
 def test_zeroshot_classifier_averages_templates_and_renormalises():
-    from attnlab.tasks.contrastive import zeroshot_accuracy, zeroshot_classifier
+    from attnlab.inference.zeroshot import zeroshot_accuracy, zeroshot_classifier
 
     class Fixed(torch.nn.Module):
         def encode_text(self, tokens):
@@ -179,8 +179,7 @@ def test_zeroshot_classifier_averages_templates_and_renormalises():
 
 def test_a_tiny_clip_learns_to_tell_two_caption_classes_apart():
     from attnlab.data.text.tokenizers import CaptionTokenizer
-    from attnlab.inference.zeroshot import zeroshot_probs
-    from attnlab.tasks.contrastive import class_embeddings
+    from attnlab.inference.zeroshot import class_embeddings, zeroshot_probs
 
     torch.manual_seed(0)
     texts = {0: "a bright square in the middle", 1: "a thin bar along the top"}
@@ -360,6 +359,14 @@ def test_clip_run_then_zeroshot_cli_on_an_image_and_on_the_test_split(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip()
     assert line.startswith("shoe.png: ") and len(line.split(", ")) == 2 and "converted" in proc.stderr
+    (tmp_path / "shoes").mkdir()
+    for i in range(3):
+        Image.new("RGB", (40, 40), (60 * i, 200, 200)).save(tmp_path / "shoes" / f"{i}.png")
+    proc = run_cli("zeroshot", ["ckpt_path=last", "image=shoes", "labels=sneaker,bag"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()  # a folder: one line per image on stdout, progress on stderr
+    assert len(lines) == 3 and all(line.startswith("shoes/") for line in lines)
+    assert "labelling" in proc.stderr and "3/3" in proc.stderr
     (tmp_path / "prompts.txt").write_text("a photo of a {}.\n\nthe {}, seen from above\n")
     split = ["ckpt_path=last", "split=test", "templates=prompts.txt"]
     proc = run_cli("zeroshot", split, tmp_path)

@@ -17,8 +17,8 @@ from attnlab.data.text import translation as tr
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
 from attnlab.errors import ConfigError, DataError
+from attnlab.inference.decoding import beam_search, greedy_decode
 from attnlab.models import Seq2Seq, Transformer
-from attnlab.models.text.decoding import beam_search, greedy_decode
 from attnlab.nn import AdditiveAttention, MultiplicativeAttention
 from conftest import assert_ok, needs_shared, read_metrics, run_cli, run_dirs
 
@@ -389,12 +389,18 @@ def test_translate_cli_text_and_file_modes(nmt_run: Path, tmp_path):
     proc = run_cli("translate", args, tmp_path)
     assert_ok(proc)  # (the shell has stripped the user's quotes: the entry point quotes for Hydra)
     assert proc.stdout.strip() == "House big runs dog blue."
+    assert "translating" not in proc.stderr  # one sentence: no progress bar
     src, ref = synthetic_pairs(30, seed=7)
     (tmp_path / "in.de").write_text("\n".join(src) + "\n", encoding="utf-8")
     args = [f"ckpt_path={ckpt}", "input=in.de", "output=out.en"]  # the checkpoint's beam (4)
     assert_ok(run_cli("translate", args, tmp_path))
     out = (tmp_path / "out.en").read_text(encoding="utf-8").splitlines()
     assert len(out) == 30 and sum(o == r for o, r in zip(out, ref, strict=True)) >= 25
+    # a file printed: standard output holds the translations alone, the progress goes to stderr
+    printed = run_cli("translate", [f"ckpt_path={ckpt}", "input=in.de"], tmp_path)
+    assert_ok(printed)
+    assert printed.stdout.splitlines() == out
+    assert "translating" in printed.stderr and "30/30" in printed.stderr
     again = run_cli("translate", args, tmp_path)  # never overwrites without being asked
     assert again.returncode == 2 and "exists" in again.stderr
     empty = tmp_path / "empty.de"

@@ -14,6 +14,7 @@ from attnlab.cli.common import (
     exit_on_user_error,
     free_output,
     inference_device,
+    progress,
     quote_free_text,
     read_sentences,
     resolve_checkpoint,
@@ -44,14 +45,16 @@ def classify(cfg: DictConfig) -> list[tuple[str, float]]:
             raise CheckpointError(
                 f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"
             )
-        return classify_sentences(
-            net,
-            run.tokenizer,
-            sentences,
-            run.artifacts["classes"],
-            run.artifacts.get("max_len", net.encoder.max_len),
-            cfg.batch_size,
-        )
+        with progress(len(sentences), "classifying", show=cfg.input is not None) as advance:
+            return classify_sentences(
+                net,
+                run.tokenizer,
+                sentences,
+                run.artifacts["classes"],
+                run.artifacts.get("max_len", net.encoder.max_len),
+                cfg.batch_size,
+                advance,
+            )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="classify")

@@ -11,7 +11,7 @@ import logging
 import re
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -202,3 +202,38 @@ def inference_device(value: Any) -> torch.device:
     if value == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(value)
+
+
+@contextmanager
+def progress(total: int, description: str, show: bool = True) -> Iterator[Callable[[int], None]]:
+    """A progress bar over ``total`` items on stderr; yields ``advance(n)``, to call as items finish.
+
+    For the inference CLIs' file and folder modes, which otherwise print nothing until the end.
+    Standard output is left alone (rich's redirection of it is off), so it holds only the outputs
+    and pipes keep working; on a stderr that is not a terminal rich draws the bar once, finished.
+    ``show=False`` (one sentence or image): no bar, ``advance`` does nothing.
+    """
+    if not show:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        redirect_stdout=False,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)

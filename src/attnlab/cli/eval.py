@@ -1,10 +1,12 @@
-"""``attnlab-eval ckpt_path=<file|last>``: test a checkpoint on the data it was trained with."""
+"""``attnlab-eval ckpt_path=<file|last>``: test a checkpoint on the data it was trained with, and
+add the results to the run's own logs (its CSV log and W&B run)."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.utils import instantiate
@@ -12,6 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error, resolve_checkpoint
 from attnlab.utils.config import check_config
+
+if TYPE_CHECKING:
+    from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab.eval")
 
@@ -38,7 +43,50 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (out / "metrics.json").write_text(json.dumps({"ckpt_path": str(run.path), **metrics}, indent=2))
     log.info("metrics: %s (saved to %s)", metrics, out / "metrics.json")
+    if cfg.get("log_to_run", True) and trainer.is_global_zero:
+        log_to_run(run, metrics)
     return metrics
+
+
+def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
+    """Add ``metrics`` to the logs of the run that saved the checkpoint (``<run>/checkpoints/``),
+    at the checkpoint's step: a row appended to its CSV log (its rows and columns kept; the file's
+    header gains the new columns) and, when it logged to W&B, the same W&B run continued under its
+    id (offline without an API key, as training). The keys get an ``eval/`` prefix
+    (``eval/test/loss``): an evaluation may use other data than the run's own test
+    (``+data.test_stride=32``), so it does not overwrite what the run reported."""
+    if run.path.parent.name != "checkpoints":  # a checkpoint copied out of its run: no run to log to
+        log.info("%s is not in a run's checkpoints/ folder: the metrics stay in this run's folder", run.path)
+        return
+    run_dir = run.path.parent.parent
+    step = int(run.ckpt.get("global_step") or 0)
+    keyed = {f"eval/{k}": v for k, v in metrics.items()}
+    csv_file = run_dir / "csv" / "metrics.csv"
+    if csv_file.is_file():
+        from attnlab.loggers import CSVLogger as RunCSVLogger
+
+        csv_log = RunCSVLogger(save_dir=run_dir, name="csv", version="")
+        csv_log.log_metrics(keyed, step)
+        csv_log.save()
+        log.info("added to the run's CSV log %s (step %d)", csv_file, step)
+    run_id = run.meta.get("wandb_run_id")
+    if run_id:
+        from lightning.pytorch.loggers import WandbLogger
+
+        from attnlab.utils.wandb_mode import ensure_wandb_mode
+
+        ensure_wandb_mode()
+        settings = (run.config.get("logger") or {}).get("wandb") or {}
+        wandb = WandbLogger(
+            id=run_id,
+            resume="allow",
+            save_dir=str(run_dir),
+            project=settings.get("project", "attnlab"),
+            entity=settings.get("entity"),
+        )
+        wandb.log_metrics(keyed, step)
+        wandb.experiment.finish()
+        log.info("added to the run's W&B run %s (step %d)", run_id, step)
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="eval")

@@ -13,6 +13,7 @@ from attnlab.cli.common import (
     config_dir,
     exit_on_user_error,
     inference_device,
+    progress,
     quote_free_text,
     resolve_checkpoint,
 )
@@ -32,17 +33,20 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     from attnlab.tasks import ImageClassificationTask
 
     with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
-        files = image_files(Path(str(cfg.image)).expanduser())
+        folder = Path(str(cfg.image)).expanduser()
+        files = image_files(folder)
         device = inference_device(cfg.device)
         run = TrainedRun.for_cli(
             cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier"
         )
         net = run.net().to(device)
         results = []
-        for start in range(0, len(files), cfg.batch_size):
-            chunk = files[start : start + cfg.batch_size]
-            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-            results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+        with progress(len(files), "predicting", show=folder.is_dir()) as advance:
+            for start in range(0, len(files), cfg.batch_size):
+                chunk = files[start : start + cfg.batch_size]
+                images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+                results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
+                advance(len(chunk))
         return results
 
 

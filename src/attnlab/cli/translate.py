@@ -14,6 +14,7 @@ from attnlab.cli.common import (
     exit_on_user_error,
     free_output,
     inference_device,
+    progress,
     quote_free_text,
     read_sentences,
     resolve_checkpoint,
@@ -45,18 +46,20 @@ def translate(cfg: DictConfig) -> list[str]:
             raise ConfigError(f"beam_size must be >= 1, got {beam}")
         alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
         net = run.net().to(device)
-        return translate_sentences(
-            net,
-            tokenizer,
-            sentences,
-            beam,
-            alpha,
-            task_cfg.max_len_a,
-            task_cfg.max_len_b,
-            run.config.data.max_len,
-            cfg.max_tokens,
-            device,
-        )
+        with progress(len(sentences), "translating", show=cfg.input is not None) as advance:
+            return translate_sentences(
+                net,
+                tokenizer,
+                sentences,
+                beam,
+                alpha,
+                task_cfg.max_len_a,
+                task_cfg.max_len_b,
+                run.config.data.max_len,
+                cfg.max_tokens,
+                device,
+                advance,
+            )
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="translate")

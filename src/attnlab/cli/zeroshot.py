@@ -17,6 +17,7 @@ from attnlab.cli.common import (
     config_dir,
     exit_on_user_error,
     inference_device,
+    progress,
     quote_free_text,
     resolve_checkpoint,
 )
@@ -46,22 +47,24 @@ def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
 
     from attnlab.data.vision.classification import normalize
     from attnlab.inference.classification import image_files, load_image
-    from attnlab.inference.zeroshot import parse_labels, zeroshot_probs
-    from attnlab.tasks.contrastive import class_embeddings
+    from attnlab.inference.zeroshot import class_embeddings, parse_labels, zeroshot_probs
 
     labels = parse_labels(cfg.labels)
     run, net, templates = load_clip(cfg)
-    files = image_files(Path(str(cfg.image)).expanduser())
+    folder = Path(str(cfg.image)).expanduser()
+    files = image_files(folder)
     classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
     device = next(net.parameters()).device
     results = []
-    for start in range(0, len(files), cfg.batch_size):
-        chunk = files[start : start + cfg.batch_size]
-        images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-        images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
-        probs = zeroshot_probs(net, images, classifier)
-        for path, row in zip(chunk, probs.tolist(), strict=True):
-            results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
+    with progress(len(files), "labelling", show=folder.is_dir()) as advance:
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
+            images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
+            probs = zeroshot_probs(net, images, classifier)
+            for path, row in zip(chunk, probs.tolist(), strict=True):
+                results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
+            advance(len(chunk))
     return results
 
 
@@ -71,7 +74,7 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split must be 'val' or 'test', got {cfg.split!r}")
     import torch
 
-    from attnlab.tasks.contrastive import class_embeddings, zeroshot_accuracy
+    from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 
     run, net, templates = load_clip(cfg)
     if not run.artifacts.get("classes"):

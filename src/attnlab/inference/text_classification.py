@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -51,8 +53,10 @@ def classify_sentences(
     classes: list[str],
     max_len: int,
     batch_size: int = 64,
+    progress: Callable[[int], None] | None = None,
 ) -> list[tuple[str, float]]:
-    """The most likely class of each sentence and its probability."""
+    """The most likely class of each sentence and its probability; ``progress(n)`` is called as
+    each batch of ``n`` sentences is done."""
     from attnlab.data.batching import pad
 
     out: list[tuple[str, float]] = []
@@ -62,4 +66,6 @@ def classify_sentences(
         probs = net(ids, torch.zeros_like(ids)).float().softmax(-1)
         p, k = probs.max(-1)
         out += [(classes[i], v) for i, v in zip(k.tolist(), p.tolist(), strict=True)]
+        if progress is not None:
+            progress(len(rows))
     return out

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from attnlab.data.batching import TokenBatchSampler, pad
 from attnlab.data.text.tokenizers import SubwordTokenizer
-from attnlab.models.text.decoding import translate_batch
+from attnlab.inference.decoding import translate_batch
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,10 @@ def translate_sentences(
     max_src_len: int = 128,
     max_tokens: int = 8192,
     device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Translations of ``sentences``, in order; sources longer than ``max_src_len`` tokens are cut."""
+    """Translations of ``sentences``, in order; sources longer than ``max_src_len`` tokens are cut.
+    ``progress(n)`` is called as each batch of ``n`` sentences is done."""
     ids = tokenizer.encode_batch(sentences)
     long = sum(len(s) > max_src_len - 1 for s in ids)
     if long:
@@ -49,4 +52,6 @@ def translate_sentences(
         )
         for i, h in zip(batch, hyps, strict=True):
             out[i] = tokenizer.decode(h)
+        if progress is not None:
+            progress(len(batch))
     return out

@@ -14,7 +14,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.errors import ConfigError
-from attnlab.models.text.decoding import translate_batch
+from attnlab.inference.decoding import translate_batch
 from attnlab.tasks.base import Task
 from attnlab.utils.distributed import unsharded
 

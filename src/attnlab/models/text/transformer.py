@@ -3,7 +3,8 @@
 Post-LN as in the paper (``norm_first=False``) or pre-LN; sinusoidal or learned positions;
 embeddings optionally shared between source and target (a joint vocabulary), the output layer
 tied to the target embedding. Built from the shared blocks of ``attnlab.nn``.
-The decoding interface (``start`` / ``step`` / ``reorder``) is what greedy and beam search use.
+The decoding interface (``start`` / ``step`` / ``reorder``) is what greedy and beam search
+(``attnlab.inference.decoding``) use.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Greedy and batched beam-search decoding for encoder-decoder models.
+"""Greedy and batched beam-search decoding for encoder-decoder models (used by the translation
+task's validation and test, and by ``attnlab-translate``).
 
 A model decodes through three methods: ``start(src) -> state``, ``step(tokens, state) ->
 logits`` (the next-token logits (B, V) after the newest tokens (B,)) and ``reorder(state,
