@@ -22,13 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from attnlab.cli.common import config_dir, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
-from attnlab.utils.config import constructor_errors
+from attnlab.utils.config import constructor_errors, refuse_renamed_overrides
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
     """The config ``attnlab-train`` would compose; an override Hydra refuses is a one-line error."""
+    refuse_renamed_overrides(overrides)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         try:
             return compose(config_name="train", overrides=overrides)
@@ -80,6 +81,7 @@ def sweep_parts(
     if s.direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {s.direction!r}")
     space, fixed = search_space(s.params)
+    refuse_renamed_overrides([*(f"{key}=" for key in space), *fixed])  # else every trial fails on it
     parts = []
     for name in ("sampler", "pruner"):
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from attnlab.utils.config import (
     fill_missing,
     instantiate_trainer,
     print_config_tree,
+    refuse_renamed_overrides,
     resolve,
     save_config,
 )
@@ -276,8 +278,16 @@ def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics:
     writer.flush()
 
 
+def main() -> float | None:
+    """``attnlab-train``: refuse a model hyper-parameter given by its old name before Hydra
+    composes the config (which would only say the key is not there), then train."""
+    with exit_on_user_error(console=True):
+        refuse_renamed_overrides(sys.argv[1:])
+    return hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> float | None:
     torch.set_float32_matmul_precision("high")
     with exit_on_user_error():
         try:
