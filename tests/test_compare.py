@@ -3,6 +3,8 @@ filtering, formats, the curve plot, and clear errors."""
 
 from __future__ import annotations
 
+import csv
+import io
 import statistics
 from pathlib import Path
 
@@ -268,7 +270,7 @@ def test_runs_of_different_families_line_up_on_the_shared_names(tmp_path, monkey
         status, out = run_main("train", [*args, *common])
         assert status == 0, out[-3000:]
     table = compare(parse_args([str(tmp_path / "logs"), "--format", "csv", "--metrics", "val/loss"]))
-    header, *body = [line.split(",") for line in table.strip().splitlines()]
+    header, *body = csv.reader(io.StringIO(table))  # values such as betas=[0.9, 0.99] are quoted
     assert {"model.net.dim", "model.net.depth"} <= set(header), header
     dim, depth = header.index("model.net.dim"), header.index("model.net.depth")
     assert sorted((row[dim], row[depth]) for row in body) == [("16", "1"), ("32", "2")]  # ViT, GPT
