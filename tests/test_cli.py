@@ -125,7 +125,8 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
     [
         (["model=nope"], ["model", "nope"]),
         (["model.net.dim=30", "model.net.n_head=4"], ["dim (30)", "n_head (4)"]),
-        (["model.net.max_len=0"], ["max_len must be a positive integer, got 0"]),
+        # data.block_size follows model.net.max_len, and the data is built first
+        (["model.net.max_len=0"], ["data.block_size must be a positive integer, got 0"]),
         (["data.tokenizer=words"], ["data.tokenizer", "'char' or 'bpe'"]),
         (["data.corpus=tinyshakespeare", "data.data_dir=nowhere"], ["data.data_dir=nowhere"]),
         (["ckpt_path=last"], ["ckpt_path=last", "no checkpoint"]),
