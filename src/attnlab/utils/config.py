@@ -174,8 +174,8 @@ def translate_renamed(cfg: DictConfig, where: str) -> list[str]:
 
 
 def mlp_ratio_for(hidden: int, dim: int) -> float:
-    """The ``mlp_ratio`` whose ``int(mlp_ratio * dim)`` is ``hidden`` (``hidden / dim`` can fall
-    a rounding error short: 1000 / 384 * 384 is 999.99...)."""
+    """The ``mlp_ratio`` whose ``int(mlp_ratio * dim)`` is ``hidden``: ``hidden / dim`` times
+    ``dim`` can land a rounding error below ``hidden``, which ``int`` would cut to one less."""
     ratio = hidden / dim
     while int(ratio * dim) < hidden:
         ratio = math.nextafter(ratio, math.inf)
