@@ -27,19 +27,25 @@ from torch import Tensor, nn
 from attnlab.models import Bert, BertSequenceClassifier
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
-SHAPE = dict(dim=256, depth=4, n_head=4, mlp_dim=1024, max_len=128)
+SHAPE = dict(dim=256, depth=4, n_head=4, mlp_ratio=4.0, max_len=128)
 VOCAB = 8000
 
 
 class TorchEncoderClassifier(nn.Module):
     """The reference: BERT's embeddings and head around ``nn.TransformerEncoder`` (post-LN, GELU)."""
 
-    def __init__(self, vocab: int, dim: int, depth: int, n_head: int, mlp_dim: int, max_len: int) -> None:
+    def __init__(self, vocab: int, dim: int, depth: int, n_head: int, mlp_ratio: float, max_len: int) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
         self.segments, self.norm = nn.Embedding(2, dim), nn.LayerNorm(dim, eps=1e-12)
         layer = nn.TransformerEncoderLayer(
-            dim, n_head, mlp_dim, dropout=0.1, activation="gelu", layer_norm_eps=1e-12, batch_first=True
+            dim,
+            n_head,
+            int(mlp_ratio * dim),
+            dropout=0.1,
+            activation="gelu",
+            layer_norm_eps=1e-12,
+            batch_first=True,
         )
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.pooler, self.head, self.drop = nn.Linear(dim, dim), nn.Linear(dim, 2), nn.Dropout(0.1)

@@ -32,7 +32,7 @@ from attnlab.nn import SinusoidalPositions
 from attnlab.tasks.translation import cross_entropy
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
-SIZE = {"d_model": 256, "n_head": 8, "layers": 3, "d_ff": 1024, "dropout": 0.1, "vocab": 8000}
+SIZE = {"dim": 256, "n_head": 8, "depth": 3, "mlp_ratio": 4.0, "dropout": 0.1, "vocab": 8000}
 
 
 class TorchTransformer(nn.Module):
@@ -40,12 +40,18 @@ class TorchTransformer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        d = SIZE["d_model"]
+        d = SIZE["dim"]
         self.emb = nn.Embedding(SIZE["vocab"], d)
         self.pos = SinusoidalPositions(d, 256)
         self.drop = nn.Dropout(SIZE["dropout"])
         self.core = nn.Transformer(
-            d, SIZE["n_head"], SIZE["layers"], SIZE["layers"], SIZE["d_ff"], SIZE["dropout"], batch_first=True
+            d,
+            SIZE["n_head"],
+            SIZE["depth"],
+            SIZE["depth"],
+            int(SIZE["mlp_ratio"] * d),
+            SIZE["dropout"],
+            batch_first=True,
         )
         self.out = nn.Linear(d, SIZE["vocab"], bias=False)
         self.out.weight = self.emb.weight
@@ -62,12 +68,12 @@ def ours() -> nn.Module:
     return Transformer(
         SIZE["vocab"],
         0,
-        SIZE["d_model"],
-        SIZE["n_head"],
-        SIZE["layers"],
-        SIZE["layers"],
-        SIZE["d_ff"],
-        SIZE["dropout"],
+        dim=SIZE["dim"],
+        n_head=SIZE["n_head"],
+        enc_depth=SIZE["depth"],
+        dec_depth=SIZE["depth"],
+        mlp_ratio=SIZE["mlp_ratio"],
+        dropout=SIZE["dropout"],
     )
 
 

@@ -63,7 +63,7 @@ def pairs() -> list[tuple[str, int, Callable[[], nn.Module], Callable[[], nn.Mod
             patch_size=swin.patch_size,
             embed_dim=swin.dim,
             depths=tuple(swin.depths),
-            num_heads=tuple(swin.n_heads),
+            num_heads=tuple(swin.n_head),
             window_size=swin.window_size,
             mlp_ratio=swin.mlp_ratio,
             drop_path_rate=0.0,

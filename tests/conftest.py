@@ -29,10 +29,10 @@ if WORKERS > 1:
 
 # A GPT small enough to train 20 steps in about a second.
 TINY = [
-    "model.net.n_layer=1",
+    "model.net.depth=1",
     "model.net.n_head=2",
-    "model.net.n_embd=32",
-    "model.net.block_size=16",
+    "model.net.dim=32",
+    "model.net.max_len=16",
     "data.batch_size=4",
     "data.val_batches=2",
     "trainer.max_steps=20",
@@ -291,7 +291,7 @@ def write_cifar(folder: Path, n: int = 4) -> Path:
 
 VISION_NETS = {
     "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
-    "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_heads=[1,2,2]"],
+    "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_head=[1,2,2]"],
     "convnet": ["model.net.widths=[4,8]"],
 }
 
@@ -375,7 +375,7 @@ BERT_TINY = [
     "model.net.encoder.dim=16",
     "model.net.encoder.depth=1",
     "model.net.encoder.n_head=2",
-    "model.net.encoder.mlp_dim=32",
+    "model.net.encoder.mlp_ratio=2.0",
 ]
 CONLL_FIXTURE = ROOT / "tests" / "fixtures" / "conll"
 

@@ -106,7 +106,7 @@ def test_causal_mask_is_bottom_right_aligned():
     assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
 
 
-@pytest.mark.parametrize("d_model,n_head", [(30, 4), (0, 1), (8, 0)])
-def test_bad_head_split_is_a_config_error(d_model, n_head):
+@pytest.mark.parametrize("dim,n_head", [(30, 4), (0, 1), (8, 0)])
+def test_bad_head_split_is_a_config_error(dim, n_head):
     with pytest.raises(ConfigError, match="n_head"):
-        MultiHeadAttention(d_model, n_head)
+        MultiHeadAttention(dim, n_head)

@@ -68,7 +68,7 @@ def hf_pair(pretraining: bool = True):
         pad_token_id=0,
     )
     hf = (transformers.BertForPreTraining if pretraining else transformers.BertModel)(cfg).eval()
-    ours = Bert(50, 0, dim=32, depth=2, n_head=4, mlp_dim=64, max_len=16)
+    ours = Bert(50, 0, dim=32, depth=2, n_head=4, mlp_ratio=2.0, max_len=16)
     return hf, (BertPreTraining(ours) if pretraining else ours).eval()
 
 
@@ -105,7 +105,7 @@ def test_pretraining_heads_equal_transformers_bert_for_pretraining():
 
 
 def test_padding_is_never_attended():
-    net = Bert(50, 0, dim=32, depth=2, n_head=4, mlp_dim=64, max_len=24).eval()
+    net = Bert(50, 0, dim=32, depth=2, n_head=4, mlp_ratio=2.0, max_len=24).eval()
     ids, segments = padded_batch()
     x, _ = net(ids, segments)
     more_padding = torch.cat([ids, torch.zeros(3, 4, dtype=torch.long)], 1)
@@ -121,7 +121,7 @@ def test_padding_is_never_attended():
 
 
 def test_mlm_head_is_tied_to_the_token_embedding():
-    net = BertPreTraining(Bert(50, 0, dim=16, depth=1, n_head=2, mlp_dim=32, max_len=8))
+    net = BertPreTraining(Bert(50, 0, dim=16, depth=1, n_head=2, mlp_ratio=2.0, max_len=8))
     names = [n for n, _ in net.named_parameters()]
     assert not any("mlm" in n and n.endswith("tokens.weight") for n in names)
     ids = torch.randint(N_SPECIALS, 50, (2, 6))

@@ -95,7 +95,7 @@ def test_loss_falls_on_a_real_batch(kind):
     if kind == "swin":
         x = F.interpolate(x, size=32, mode="bilinear")
         net = SwinTransformer(
-            10, 32, 1, patch_size=4, dim=32, depths=(2, 2), n_heads=(2, 4), window_size=4, drop_path=0.0
+            10, 32, 1, patch_size=4, dim=32, depths=(2, 2), n_head=(2, 4), window_size=4, drop_path=0.0
         )
     else:
         net = (DistilledVisionTransformer if kind == "deit" else VisionTransformer)(**SMALL)

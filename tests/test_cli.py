@@ -55,13 +55,13 @@ def test_tiny_run_leaves_checkpoints_csv_and_offline_wandb_run(trained: Path):
     assert (trained / "config.yaml").is_file() and (trained / ".hydra" / "config.yaml").is_file()
     summary = wandb_summary(trained)
     assert summary["summary"]["test/loss"] == pytest.approx(metrics["test/loss"][-1][1], rel=1e-5)
-    assert summary["config"]["model"]["net"]["n_embd"] == 32
+    assert summary["config"]["model"]["net"]["dim"] == 32
 
 
 def test_checkpoint_loads_with_weights_only_and_carries_the_run(trained: Path):
     ckpt = torch.load(trained / "checkpoints" / "last.ckpt", weights_only=True)
     meta = ckpt["attnlab"]
-    assert "n_layer: 1" in meta["config"] and json.loads(meta["artifacts"]["tokenizer"])["kind"] == "char"
+    assert "depth: 1" in meta["config"] and json.loads(meta["artifacts"]["tokenizer"])["kind"] == "char"
     assert meta["machine"]["cpu"]
     assert meta["wandb_run_id"] in next((trained / "wandb").glob("offline-run-*")).name
 
@@ -167,13 +167,14 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
     "override,needles",
     [
         (["model=nope"], ["model", "nope"]),
-        (["model.net.n_embd=30", "model.net.n_head=4"], ["n_embd (30)", "n_head (4)"]),
-        (["model.net.block_size=0"], ["block_size must be a positive integer, got 0"]),
+        (["model.net.dim=30", "model.net.n_head=4"], ["dim (30)", "n_head (4)"]),
+        # data.block_size follows model.net.max_len, and the data is built first
+        (["model.net.max_len=0"], ["data.block_size must be a positive integer, got 0"]),
         (["data.tokenizer=words"], ["data.tokenizer", "'char' or 'bpe'"]),
         (["data.corpus=tinyshakespeare", "data.data_dir=nowhere"], ["data.data_dir=nowhere"]),
         (["ckpt_path=last"], ["ckpt_path=last", "no checkpoint"]),
     ],
-    ids=["unknown-group-option", "n_embd-not-divisible", "block-size", "tokenizer", "data-dir", "no-last"],
+    ids=["unknown-group-option", "dim-not-divisible", "max-len", "tokenizer", "data-dir", "no-last"],
 )
 def test_bad_config_is_one_clear_error(tmp_path, override, needles):
     proc = run_cli("train", tiny(*override), tmp_path)
@@ -201,7 +202,7 @@ def test_corrupt_checkpoint_is_named_and_left_alone(trained: Path, tmp_path: Pat
 def test_mismatched_checkpoint_names_the_difference(trained: Path, tmp_path: Path):
     ckpt = trained / "checkpoints" / "last.ckpt"
     before = ckpt.read_bytes()
-    proc = run_cli("train", tiny("model.net.n_embd=64", f"ckpt_path={ckpt}"), tmp_path)
+    proc = run_cli("train", tiny("model.net.dim=64", f"ckpt_path={ckpt}"), tmp_path)
     assert_user_error(proc, "does not match the configured model", "(64,)")
     assert ckpt.read_bytes() == before
     assert len(list((trained / "csv").glob("*"))) >= 1  # the original logs are still there
@@ -261,7 +262,7 @@ def test_multirun_gives_each_job_its_own_run(tmp_path):
     # W&B: each job named by its overrides, the jobs grouped as one multirun
     wandb = [OmegaConf.load(j / "config.yaml").logger.wandb for j in jobs]
     assert [w.name.split()[-1] for w in wandb] == ["model.optimizer.lr=0.001", "model.optimizer.lr=0.003"]
-    assert all(w.name.startswith("sweep model.net.n_layer=1") for w in wandb)
+    assert all(w.name.startswith("sweep model.net.depth=1") for w in wandb)
     assert wandb[0].group == wandb[1].group == f"sweep multirun {jobs[0].parent.name}"
 
 

@@ -253,7 +253,7 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
     assert (tokens[:, 0] == 1).all() and ((tokens == 2).sum(1) == 1).all()  # <sot> ... <eot>, once
     assert data.model_kwargs() == {
         "image": {"img_size": 28, "in_chans": 1},
-        "text": {"vocab_size": data.tokenizer.vocab_size, "context_length": 16, "pad_id": 0},
+        "text": {"vocab_size": data.tokenizer.vocab_size, "max_len": 16, "pad_id": 0},
     }
     assert data.classes[9] == "ankle boot" and len(data.templates) == 8
     val, train = data.splits["val"], data.splits["train"]

@@ -3,6 +3,8 @@ filtering, formats, the curve plot, and clear errors."""
 
 from __future__ import annotations
 
+import csv
+import io
 import statistics
 from pathlib import Path
 
@@ -263,6 +265,30 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
         "lr=0.003 (2 seeds)",
     ]
     attnlab.plots.plt.close(figures[0])
+
+
+def test_runs_of_different_families_line_up_on_the_shared_names(tmp_path, monkeypatch):
+    """A GPT and a ViT name width and depth alike (``model.net.dim``, ``model.net.depth``), so one
+    table compares them: one row per run, both runs' values in the same two columns."""
+    from conftest import QUIET, run_main, tiny, vision_overrides
+
+    monkeypatch.chdir(tmp_path)
+    common = [
+        "test=false",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        f"paths.root_dir={tmp_path}",
+    ]
+    gpt = tiny("model.net.dim=32", "model.net.depth=2", "logger=csv")
+    vit = ["experiment=vit_fashion_mnist", *vision_overrides("vit_fashion_mnist", tmp_path), *QUIET]
+    for args in (gpt, vit):
+        status, out = run_main("train", [*args, *common])
+        assert status == 0, out[-3000:]
+    table = compare(parse_args([str(tmp_path / "logs"), "--format", "csv", "--metrics", "val/loss"]))
+    header, *body = csv.reader(io.StringIO(table))  # values such as betas=[0.9, 0.99] are quoted
+    assert {"model.net.dim", "model.net.depth"} <= set(header), header
+    dim, depth = header.index("model.net.dim"), header.index("model.net.depth")
+    assert sorted((row[dim], row[depth]) for row in body) == [("16", "1"), ("32", "2")]  # ViT, GPT
 
 
 def test_the_table_follows_the_terminal_width(sweep, monkeypatch):

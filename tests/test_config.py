@@ -18,7 +18,7 @@ from attnlab.cli.common import config_dir
 from attnlab.errors import ConfigError
 from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
 from attnlab.utils.checkpoint import metadata
-from attnlab.utils.config import fill_missing
+from attnlab.utils.config import check_types, fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
 from conftest import bert_overrides, clip_overrides, vision_overrides
@@ -94,10 +94,70 @@ def test_every_group_option_composes(group, name, tmp_path):
             assert "_target_" in node
 
 
+# Each size preset of model/net and model/bert, with what the data would fill in: timm's sizes at
+# 224x224 RGB, the CPU-sized ones at the image size of their recipes
+PRESET_INPUTS = {"vit_mini": 28, "deit_mini": 28, "swin_mini": 32, "convnet": 28, "timm": 32}
+
+
+def built(node) -> nn.Module:
+    """The net ``node`` describes, after the config check that ``attnlab-train`` runs first (not
+    on the meta device: DeiT's heads start as copies of each other, which needs data)."""
+    check_types(node, "model.net")
+    return instantiate(node)
+
+
+@pytest.mark.parametrize("preset", options("model/net"))
+def test_every_vision_preset_builds(preset, tmp_path):
+    size = PRESET_INPUTS.get(preset, 224)
+    cfg = composed(
+        "experiment=vit_fashion_mnist",
+        f"model/net={preset}",
+        "model.net.num_classes=10",
+        f"model.net.img_size={size}",
+        f"model.net.in_chans={1 if size == 28 else 3}",
+        tmp=tmp_path,
+    )
+    net = built(cfg.model.net)
+    assert sum(p.numel() for p in net.parameters()) > 0
+    if "dim" in cfg.model.net and "mlp_ratio" in cfg.model.net:  # the transformers: MLP = ratio x width
+        fc1 = next(m for n, m in net.named_modules() if n.endswith("mlp.fc1"))
+        assert fc1.out_features == int(cfg.model.net.mlp_ratio * cfg.model.net.dim)
+
+
+# BERT-Tiny, -Mini, -Small (Turc et al.): width and MLP width, as the presets gave them before
+# the MLP was a ratio (mlp_dim 512, 1024, 2048)
+BERT_SHAPES = {"tiny": (128, 512), "mini": (256, 1024), "small": (512, 2048)}
+
+
+@pytest.mark.parametrize("preset", options("model/bert"))
+def test_every_bert_preset_builds_its_paper_shape(preset, tmp_path):
+    cfg = composed(
+        "experiment=bert_pretrain_sst2",
+        f"model/bert@model.net.encoder={preset}",
+        "model.net.encoder.vocab_size=100",
+        "model.net.encoder.pad_id=0",
+        tmp=tmp_path,
+    )
+    encoder = built(cfg.model.net.encoder)
+    fc1 = encoder.blocks[0].mlp.fc1
+    assert (fc1.in_features, fc1.out_features) == BERT_SHAPES[preset]
+
+
+@pytest.mark.parametrize(
+    "experiment,mlp_width",  # the MLP widths the configs gave before they were ratios (d_ff, 4 x n_embd)
+    [("gpt_pydoc_char", 512), ("nmt_synthetic", 128), ("nmt_transformer_multi30k", 1024)],
+)
+def test_the_renamed_configs_build_the_same_shapes(experiment, mlp_width, tmp_path):
+    pad = [] if experiment.startswith("gpt_") else ["model.net.pad_id=0"]
+    cfg = composed(f"experiment={experiment}", "model.net.vocab_size=100", *pad, tmp=tmp_path)
+    net = built(cfg.model.net)
+    assert {m.out_features for n, m in net.named_modules() if n.endswith("mlp.fc1")} == {mlp_width}
+
+
 def test_gpt_shakespeare_recipe_is_nanogpts(tmp_path):
     cfg = composed("experiment=gpt_shakespeare_char", tmp=tmp_path)
     net, opt = cfg.model.net, cfg.model.optimizer
-    assert (net.n_layer, net.n_head, net.n_embd, net.block_size, net.dropout) == (4, 4, 128, 64, 0.0)
+    assert (net.depth, net.n_head, net.dim, net.max_len, net.dropout) == (4, 4, 128, 64, 0.0)
     assert (cfg.data.batch_size, cfg.trainer.max_steps, cfg.trainer.val_check_interval) == (12, 2000, 250)
     assert (opt.lr, list(opt.betas), cfg.model.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
     assert cfg.trainer.gradient_clip_val == 1.0 and cfg.data.val_batches == 20
@@ -183,9 +243,7 @@ def test_weight_decay_skips_biases_norms_and_what_the_model_declares():
     from attnlab.tasks.optim import param_groups
 
     net = nn.Module()
-    net.net = Transformer(
-        50, d_model=16, n_head=2, n_enc_layers=1, n_dec_layers=1, d_ff=32, positions="learned"
-    )
+    net.net = Transformer(50, dim=16, n_head=2, enc_depth=1, dec_depth=1, mlp_ratio=2.0, positions="learned")
     decay, no_decay = param_groups(net, 0.1)
     names = {id(p): n for n, p in net.named_parameters()}
     skipped = {names[id(p)] for p in no_decay["params"]}

@@ -96,16 +96,16 @@ CASES = [
         "data.max_tokens=abc",
         "data.max_tokens='abc': expected an int (attnlab.data.TranslationDataModule max_tokens)",
     ),
-    (GPT, "model.net.n_layer=2.5", "model.net.n_layer=2.5: expected an int (attnlab.models.GPT n_layer)"),
+    (GPT, "model.net.depth=2.5", "model.net.depth=2.5: expected an int (attnlab.models.GPT depth)"),
     (
         NMT,
-        "model.net.n_enc_layers=2.5",
-        "model.net.n_enc_layers=2.5: expected an int (attnlab.models.Transformer n_enc_layers)",
+        "model.net.enc_depth=2.5",
+        "model.net.enc_depth=2.5: expected an int (attnlab.models.Transformer enc_depth)",
     ),
     (
         GPT,
-        "model.net.block_size=abc",  # not data.block_size, which interpolates it
-        "model.net.block_size='abc': expected an int (attnlab.models.GPT block_size)",
+        "model.net.max_len=abc",  # not data.block_size, which interpolates it
+        "model.net.max_len='abc': expected an int (attnlab.models.GPT max_len)",
     ),
     (
         GPT,
@@ -127,8 +127,8 @@ CASES = [
     ),
     (
         GPT,
-        "+model.net.n_layers=3",
-        "model.net.n_layers=3: attnlab.models.GPT has no parameter 'n_layers' (did you mean n_layer?)",
+        "+model.net.depths=3",
+        "model.net.depths=3: attnlab.models.GPT has no parameter 'depths' (did you mean depth?)",
     ),
     (
         NMT,
@@ -326,10 +326,10 @@ LENGTHS = [
         "model.net.max_len=100",
         "data.max_len=128 is longer than model.net.max_len=100",
     ),
-    (GPT, "data.block_size=65", "data.block_size=65 is longer than model.net.block_size=64"),
+    (GPT, "data.block_size=65", "data.block_size=65 is longer than model.net.max_len=64"),
     (
         "clip_pairs",
-        "+model.net.text.context_length=8",
+        "+model.net.text.max_len=8",
         "data.context_length=32 is longer than model.net.text.",
     ),
 ]
@@ -353,7 +353,7 @@ def test_the_length_message_names_both_keys_and_the_fix():
         (NMT, ("data.max_len=64",)),  # as long as the table: fits
         ("bert_ner_fixture", ("data.max_len=128",)),
         ("nmt_luong_multi30k", ("data.max_len=1000",)),  # an RNN has no position table
-        (GPT, ("model.net.block_size=256",)),  # the data follows the model's block_size
+        (GPT, ("model.net.max_len=256",)),  # the data's block_size follows the model's max_len
     ],
 )
 def test_data_that_fits_the_position_table_passes(experiment, overrides, monkeypatch):
@@ -481,6 +481,131 @@ def test_callback_and_logger_range_errors_name_the_entry(tmp_path, monkeypatch, 
     with pytest.raises(ConfigError) as e:
         instantiate_group(cfg, group)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+# ---- the hyper-parameters' old names (issue 28): one line naming the new one ---------------------
+
+RENAMED_CASES = [
+    (GPT, "+model.net.n_embd=64", "model.net.n_embd was renamed model.net.dim"),
+    (GPT, "+model.net.n_layer=2", "model.net.n_layer was renamed model.net.depth"),
+    (GPT, "+model.net.block_size=32", "model.net.block_size was renamed model.net.max_len"),
+    (NMT, "+model.net.d_model=64", "model.net.d_model was renamed model.net.dim"),
+    (NMT, "+model.net.n_dec_layers=1", "model.net.n_dec_layers was renamed model.net.dec_depth"),
+    (
+        NMT,
+        "+model.net.d_ff=256",
+        "model.net.d_ff was renamed model.net.mlp_ratio (now a ratio: the MLP is int(mlp_ratio * dim) wide)",
+    ),
+    ("nmt_luong_multi30k", "+model.net.emb_dim=64", "model.net.emb_dim was renamed model.net.dim"),
+    ("bert_pretrain_sst2", "+model.net.encoder.mlp_dim=64", "model.net.encoder.mlp_dim was renamed"),
+    ("swin_fashion_mnist", "+model.net.n_heads=[1,2]", "model.net.n_heads was renamed model.net.n_head"),
+    ("clip_pairs", "+model.net.text.context_length=8", "model.net.text.context_length was renamed"),
+]
+
+
+@pytest.mark.parametrize("experiment,override,message", RENAMED_CASES, ids=[o for _, o, _ in RENAMED_CASES])
+def test_an_old_name_in_a_config_names_the_new_one(experiment, override, message):
+    assert config_error(f"experiment={experiment}", override).startswith(message)
+
+
+def test_the_data_keeps_its_own_block_size_and_context_length(monkeypatch):
+    """``data.block_size`` (the training window) and ``data.context_length`` (the caption length)
+    are data keys, not the model's old names."""
+    for experiment, key in ((GPT, "data.block_size=32"), ("clip_pairs", "data.context_length=16")):
+        assert "data" in checked_nodes(composed(f"experiment={experiment}", key), monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.net.n_embd=64", "error: model.net.n_embd was renamed model.net.dim"),
+        ("+model.net.n_layer=2", "error: model.net.n_layer was renamed model.net.depth"),
+    ],
+)
+def test_cli_old_name_exits_2_with_one_line(tmp_path, override, message):
+    """Without ``+`` Hydra would refuse the key as missing, saying nothing of the new name."""
+    proc = run_cli("train", tiny(override, "logger=csv"), tmp_path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    errors = [line for line in text.splitlines() if "error: " in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in text, text[-3000:]
+
+
+# a run saved before the rename: its config (in the checkpoint, as attnlab-eval and the inference
+# CLIs read it) names the model's hyper-parameters the old way
+OLD_RUNS = {
+    "gpt": (
+        "attnlab.tasks.LanguageModelTask",
+        {
+            "_target_": "attnlab.models.GPT",
+            "vocab_size": 11,
+            "block_size": 16,
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 24,
+        },
+        {"vocab_size": 11, "max_len": 16, "depth": 2, "n_head": 2, "dim": 24},
+    ),
+    "transformer": (
+        "attnlab.tasks.TranslationTask",
+        {
+            "_target_": "attnlab.models.Transformer",
+            "vocab_size": 11,
+            "pad_id": 0,
+            "d_model": 24,
+            "n_head": 2,
+            "n_enc_layers": 1,
+            "n_dec_layers": 2,
+            "d_ff": 40,  # not a whole multiple of the width: the ratio must give 40 back
+            "max_len": 32,
+        },
+        {
+            "vocab_size": 11,
+            "pad_id": 0,
+            "dim": 24,
+            "n_head": 2,
+            "enc_depth": 1,
+            "dec_depth": 2,
+            "mlp_ratio": 40 / 24,
+            "max_len": 32,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OLD_RUNS))
+def test_a_run_saved_under_the_old_names_still_loads(kind, tmp_path, caplog):
+    import torch
+    import yaml
+    from hydra.utils import instantiate
+
+    from attnlab.inference.runs import TrainedRun
+
+    task, old_net, new_kwargs = OLD_RUNS[kind]
+    torch.manual_seed(0)
+    trained = instantiate({"_target_": old_net["_target_"], **new_kwargs}).eval()
+    path = tmp_path / "old.ckpt"
+    config = {
+        "model": {"_target_": task, "net": old_net},
+        "data": {"_target_": "attnlab.data.TextDataModule", "block_size": 16},
+    }
+    torch.save(
+        {
+            "state_dict": {f"net.{k}": v for k, v in trained.state_dict().items()},
+            "attnlab": {"config": yaml.safe_dump(config), "artifacts": {}},
+        },
+        path,
+    )
+    with caplog.at_level("WARNING", logger="attnlab.inference.runs"):
+        run = TrainedRun(str(path), tmp_path)
+    notices = [r.getMessage() for r in caplog.records if "old hyper-parameter names" in r.getMessage()]
+    assert len(notices) == 1 and "model.net.n_head" not in notices[0], notices
+    assert dict(run.config.model.net) == {"_target_": old_net["_target_"], **new_kwargs}
+    assert run.config.data.block_size == 16  # the data's window is no old name
+    net = run.net()
+    ids = torch.randint(1, 11, (2, 7))
+    same = (lambda m: m(ids)) if kind == "gpt" else (lambda m: m(ids, ids))
+    torch.testing.assert_close(same(net), same(trained))
 
 
 # ---- through the CLI: exit status 2, one `error:` line, no traceback ------------------------------

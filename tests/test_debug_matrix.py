@@ -27,10 +27,10 @@ DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml") if p.stem != "de
 
 GPT_TINY = [
     "data.corpus=pydoc",
-    "model.net.n_layer=1",
+    "model.net.depth=1",
     "model.net.n_head=2",
-    "model.net.n_embd=32",
-    "model.net.block_size=16",
+    "model.net.dim=32",
+    "model.net.max_len=16",
     "data.batch_size=4",
 ]
 NMT_TINY = [
@@ -44,14 +44,14 @@ NMT_TINY = [
 ]
 ARCH_TINY = {
     "transformer": [
-        "model.net.d_model=32",
+        "model.net.dim=32",
         "model.net.n_head=2",
-        "model.net.n_enc_layers=1",
-        "model.net.n_dec_layers=1",
-        "model.net.d_ff=64",
+        "model.net.enc_depth=1",
+        "model.net.dec_depth=1",
+        "model.net.mlp_ratio=2.0",
     ],
     "seq2seq": [
-        "model.net.emb_dim=16",
+        "model.net.dim=16",
         "model.net.enc_hidden=16",
         "model.net.dec_hidden=32",
         "model.net.attn_dim=16",

@@ -12,7 +12,7 @@ from attnlab.nn import KVCache
 
 def tiny_gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    args = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    args = dict(vocab_size=50, max_len=16, depth=2, n_head=2, dim=32)
     return GPT(**{**args, **kw}).eval()
 
 
@@ -55,7 +55,7 @@ def test_incremental_forward_with_cache_equals_full_forward():
 def test_generation_with_cache_equals_generation_without(temperature, top_k, top_p):
     net = tiny_gpt()
     prompt = torch.randint(0, 50, (2, 3))
-    # 40 new tokens run well past block_size 16, where the window slides
+    # 40 new tokens run well past max_len 16, where the window slides
     outs = [
         net.generate(
             prompt, 40, temperature, top_k, top_p, use_cache=c, generator=torch.Generator().manual_seed(7)
@@ -64,6 +64,11 @@ def test_generation_with_cache_equals_generation_without(temperature, top_k, top
     ]
     assert outs[0].shape == (2, 43)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_mlp_ratio_sets_the_mlp_width():
+    assert tiny_gpt().blocks[0].mlp.fc1.out_features == 4 * 32  # GPT-2's 4x by default
+    assert tiny_gpt(mlp_ratio=2.5).blocks[0].mlp.fc1.out_features == 80
 
 
 def test_top_k_and_top_p_restrict_the_support():
@@ -78,9 +83,10 @@ def test_top_k_and_top_p_restrict_the_support():
 @pytest.mark.parametrize(
     "kw,field",
     [
-        ({"n_embd": 30, "n_head": 4}, "n_embd"),
-        ({"block_size": 0}, "block_size"),
-        ({"n_layer": -1}, "n_layer"),
+        ({"dim": 30, "n_head": 4}, "dim"),
+        ({"max_len": 0}, "max_len"),
+        ({"depth": -1}, "depth"),
+        ({"mlp_ratio": 0.0}, "mlp_ratio"),
         ({"dropout": 1.0}, "dropout"),
     ],
 )
@@ -89,7 +95,7 @@ def test_bad_config_names_the_field(kw, field):
         tiny_gpt(**kw)
 
 
-def test_context_longer_than_block_size_is_refused():
+def test_context_longer_than_max_len_is_refused():
     with pytest.raises(ValueError, match="17 tokens exceeds the 16 positions"):
         tiny_gpt()(torch.zeros(1, 17, dtype=torch.long))
 
@@ -99,7 +105,7 @@ def test_loss_falls_on_real_text():
     tok = CharTokenizer.fit(text)
     data = torch.tensor(tok.encode(text))
     torch.manual_seed(0)
-    net = GPT(tok.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=64).train()
+    net = GPT(tok.vocab_size, max_len=32, depth=2, n_head=2, dim=64).train()
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     starts = torch.randint(0, len(data) - 33, (16,))
     x = torch.stack([data[s : s + 32] for s in starts])

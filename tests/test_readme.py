@@ -187,7 +187,7 @@ def tiny_for(experiment: str, data: Path, args: tuple[str, ...] = ()) -> list[st
         return tiny_overrides(experiment, data)
     if experiment == "gpt_shakespeare_char" or any(a.startswith("data=shakespeare") for a in args):
         # the recipe's block of 64 kept: the README's data.test_stride=32 is within it
-        keep = [o for o in GPT_TINY if not o.startswith(("data.corpus=", "model.net.block_size="))]
+        keep = [o for o in GPT_TINY if not o.startswith(("data.corpus=", "model.net.max_len="))]
         return [*keep, f"data.data_dir={write_shakespeare(data)}"]
     return list(GPT_TINY)
 

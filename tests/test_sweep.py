@@ -27,7 +27,7 @@ def test_search_spaces_read_hydras_optuna_sweeper_syntax():
         {
             "model.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
             "model.net.dropout": "interval(0.0, 0.3)",
-            "model.net.n_layer": "range(2, 8, 2)",
+            "model.net.depth": "range(2, 8, 2)",
             "data.batch_size": "tag(int, interval(8, 64))",
             "model.net.attn_impl": "choice(sdpa, math)",
             "trainer.max_steps": 100,
@@ -35,12 +35,12 @@ def test_search_spaces_read_hydras_optuna_sweeper_syntax():
     )
     assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
     assert space["model.net.dropout"] == FloatDistribution(0.0, 0.3)
-    assert space["model.net.n_layer"] == IntDistribution(2, 6, step=2)  # range's stop is excluded
+    assert space["model.net.depth"] == IntDistribution(2, 6, step=2)  # range's stop is excluded
     assert space["data.batch_size"] == IntDistribution(8, 64)
     assert space["model.net.attn_impl"] == CategoricalDistribution(["sdpa", "math"])
     assert fixed == ["trainer.max_steps=100"]
-    with pytest.raises(ConfigError, match=r"sweep.params.model.net.n_layer: cannot parse"):
-        search_space({"model.net.n_layer": "choice(2, 4"})
+    with pytest.raises(ConfigError, match=r"sweep.params.model.net.depth: cannot parse"):
+        search_space({"model.net.depth": "choice(2, 4"})
     with pytest.raises(ConfigError, match="sweep.params: nothing to search"):
         search_space({"trainer.max_steps": 100})
 
@@ -330,7 +330,7 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
     assert {"test/loss", "val/loss_best"} <= metrics
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     assert start.session_start_info.hparams["model.optimizer.lr"].number_value == 0.002
-    assert start.session_start_info.hparams["model.net.n_embd"].number_value == 32
+    assert start.session_start_info.hparams["model.net.dim"].number_value == 32
     logged = set(start.session_start_info.hparams)  # what was trained, not how it was logged
     assert "seed" in logged and not any(k.startswith(("callbacks.", "logger.", "paths.")) for k in logged)
 

@@ -39,7 +39,7 @@ def sources(b: int = 4, s: int = 7, seed: int = 0) -> torch.Tensor:
 def tiny_transformer(**kw) -> Transformer:
     torch.manual_seed(0)
     return Transformer(
-        V, PAD, d_model=32, n_head=4, n_enc_layers=2, n_dec_layers=2, d_ff=64, dropout=0.0, max_len=64, **kw
+        V, PAD, dim=32, n_head=4, enc_depth=2, dec_depth=2, mlp_ratio=2.0, dropout=0.0, max_len=64, **kw
     ).eval()
 
 
@@ -50,7 +50,7 @@ def tiny_seq2seq(attention: str = "additive", rnn: str = "gru") -> Seq2Seq:
         PAD,
         attention=attention,
         rnn=rnn,
-        emb_dim=16,
+        dim=16,
         enc_hidden=16,
         dec_hidden=32,
         attn_dim=16,
@@ -114,7 +114,7 @@ def test_transformer_decoder_is_causal_and_ignores_source_padding(norm_first):
 
 def tiny_dot_seq2seq() -> Seq2Seq:
     torch.manual_seed(0)
-    return Seq2Seq(V, PAD, attention="dot", emb_dim=16, enc_hidden=16, dec_hidden=32, dropout=0.0).eval()
+    return Seq2Seq(V, PAD, attention="dot", dim=16, enc_hidden=16, dec_hidden=32, dropout=0.0).eval()
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_step_by_step_decoding_equals_the_teacher_forced_pass(make):
 
 
 def test_seq2seq_teacher_forcing_below_one_feeds_its_own_guesses():
-    net = Seq2Seq(V, PAD, emb_dim=16, enc_hidden=16, dec_hidden=32, dropout=0.0, teacher_forcing=0.0).train()
+    net = Seq2Seq(V, PAD, dim=16, enc_hidden=16, dec_hidden=32, dropout=0.0, teacher_forcing=0.0).train()
     src, tgt = sources(), torch.randint(4, V, (4, 6))
     logits = net(src, tgt)
     assert logits.shape == (4, 6, V)
@@ -433,7 +433,7 @@ SEQ2SEQ_TINY = [
 def test_bahdanau_learns_the_synthetic_task(tmp_path):
     args = [
         *SEQ2SEQ_TINY,
-        "model.net.emb_dim=64",
+        "model.net.dim=64",
         "model.net.enc_hidden=64",
         "model.net.dec_hidden=128",
         "model.net.attn_dim=64",

@@ -26,7 +26,7 @@ SWIN = dict(
     patch_size=2,
     dim=24,
     depths=(2, 2, 2),
-    n_heads=(2, 4, 8),
+    n_head=(2, 4, 8),
     window_size=4,
 )
 

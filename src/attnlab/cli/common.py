@@ -51,7 +51,11 @@ def compose_config(name: str, overrides: list[str]) -> DictConfig:
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
-    """The config ``attnlab-train`` would compose (what ``attnlab-sweep`` runs, and tests build)."""
+    """The config ``attnlab-train`` would compose (what ``attnlab-sweep`` runs, and tests build);
+    a model hyper-parameter under its old name is a one-line error."""
+    from attnlab.utils.config import refuse_renamed_overrides
+
+    refuse_renamed_overrides(overrides)
     return compose_config("train", overrides)
 
 

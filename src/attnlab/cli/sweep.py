@@ -22,7 +22,7 @@ from attnlab.cli.common import compose_train, exit_on_user_error, quote_free_tex
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
 from attnlab.utils.checks import is_int
-from attnlab.utils.config import constructor_errors
+from attnlab.utils.config import constructor_errors, refuse_renamed_overrides
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 
@@ -73,6 +73,7 @@ def sweep_parts(
     if not is_int(s.n_trials) or s.n_trials < 1:
         raise ConfigError(f"sweep.n_trials: expected a positive int, got {s.n_trials!r}")
     space, fixed = search_space(s.params)
+    refuse_renamed_overrides([*(f"{key}=" for key in space), *fixed])  # else every trial fails on it
     parts = []
     for name in ("sampler", "pruner"):
         try:

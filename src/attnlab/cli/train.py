@@ -24,6 +24,7 @@ from attnlab.utils.config import (
     fill_missing,
     instantiate_trainer,
     print_config_tree,
+    refuse_renamed_overrides,
     resolve,
     save_config,
 )
@@ -298,8 +299,16 @@ def pruned(e: BaseException) -> bool:
     return optuna is not None and isinstance(e, optuna.TrialPruned)
 
 
+def main() -> float | None:
+    """``attnlab-train``: refuse a model hyper-parameter given by its old name before Hydra
+    composes the config (which would only say the key is not there), then train."""
+    with exit_on_user_error(console=True):
+        refuse_renamed_overrides(sys.argv[1:])
+    return hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> float | None:
     with exit_on_user_error():
         try:
             metrics = train(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,10 @@ from torch import nn
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task
+from attnlab.utils.config import translate_renamed
 from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
+
+log = logging.getLogger(__name__)
 
 
 class TrainedRun:
@@ -29,6 +33,14 @@ class TrainedRun:
         if names:
             require_task(meta, self.path, names, need)
         self.config: DictConfig = OmegaConf.create(meta["config"])
+        # a run saved before the hyper-parameters got one vocabulary (issue 28) names them the old
+        # way; its weights are named as now, so the renamed config builds the same model
+        if self.config.get("model") is not None and (
+            renamed := translate_renamed(self.config.model, "model")
+        ):
+            log.warning(
+                "%s was saved with old hyper-parameter names, read as: %s", self.path, ", ".join(renamed)
+            )
         self.artifacts: dict[str, Any] = meta["artifacts"]
         self.meta = meta
 

@@ -144,7 +144,7 @@ class MultiHeadAttention(nn.Module):
     q, k, v, then ``out_proj``) so weights copy across, and self-attention runs as one matmul.
 
     Args:
-        d_model: model width; split into ``n_head`` heads of ``d_model // n_head``.
+        dim: model width; split into ``n_head`` heads of ``dim // n_head``.
         n_head: number of heads.
         dropout: dropout on the attention weights (training only).
         bias: whether the projections have biases.
@@ -153,20 +153,20 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
+        dim: int,
         n_head: int,
         dropout: float = 0.0,
         bias: bool = True,
         impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        if n_head <= 0 or d_model <= 0 or d_model % n_head != 0:
-            raise ConfigError(f"d_model/n_embd ({d_model}) must be a positive multiple of n_head ({n_head})")
+        if n_head <= 0 or dim <= 0 or dim % n_head != 0:
+            raise ConfigError(f"dim ({dim}) must be a positive multiple of n_head ({n_head})")
         if impl not in ("auto", "sdpa", "math"):
             raise ConfigError(f"attention impl must be 'auto', 'sdpa' or 'math', got {impl!r}")
-        self.d_model, self.n_head, self.dropout, self.impl = d_model, n_head, dropout, impl
-        self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.dim, self.n_head, self.dropout, self.impl = dim, n_head, dropout, impl
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=bias)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -178,16 +178,16 @@ class MultiHeadAttention(nn.Module):
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values (B, H, S, D) of ``memory`` (B, S, C)."""
-        k, v = F.linear(memory, *self._slice(self.d_model, 3 * self.d_model)).split(self.d_model, dim=-1)
+        k, v = F.linear(memory, *self._slice(self.dim, 3 * self.dim)).split(self.dim, dim=-1)
         return self._split_heads(k), self._split_heads(v)
 
     def _qkv(self, x: Tensor, memory: Tensor | None, cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor]:
         if cache is not None and cache.static:  # cross-attention to a memory projected once
-            return self._split_heads(F.linear(x, *self._slice(0, self.d_model))), cache.k, cache.v
+            return self._split_heads(F.linear(x, *self._slice(0, self.dim))), cache.k, cache.v
         if memory is None:  # self-attention: one matmul for q, k and v
-            q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.d_model, dim=-1))
+            q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.dim, dim=-1))
         else:
-            q = self._split_heads(F.linear(x, *self._slice(0, self.d_model)))
+            q = self._split_heads(F.linear(x, *self._slice(0, self.dim)))
             k, v = self.project_memory(memory)
         if cache is not None:
             k, v = cache.append(k, v)

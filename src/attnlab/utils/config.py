@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import math
 import os
 import sys
 import types
@@ -128,6 +129,98 @@ def constructor_errors(key: str) -> Iterator[None]:
         raise
 
 
+# ---- the model hyper-parameters' old names -------------------------------------------------------
+
+# One vocabulary across the model families (issue 28): the name each constructor took before, the
+# name it takes now and what changed beyond the name. An old name in a user's config is an error
+# naming the new one (a silent alias would keep two spellings alive in configs, sweeps and
+# ``attnlab-compare`` tables); a saved run's config is translated (``translate_renamed``).
+RATIO = " (now a ratio: the MLP is int(mlp_ratio * dim) wide)"
+RENAMED: dict[str, tuple[str, str]] = {
+    "n_embd": ("dim", ""),  # GPT
+    "d_model": ("dim", ""),  # Transformer, nn.MultiHeadAttention
+    "emb_dim": ("dim", ""),  # Seq2Seq
+    "n_layer": ("depth", ""),  # GPT
+    "n_enc_layers": ("enc_depth", ""),  # Transformer, Seq2Seq
+    "n_dec_layers": ("dec_depth", ""),  # Transformer
+    "n_heads": ("n_head", ""),  # SwinTransformer (a list, one per stage)
+    "block_size": ("max_len", ""),  # GPT's position table (data.block_size is still the window)
+    "context_length": ("max_len", ""),  # CLIP's TextTransformer
+    "d_ff": ("mlp_ratio", RATIO),  # Transformer
+    "mlp_dim": ("mlp_ratio", RATIO),  # Bert
+}
+
+
+def refuse_renamed_overrides(overrides: list[str]) -> None:
+    """Raise naming the new name for a command-line override of a model hyper-parameter by its
+    old name (``model.net.n_embd=64``), which Hydra would otherwise refuse as a key the config
+    lacks, with no word of the new one. (An old name set in a config file, or added with ``+``,
+    is caught by ``check_types`` against the constructor.)"""
+    for override in overrides:
+        if override.startswith("-") or "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+~")
+        parent, _, name = key.rpartition(".")
+        if parent.split(".")[0] == "model" and name in RENAMED:
+            new, note = RENAMED[name]
+            raise ConfigError(f"{key} was renamed {parent}.{new}{note}")
+
+
+def translate_renamed(cfg: DictConfig, where: str) -> list[str]:
+    """Rename the old hyper-parameter names in every ``_target_`` node under ``cfg`` (a saved
+    run's config, written before the rename) to the new ones, in place, and return what was
+    renamed (``model.net.n_embd -> model.net.dim``). Only keys the target no longer takes and
+    whose new name it does take are touched (a data module's own ``block_size`` stays); an MLP
+    width becomes the ratio to the model width that gives the same width back."""
+    done: list[str] = []
+    for path, node in _target_nodes(cfg, where):
+        try:
+            params = inspect.signature(get_object(str(node._target_))).parameters
+        except Exception:  # not importable or no signature: left to whoever builds it
+            continue
+        old_keys = [
+            k for k in map(str, node.keys()) if k not in params and RENAMED.get(k, ("",))[0] in params
+        ]
+        if not old_keys:
+            continue
+        width = next((node[k] for k in ("d_model", "emb_dim", "n_embd", "dim") if k in node), None)
+        if width is None and "dim" in params:
+            width = params["dim"].default
+        with open_dict(node):
+            for old in old_keys:
+                new, note = RENAMED[old]
+                value = node[old]
+                if note == RATIO and is_int(value) and is_int(width):
+                    value = mlp_ratio_for(value, width)
+                node[new] = value
+                del node[old]
+                done.append(f"{path}.{old} -> {path}.{new}")
+    return done
+
+
+def mlp_ratio_for(hidden: int, dim: int) -> float:
+    """The ``mlp_ratio`` whose ``int(mlp_ratio * dim)`` is ``hidden``: ``hidden / dim`` times
+    ``dim`` can land a rounding error below ``hidden``, which ``int`` would cut to one less."""
+    ratio = hidden / dim
+    while int(ratio * dim) < hidden:
+        ratio = math.nextafter(ratio, math.inf)
+    return ratio
+
+
+def _target_nodes(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
+    """Every ``_target_`` node under ``node`` (itself included), with its dotted path."""
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+        if "_target_" in node:
+            yield path, node
+        for key in node.keys():
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                yield from _target_nodes(child, f"{path}.{key}")
+    elif isinstance(node, ListConfig) and not node._is_none() and not node._is_missing():
+        for i in range(len(node)):
+            yield from _target_nodes(node._get_node(i), f"{path}[{i}]")
+
+
 # ---- checking values against the constructors they are passed to ---------------------------------
 
 HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
@@ -145,7 +238,7 @@ def check_config(cfg: DictConfig, imports: bool = True) -> None:
     built, so ``model.optimizer.lr=abc`` is one line naming the key instead of a traceback from
     inside torch. Missing (``???``) values are left for later (filled from the data). The
     trainer and the model come first: other nodes take values from them by interpolation
-    (``total_steps: ${trainer.max_steps}``, ``block_size: ${model.net.block_size}``), and the
+    (``total_steps: ${trainer.max_steps}``, ``block_size: ${model.net.max_len}``), and the
     error should name the key the user set. Then the data's sequence length is checked against
     the model's position table (see ``check_lengths``).
 
@@ -169,8 +262,8 @@ def check_config(cfg: DictConfig, imports: bool = True) -> None:
 POSITION_TABLES = (
     ("data.max_len", "model.net.max_len"),  # the translation Transformer (Seq2Seq has no table)
     ("data.max_len", "model.net.encoder.max_len"),  # BERT: pre-training, classifier, tagger
-    ("data.block_size", "model.net.block_size"),  # GPT (the data interpolates it unless set)
-    ("data.context_length", "model.net.text.context_length"),  # CLIP (filled from the data unless set)
+    ("data.block_size", "model.net.max_len"),  # GPT (the data interpolates it unless set)
+    ("data.context_length", "model.net.text.max_len"),  # CLIP (filled from the data unless set)
 )
 
 
@@ -251,6 +344,9 @@ def check_types(node: DictConfig, path: str, imports: bool = True) -> None:
         if key in HYDRA_KEYS:
             continue
         value = _get(node, key)
+        if key not in params and RENAMED.get(key, (None,))[0] in params:
+            new, note = RENAMED[key]
+            raise ConfigError(f"{path}.{key} was renamed {path}.{new}{note}")
         if key not in params:
             if takes_kwargs:
                 continue

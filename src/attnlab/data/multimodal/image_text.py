@@ -126,7 +126,8 @@ class ImageTextDataModule(DataModule):
             their own: 28x28, one channel).
         val_size: items carved (seeded) out of the training split.
         batch_size: pairs per batch.
-        context_length: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are cut.
+        context_length: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are
+            cut. It fills the text tower's position table (``model.net.text.max_len``) unless set.
         vocab_size: of the byte-level BPE fitted on the training captions.
         crop_padding, hflip: training augmentation of the images.
         num_workers, seed: loaders; the validation split and shuffling.
@@ -201,7 +202,7 @@ class ImageTextDataModule(DataModule):
             "image": {"img_size": self.img_size, "in_chans": self.in_chans},
             "text": {
                 "vocab_size": self.tokenizer.vocab_size,
-                "context_length": self.context_length,
+                "max_len": self.context_length,  # the text tower's position table
                 "pad_id": CaptionTokenizer.pad_id,
             },
         }

@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from attnlab.errors import AttnlabError
-
-
-class TextTokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def to_json(self) -> str: ...
 
 
 class CharTokenizer:

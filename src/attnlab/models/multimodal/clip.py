@@ -29,7 +29,7 @@ class TextTransformer(nn.Module):
 
     Args:
         vocab_size: number of token ids.
-        context_length: longest caption, in tokens (end-of-text included).
+        max_len: longest caption, in tokens (end-of-text included): the position table.
         dim: width; n_head: attention heads (must divide ``dim``); depth: blocks.
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on the embeddings and each residual branch.
@@ -40,7 +40,7 @@ class TextTransformer(nn.Module):
     def __init__(
         self,
         vocab_size: int,
-        context_length: int = 32,
+        max_len: int = 32,
         dim: int = 128,
         depth: int = 4,
         n_head: int = 4,
@@ -53,14 +53,14 @@ class TextTransformer(nn.Module):
         check_positive(
             "model.net.text",
             vocab_size=vocab_size,
-            context_length=context_length,
+            max_len=max_len,
             dim=dim,
             depth=depth,
             n_head=n_head,
         )
         check_probability("model.net.text", dropout=dropout)
-        self.vocab_size, self.context_length, self.dim, self.pad_id = vocab_size, context_length, dim, pad_id
-        self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, context_length), dropout)
+        self.vocab_size, self.max_len, self.dim, self.pad_id = vocab_size, max_len, dim, pad_id
+        self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 dim,

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-12)
 
@@ -56,7 +56,7 @@ class Bert(nn.Module):
         dim: model width (BERT's hidden_size).
         depth: number of blocks.
         n_head: attention heads; must divide ``dim``.
-        mlp_dim: hidden width of the MLP (intermediate_size).
+        mlp_ratio: MLP hidden width over ``dim`` (intermediate_size / hidden_size: 4 in BERT).
         max_len: longest input, in tokens.
         n_segments: segment ids (2: sentence A and B).
         dropout: on the embeddings and each residual branch.
@@ -71,7 +71,7 @@ class Bert(nn.Module):
         dim: int = 256,
         depth: int = 4,
         n_head: int = 4,
-        mlp_dim: int = 1024,
+        mlp_ratio: float = 4.0,
         max_len: int = 128,
         n_segments: int = 2,
         dropout: float = 0.1,
@@ -85,10 +85,10 @@ class Bert(nn.Module):
             dim=dim,
             depth=depth,
             n_head=n_head,
-            mlp_dim=mlp_dim,
             max_len=max_len,
             n_segments=n_segments,
         )
+        check_positive_number("model.net.encoder", mlp_ratio=mlp_ratio)
         check_probability("model.net.encoder", dropout=dropout, attn_dropout=attn_dropout)
         self.vocab_size, self.pad_id, self.dim, self.max_len = vocab_size, pad_id, dim, max_len
         self.embed = BertEmbeddings(vocab_size, dim, max_len, n_segments, dropout, pad_id)
@@ -96,7 +96,7 @@ class Bert(nn.Module):
             TransformerBlock(
                 dim,
                 n_head,
-                mlp_dim,
+                int(mlp_ratio * dim),
                 dropout=dropout,
                 attn_dropout=attn_dropout,
                 norm_first=False,

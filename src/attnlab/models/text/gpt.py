@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from attnlab.nn import KVCache, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
 class GPT(nn.Module):
@@ -22,10 +22,12 @@ class GPT(nn.Module):
 
     Args:
         vocab_size: number of token ids (filled in from the data's tokenizer when left ``???``).
-        block_size: longest context the model sees (learned positions).
-        n_layer: number of blocks.
-        n_head: attention heads per block; must divide ``n_embd``.
-        n_embd: model width.
+        max_len: longest context the model sees (its learned position table; the data's
+            ``block_size`` window must fit in it).
+        depth: number of blocks.
+        n_head: attention heads per block; must divide ``dim``.
+        dim: model width.
+        mlp_ratio: MLP hidden width over ``dim`` (GPT-2's 4).
         dropout: dropout on embeddings, attention weights and residual branches.
         bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
         attn_impl: "auto", "sdpa" or "math" attention (see ``attnlab.nn.attention``).
@@ -34,10 +36,11 @@ class GPT(nn.Module):
     def __init__(
         self,
         vocab_size: int,
-        block_size: int = 64,
-        n_layer: int = 4,
+        max_len: int = 64,
+        depth: int = 4,
         n_head: int = 4,
-        n_embd: int = 128,
+        dim: int = 128,
+        mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         bias: bool = False,
         attn_impl: AttentionImpl = "auto",
@@ -46,33 +49,34 @@ class GPT(nn.Module):
         check_positive(
             "model.net",
             vocab_size=vocab_size,
-            block_size=block_size,
-            n_layer=n_layer,
+            max_len=max_len,
+            depth=depth,
             n_head=n_head,
-            n_embd=n_embd,
+            dim=dim,
         )
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
         check_probability("model.net", dropout=dropout)
-        self.vocab_size, self.block_size = vocab_size, block_size
-        self.embed = TokenEmbedding(vocab_size, n_embd, LearnedPositions(n_embd, block_size), dropout)
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
-                n_embd,
+                dim,
                 n_head,
-                4 * n_embd,
+                int(mlp_ratio * dim),
                 dropout=dropout,
                 attn_dropout=dropout,
                 bias=bias,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
                 norm_layer=partial(nn.LayerNorm, bias=bias),
             )
-            for _ in range(n_layer)
+            for _ in range(depth)
         )
-        self.norm = nn.LayerNorm(n_embd, bias=bias)
+        self.norm = nn.LayerNorm(dim, bias=bias)
         self.apply(self._init_weights)
-        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * depth)
         for name, p in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -80,11 +84,6 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; position embeddings excluded by default, as in nanoGPT."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.positions.emb.weight.numel() if non_embedding else n
 
     def no_weight_decay(self) -> set[str]:
         """Nothing beyond biases and norms (which are never decayed): nanoGPT decays the
@@ -116,16 +115,16 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Extend ``idx`` (B, T) by ``max_new_tokens`` sampled tokens.
 
-        Past ``block_size`` the context window slides, which moves every token to a new
+        Past ``max_len`` the context window slides, which moves every token to a new
         position, so the cache is rebuilt from the window: output equals cache-free decoding.
         """
         caches: list[KVCache] | None = None
         for _ in range(max_new_tokens):
-            if caches is not None and len(caches[0]) < self.block_size:
+            if caches is not None and len(caches[0]) < self.max_len:
                 logits = self(idx[:, -1:], caches)
             else:
                 caches = [KVCache() for _ in self.blocks] if use_cache else None
-                logits = self(idx[:, -self.block_size :], caches)
+                logits = self(idx[:, -self.max_len :], caches)
             next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat([idx, next_id], dim=1)
         return idx

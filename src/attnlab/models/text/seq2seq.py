@@ -60,11 +60,11 @@ class Seq2Seq(nn.Module):
         vocab_size, pad_id: from the data's tokenizer.
         attention: "additive" (Bahdanau), "general" or "dot" (Luong).
         rnn: "gru" or "lstm".
-        emb_dim: embedding size (also the read-out size, so the output layer can share weights).
+        dim: embedding size (also the read-out size, so the output layer can share weights).
         enc_hidden: hidden size of each encoder direction.
         dec_hidden: decoder hidden size.
         attn_dim: hidden size of the additive attention's scoring layer.
-        n_enc_layers: encoder depth.
+        enc_depth: number of encoder RNN layers.
         dropout: on embeddings, between encoder layers and on the read-out.
         teacher_forcing: probability of feeding the true previous token in training (else the
             model's own greedy prediction).
@@ -77,11 +77,11 @@ class Seq2Seq(nn.Module):
         pad_id: int = 0,
         attention: str = "additive",
         rnn: str = "gru",
-        emb_dim: int = 256,
+        dim: int = 256,
         enc_hidden: int = 512,
         dec_hidden: int = 512,
         attn_dim: int = 512,
-        n_enc_layers: int = 1,
+        enc_depth: int = 1,
         dropout: float = 0.3,
         teacher_forcing: float = 1.0,
         share_embeddings: bool = True,
@@ -95,26 +95,24 @@ class Seq2Seq(nn.Module):
             raise ConfigError(f"model.net.teacher_forcing must be in [0, 1], got {teacher_forcing}")
         self.pad_id, self.attention_type, self.rnn_type = pad_id, attention, rnn
         self.teacher_forcing = teacher_forcing
-        self.src_emb = nn.Embedding(vocab_size, emb_dim, padding_idx=pad_id)
-        self.tgt_emb = (
-            self.src_emb if share_embeddings else nn.Embedding(vocab_size, emb_dim, padding_idx=pad_id)
-        )
-        self.encoder = Encoder(self.src_emb, rnn, enc_hidden, n_enc_layers, dropout)
+        self.src_emb = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        self.tgt_emb = self.src_emb if share_embeddings else nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        self.encoder = Encoder(self.src_emb, rnn, enc_hidden, enc_depth, dropout)
         ctx = 2 * enc_hidden
         self.bridge = nn.Linear(ctx, dec_hidden)  # final encoder states -> initial decoder state
         self.bahdanau = attention == "additive"
         if self.bahdanau:
             self.attn: nn.Module = AdditiveAttention(dec_hidden, ctx, attn_dim)
-            cell_in, readout_in = emb_dim + ctx, dec_hidden + ctx + emb_dim
+            cell_in, readout_in = dim + ctx, dec_hidden + ctx + dim
         else:
             self.attn = MultiplicativeAttention(dec_hidden, ctx, attention)
-            cell_in, readout_in = emb_dim + emb_dim, dec_hidden + ctx
+            cell_in, readout_in = dim + dim, dec_hidden + ctx
         self.cell = nn.GRUCell(cell_in, dec_hidden) if rnn == "gru" else nn.LSTMCell(cell_in, dec_hidden)
-        self.readout = nn.Linear(readout_in, emb_dim)
+        self.readout = nn.Linear(readout_in, dim)
         self.drop = Dropout(dropout)
-        self.out = nn.Linear(emb_dim, vocab_size, bias=False)
+        self.out = nn.Linear(dim, vocab_size, bias=False)
         for emb in {self.src_emb, self.tgt_emb}:  # small, so tied output logits start near uniform
-            nn.init.normal_(emb.weight, std=emb_dim**-0.5)
+            nn.init.normal_(emb.weight, std=dim**-0.5)
         if share_embeddings:
             self.out.weight = self.tgt_emb.weight
 

@@ -24,7 +24,7 @@ from attnlab.nn import (
     TransformerBlock,
 )
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_choice, check_positive, check_probability
+from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 
 class Transformer(nn.Module):
@@ -32,8 +32,9 @@ class Transformer(nn.Module):
 
     Args:
         vocab_size, pad_id: from the data's tokenizer.
-        d_model, n_head, d_ff: width, heads and feed-forward width.
-        n_enc_layers, n_dec_layers: depth of each stack.
+        dim, n_head: width and attention heads.
+        enc_depth, dec_depth: number of blocks in each stack.
+        mlp_ratio: feed-forward width over ``dim`` (the paper's 2048 / 512 = 4).
         dropout: on embeddings and residual branches.
         attn_dropout: on the attention weights.
         norm_first: pre-LN (True) or the paper's post-LN (False).
@@ -48,11 +49,11 @@ class Transformer(nn.Module):
         self,
         vocab_size: int,
         pad_id: int = 0,
-        d_model: int = 256,
+        dim: int = 256,
         n_head: int = 8,
-        n_enc_layers: int = 3,
-        n_dec_layers: int = 3,
-        d_ff: int = 1024,
+        enc_depth: int = 3,
+        dec_depth: int = 3,
+        mlp_ratio: float = 4.0,
         dropout: float = 0.1,
         attn_dropout: float = 0.0,
         norm_first: bool = False,
@@ -66,35 +67,35 @@ class Transformer(nn.Module):
         check_positive(
             "model.net",
             vocab_size=vocab_size,
-            d_model=d_model,
+            dim=dim,
             n_head=n_head,
-            d_ff=d_ff,
             max_len=max_len,
-            n_enc_layers=n_enc_layers,
-            n_dec_layers=n_dec_layers,
+            enc_depth=enc_depth,
+            dec_depth=dec_depth,
         )
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout)
-        self.pad_id, self.d_model, self.max_len = pad_id, d_model, max_len
+        self.pad_id, self.dim, self.max_len = pad_id, dim, max_len
         pos_cls = SinusoidalPositions if positions == "sinusoidal" else LearnedPositions
-        embed = partial(TokenEmbedding, vocab_size, d_model, dropout=dropout, scale=True, padding_idx=pad_id)
-        self.src_embed = embed(pos_cls(d_model, max_len))
-        self.tgt_embed = self.src_embed if share_embeddings else embed(pos_cls(d_model, max_len))
+        embed = partial(TokenEmbedding, vocab_size, dim, dropout=dropout, scale=True, padding_idx=pad_id)
+        self.src_embed = embed(pos_cls(dim, max_len))
+        self.tgt_embed = self.src_embed if share_embeddings else embed(pos_cls(dim, max_len))
         block = partial(
             TransformerBlock,
-            d_model,
+            dim,
             n_head,
-            d_ff,
+            int(mlp_ratio * dim),
             dropout=dropout,
             attn_dropout=attn_dropout,
             norm_first=norm_first,
             attn_layer=partial(MultiHeadAttention, impl=attn_impl),
             act_layer=nn.ReLU,
         )
-        self.encoder = nn.ModuleList(block() for _ in range(n_enc_layers))
-        self.decoder = nn.ModuleList(block(cross_attention=True) for _ in range(n_dec_layers))
+        self.encoder = nn.ModuleList(block() for _ in range(enc_depth))
+        self.decoder = nn.ModuleList(block(cross_attention=True) for _ in range(dec_depth))
         # pre-LN stacks end un-normalised; post-LN layers already end with a norm
-        self.enc_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
-        self.dec_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.enc_norm = nn.LayerNorm(dim) if norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(dim) if norm_first else nn.Identity()
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -103,7 +104,7 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         for embed in {self.src_embed, self.tgt_embed}:
             # scaled by sqrt(d) in the embedding, so the inputs start at unit scale
-            nn.init.normal_(embed.weight, std=self.d_model**-0.5)
+            nn.init.normal_(embed.weight, std=self.dim**-0.5)
             with torch.no_grad():
                 embed.weight[self.pad_id].zero_()
 

@@ -101,7 +101,7 @@ class SwinTransformer(nn.Module):
         patch_size: side of a patch; must divide ``img_size``.
         dim: width of the first stage; each later stage doubles it.
         depths: blocks per stage.
-        n_heads: attention heads per stage.
+        n_head: attention heads per stage (a list, as ``depths``).
         window_size: side of an attention window, in tokens; must divide every stage's map
             (or exceed it: the whole map is then one window).
         mlp_ratio, dropout, attn_dropout, drop_path, attn_impl, stem: as ``VisionTransformer``.
@@ -115,7 +115,7 @@ class SwinTransformer(nn.Module):
         patch_size: int = 4,
         dim: int = 96,
         depths: Sequence[int] = (2, 2, 6, 2),
-        n_heads: Sequence[int] = (3, 6, 12, 24),
+        n_head: Sequence[int] = (3, 6, 12, 24),
         window_size: int = 7,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
@@ -136,23 +136,23 @@ class SwinTransformer(nn.Module):
         check_positive(
             "model.net",
             **{f"depths[{i}]": d for i, d in enumerate(depths)},
-            **{f"n_heads[{i}]": h for i, h in enumerate(n_heads)},
+            **{f"n_head[{i}]": h for i, h in enumerate(n_head)},
         )
         if num_classes < 0:
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        if len(depths) != len(n_heads):
+        if len(depths) != len(n_head):
             raise ConfigError(
-                f"model.net.depths ({len(depths)} stages) and model.net.n_heads "
-                f"({len(n_heads)}) must have one entry per stage"
+                f"model.net.depths ({len(depths)} stages) and model.net.n_head "
+                f"({len(n_head)}) must have one entry per stage"
             )
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, nn.LayerNorm)
         rates = drop_path_rates(drop_path, sum(depths))
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
         stages, in_dim = [], dim
-        for i, (depth, n_head) in enumerate(zip(depths, n_heads, strict=True)):
+        for i, (depth, heads) in enumerate(zip(depths, n_head, strict=True)):
             out_dim = dim * 2**i
             stages.append(
                 SwinStage(
@@ -160,7 +160,7 @@ class SwinTransformer(nn.Module):
                     out_dim,
                     sizes[i - 1] if i else sizes[0],
                     depth,
-                    n_head,
+                    heads,
                     window_size,
                     mlp_ratio,
                     rates[sum(depths[:i]) : sum(depths[: i + 1])],
