@@ -181,7 +181,7 @@ def test_the_prepare_command_reports_and_refuses_in_one_line(tmp_path):
             "experiment=gpt_pydoc_char",
             "data=token_shards",
             "data.shards_dir=shards",
-            "model.net.n_layer=1",
+            "model.net.depth=1",
             *quiet,
         ],
         tmp_path,
