@@ -104,24 +104,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     refuse_a_sweep(cfg)
 
     import lightning as L
-    import optuna
     import torch
 
-    from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata, TrialPruning
-    from attnlab.inference.generation import generate_text
-    from attnlab.loggers import continue_history
-    from attnlab.utils.checkpoint import (
-        AtomicCheckpointIO,
-        check_fits,
-        load_checkpoint,
-        metadata,
-        pretrained_artifacts,
-        require_same_model,
-        resolve_pretrained,
-    )
+    from attnlab.utils.checkpoint import AtomicCheckpointIO, check_fits
     from attnlab.utils.cpu import tune_cpu_for_training
-    from attnlab.utils.distributed import relaunch_this_multirun_job, unsharded
-    from attnlab.utils.hardware import machine_info, resolve_precision
+    from attnlab.utils.distributed import relaunch_this_multirun_job
+    from attnlab.utils.hardware import machine_info
     from attnlab.utils.wandb_mode import ensure_wandb_mode
 
     torch.set_float32_matmul_precision("high")
@@ -132,42 +120,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
 
-    ckpt_path = resolve_ckpt_path(
-        cfg.get("ckpt_path"), Path(cfg.paths.log_dir), f"{cfg.task_name}/runs/*/checkpoints/last.ckpt"
-    )
-    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
-    meta = metadata(ckpt, ckpt_path) if ckpt else {}
-    if meta:
-        require_same_model(meta, ckpt_path, cfg.model)
-        step = ckpt["global_step"]
-        if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
-            log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
-
-    log.info("Instantiating datamodule <%s>", cfg.data._target_)
-    datamodule: L.LightningDataModule = instantiate(cfg.data)
-    if meta.get("artifacts"):
-        datamodule.load_artifacts(meta["artifacts"])
-    if cfg.model.get("pretrained_ckpt"):  # fine-tuning: the pre-training run's weights and tokenizer
-        with open_dict(cfg):  # the file, not a task name, goes into the saved config
-            spec = cfg.model.pretrained_ckpt
-            cfg.model.pretrained_ckpt = str(resolve_pretrained(spec, Path(cfg.paths.log_dir)))
-        if not meta.get("artifacts"):
-            datamodule.load_artifacts(pretrained_artifacts(Path(cfg.model.pretrained_ckpt)))
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
-    with open_dict(cfg):  # resolved before the config is saved, so the run records the choice
-        cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
-    if cfg.get("logger") and "wandb" in cfg.logger:
-        name_wandb_run(cfg)
-        if meta.get("wandb_run_id"):
-            with open_dict(cfg):  # continue the interrupted run's W&B run
-                cfg.logger.wandb.id = meta["wandb_run_id"]
-                cfg.logger.wandb.resume = "allow"
-    save_config(cfg, out / "config.yaml")
-    if cfg.extras.get("print_config"):
-        print_config_tree(cfg)
-
+    ckpt_path, ckpt, meta = checkpoint_to_resume(cfg, out)
+    datamodule = build_datamodule(cfg, meta)
+    record_run_config(cfg, meta, out)
     log.info("Instantiating model <%s>", cfg.model.net._target_)
     model: L.LightningModule = instantiate(cfg.model)
     if ckpt is not None:
@@ -184,11 +139,92 @@ def train(cfg: DictConfig) -> dict[str, float]:
         machine["cpu_native_bf16"],
         machine["gpus"] or "none",
     )
+    callbacks = build_callbacks(cfg, datamodule, machine)
+    loggers = setup_loggers(cfg, out)
+    relaunch_this_multirun_job()
+    trainer: L.Trainer = instantiate_trainer(
+        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
+    )
+    for lg in loggers:
+        lg.log_hyperparams({**container(cfg), "machine": machine})
+
+    metrics = fit_and_test(cfg, trainer, model, datamodule, ckpt_path)
+    sample = closing_sample(cfg, trainer, model, datamodule)
+    if trainer.is_global_zero:
+        finish(cfg, model, loggers, metrics, out, sample)
+    return metrics
+
+
+def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
+    """``ckpt_path``'s file (``last``: this task's newest), the checkpoint and its metadata; the
+    CSV rows its run logged before it carry over into this run's log."""
+    from attnlab.loggers import continue_history
+    from attnlab.utils.checkpoint import load_checkpoint, metadata, require_same_model
+
+    ckpt_path = resolve_ckpt_path(
+        cfg.get("ckpt_path"), Path(cfg.paths.log_dir), f"{cfg.task_name}/runs/*/checkpoints/last.ckpt"
+    )
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
+    meta = metadata(ckpt, ckpt_path) if ckpt else {}
+    if meta:
+        require_same_model(meta, ckpt_path, cfg.model)
+        step = ckpt["global_step"]
+        if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
+            log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
+    return ckpt_path, ckpt, meta
+
+
+def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
+    """The data, set up for fitting, with a resumed or pre-trained run's tokenizer; what the data
+    decides about the net (vocabulary, classes, image size) filled into ``model.net``."""
+    from attnlab.utils.checkpoint import pretrained_artifacts, resolve_pretrained
+
+    log.info("Instantiating datamodule <%s>", cfg.data._target_)
+    datamodule = instantiate(cfg.data)
+    if meta.get("artifacts"):
+        datamodule.load_artifacts(meta["artifacts"])
+    if cfg.model.get("pretrained_ckpt"):  # fine-tuning: the pre-training run's weights and tokenizer
+        with open_dict(cfg):  # the file, not a task name, goes into the saved config
+            spec = cfg.model.pretrained_ckpt
+            cfg.model.pretrained_ckpt = str(resolve_pretrained(spec, Path(cfg.paths.log_dir)))
+        if not meta.get("artifacts"):
+            datamodule.load_artifacts(pretrained_artifacts(Path(cfg.model.pretrained_ckpt)))
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")
+    return datamodule
+
+
+def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
+    """Resolve what was left to the machine (precision) and name the W&B run (the interrupted
+    run's id when resuming), then save the config the run really uses."""
+    from attnlab.utils.hardware import resolve_precision
+
+    with open_dict(cfg):
+        cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
+    if cfg.get("logger") and "wandb" in cfg.logger:
+        name_wandb_run(cfg)
+        if meta.get("wandb_run_id"):
+            with open_dict(cfg):  # continue the interrupted run's W&B run
+                cfg.logger.wandb.id = meta["wandb_run_id"]
+                cfg.logger.wandb.resume = "allow"
+    save_config(cfg, out / "config.yaml")
+    if cfg.extras.get("print_config"):
+        print_config_tree(cfg)
+
+
+def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any]:
+    """The config's callbacks and those every run has: metadata in each checkpoint, resumable
+    random streams, freed memory returned; a sweep trial's pruning report."""
+    from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata, TrialPruning
+
     callbacks = instantiate_group(cfg, "callbacks")
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     callbacks.append(ResumableRandomness(cfg.get("seed")))
     callbacks.append(ReleaseFreedMemory())
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
+        import optuna
+
         pruner = (cfg.get("sweep") or {}).get("pruner")
         callbacks.append(
             TrialPruning(
@@ -198,14 +234,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 instantiate(pruner) if pruner else optuna.pruners.NopPruner(),
             )
         )
-    loggers = setup_loggers(cfg, out)
-    relaunch_this_multirun_job()
-    trainer: L.Trainer = instantiate_trainer(
-        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
-    )
-    for lg in loggers:
-        lg.log_hyperparams({**container(cfg), "machine": machine})
+    return callbacks
 
+
+def fit_and_test(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -> dict:
+    """Fit (``train``), then test the best checkpoint (``test``); the metrics of both."""
     metrics: dict[str, float] = {}
     if cfg.get("train"):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -227,26 +260,31 @@ def train(cfg: DictConfig) -> dict[str, float]:
             log.warning("no best checkpoint: testing the current weights")
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=True)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-    sample = None
-    if cfg.get("sample") and hasattr(model.net, "generate"):  # every process: a sharded net needs them all
-        s = cfg.sample
-        # in the training precision: FSDP's mixed precision keeps each unit's weights in bf16/fp16
-        # and casts only the inputs of the root's forward, which generation does not go through
-        with unsharded(model.net), trainer.precision_plugin.forward_context():
-            sample = generate_text(
-                model.net,
-                datamodule.tokenizer,
-                s.prompt,
-                s.max_new_tokens,
-                s.temperature,
-                s.top_k,
-                s.top_p,
-                seed=cfg.get("seed"),
-            )[0]
-    if trainer.is_global_zero:
-        finish(cfg, model, loggers, metrics, out, sample)
     return metrics
+
+
+def closing_sample(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any) -> str | None:
+    """A language model's closing sample (``sample``), drawn by every process: a sharded net
+    needs them all."""
+    if not (cfg.get("sample") and hasattr(model.net, "generate")):
+        return None
+    from attnlab.inference.generation import generate_text
+    from attnlab.utils.distributed import unsharded
+
+    s = cfg.sample
+    # in the training precision: FSDP's mixed precision keeps each unit's weights in bf16/fp16
+    # and casts only the inputs of the root's forward, which generation does not go through
+    with unsharded(model.net), trainer.precision_plugin.forward_context():
+        return generate_text(
+            model.net,
+            datamodule.tokenizer,
+            s.prompt,
+            s.max_new_tokens,
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            seed=cfg.get("seed"),
+        )[0]
 
 
 def finish(

@@ -1,7 +1,15 @@
 """GPT: a decoder-only Transformer language model (Radford et al. 2018/2019).
 
 nanoGPT's model (token + learned position embeddings, pre-LN blocks with a GELU MLP, tied
-input/output embeddings), built from the shared blocks of ``attnlab.nn``.
+input/output embeddings), built from the shared blocks of ``attnlab.nn``:
+
+- ``TokenEmbedding`` (nn/embedding.py): token table + ``LearnedPositions`` + dropout; its table
+  is also the output layer (``logits = x @ tokens.weight.T``).
+- ``TransformerBlock`` (nn/blocks.py): ``x + attn(ln(x))`` then ``x + mlp(ln(x))`` (pre-LN),
+  with ``MultiHeadAttention`` (nn/attention.py: causal here, SDPA or explicit softmax, a
+  ``KVCache`` for generation) and ``MLP`` (Linear, GELU, Linear).
+
+The forward pass reads top-down: embed, the blocks in order, a final LayerNorm, the tied head.
 """
 
 from __future__ import annotations

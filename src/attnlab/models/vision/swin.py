@@ -92,6 +92,44 @@ class SwinStage(nn.Module):
         return x, maps
 
 
+def per_stage(rates: list[float], depths: Sequence[int]) -> list[list[float]]:
+    """The stochastic-depth rates of all blocks, cut into one list per stage."""
+    ends = [sum(depths[: i + 1]) for i in range(len(depths))]
+    return [rates[end - d : end] for end, d in zip(ends, depths, strict=True)]
+
+
+def check_swin_args(
+    num_classes: int,
+    img_size: int,
+    in_chans: int,
+    patch_size: int,
+    dim: int,
+    depths: Sequence[int],
+    n_head: Sequence[int],
+    window_size: int,
+) -> None:
+    check_positive(
+        "model.net",
+        img_size=img_size,
+        in_chans=in_chans,
+        patch_size=patch_size,
+        dim=dim,
+        window_size=window_size,
+    )
+    check_positive(
+        "model.net",
+        **{f"depths[{i}]": d for i, d in enumerate(depths)},
+        **{f"n_head[{i}]": h for i, h in enumerate(n_head)},
+    )
+    if num_classes < 0:
+        raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
+    if len(depths) != len(n_head):
+        raise ConfigError(
+            f"model.net.depths ({len(depths)} stages) and model.net.n_head "
+            f"({len(n_head)}) must have one entry per stage"
+        )
+
+
 class SwinTransformer(nn.Module):
     """Swin classifier over ``num_classes`` classes.
 
@@ -125,56 +163,35 @@ class SwinTransformer(nn.Module):
         stem: Stem = "patch",
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net",
-            img_size=img_size,
-            in_chans=in_chans,
-            patch_size=patch_size,
-            dim=dim,
-            window_size=window_size,
-        )
-        check_positive(
-            "model.net",
-            **{f"depths[{i}]": d for i, d in enumerate(depths)},
-            **{f"n_head[{i}]": h for i, h in enumerate(n_head)},
-        )
-        if num_classes < 0:
-            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
+        check_swin_args(num_classes, img_size, in_chans, patch_size, dim, depths, n_head, window_size)
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        if len(depths) != len(n_head):
-            raise ConfigError(
-                f"model.net.depths ({len(depths)} stages) and model.net.n_head "
-                f"({len(n_head)}) must have one entry per stage"
-            )
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, nn.LayerNorm)
-        rates = drop_path_rates(drop_path, sum(depths))
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
-        stages, in_dim = [], dim
-        for i, (depth, heads) in enumerate(zip(depths, n_head, strict=True)):
-            out_dim = dim * 2**i
-            stages.append(
-                SwinStage(
-                    in_dim,
-                    out_dim,
-                    sizes[i - 1] if i else sizes[0],
-                    depth,
-                    heads,
-                    window_size,
-                    mlp_ratio,
-                    rates[sum(depths[:i]) : sum(depths[: i + 1])],
-                    downsample=i > 0,
-                    dropout=dropout,
-                    attn_dropout=attn_dropout,
-                    attn_impl=attn_impl,
-                )
+        self.layers = nn.ModuleList(
+            SwinStage(
+                dim * 2 ** max(i - 1, 0),  # stage i > 0 starts by merging patches: width doubles
+                dim * 2**i,
+                sizes[i - 1] if i else sizes[0],
+                depth,
+                heads,
+                window_size,
+                mlp_ratio,
+                rates,
+                downsample=i > 0,
+                dropout=dropout,
+                attn_dropout=attn_dropout,
+                attn_impl=attn_impl,
             )
-            in_dim = out_dim
-        self.layers = nn.ModuleList(stages)
-        self.norm = nn.LayerNorm(in_dim)
-        self.num_features = in_dim  # what forward_head(pre_logits=True) returns, as in timm
-        self.head = nn.Linear(in_dim, num_classes) if num_classes else nn.Identity()
+            for i, (depth, heads, rates) in enumerate(
+                zip(depths, n_head, per_stage(drop_path_rates(drop_path, sum(depths)), depths), strict=True)
+            )
+        )
+        out_dim = dim * 2 ** (len(depths) - 1)
+        self.norm = nn.LayerNorm(out_dim)
+        self.num_features = out_dim  # what forward_head(pre_logits=True) returns, as in timm
+        self.head = nn.Linear(out_dim, num_classes) if num_classes else nn.Identity()
         self.apply(init_linear)
 
     @staticmethod
