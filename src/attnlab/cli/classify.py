@@ -9,15 +9,13 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
-    check_device,
     config_dir,
     exit_on_user_error,
     free_output,
-    inference_device,
     progress,
     quote_free_text,
     read_sentences,
-    resolve_checkpoint,
+    trained_net,
     write_lines,
 )
 from attnlab.errors import CheckpointError
@@ -25,22 +23,11 @@ from attnlab.errors import CheckpointError
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
-    check_device(cfg.device)
-    resolve_checkpoint(cfg, "TextClassificationTask")
-    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
-    import torch
+    need = "attnlab-classify needs a sentence classifier"
+    with trained_net(cfg, "TextClassificationTask", need) as (run, net, _):
+        from attnlab.inference.text_classification import classify_sentences
+        from attnlab.models import BertSequenceClassifier
 
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.inference.text_classification import classify_sentences
-    from attnlab.models import BertSequenceClassifier
-    from attnlab.tasks import TextClassificationTask
-
-    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
-        device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(
-            cfg, TextClassificationTask, need="attnlab-classify needs a sentence classifier"
-        )
-        net = run.net().to(device)
         if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
             raise CheckpointError(
                 f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"

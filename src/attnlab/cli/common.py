@@ -24,6 +24,9 @@ from attnlab.errors import AttnlabError, ConfigError, DataError
 if TYPE_CHECKING:
     import lightning as L
     import torch
+    from torch import nn
+
+    from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab")
 
@@ -195,6 +198,27 @@ def check_device(value: Any) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError(f"device={value}: no CUDA GPU here (device=cpu, or auto)")
+
+
+@contextmanager
+def trained_net(
+    cfg: DictConfig, task: str, need: str
+) -> Iterator[tuple[TrainedRun, nn.Module, torch.device]]:
+    """The run ``ckpt_path`` names, its net on ``device=``, under ``torch.no_grad`` (inference only;
+    the caller's autograd mode is left as it was). ``device`` and ``ckpt_path`` are checked before
+    torch loads, so a wrong one is one quick line; the run must hold a ``task`` (a class name of
+    ``attnlab.tasks``), else ``need`` says what the command needs."""
+    check_device(cfg.device)
+    resolve_checkpoint(cfg, task)
+    import torch
+
+    import attnlab.tasks
+    from attnlab.inference.runs import TrainedRun
+
+    with torch.no_grad():
+        device = inference_device(cfg.device)
+        run = TrainedRun.for_cli(cfg, getattr(attnlab.tasks, task), need=need)
+        yield run, run.net().to(device), device
 
 
 def inference_device(value: Any) -> torch.device:

@@ -9,12 +9,10 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
-    check_device,
     config_dir,
     exit_on_user_error,
-    inference_device,
     quote_free_text,
-    resolve_checkpoint,
+    trained_net,
 )
 from attnlab.errors import ConfigError
 
@@ -22,19 +20,9 @@ from attnlab.errors import ConfigError
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    check_device(cfg.device)
-    resolve_checkpoint(cfg, "MaskedLMTask")
-    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
-    import torch
+    with trained_net(cfg, "MaskedLMTask", "attnlab-fill-mask needs a BERT pre-training run") as (run, net, _):
+        from attnlab.inference.text_classification import fill_mask
 
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.inference.text_classification import fill_mask
-    from attnlab.tasks import MaskedLMTask
-
-    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
-        device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(cfg, MaskedLMTask, need="attnlab-fill-mask needs a BERT pre-training run")
-        net = run.net().to(device)
         return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
 
 

@@ -8,12 +8,10 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
-    check_device,
     config_dir,
     exit_on_user_error,
-    inference_device,
     quote_free_text,
-    resolve_checkpoint,
+    trained_net,
 )
 from attnlab.errors import ConfigError
 from attnlab.utils.checks import is_int, is_number
@@ -35,19 +33,9 @@ def check_options(cfg: DictConfig) -> None:
 
 def generate(cfg: DictConfig) -> list[str]:
     check_options(cfg)
-    check_device(cfg.device)
-    resolve_checkpoint(cfg, "LanguageModelTask")
-    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
-    import torch
+    with trained_net(cfg, "LanguageModelTask", "attnlab-generate needs a language model") as (run, net, _):
+        from attnlab.inference.generation import generate_text
 
-    from attnlab.inference.generation import generate_text
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.tasks import LanguageModelTask
-
-    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
-        device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(cfg, LanguageModelTask, need="attnlab-generate needs a language model")
-        net = run.net().to(device)
         return generate_text(
             net,
             run.tokenizer,

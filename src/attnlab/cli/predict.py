@@ -9,13 +9,11 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
-    check_device,
     config_dir,
     exit_on_user_error,
-    inference_device,
     progress,
     quote_free_text,
-    resolve_checkpoint,
+    trained_net,
 )
 from attnlab.errors import ConfigError
 
@@ -23,23 +21,14 @@ from attnlab.errors import ConfigError
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
-    check_device(cfg.device)
-    resolve_checkpoint(cfg, "ImageClassificationTask")
-    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
-    import torch
+    need = "attnlab-predict needs an image classifier"
+    with trained_net(cfg, "ImageClassificationTask", need) as (run, net, device):
+        import torch
 
-    from attnlab.inference.classification import classify, image_files, load_image
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.tasks import ImageClassificationTask
+        from attnlab.inference.classification import classify, image_files, load_image
 
-    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
         folder = Path(str(cfg.image)).expanduser()
         files = image_files(folder)
-        device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(
-            cfg, ImageClassificationTask, need="attnlab-predict needs an image classifier"
-        )
-        net = run.net().to(device)
         results = []
         with progress(len(files), "predicting", show=folder.is_dir()) as advance:
             for start in range(0, len(files), cfg.batch_size):

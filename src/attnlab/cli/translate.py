@@ -9,15 +9,13 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import (
-    check_device,
     config_dir,
     exit_on_user_error,
     free_output,
-    inference_device,
     progress,
     quote_free_text,
     read_sentences,
-    resolve_checkpoint,
+    trained_net,
     write_lines,
 )
 from attnlab.errors import ConfigError
@@ -27,25 +25,16 @@ log = logging.getLogger("attnlab.translate")
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
-    check_device(cfg.device)
-    resolve_checkpoint(cfg, "TranslationTask")
-    # torch and the model load after the options and the checkpoint's path are checked (quick errors)
-    import torch
+    need = "attnlab-translate needs a translation model"
+    with trained_net(cfg, "TranslationTask", need) as (run, net, device):
+        from attnlab.inference.translation import translate_sentences
 
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.inference.translation import translate_sentences
-    from attnlab.tasks import TranslationTask
-
-    with torch.no_grad():  # inference only; the caller's autograd mode is left as it was
-        device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(cfg, TranslationTask, need="attnlab-translate needs a translation model")
         tokenizer = run.tokenizer
         task_cfg = run.config.model
         beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
         if beam < 1:
             raise ConfigError(f"beam_size must be >= 1, got {beam}")
         alpha = cfg.length_penalty if cfg.length_penalty is not None else task_cfg.length_penalty
-        net = run.net().to(device)
         with progress(len(sentences), "translating", show=cfg.input is not None) as advance:
             return translate_sentences(
                 net,
