@@ -97,7 +97,7 @@ def test_two_ranks_of_two_workers_share_the_stream_out_once(tmp_path, monkeypatc
             monkeypatch.setattr(torch.distributed, "get_rank", lambda r=rank: r)
             monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
             info = type("Info", (), {"id": worker, "num_workers": 2})()
-            monkeypatch.setattr("attnlab.data.text.shards.get_worker_info", lambda i=info: i)
+            monkeypatch.setattr("attnlab.data.sampling.get_worker_info", lambda i=info: i)
             seen += [x for (x, _), _ in zip(stream, range(4), strict=False)]
     matches = [[i for i, r in reference.items() if torch.equal(r, x)] for x in seen]
     assert sorted(i for m in matches for i in m) == list(range(16))  # each of batches 0-15 once

@@ -3,13 +3,14 @@ of the random draws made per example (augmentation), so a resumed run replays th
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, get_worker_info
 
 Key = tuple[int, int]  # (epoch, index): what ResumableSampler yields
 
@@ -39,6 +40,19 @@ def seeded_globals(seed: int) -> Iterator[None]:
         finally:
             random.setstate(py)
             np.random.set_state(npy)
+
+
+def stream_batch_numbers(start: int) -> Iterator[int]:
+    """The numbers of the batches of an endless seeded stream that this process and this loader
+    worker draw, from the ``start``-th batch of each worker's share on: ranks and workers
+    interleave, so every batch number is drawn once, and a resumed stream restarts anywhere."""
+    rank, world = 0, 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    info = get_worker_info()
+    worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+    for n in itertools.count(start + worker, n_workers):
+        yield n * world + rank
 
 
 class ResumableSampler(DistributedSampler):

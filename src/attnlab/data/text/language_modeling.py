@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from attnlab.data.base import DataModule
+from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.shards import ShardWindows, TokenShards
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
@@ -49,13 +49,7 @@ class RandomWindows(IterableDataset):
         self.start = 0
 
     def __iter__(self) -> Iterator[Batch]:
-        rank, world = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        info = get_worker_info()
-        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        for n in itertools.count(self.start + worker, n_workers):
-            index = n * world + rank
+        for index in stream_batch_numbers(self.start):
             yield random_batch(self.tokens, self.block_size, self.batch_size, self.seed * 1_000_003 + index)
 
 

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
+from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
 
@@ -399,12 +400,5 @@ class ShardWindows(IterableDataset):
         return chunk[:, :-1], chunk[:, 1:]
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        rank, world = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        info = get_worker_info()
-        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        n = self.start + worker
-        while True:
-            yield self.batch(n * world + rank)
-            n += n_workers
+        for index in stream_batch_numbers(self.start):
+            yield self.batch(index)
