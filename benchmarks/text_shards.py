@@ -17,7 +17,6 @@ import json
 import random
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -39,13 +38,12 @@ def write_corpus(path: Path, gb: float, seed: int = 0) -> int:
 
 
 def child(mode: str, shards: str, steps: int, warmup: int) -> None:
-    """One training run in this process; prints a JSON line with its timings and peak RSS."""
-    import lightning as L
+    """One training run in this process (gpt_train's, fp32); prints a JSON line with its timing
+    and peak RSS."""
+    from gpt_train import attnlab_ms  # benchmarks/, beside this file
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
     from attnlab.cli.common import config_dir
-    from attnlab.utils.config import fill_missing
 
     overrides = ["experiment=gpt_shakespeare_char", "paths.output_dir=/tmp/attnlab-shards-run"]
     overrides += (
@@ -53,31 +51,8 @@ def child(mode: str, shards: str, steps: int, warmup: int) -> None:
     )
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
-    model = instantiate(cfg.model)
-    times: list[float] = []
-
-    class Timer(L.Callback):
-        def on_train_batch_end(self, *args) -> None:
-            times.append(time.perf_counter())
-
-    trainer = instantiate(
-        cfg.trainer,
-        precision="32-true",
-        max_steps=steps + warmup,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        callbacks=[Timer()],
-    )
-    trainer.fit(model, datamodule=dm)
-    ms = 1000 * statistics.median(b - a for a, b in zip(times[warmup:-1], times[warmup + 1 :], strict=True))
-    tokens = cfg.data.batch_size * dm.block_size
+    ms = attnlab_ms(cfg, "32-true", steps, warmup)
+    tokens = cfg.data.batch_size * cfg.data.block_size
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"mode": mode, "ms": ms, "tokens_per_s": tokens / ms * 1000, "rss_mb": rss_mb}))
 
