@@ -413,4 +413,4 @@ def bert_overrides(experiment: str, tmp: Path) -> list[str]:
     ]
     if "pretrain" in experiment:  # 7 held-out documents each: shared out by 2 or 3 processes unevenly
         out += ["data.val_fraction=0.12", "data.test_fraction=0.12"]
-    return out + (["model.pretrained_ckpt=null"] if "finetune" in experiment else [])
+    return out + (["model.init_from=null"] if "finetune" in experiment else [])

@@ -288,7 +288,7 @@ def test_finetuning_starts_from_the_pretrained_encoder_and_tokenizer(pretrained,
     assert enc and all(torch.equal(tuned["state_dict"][k], v) for k, v in enc.items())  # lr 0: identical
     tok = metadata(pre, ckpt)["artifacts"]["tokenizer"]
     assert metadata(tuned, ckpt)["artifacts"]["tokenizer"] == tok
-    assert OmegaConf.create(metadata(tuned, ckpt)["config"]).model.pretrained_ckpt == str(ckpt)
+    assert OmegaConf.create(metadata(tuned, ckpt)["config"]).model.init_from == str(ckpt)
 
 
 def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained, tmp_path):
@@ -430,13 +430,13 @@ def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):
     before = sorted(p.name for p in (ckpt.parent).iterdir())
     args = ["experiment=bert_finetune_sst2", *TINY_RUN, f"data.data_dir={pretrained / 'sst'}"]
     assert_refused(
-        r"\(model\.pretrained_ckpt\) does not match.*embed\.tokens\.tokens\.weight",
+        r"\(model\.init_from\) does not match.*embed\.tokens\.tokens\.weight",
         train_here,
         pretrained,
         "other_size",
         *args,
         "model.net.encoder.dim=24",
-        f"model.pretrained_ckpt={ckpt}",
+        f"model.init_from={ckpt}",
     )
     assert_refused(
         r"embed\.tokens\.tokens\.weight: checkpoint \(\d+, 16\) vs model \(200, 16\)",
@@ -445,16 +445,16 @@ def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):
         "other_vocab",
         *args,
         "model.net.encoder.vocab_size=200",
-        f"model.pretrained_ckpt={ckpt}",
+        f"model.init_from={ckpt}",
     )
     assert sorted(p.name for p in (ckpt.parent).iterdir()) == before  # nothing lost
     assert_refused(
-        "model.pretrained_ckpt=no_such_task: no run of that task",
+        "model.init_from=no_such_task: no run of that task",
         train_here,
         pretrained,
         "x",
         *args,
-        "model.pretrained_ckpt=no_such_task",
+        "model.init_from=no_such_task",
     )
 
 

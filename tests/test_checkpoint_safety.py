@@ -75,7 +75,7 @@ def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
             [
                 "experiment=bert_finetune_sst2",
                 f"data.data_dir={write_sst2(tmp / 'sst2')}",
-                f"model.pretrained_ckpt={ckpt}",
+                f"model.init_from={ckpt}",
             ],
         ),
         "eval": ("eval", [f"ckpt_path={ckpt}"]),

@@ -101,12 +101,17 @@ def test_fine_tuning_bert_from_a_gpt_checkpoint_is_refused(runs, tmp_path):
         [
             "experiment=bert_finetune_sst2",
             f"data.data_dir={write_sst2(tmp_path / 'sst2')}",
-            f"model.pretrained_ckpt={runs['gpt']}",
+            f"model.init_from={runs['gpt']}",
             f"paths.root_dir={tmp_path}",
             *QUIET,
         ],
     )
-    assert_refused(status, out, "holds a LanguageModelTask (GPT)", "model.pretrained_ckpt needs a BERT run")
+    assert_refused(
+        status,
+        out,
+        "holds a LanguageModelTask (GPT)",
+        "model.init_from needs a MaskedLMTask or TextClassificationTask run",
+    )
 
 
 @pytest.mark.parametrize(

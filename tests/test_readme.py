@@ -72,7 +72,7 @@ ENTRY_EXPERIMENT = {
 # that replaces it (left out where the line runs beside that run)
 PREREQUISITE = {
     "deit_fashion_mnist": ("convnet_fashion_mnist", "model.distillation.teacher"),
-    "bert_finetune_sst2": ("bert_pretrain_sst2", "model.pretrained_ckpt"),
+    "bert_finetune_sst2": ("bert_pretrain_sst2", "model.init_from"),
 }
 
 
@@ -252,7 +252,7 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
         if not eq:
             key, value = "", a
         if "..." in value or re.search(r"<\w+>", value):
-            task = PREREQUISITE[cmd.experiment][0] if key == "model.pretrained_ckpt" else cmd.experiment
+            task = PREREQUISITE[cmd.experiment][0] if key == "model.init_from" else cmd.experiment
             pattern = (
                 value.replace("logs/...", f"logs/{task}/**").replace("<task>", task).replace("<time>", "*")
             )

@@ -177,18 +177,17 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict |
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
     """The data, set up for fitting, with a resumed or pre-trained run's tokenizer; what the data
     decides about the net (vocabulary, classes, image size) filled into ``model.net``."""
-    from attnlab.utils.checkpoint import pretrained_artifacts, resolve_pretrained
+    from attnlab.utils.checkpoint import init_artifacts, resolve_init_from
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule = instantiate(cfg.data)
     if meta.get("artifacts"):
         datamodule.load_artifacts(meta["artifacts"])
-    if cfg.model.get("pretrained_ckpt"):  # fine-tuning: the pre-training run's weights and tokenizer
+    if cfg.model.get("init_from"):  # fine-tuning: the weights' tokenizer comes with them
         with open_dict(cfg):  # the file, not a task name, goes into the saved config
-            spec = cfg.model.pretrained_ckpt
-            cfg.model.pretrained_ckpt = str(resolve_pretrained(spec, Path(cfg.paths.log_dir)))
+            cfg.model.init_from = str(resolve_init_from(cfg.model.init_from, Path(cfg.paths.log_dir)))
         if not meta.get("artifacts"):
-            datamodule.load_artifacts(pretrained_artifacts(Path(cfg.model.pretrained_ckpt)))
+            datamodule.load_artifacts(init_artifacts(cfg.model.init_from, cfg.model._target_))
     datamodule.prepare_data()
     datamodule.setup("fit")
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")

@@ -70,7 +70,7 @@ class TrainedRun:
         """The LightningModule with the checkpoint's weights (without what only training needs:
         a distillation teacher, the pre-trained weights it started from)."""
         model_cfg = self.config.model.copy()
-        for training_only in ("distillation", "pretrained_ckpt"):
+        for training_only in ("distillation", "init_from"):
             if model_cfg.get(training_only) is not None:
                 model_cfg[training_only] = None
         task = instantiate(model_cfg)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -11,6 +13,7 @@ from torch import Tensor, nn
 
 from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
+from attnlab.utils.checkpoint import check_fits, is_run_checkpoint, load_checkpoint, resolve_pretrained
 
 # Methods that tasks and callbacks call on a net besides ``forward``, the same number of times on
 # every process. Under FSDP2 a sharded module gathers its parameters only around registered
@@ -32,6 +35,35 @@ ENTRY_POINTS = (
 )
 
 
+log = logging.getLogger(__name__)
+
+
+def load_initial_weights(net: nn.Module, spec: str) -> None:
+    """``model.init_from``: copy the weights ``spec`` names into ``net``.
+
+    One of our runs' checkpoints gives its whole net when every tensor fits, else only its
+    encoder (a pre-trained BERT into a classifier, or a classifier with another number of
+    classes: the head starts fresh). Another library's saved model goes through its converter.
+    """
+    if not is_run_checkpoint(spec):
+        from attnlab.models.pretrained import load_pretrained
+
+        load_pretrained(net, spec)
+        return
+    path = resolve_pretrained(spec, Path("logs"))
+    state = {k.removeprefix("net."): v for k, v in load_checkpoint(path)["state_dict"].items()}
+    target, where = net, f"{path} (model.init_from)"
+    whole = state.keys() == net.state_dict().keys() and all(
+        v.shape == state[k].shape for k, v in net.state_dict().items()
+    )
+    if not whole and isinstance(getattr(net, "encoder", None), nn.Module):
+        state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+        target = net.encoder
+    check_fits(target, state, where)
+    target.load_state_dict(state)
+    log.info("%s weights loaded from %s", "all" if target is net else "encoder", path)
+
+
 class Task(L.LightningModule):
     """Base of the tasks: holds ``net`` and builds its optimizer (weight decay on matrices only).
 
@@ -41,6 +73,9 @@ class Task(L.LightningModule):
         scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
         weight_decay: applied to weight matrices and embeddings only (not biases or norms).
         compile: ``torch.compile`` the net at setup.
+        init_from: weights to start from: one of our runs' checkpoints (or the name of a task
+            whose newest run's ``last.ckpt``), or another library's saved model (transformers,
+            timm, open_clip: ``attnlab.models.pretrained``); ``None``: from scratch.
     """
 
     def __init__(
@@ -50,11 +85,14 @@ class Task(L.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
         compile: bool = False,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.net = net
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.weight_decay, self.compile_net = weight_decay, compile
+        if init_from:
+            load_initial_weights(net, init_from)
 
     def setup(self, stage: str) -> None:
         if self.compile_net and stage == "fit":

@@ -39,10 +39,11 @@ class EncoderTask(Task):
         scheduler: Callable[..., Any] | None,
         weight_decay: float,
         compile: bool,
+        init_from: str | None,
         plot_sentences: int,
         plot_dir: str | None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})
         self.val_best = MinMetric() if self.best[1] == "min" else MaxMetric()

@@ -32,8 +32,9 @@ class LanguageModelTask(Task):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
         compile: bool = False,
+        init_from: str | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
         self.val_loss_best = MinMetric()

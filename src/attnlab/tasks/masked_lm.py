@@ -36,10 +36,13 @@ class MaskedLMTask(EncoderTask):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.01,
         compile: bool = False,
+        init_from: str | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, plot_sentences, plot_dir
+        )
 
     def make_metrics(self) -> dict[str, Metric]:
         return {

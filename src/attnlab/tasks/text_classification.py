@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,19 +14,8 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from attnlab.tasks.encoder import Batch, EncoderTask
-from attnlab.utils.checkpoint import check_fits, load_checkpoint, resolve_pretrained
 
 log = logging.getLogger(__name__)
-
-
-def load_encoder(encoder: nn.Module, path: str) -> None:
-    """Copy the encoder (``net.encoder.*``) of a pre-training checkpoint into ``encoder``; a
-    checkpoint of another size or vocabulary is refused, naming the tensors that differ."""
-    state = load_checkpoint(resolve_pretrained(path, Path("logs")))["state_dict"]
-    state = {k.removeprefix("net.encoder."): v for k, v in state.items() if k.startswith("net.encoder.")}
-    check_fits(encoder, state, f"{path} (model.pretrained_ckpt)")
-    encoder.load_state_dict(state)
-    log.info("encoder weights loaded from %s", path)
 
 
 class TextClassificationTask(EncoderTask):
@@ -41,8 +29,8 @@ class TextClassificationTask(EncoderTask):
         net: a ``BertSequenceClassifier`` or ``BertTokenClassifier`` (anything with ``encoder``
             and ``num_classes``).
         optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir: see ``EncoderTask``.
-        pretrained_ckpt: a pre-training run's checkpoint whose encoder (and, through the data,
-            tokenizer) this run starts from; ``None``: from scratch.
+        init_from: see ``Task``; a pre-training run's checkpoint gives its encoder (the head
+            starts fresh) and, through the data, its tokenizer.
     """
 
     best = ("acc", "max")
@@ -54,13 +42,13 @@ class TextClassificationTask(EncoderTask):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.01,
         compile: bool = False,
-        pretrained_ckpt: str | None = None,
+        init_from: str | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir)
-        if pretrained_ckpt:
-            load_encoder(net.encoder, pretrained_ckpt)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, plot_sentences, plot_dir
+        )
 
     def make_metrics(self) -> dict[str, Metric]:
         k = self.net.num_classes

@@ -71,9 +71,10 @@ class TranslationTask(Task):
         plot_sentences: int = 3,
         plot_dir: str | None = None,
         compile: bool = False,
+        init_from: str | None = None,
         compile_loss: bool = False,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
         self.compile_loss = compile_loss
         self._train_loss_fn = cross_entropy
         if not 0.0 <= label_smoothing < 1.0:

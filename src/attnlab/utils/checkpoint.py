@@ -173,9 +173,18 @@ def require_task(meta: dict[str, Any], path: Path | str, tasks: tuple[str, ...],
         raise CheckpointError(f"checkpoint {path} holds a {task} ({net}); {need} ({' or '.join(tasks)})")
 
 
+def is_run_checkpoint(spec: str) -> bool:
+    """Whether ``model.init_from`` names one of our runs: a ``.ckpt`` file, a sharded checkpoint
+    folder, or a task name; anything else is another library's saved model."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path.suffix == ".ckpt" or is_sharded(path)
+    return path.suffix == ".ckpt" or "/" not in spec
+
+
 def resolve_pretrained(spec: str, log_dir: Path) -> Path:
-    """``model.pretrained_ckpt``: a checkpoint file, or the name of a task whose newest run's
-    ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
+    """``model.init_from`` naming one of our runs: a checkpoint file, or the name of a task whose
+    newest run's ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
     path = Path(spec).expanduser()
     if path.is_file() or is_sharded(path):
         return path
@@ -184,26 +193,40 @@ def resolve_pretrained(spec: str, log_dir: Path) -> Path:
             return find_last(log_dir, f"{spec}/runs/*/checkpoints/last.ckpt")
         except CheckpointError:
             raise CheckpointError(
-                f"model.pretrained_ckpt={spec}: no run of that task under {log_dir} "
+                f"model.init_from={spec}: no run of that task under {log_dir} "
                 "(pre-train first) and no such file"
             ) from None
-    raise CheckpointError(f"model.pretrained_ckpt={spec}: no such file")
+    raise CheckpointError(f"model.init_from={spec}: no such file")
 
 
-def pretrained_artifacts(path: Path) -> dict[str, Any]:
-    """The data artifacts a fine-tuning run takes over from its pre-training checkpoint: the
-    tokenizer, not the classes."""
+def pretrained_artifacts(path: Path, task: str) -> dict[str, Any]:
+    """The data artifacts a run started from another run's weights takes over: the tokenizer, not
+    the classes. ``task`` (the configured task's class name) starts from runs of its own task,
+    and a text classifier from a pre-training run too."""
     meta = metadata(load_checkpoint(path), path)
-    require_task(
-        meta,
-        path,
-        ("MaskedLMTask", "TextClassificationTask"),
-        "model.pretrained_ckpt needs a BERT run (pre-training or fine-tuning) to start from",
-    )
+    tasks = ("MaskedLMTask", "TextClassificationTask") if task == "TextClassificationTask" else (task,)
+    require_task(meta, path, tasks, f"model.init_from needs a {' or '.join(tasks)} run to start from")
     artifacts = meta["artifacts"]
-    if "tokenizer" not in artifacts:
-        raise CheckpointError(f"model.pretrained_ckpt={path} holds no tokenizer: not a text pre-training run")
-    return {"tokenizer": artifacts["tokenizer"]}
+    return {"tokenizer": artifacts["tokenizer"]} if "tokenizer" in artifacts else {}
+
+
+def resolve_init_from(spec: str, log_dir: Path) -> Path:
+    """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
+    another library's saved model, a folder or file."""
+    if is_run_checkpoint(spec):
+        return resolve_pretrained(spec, log_dir)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model.init_from={spec}: no such file or directory")
+    return path
+
+
+def init_artifacts(path: str, target: str) -> dict[str, Any]:
+    """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
+    task ``target`` (``cfg.model._target_``)."""
+    if is_run_checkpoint(path):
+        return pretrained_artifacts(Path(path), target.rsplit(".", 1)[-1])
+    return {}
 
 
 def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -148,6 +148,7 @@ RENAMED: dict[str, tuple[str, str]] = {
     "context_length": ("max_len", ""),  # CLIP's TextTransformer
     "d_ff": ("mlp_ratio", RATIO),  # Transformer
     "mlp_dim": ("mlp_ratio", RATIO),  # Bert
+    "pretrained_ckpt": ("init_from", ""),  # TextClassificationTask
 }
 
 
