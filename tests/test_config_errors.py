@@ -500,6 +500,7 @@ RENAMED_CASES = [
     ("bert_pretrain_sst2", "+model.net.encoder.mlp_dim=64", "model.net.encoder.mlp_dim was renamed"),
     ("swin_fashion_mnist", "+model.net.n_heads=[1,2]", "model.net.n_heads was renamed model.net.n_head"),
     ("clip_pairs", "+model.net.text.context_length=8", "model.net.text.context_length was renamed"),
+    ("bert_finetune_sst2", "+model.pretrained_ckpt=x.ckpt", "model.pretrained_ckpt was renamed model.init_from"),
 ]
 
 
@@ -606,6 +607,7 @@ def test_a_run_saved_under_the_old_names_still_loads(kind, tmp_path, caplog):
         # saying nothing of the new name
         ("model.net.n_embd=64", "error: model.net.n_embd was renamed model.net.dim"),
         ("+model.net.n_layer=2", "error: model.net.n_layer was renamed model.net.depth"),
+        ("model.pretrained_ckpt=x.ckpt", "error: model.pretrained_ckpt was renamed model.init_from"),
     ],
 )
 def test_cli_bad_value_exits_2_with_one_line(tmp_path, override, message):

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 def load_initial_weights(net: nn.Module, spec: str) -> None:
     """``model.init_from``: copy the weights ``spec`` names into ``net``.
 
-    One of our runs' checkpoints gives its whole net when every tensor fits, else only its
-    encoder (a pre-trained BERT into a classifier, or a classifier with another number of
-    classes: the head starts fresh). Another library's saved model goes through its converter.
+    One of our runs' checkpoints gives its whole net, or only its encoder where the heads differ
+    (a pre-trained BERT into a classifier). A head of another size (another number of classes)
+    starts fresh, with a notice; any other tensor that does not fit is refused, named. Another
+    library's saved model goes through its converter (``attnlab.models.pretrained``).
     """
     if not is_run_checkpoint(spec):
         from attnlab.models.pretrained import load_pretrained
@@ -51,15 +52,18 @@ def load_initial_weights(net: nn.Module, spec: str) -> None:
         load_pretrained(net, spec)
         return
     path = resolve_pretrained(spec, Path("logs"))
-    state = {k.removeprefix("net."): v for k, v in load_checkpoint(path)["state_dict"].items()}
-    target, where = net, f"{path} (model.init_from)"
-    whole = state.keys() == net.state_dict().keys() and all(
-        v.shape == state[k].shape for k, v in net.state_dict().items()
-    )
-    if not whole and isinstance(getattr(net, "encoder", None), nn.Module):
+    saved = load_checkpoint(path)["state_dict"]
+    state = {k.removeprefix("net."): v for k, v in saved.items() if k.startswith("net.")}
+    target = net
+    if state.keys() != net.state_dict().keys() and isinstance(getattr(net, "encoder", None), nn.Module):
         state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
         target = net.encoder
-    check_fits(target, state, where)
+    own = target.state_dict()
+    fresh = [k for k, v in state.items() if k.startswith("head") and k in own and v.shape != own[k].shape]
+    if fresh:
+        log.info("model.init_from: %s differ in size from %s's: they start fresh", ", ".join(fresh), path)
+        state.update({k: own[k] for k in fresh})
+    check_fits(target, state, f"{path} (model.init_from)")
     target.load_state_dict(state)
     log.info("%s weights loaded from %s", "all" if target is net else "encoder", path)
 
