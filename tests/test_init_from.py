@@ -78,6 +78,6 @@ def test_a_body_tensor_that_does_not_fit_is_refused_by_name(tmp_path):
     _, path = saved_vit(tmp_path, num_classes=10, dim=24)
     with pytest.raises(
         CheckpointError,
-        match=r"\(model\.init_from\) does not match.*pos_embed: checkpoint \(1, 17, 24\) vs model \(1, 17, 48",
+        match=r"init_from\) does not match.*pos_embed: checkpoint \(1, 17, 24\) vs model \(1, 17, 48",
     ):
         load_initial_weights(VisionTransformer(**VIT, num_classes=10), path)
