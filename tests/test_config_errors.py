@@ -500,7 +500,7 @@ RENAMED_CASES = [
     ("bert_pretrain_sst2", "+model.net.encoder.mlp_dim=64", "model.net.encoder.mlp_dim was renamed"),
     ("swin_fashion_mnist", "+model.net.n_heads=[1,2]", "model.net.n_heads was renamed model.net.n_head"),
     ("clip_pairs", "+model.net.text.context_length=8", "model.net.text.context_length was renamed"),
-    ("bert_finetune_sst2", "+model.pretrained_ckpt=x.ckpt", "model.pretrained_ckpt was renamed model.init_from"),
+    ("bert_finetune_sst2", "+model.pretrained_ckpt=x.ckpt", "model.pretrained_ckpt was renamed"),
 ]
 
 
