@@ -265,14 +265,14 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
     pickle_dir = tmp_path / "pickled"
     pickle_dir.mkdir()
     torch.save({"w": torch.zeros(2), "plan": random.Random(0)}, pickle_dir / "pytorch_model.bin")
-    base = ["experiment=gpt2_finetune_shakespeare", f"data.data_dir={data}", *FAST]
+    base = ["experiment=gpt2_finetune_shakespeare", f"data.data_dir={data}", "data.block_size=16", *FAST]
     cases = [
         ([f"model.init_from={tmp_path / 'nowhere'}", *GPT_SIZES], "no such file or directory"),
         (["model.init_from=gpt2", *GPT_SIZES], "could not be fetched from the Hugging Face hub"),
         ([f"model.init_from={bert_dir}", *GPT_SIZES], "config.json describes a bert model"),
         (
             [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.net.dim=32"],
-            "transformer.wte.weight is (401, 16) but the model's embed.tokens.weight is (401, 32)",
+            "transformer.wte.weight is (400, 16) but the model's embed.tokens.weight is (400, 32)",
         ),
         ([f"model.init_from={pickle_dir}", *GPT_SIZES], "a pickle that holds more than tensors"),
     ]
