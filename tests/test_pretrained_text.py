@@ -15,7 +15,18 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from attnlab.cli.common import compose_train
-from conftest import QUIET, SHARED_DATA, assert_ok, assert_user_error, run_cli, run_dirs, run_main, write_sst2
+from conftest import (
+    QUIET,
+    assert_ok,
+    assert_user_error,
+    run_cli,
+    run_dirs,
+    run_main,
+    sentences,
+    write_hf_bert,
+    write_hf_gpt2,
+    write_sst2,
+)
 
 GPT_SIZES = ["model.net.dim=16", "model.net.depth=2", "model.net.n_head=2", "model.net.max_len=32"]
 BERT_SIZES = [
@@ -35,22 +46,6 @@ FAST = [
 ]
 
 
-def sentences(n: int = 300) -> list[str]:
-    """Lines of tinyshakespeare and SST-2 where the shared data is here, else generated ones."""
-    lines = []
-    for path in (SHARED_DATA / "tinyshakespeare" / "input.txt", SHARED_DATA / "sst2_glue" / "dev.tsv"):
-        if path.is_file():
-            lines += [s.split("\t")[0] for s in path.read_text(encoding="utf-8").splitlines() if s.strip()][
-                1 : n // 2
-            ]
-    rng = random.Random(0)
-    words = "the a film was good bad Romeo's love; what light! through yonder window's 42 café-au-lait"
-    words = words.split()
-    while len(lines) < n:
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(1, 14))))
-    return lines
-
-
 def write_shakespeare(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     text = "".join(f"ROMEO:\n{s}\n\n" for s in sentences(300)) * 2
@@ -60,58 +55,12 @@ def write_shakespeare(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory) -> Path:
-    """A random GPT2LMHeadModel with a byte-level BPE of GPT-2's kind (its <|endoftext|> too)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-
-    folder = tmp_path_factory.mktemp("gpt2")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(sentences(), trainer=trainer)
-    hf_tok = GPT2TokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    hf_tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, vocab_size=len(hf_tok))
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return folder
+    return write_hf_gpt2(tmp_path_factory.mktemp("gpt2"), dim=16, depth=2, n_head=2, max_len=32)
 
 
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory) -> Path:
-    """A random BertForSequenceClassification with a WordPiece vocabulary whose specials are not
-    at ids 0-4 (as BERT's: [UNK] 100, [CLS] 101, ...)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    folder = tmp_path_factory.mktemp("bert")
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    specials = ["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
-    tok.train_from_iterator(sentences() + ["the film was good and the plot too"] * 3, trainer=trainer)
-    hf_tok = BertTokenizerFast(tokenizer_object=tok)
-    hf_tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(hf_tok),
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        num_labels=2,
-    )
-    BertForSequenceClassification(config).save_pretrained(folder)
-    return folder
+    return write_hf_bert(tmp_path_factory.mktemp("bert"), dim=16, depth=2, n_head=2, max_len=64)
 
 
 def task_from(experiment: str, *overrides: str):
