@@ -224,13 +224,19 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
             "transformer.wte.weight is (400, 16) but the model's embed.tokens.weight is (400, 32)",
         ),
         ([f"model.init_from={pickle_dir}", *GPT_SIZES], "a pickle that holds more than tensors"),
+        ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.freeze=[embedding]"], "'embedding' names no"),
+        (
+            [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.lr_decay=1.5"],
+            "model.lr_decay must be in (0, 1]",
+        ),
     ]
     for overrides, needle in cases:
         proc = run_cli("train", [*base, *overrides], tmp_path)
         assert_user_error(proc, needle)
+        assert len([line for line in proc.stdout.splitlines() if "error:" in line]) == 1
 
 
-def test_export_refuses_a_non_empty_folder_and_a_net_without_counterpart(tmp_path):
+def test_export_refuses_a_folder_that_holds_files(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("")
     status, out = run_main("export", ["ckpt_path=whatever.ckpt", f"out={tmp_path / 'out'}"])
