@@ -275,3 +275,24 @@ def test_layer_wise_lr_decay_and_freezing(bert_dir):
     opt.step()
     assert all(names[n].grad is None and torch.equal(names[n], before[n]) for n in frozen)
     assert names["net.head.weight"].grad is not None
+
+
+def test_an_image_classifier_exports_to_onnx(tmp_path):
+    """The ONNX graph of a ViT run gives its logits in ONNX Runtime, for another batch size too."""
+    import onnxruntime
+
+    from attnlab.inference.runs import TrainedRun
+    from conftest import vision_overrides
+
+    args = ["experiment=vit_fashion_mnist", *vision_overrides("vit_fashion_mnist", tmp_path), *FAST]
+    assert_ok(run_cli("train", [*args, "~callbacks.ema"], tmp_path))
+    (run,) = run_dirs(tmp_path, "vit_fashion_mnist")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    status, out = run_main("export", [f"ckpt_path={ckpt}", f"out={tmp_path / 'onnx'}", "format=onnx"])
+    assert status == 0, out
+    images = torch.randn(3, 1, 28, 28)
+    session = onnxruntime.InferenceSession(str(tmp_path / "onnx" / "model.onnx"))
+    (logits,) = session.run(None, {"images": images.numpy()})
+    with torch.no_grad():
+        expected = TrainedRun(str(ckpt), tmp_path / "logs").net()(images)
+    torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-5, rtol=0)
