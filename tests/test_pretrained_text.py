@@ -5,6 +5,7 @@ ONNX Runtime too); their tokenizers give transformers' ids; bad inputs are one l
 
 from __future__ import annotations
 
+import copy
 import random
 import tempfile
 from pathlib import Path
@@ -100,7 +101,7 @@ def test_gpt2_imported_gives_transformers_logits_and_greedy_tokens(gpt2_dir):
     assert ours.tolist() == theirs.tolist()
 
 
-def test_bert_imported_gives_transformers_logits(bert_dir):
+def test_bert_imported_gives_transformers_logits(bert_dir, tmp_path):
     from transformers import BertForSequenceClassification
 
     task, tokenizer = task_from("bert_hf_finetune_sst2", f"model.init_from={bert_dir}", *BERT_SIZES)
@@ -115,6 +116,27 @@ def test_bert_imported_gives_transformers_logits(bert_dir):
     with torch.no_grad():
         theirs = hf(ids, attention_mask=(ids != tokenizer.pad_id).long()).logits
         torch.testing.assert_close(task.net(ids), theirs, atol=1e-5, rtol=0)
+
+    # Google's original files (bert-base-uncased's) name LayerNorm's parameters gamma and beta
+    from safetensors.torch import load_file, save_file
+
+    from attnlab.models.pretrained import load_pretrained
+
+    old_names = tmp_path / "gamma_beta"
+    old_names.mkdir()
+    state = load_file(bert_dir / "model.safetensors")
+    renamed = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in state.items()
+    }
+    save_file(renamed, old_names / "model.safetensors")
+    (old_names / "config.json").write_text((bert_dir / "config.json").read_text())
+    again = copy.deepcopy(task.net)
+    for p in again.parameters():
+        p.data.zero_()
+    load_pretrained(again, old_names)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), theirs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])

@@ -102,7 +102,9 @@ def mapped_from_hf(state: dict[str, Tensor], prefix: str) -> Mapped:
     out: Mapped = {}
     qkv: dict[tuple[str, str], dict[str, tuple[str, Tensor]]] = {}
     for theirs, value in state.items():
-        name = theirs.removeprefix("bert.")
+        # Google's original checkpoints (bert-base-uncased's files) name LayerNorm's gamma and beta
+        name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", theirs.removeprefix("bert."))
+        name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
         if m := _QKV.match(name):
             qkv.setdefault((m[1], m[3]), {})[m[2]] = (theirs, value)
             continue
@@ -111,8 +113,8 @@ def mapped_from_hf(state: dict[str, Tensor], prefix: str) -> Mapped:
                 out[prefix + re.sub(pattern, new, name)] = (theirs, value)
                 break
         for pattern, new in _HEAD_NAMES if prefix else ():
-            if re.match(pattern, theirs):
-                out[re.sub(pattern, new, theirs)] = (theirs, value)
+            if re.match(pattern, name):
+                out[re.sub(pattern, new, name)] = (theirs, value)
     for (layer, kind), parts in qkv.items():
         if len(parts) == 3:
             value = torch.cat([parts[p][1] for p in ("query", "key", "value")])
