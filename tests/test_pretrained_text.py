@@ -6,6 +6,7 @@ ONNX Runtime too); their tokenizers give transformers' ids; bad inputs are one l
 from __future__ import annotations
 
 import copy
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -231,6 +232,7 @@ def test_bert_recipe_fine_tunes_and_exports_to_transformers_and_onnx(bert_dir, t
 
 
 def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
+    vocab = json.loads((gpt2_dir / "config.json").read_text())["vocab_size"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = write_shakespeare(tmp_path / "shakespeare")
     pickle_dir = tmp_path / "pickled"
@@ -243,7 +245,7 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
         ([f"model.init_from={bert_dir}", *GPT_SIZES], "config.json describes a bert model"),
         (
             [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.net.dim=32"],
-            "transformer.wte.weight is (400, 16) but the model's embed.tokens.weight is (400, 32)",
+            f"transformer.wte.weight is ({vocab}, 16) but the model's embed.tokens.weight is ({vocab}, 32)",
         ),
         ([f"model.init_from={pickle_dir}", *GPT_SIZES], "a pickle that holds more than tensors"),
         ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.freeze=[embedding]"], "'embedding' names no"),
@@ -318,3 +320,23 @@ def test_an_image_classifier_exports_to_onnx(tmp_path):
     with torch.no_grad():
         expected = TrainedRun(str(ckpt), tmp_path / "logs").net()(images)
     torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-5, rtol=0)
+
+
+def test_a_head_of_another_size_starts_fresh_with_a_notice(bert_dir, caplog):
+    """2 classes in the file, 3 configured: the encoder is the file's, the head its own, said once."""
+    from transformers import BertModel
+
+    from attnlab.models import Bert, BertSequenceClassifier
+    from attnlab.models.pretrained import load_pretrained
+
+    vocab = json.loads((bert_dir / "config.json").read_text())["vocab_size"]
+    net = BertSequenceClassifier(
+        Bert(vocab_size=vocab, dim=16, depth=2, n_head=2, mlp_ratio=2.0, max_len=64), 3
+    )
+    head = net.head.weight.detach().clone()
+    with caplog.at_level("WARNING", logger="attnlab.pretrained"):
+        load_pretrained(net, bert_dir)
+    assert "head.weight (classifier.weight is (2, 16), the model's (3, 16))" in caplog.text
+    assert torch.equal(net.head.weight, head)
+    hf = BertModel.from_pretrained(bert_dir)
+    assert torch.equal(net.encoder.embed.tokens.tokens.weight, hf.embeddings.word_embeddings.weight)
