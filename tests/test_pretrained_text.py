@@ -200,6 +200,7 @@ def test_gpt2_recipe_fine_tunes_and_exports_to_transformers(gpt2_dir, tmp_path):
     assert not torch.equal(tuned, start)  # it trained
 
 
+@pytest.mark.slow
 def test_bert_recipe_fine_tunes_and_exports_to_transformers_and_onnx(bert_dir, tmp_path):
     import onnxruntime
     from transformers import AutoTokenizer, BertForSequenceClassification
@@ -301,6 +302,7 @@ def test_layer_wise_lr_decay_and_freezing(bert_dir):
     assert names["net.head.weight"].grad is not None
 
 
+@pytest.mark.slow
 def test_an_image_classifier_exports_to_onnx(tmp_path):
     """The ONNX graph of a ViT run gives its logits in ONNX Runtime, for another batch size too."""
     import onnxruntime
