@@ -414,3 +414,76 @@ def bert_overrides(experiment: str, tmp: Path) -> list[str]:
     if "pretrain" in experiment:  # 7 held-out documents each: shared out by 2 or 3 processes unevenly
         out += ["data.val_fraction=0.12", "data.test_fraction=0.12"]
     return out + (["model.init_from=null"] if "finetune" in experiment else [])
+
+
+def sentences(n: int = 300) -> list[str]:
+    """Lines of tinyshakespeare and SST-2 where the shared data is here, else generated ones."""
+    import random
+
+    lines = []
+    for path in (SHARED_DATA / "tinyshakespeare" / "input.txt", SHARED_DATA / "sst2_glue" / "dev.tsv"):
+        if path.is_file():
+            text = path.read_text(encoding="utf-8").splitlines()
+            lines += [s.split("\t")[0] for s in text if s.strip()][1 : n // 2]
+    rng = random.Random(0)
+    words = "the a film was good bad Romeo's love; what light! through yonder window's 42 café-au-lait"
+    while len(lines) < n:
+        lines.append(" ".join(rng.choice(words.split()) for _ in range(rng.randint(1, 14))))
+    return lines
+
+
+def write_hf_gpt2(folder: Path, dim: int, depth: int, n_head: int, max_len: int) -> Path:
+    """A random transformers GPT2LMHeadModel saved by ``save_pretrained``, with a byte-level BPE
+    of GPT-2's kind (its ``<|endoftext|>`` too) trained on ``sentences()``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(sentences(), trainer=trainer)
+    hf_tok = GPT2TokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    hf_tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=dim, n_layer=depth, n_head=n_head, n_positions=max_len, vocab_size=len(hf_tok))
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def write_hf_bert(
+    folder: Path, dim: int, depth: int, n_head: int, max_len: int, mlp_ratio: float = 2.0
+) -> Path:
+    """A random transformers BertForSequenceClassification saved by ``save_pretrained``, with a
+    WordPiece vocabulary whose specials are not at ids 0-4 (as BERT's: [UNK] 100, [CLS] 101, ...)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(sentences() + ["the film was good and the plot too"] * 3, trainer=trainer)
+    hf_tok = BertTokenizerFast(tokenizer_object=tok)
+    hf_tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=dim,
+        num_hidden_layers=depth,
+        num_attention_heads=n_head,
+        intermediate_size=int(mlp_ratio * dim),
+        max_position_embeddings=max_len,
+        num_labels=2,
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder

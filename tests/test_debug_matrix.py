@@ -73,6 +73,8 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
         return bert_overrides(experiment, tmp)
     if experiment.startswith("clip_"):
         return clip_overrides(experiment, tmp)
+    if experiment.startswith("gpt2_"):  # GPT-2's architecture, tiny, from scratch (not the hub's)
+        return [*GPT_TINY, "data.block_size=16", "model.init_from=null"]
     if not experiment.startswith(("gpt_", "nmt_")):
         return vision_overrides(experiment, tmp)
     if experiment.startswith("gpt_"):

@@ -33,7 +33,17 @@ from hydra import compose, initialize_config_dir
 
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.shards import prepare
-from conftest import QUIET, ROOT, blank_image, run_cli, run_main, write_image_folder, write_pairs
+from conftest import (
+    QUIET,
+    ROOT,
+    blank_image,
+    run_cli,
+    run_main,
+    write_hf_bert,
+    write_hf_gpt2,
+    write_image_folder,
+    write_pairs,
+)
 from test_debug_matrix import GPT_TINY, tiny_overrides
 
 README = ROOT / "README.md"
@@ -73,6 +83,12 @@ ENTRY_EXPERIMENT = {
 PREREQUISITE = {
     "deit_fashion_mnist": ("convnet_fashion_mnist", "model.distillation.teacher"),
     "bert_finetune_sst2": ("bert_pretrain_sst2", "model.init_from"),
+}
+# experiments that start from another library's weights (a hub name, offline here): a random model
+# of that family, saved by transformers at the tiny overrides' sizes, stands in for the hub's
+PRETRAINED = {
+    "gpt2_finetune_shakespeare": lambda d: write_hf_gpt2(d, dim=32, depth=1, n_head=2, max_len=16),
+    "bert_hf_finetune_sst2": lambda d: write_hf_bert(d, dim=16, depth=1, n_head=2, max_len=512),
 }
 
 
@@ -246,6 +262,12 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
     for a in cmd.args:
         key, eq, value = a.partition("=")
         if key == "data.data_dir" and (value == "..." or value.startswith("../shared/data/")):
+            continue
+        if key == "model.init_from" and cmd.experiment in PRETRAINED:
+            folder = cwd / f"hf_{cmd.experiment}"
+            if not folder.exists():
+                PRETRAINED[cmd.experiment](folder)
+            out.append(f"{key}={folder}")
             continue
         if value == "..." and key == "ckpt_path":
             value = "logs/.../last.ckpt"

@@ -16,12 +16,12 @@ MASK = "[MASK]"
 def encode_sentence(tokenizer: WordPieceTokenizer, text: str, max_len: int) -> list[int]:
     """``[CLS] text [SEP]`` cut to ``max_len`` tokens. ``[MASK]`` in the text becomes the mask
     token (WordPiece alone would split it into "[", "mask", "]")."""
-    ids = [WordPieceTokenizer.cls_id]
+    ids = [tokenizer.cls_id]
     for k, part in enumerate(text.split(MASK)):
         if k:
-            ids.append(WordPieceTokenizer.mask_id)
+            ids.append(tokenizer.mask_id)
         ids += tokenizer.encode(part)
-    return ids[: max_len - 1] + [WordPieceTokenizer.sep_id]
+    return ids[: max_len - 1] + [tokenizer.sep_id]
 
 
 @torch.no_grad()
@@ -32,12 +32,14 @@ def fill_mask(
     if MASK not in text:
         raise DataError(f"text={text!r} has no {MASK} to fill")
     ids = torch.tensor([encode_sentence(tokenizer, text, max_len)], device=next(net.parameters()).device)
-    masked = ids == WordPieceTokenizer.mask_id
+    masked = ids == tokenizer.mask_id
     if not masked.any():
         raise DataError(f"text={text!r}: every {MASK} lies beyond the model's {max_len} tokens")
     logits, _ = net(ids, torch.zeros_like(ids), masked)  # (N, V)
     probs = logits.float().softmax(-1)
-    probs[:, : len(WordPieceTokenizer.specials)] = 0.0  # a filling is a word piece, not a special
+    probs[:, [getattr(tokenizer, f"{s}_id") for s in ("pad", "unk", "cls", "sep", "mask")]] = (
+        0.0  # a filling is a word piece, not a special
+    )
     top = probs.topk(min(top_k, probs.size(-1)), dim=-1)
     return [
         [(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]
@@ -62,7 +64,7 @@ def classify_sentences(
     out: list[tuple[str, float]] = []
     for start in range(0, len(sentences), batch_size):
         rows = [encode_sentence(tokenizer, s, max_len) for s in sentences[start : start + batch_size]]
-        ids = pad(rows, WordPieceTokenizer.pad_id).to(next(net.parameters()).device)
+        ids = pad(rows, tokenizer.pad_id).to(next(net.parameters()).device)
         probs = net(ids, torch.zeros_like(ids)).float().softmax(-1)
         p, k = probs.max(-1)
         out += [(classes[i], v) for i, v in zip(k.tolist(), p.tolist(), strict=True)]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
+from attnlab.tasks.optim import freeze as freeze_parameters
 from attnlab.utils.checkpoint import check_fits, is_run_checkpoint, load_checkpoint, resolve_pretrained
 
 # Methods that tasks and callbacks call on a net besides ``forward``, the same number of times on
@@ -80,6 +81,9 @@ class Task(L.LightningModule):
         init_from: weights to start from: one of our runs' checkpoints (or the name of a task
             whose newest run's ``last.ckpt``), or another library's saved model (transformers,
             timm, open_clip: ``attnlab.models.pretrained``); ``None``: from scratch.
+        lr_decay: layer-wise learning-rate decay for fine-tuning: each block ``lr_decay`` times the
+            rate of the one above it, the head at the full rate (``tasks.optim.param_groups``).
+        freeze: parameters never trained, as dotted prefixes of their names (``[embed, blocks.0]``).
     """
 
     def __init__(
@@ -90,13 +94,16 @@ class Task(L.LightningModule):
         weight_decay: float = 0.0,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.net = net
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.weight_decay, self.compile_net = weight_decay, compile
+        self.weight_decay, self.compile_net, self.lr_decay = weight_decay, compile, lr_decay
         if init_from:
             load_initial_weights(net, init_from)
+        freeze_parameters(net, list(freeze or []))
 
     def setup(self, stage: str) -> None:
         if self.compile_net and stage == "fit":
@@ -134,5 +141,10 @@ class Task(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
         return build_optimizers(
-            self, self.optimizer_factory, self.scheduler_factory, self.weight_decay, scaler is not None
+            self,
+            self.optimizer_factory,
+            self.scheduler_factory,
+            self.weight_decay,
+            scaler is not None,
+            self.lr_decay,
         )

@@ -49,12 +49,14 @@ class ImageClassificationTask(Task):
         weight_decay: float = 0.05,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
         label_smoothing: float = 0.0,
         distillation: HardDistillation | None = None,
         plot_images: int = 4,
         plot_dir: str | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         check_probability("model", label_smoothing=label_smoothing)
         if distillation is not None:
             distillation.check_student(net)

@@ -102,10 +102,12 @@ class ContrastiveTask(Task):
         weight_decay: float = 0.1,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
         plot_pairs: int = 8,
         plot_dir: str | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
         self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
         self.val_acc_best.persistent(True)

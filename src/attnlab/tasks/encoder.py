@@ -42,8 +42,10 @@ class EncoderTask(Task):
         init_from: str | None,
         plot_sentences: int,
         plot_dir: str | None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})
         self.val_best = MinMetric() if self.best[1] == "min" else MaxMetric()

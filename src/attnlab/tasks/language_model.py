@@ -33,8 +33,10 @@ class LanguageModelTask(Task):
         weight_decay: float = 0.0,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
         self.val_loss_best = MinMetric()

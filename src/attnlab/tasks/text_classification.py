@@ -43,11 +43,22 @@ class TextClassificationTask(EncoderTask):
         weight_decay: float = 0.01,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
     ) -> None:
         super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, plot_sentences, plot_dir
+            net,
+            optimizer,
+            scheduler,
+            weight_decay,
+            compile,
+            init_from,
+            plot_sentences,
+            plot_dir,
+            lr_decay,
+            freeze,
         )
 
     def make_metrics(self) -> dict[str, Metric]:

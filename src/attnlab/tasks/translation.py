@@ -72,9 +72,11 @@ class TranslationTask(Task):
         plot_dir: str | None = None,
         compile: bool = False,
         init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
         compile_loss: bool = False,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from)
+        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         self.compile_loss = compile_loss
         self._train_loss_fn = cross_entropy
         if not 0.0 <= label_smoothing < 1.0:

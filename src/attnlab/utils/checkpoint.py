@@ -212,21 +212,64 @@ def pretrained_artifacts(path: Path, task: str) -> dict[str, Any]:
 
 def resolve_init_from(spec: str, log_dir: Path) -> Path:
     """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
-    another library's saved model, a folder or file."""
-    if is_run_checkpoint(spec):
-        return resolve_pretrained(spec, log_dir)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model.init_from={spec}: no such file or directory")
-    return path
+    another library's saved model, a folder or file, or, when nothing here has that name, a
+    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online."""
+    try:
+        if is_run_checkpoint(spec):
+            return resolve_pretrained(spec, log_dir)
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise CheckpointError(f"model.init_from={spec}: no such file or directory")
+        return path
+    except CheckpointError as e:
+        if spec.endswith(".ckpt") or Path(spec).expanduser().exists() or not is_hub_name(spec):
+            raise
+        return download_from_hub(spec, str(e))
+
+
+def is_hub_name(spec: str) -> bool:
+    """Whether ``spec`` could name a Hugging Face hub repository (``name`` or ``owner/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return not spec.startswith((".", "/", "~"))
+
+
+def download_from_hub(repo_id: str, not_here: str) -> Path:
+    """The hub repository's weights, config and tokenizer files (safetensors, JSON and text only:
+    never a pickle or code), fetched into Hugging Face's cache; offline or unknown: one line
+    that also says what ``not_here`` found missing locally."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json", "*.txt"])
+    except Exception as e:  # offline, unknown repository, gated, network: all one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CheckpointError(
+            f"{not_here}; and {repo_id!r} could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {reason})"
+        ) from e
+    log.info("model.init_from=%s: the hub's files in %s", repo_id, folder)
+    return Path(folder)
 
 
 def init_artifacts(path: str, target: str) -> dict[str, Any]:
     """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
-    task ``target`` (``cfg.model._target_``)."""
+    task ``target`` (``cfg.model._target_``): a run's, or that of another library's folder
+    (``attnlab.data.text.tokenizers.import_tokenizer``)."""
     if is_run_checkpoint(path):
         return pretrained_artifacts(Path(path), target.rsplit(".", 1)[-1])
-    return {}
+    from attnlab.data.text.tokenizers import import_tokenizer
+
+    tokenizer = import_tokenizer(Path(path))
+    if tokenizer is None:
+        log.warning("model.init_from=%s has no tokenizer files: the data fits a tokenizer of its own", path)
+        return {}
+    log.info("model.init_from=%s: its %s tokenizer (%d tokens)", path, tokenizer.kind, tokenizer.vocab_size)
+    return {"tokenizer": tokenizer.to_json()}
 
 
 def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 Item = tuple[list[int], list[int], Any]  # ids, segment ids, label(s)
 
 
-def collate(split: list[Item], idx: list[int]) -> dict[str, Tensor]:
+def collate(split: list[Item], pad_id: int, idx: list[int]) -> dict[str, Tensor]:
     """The padded batch of ``split``'s examples ``idx``."""
     items = [split[i] for i in idx]
     labels = [it[2] for it in items]
     return {
-        "ids": pad([it[0] for it in items], WordPieceTokenizer.pad_id),
+        "ids": pad([it[0] for it in items], pad_id),
         "segments": pad([it[1] for it in items], 0),
         "labels": pad(labels, -100) if isinstance(labels[0], list) else torch.tensor(labels),
     }
@@ -105,7 +105,7 @@ class LabelledTextDataModule(DataModule):
 
     def model_kwargs(self) -> dict[str, Any]:
         return {
-            "encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id},
+            "encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": self.tokenizer.pad_id},
             "num_classes": self.num_classes,
         }
 
@@ -156,7 +156,7 @@ class LabelledTextDataModule(DataModule):
         else:
             sampler = self.eval_sampler(lengths, self.max_tokens, split)
         return DataLoader(
-            Batches(partial(collate, items), sampler),
+            Batches(partial(collate, items, self.tokenizer.pad_id), sampler),
             sampler=sampler,
             batch_size=None,
             num_workers=self.num_workers,
@@ -208,7 +208,7 @@ class SentenceClassificationDataModule(LabelledTextDataModule):
             if examples[0].text_pair is not None
             else None
         )
-        tok, items = WordPieceTokenizer, []
+        tok, items = self.tokenizer, []
         for n, e in enumerate(examples):
             if not 0 <= e.label < self.num_classes:
                 raise DataError(
@@ -244,7 +244,7 @@ class TokenClassificationDataModule(LabelledTextDataModule):
 
     def encode(self, examples: list[Any], path: Path) -> list[Item]:
         index = {c: i for i, c in enumerate(self.classes)}
-        tok, items = WordPieceTokenizer, []
+        tok, items = self.tokenizer, []
         for words, tags in examples:
             unknown = sorted(set(tags) - set(index))
             if unknown:

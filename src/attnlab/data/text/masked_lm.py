@@ -228,6 +228,12 @@ class MaskedLMDataModule(DataModule):
         train = [docs[i] for i in order[n_val + n_test :]]
         if self.tokenizer is None:
             self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size)
+        tok = self.tokenizer
+        if (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) != tuple(range(N_SPECIALS)):
+            raise DataError(
+                "MLM pre-training here needs a vocabulary with its specials at ids 0-4 (one trained "
+                "here); an imported BERT vocabulary is for the classification tasks"
+            )
         self.train_docs, self.val_docs, self.test_docs = map(self._encode, (train, val, test))
         if not (self.train_docs and self.val_docs and self.test_docs):
             raise DataError(

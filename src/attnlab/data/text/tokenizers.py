@@ -1,13 +1,15 @@
-"""Tokenizers that turn text into ids and back, and serialise into checkpoints as JSON."""
+"""Tokenizers that turn text into ids and back, and serialise into checkpoints as JSON; and
+transformers' saved tokenizers (GPT-2's byte-level BPE, BERT's WordPiece) imported as ours."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, DataError
 
 
 class CharTokenizer:
@@ -51,10 +53,12 @@ class HFTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        """The ids of ``text`` alone: the specials an imported tokenizer's post-processor would add
+        (BERT's ``[CLS]``/``[SEP]``) are the data's to place."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -113,13 +117,25 @@ class SubwordTokenizer(HFTokenizer):
 
 class WordPieceTokenizer(HFTokenizer):
     """BERT's WordPiece: lower-cased, split at spaces and punctuation, words cut into pieces
-    ("##" marks a continuation). Ids 0-4 are ``[PAD] [UNK] [CLS] [SEP] [MASK]``; ``encode`` adds
-    none of them (the data builds ``[CLS] A [SEP] B [SEP]`` itself), ``decode`` drops them."""
+    ("##" marks a continuation), with the specials ``[PAD] [UNK] [CLS] [SEP] [MASK]``; ``encode``
+    adds none of them (the data builds ``[CLS] A [SEP] B [SEP]`` itself), ``decode`` drops them.
+    One trained here has them as ids 0-4 (the class's ids); an imported vocabulary where its file
+    puts them (BERT's: 0, 100, 101, 102, 103), which the instance's ids say."""
 
     kind = "wordpiece"
     skip_special_tokens = True
     specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
     pad_id, unk_id, cls_id, sep_id, mask_id = 0, 1, 2, 3, 4
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        ids = {t: tokenizer.token_to_id(t) for t in self.specials}
+        if missing := [t for t, i in ids.items() if i is None]:
+            raise DataError(
+                f"the WordPiece vocabulary has no {', '.join(missing)} "
+                f"(BERT needs {', '.join(self.specials)})"
+            )
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = ids.values()
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> WordPieceTokenizer:
@@ -183,3 +199,44 @@ def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:
         if state["kind"] == cls.kind:
             return cls(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")
+
+
+def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | None:
+    """transformers' saved tokenizer in ``folder`` as ours, through HF ``tokenizers``: its
+    ``tokenizer.json``, else GPT-2's ``vocab.json`` + ``merges.txt`` or BERT's ``vocab.txt``
+    (lower-cased unless ``tokenizer_config.json`` says ``do_lower_case: false``); ``None`` when the
+    folder has none of them. A byte-level BPE becomes a ``BPETokenizer``, a WordPiece a
+    ``WordPieceTokenizer``; ids are the file's, so they index the weights' embedding table."""
+    folder = folder if folder.is_dir() else folder.parent
+    try:
+        if (folder / "tokenizer.json").is_file():
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+        elif (folder / "vocab.txt").is_file():
+            tok = Tokenizer(models.WordPiece.from_file(str(folder / "vocab.txt"), unk_token="[UNK]"))
+            tok.normalizer = normalizers.BertNormalizer(lowercase=_lower_case(folder))
+            tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+            tok.decoder = decoders.WordPiece()
+        else:
+            return None
+    except Exception as e:  # tokenizers raises its own Exception subclass for a malformed file
+        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
+        raise DataError(f"model.init_from={folder}: its tokenizer files are unreadable ({reason})") from e
+    tok.no_padding()
+    tok.no_truncation()
+    kind = type(tok.model).__name__
+    if kind == "BPE":
+        return BPETokenizer(tok)
+    if kind == "WordPiece":
+        return WordPieceTokenizer(tok)
+    raise DataError(f"model.init_from={folder}: a {kind} tokenizer (GPT-2's BPE and BERT's WordPiece import)")
+
+
+def _lower_case(folder: Path) -> bool:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return True
+    return bool(json.loads(config.read_text(encoding="utf-8")).get("do_lower_case", True))

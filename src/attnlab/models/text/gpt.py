@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.nn import KVCache, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_positive_number, check_probability
+from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 
 class GPT(nn.Module):
@@ -39,6 +40,7 @@ class GPT(nn.Module):
         dropout: dropout on embeddings, attention weights and residual branches.
         bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
         attn_impl: "auto", "sdpa" or "math" attention (see ``attnlab.nn.attention``).
+        gelu: the MLP's GELU, "exact" (nanoGPT) or "tanh" (GPT-2's approximation, for its weights).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         attn_impl: AttentionImpl = "auto",
+        gelu: Literal["exact", "tanh"] = "exact",
     ) -> None:
         super().__init__()
         check_positive(
@@ -64,6 +67,7 @@ class GPT(nn.Module):
         )
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
         check_probability("model.net", dropout=dropout)
+        check_choice("model.net", "gelu", gelu, ("exact", "tanh"))
         self.vocab_size, self.max_len = vocab_size, max_len
         self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
         self.blocks = nn.ModuleList(
@@ -76,6 +80,7 @@ class GPT(nn.Module):
                 bias=bias,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
                 norm_layer=partial(nn.LayerNorm, bias=bias),
+                act_layer=partial(nn.GELU, approximate="none" if gelu == "exact" else "tanh"),
             )
             for _ in range(depth)
         )

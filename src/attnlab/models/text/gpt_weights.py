@@ -1,0 +1,140 @@
+"""GPT-2 (transformers' ``GPT2LMHeadModel``) weights into our GPT, and our GPT out as one.
+
+The layouts are the same network: GPT-2 keeps its linear layers as ``Conv1D`` (weights stored
+(in, out), ours (out, in): transposed), packs q, k, v into one ``c_attn`` as ours packs them into
+``in_proj``, and ties its output layer to the token table as ours does. Our GPT is GPT-2 with
+``bias: true`` and ``gelu: tanh`` (``conf/model/net/gpt2.yaml``); any of ours exports (a GPT without
+biases has them zero, an exact GELU is transformers' ``gelu``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.errors import CheckpointError
+from attnlab.models.hf_files import (
+    Mapped,
+    load_mapped,
+    read_config,
+    read_weights,
+    require_architecture,
+    require_value,
+    write_folder,
+)
+from attnlab.models.text.hf_tokenizer import write_tokenizer
+
+# GPT-2's names (after "transformer."), ours, and whether GPT-2 stores the weight transposed
+_NAMES = (
+    ("wte.weight", "embed.tokens.weight", False),
+    ("wpe.weight", "embed.positions.emb.weight", False),
+    ("h.{i}.ln_1.{p}", "blocks.{i}.norm1.{p}", False),
+    ("h.{i}.attn.c_attn.{p}", "blocks.{i}.attn.in_proj.{p}", True),
+    ("h.{i}.attn.c_proj.{p}", "blocks.{i}.attn.out_proj.{p}", True),
+    ("h.{i}.ln_2.{p}", "blocks.{i}.norm2.{p}", False),
+    ("h.{i}.mlp.c_fc.{p}", "blocks.{i}.mlp.fc1.{p}", True),
+    ("h.{i}.mlp.c_proj.{p}", "blocks.{i}.mlp.fc2.{p}", True),
+    ("ln_f.{p}", "norm.{p}", False),
+)
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(
+        re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    )
+
+
+_FROM_HF = [(_pattern(theirs), ours, t) for theirs, ours, t in _NAMES]
+_TO_HF = [(_pattern(ours), theirs, t) for theirs, ours, t in _NAMES]
+
+
+def _rename(name: str, table: list) -> tuple[str, bool] | None:
+    for pattern, template, transposed in table:
+        if m := pattern.fullmatch(name):
+            return template.format(**m.groupdict()), transposed
+    return None
+
+
+def state_from_hf(state: dict[str, Tensor]) -> Mapped:
+    """A ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> ours, each with the name it had."""
+    out: Mapped = {}
+    for theirs, value in state.items():
+        if renamed := _rename(theirs.removeprefix("transformer."), _FROM_HF):
+            ours, transposed = renamed
+            out[ours] = (theirs, value.t() if transposed else value)
+    return out
+
+
+def state_to_hf(net: nn.Module) -> dict[str, Tensor]:
+    """Our GPT's state dict as ``GPT2LMHeadModel``'s; a bias ours leaves out (``bias: false``) is
+    written as zeros, which is the same layer."""
+    ours = net.state_dict()
+    out: dict[str, Tensor] = {}
+    for name, value in ours.items():
+        theirs, transposed = _rename(name, _TO_HF)
+        out[f"transformer.{theirs}"] = value.t() if transposed else value
+        bias = name.removesuffix("weight") + "bias"
+        if name.endswith(".weight") and bias not in ours and (renamed := _rename(bias, _TO_HF)):
+            out[f"transformer.{renamed[0]}"] = torch.zeros(value.shape[0], dtype=value.dtype)
+    out["lm_head.weight"] = ours["embed.tokens.weight"]
+    return out
+
+
+def _gelu(net: nn.Module) -> str:
+    return "tanh" if net.blocks[0].mlp.act.approximate == "tanh" else "exact"
+
+
+def load(net: nn.Module, source: Path) -> None:
+    """A transformers GPT-2 folder (or weights file) into ``net``."""
+    config = read_config(source)
+    require_architecture(config, source, ("gpt2",), "GPT")
+    wanted = _ACTIVATIONS.get(config.get("activation_function", "gelu_new"), "another activation")
+    if wanted != _gelu(net):
+        raise CheckpointError(
+            f"model.init_from={source}: config.json's activation_function is "
+            f"{config.get('activation_function', 'gelu_new')!r}; set model.net.gelu={wanted} "
+            "(conf/model/net/gpt2.yaml is GPT-2)"
+        )
+    require_value(
+        config, source, "layer_norm_epsilon", net.norm.eps, f"our GPT's LayerNorm eps is {net.norm.eps}"
+    )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        require_value(config, source, key, False, "our GPT's attention does not do that")
+    mapped = state_from_hf(read_weights(source))
+    if net.norm.bias is None and "norm.bias" in mapped:
+        raise CheckpointError(
+            f"model.init_from={source}: GPT-2 has biases; set model.net.bias=true "
+            "(conf/model/net/gpt2.yaml is GPT-2)"
+        )
+    load_mapped(net, mapped, source)
+
+
+def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
+    """``net`` as a ``GPT2LMHeadModel`` folder: config.json, model.safetensors, the tokenizer."""
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": net.vocab_size,
+        "n_positions": net.max_len,
+        "n_embd": net.norm.normalized_shape[0],
+        "n_layer": len(net.blocks),
+        "n_head": net.blocks[0].attn.n_head,
+        "n_inner": net.blocks[0].mlp.fc1.out_features,
+        "activation_function": "gelu_new" if _gelu(net) == "tanh" else "gelu",
+        "layer_norm_epsilon": net.norm.eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    tokenizer = write_tokenizer(artifacts, out_dir, "gpt2", net.max_len)
+    if tokenizer:
+        config.update(tokenizer)
+    state = state_to_hf(net)
+    del state["lm_head.weight"]  # tied: transformers fills it from the token table
+    write_folder(out_dir, config, state)
