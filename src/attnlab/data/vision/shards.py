@@ -327,14 +327,9 @@ class ShardStream(IterableDataset):
                     got[i] = record
                 else:
                     pending = None
-                g = (
-                    torch.Generator().manual_seed(
-                        ((self.seed * 1_000_003 + epoch) * 1_000_003 + self.rank * self.lanes + lane)
-                        * 1_000_003
-                        + first
-                    )
-                    % 2**63
-                )
+                slot = self.rank * self.lanes + lane
+                block_seed = ((self.seed * 1_000_003 + epoch) * 1_000_003 + slot) * 1_000_003 + first
+                g = torch.Generator().manual_seed(block_seed % 2**63)
                 order = (begin + first * b + torch.randperm((last - first) * b, generator=g)).tolist()
                 for jj in range(max(j, first), last):
                     indices = order[(jj - first) * b : (jj - first + 1) * b]
@@ -415,3 +410,59 @@ class ShardRecords(Dataset):
         except DataError as e:
             self.bad(str(e))
             return None
+
+
+# ---- preparing ----------------------------------------------------------------------------------
+
+
+def prepare_images(
+    folder: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    val_size: int = 1000,
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+    seed: int = 1337,
+) -> dict[str, Any]:
+    """An ImageFolder tree (``folder/train/<class>/<image>``, optional ``folder/test/...``) into
+    classification shards: ``val_size`` training images carved out (seeded) as the val split."""
+    from attnlab.data.vision.files import carve, scan_image_folder
+
+    found, classes = scan_image_folder(str(folder))
+    files = {**carve(*found["train"], val_size, seed), **{k: v for k, v in found.items() if k == "test"}}
+    splits = {s: image_folder_items(*files[s]) for s in SPLITS if s in files}
+    meta = {"kind": "cls", "classes": classes, "source": str(folder)}
+    return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
+
+
+def prepare_pairs(
+    pairs_file: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    val_size: int = 1000,
+    test_file: str | os.PathLike | None = None,
+    image_key: str = "image",
+    caption_key: str = "caption",
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+    seed: int = 1337,
+) -> dict[str, Any]:
+    """Image-caption rows (CSV with a header, or JSONL; image paths relative to the file) into
+    CLIP shards (``key.jpg`` + ``key.txt``): ``val_size`` rows carved out (seeded) as the val split,
+    ``test_file``'s rows (if any) the test split."""
+    from attnlab.data.multimodal.image_text import read_pairs
+
+    def rows(path: Path) -> tuple[list[Path], list[str]]:
+        found = read_pairs(path, image_key, caption_key)
+        return [path.parent / image for image, _, _ in found], [text for _, text, _ in found]
+
+    files, texts = rows(Path(pairs_file))
+    if val_size >= len(files):
+        raise ConfigError(
+            f"--val-size ({val_size}) must be smaller than the {len(files)} rows of {pairs_file}"
+        )
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    pick = lambda idx: caption_items([files[i] for i in idx], [texts[i] for i in idx])  # noqa: E731
+    splits = {"train": pick(order[val_size:]), "val": pick(order[:val_size])}
+    if test_file is not None:
+        splits["test"] = caption_items(*rows(Path(test_file)))
+    meta = {"kind": "txt", "source": str(pairs_file)}
+    return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
