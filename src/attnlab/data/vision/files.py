@@ -33,6 +33,7 @@ from attnlab.data.vision.shards import (
     decode_image,
     image_bytes,
     read_shard,
+    stream_loader,
 )
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_choice, check_positive, check_probability
@@ -424,14 +425,3 @@ class ImageFilesDataModule(DataModule):
         return self.eval_loader(
             self.splits["test"], self.batch_size, "test", collate_readable, self.num_workers
         )
-
-
-def stream_loader(stream: ShardStream, num_workers: int, seed: int) -> DataLoader:
-    """A loader of a stream's batches (made in the workers: ``batch_size=None``)."""
-    return DataLoader(
-        stream,
-        batch_size=None,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-    )

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from attnlab.data import sampling
 from attnlab.data.sampling import example_seed
@@ -361,6 +361,17 @@ class ShardStream(IterableDataset):
         worker = info.id if info else 0
         k = self.start + worker  # this worker's first batch of the rank's stream
         yield from self.lane_batches(k % self.lanes, k // self.lanes)
+
+
+def stream_loader(stream: ShardStream, num_workers: int, seed: int) -> DataLoader:
+    """A loader of a stream's batches (made in the workers: ``batch_size=None``)."""
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 class ShardRecords(Dataset):
