@@ -59,6 +59,16 @@ def check_image(data: bytes, where: str) -> None:
         raise DataError(f"{where}: not a readable image ({e})") from None
 
 
+def check_out(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` if shards can be written there: it must not exist or be empty."""
+    out = Path(out_dir)
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out}: exists and is not empty; choose another folder")
+    return out
+
+
 def write_shards(
     splits: dict[str, Iterable[tuple[Path, dict[str, bytes]]]],
     out_dir: str | os.PathLike,
@@ -78,11 +88,7 @@ def write_shards(
         raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
     if not isinstance(shard_records, int) or shard_records < 1:
         raise ConfigError(f"shard_records must be a positive integer, got {shard_records!r}")
-    out = Path(out_dir)
-    if (out / MANIFEST).exists():
-        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
-    if out.exists() and any(out.iterdir()):
-        raise DataError(f"{out}: exists and is not empty; choose another folder")
+    out = check_out(out_dir)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -438,7 +444,12 @@ def prepare_images(
     classification shards: ``val_size`` training images carved out (seeded) as the val split."""
     from attnlab.data.vision.files import carve, scan_image_folder
 
+    check_out(out_dir)
     found, classes = scan_image_folder(str(folder))
+    if val_size >= len(found["train"][0]):
+        raise ConfigError(
+            f"--val-size ({val_size}) must be smaller than the {len(found['train'][0])} training images"
+        )
     files = {**carve(*found["train"], val_size, seed), **{k: v for k, v in found.items() if k == "test"}}
     splits = {s: image_folder_items(*files[s]) for s in SPLITS if s in files}
     meta = {"kind": "cls", "classes": classes, "source": str(folder)}
@@ -465,6 +476,7 @@ def prepare_pairs(
         found = read_pairs(path, image_key, caption_key)
         return [path.parent / image for image, _, _ in found], [text for _, text, _ in found]
 
+    check_out(out_dir)
     files, texts = rows(Path(pairs_file))
     if val_size >= len(files):
         raise ConfigError(
