@@ -125,7 +125,7 @@ def test_two_ranks_of_two_workers_read_each_record_of_an_epoch_once(tmp_path, mo
     seen = []
     for rank in range(2):
         stream = key_stream(s, batch=2, lanes=2, rank=rank, world=2)
-        assert len(stream) == 4  # 16 records / (2 ranks x 2 per batch)
+        assert stream.batches_per_epoch() == 4  # 16 records / (2 ranks x 2 per batch)
         seen += [k for batch in loader_order(stream, 4, monkeypatch) for k in batch]
     assert sorted(seen) == list(range(16))  # the whole epoch (keys 0-15: train is written first), none twice
     # the next epoch: the same records again, in another order
@@ -263,7 +263,7 @@ def test_a_corrupt_record_and_an_empty_shard_are_named_then_refused_or_skipped(t
         )
         dm.setup("fit")
         it = iter(dm.train_dataloader())
-        return [next(it) for _ in range(len(dm.train_dataloader().dataset))]
+        return [next(it) for _ in range(dm.train_dataloader().dataset.batches_per_epoch())]
 
     with pytest.raises(
         DataError,

@@ -290,8 +290,10 @@ class ShardStream(IterableDataset):
         self.per_lane = self.records // (batch_size * self.world * self.lanes)
         self.start = 0
 
-    def __len__(self) -> int:
-        """Batches of one epoch on this rank."""
+    def batches_per_epoch(self) -> int:
+        """Batches of one epoch on this rank. (Not ``__len__``: to Lightning the stream is endless,
+        as ``ShardWindows`` is; were it an epoch long, Lightning would start the stream anew each
+        epoch, and the workers' copies with it.)"""
         return self.per_lane * self.lanes
 
     def epoch_order(self, epoch: int) -> list[Shard]:
