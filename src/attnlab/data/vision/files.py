@@ -104,10 +104,18 @@ class EvalTransform:
         return TF.center_crop(image, [self.img_size, self.img_size])
 
 
+# TrivialAugment (Müller & Hutter, 2021) in timm's RandAugment terms: one op per image, always
+# applied, its magnitude drawn uniformly (mstd > 100), severity increasing with magnitude
+TRIVIAL_AUGMENT = "rand-n1-m9-mstd101-p1-inc1"
+
+
 class TrainTransform:
     """PIL image -> (C, S, S) uint8 through timm's training transform (``create_transform``'s
-    random resized crop, flip and auto-augmentation; its normalisation and erasing run later, on
-    the batch). Augmented in RGB (timm's policies fill with an RGB mean), converted after."""
+    random resized crop and flip, then ``auto_augment``: RandAugment ``rand-...``, AugMix
+    ``augmix-...`` or AutoAugment ``original``/``v0``, built as ``create_transform`` builds them);
+    normalisation and erasing run later, on the batch. Augmented in RGB (timm's policies fill with
+    an RGB mean), converted after. RandAugment's magnitude is capped at 9 (``RandAugment`` in
+    classification.py says why)."""
 
     def __init__(
         self,
@@ -119,25 +127,35 @@ class TrainTransform:
         mean: list,
     ) -> None:
         from timm.data import create_transform
+        from timm.data.auto_augment import (
+            augment_and_mix_transform,
+            auto_augment_transform,
+            rand_augment_transform,
+        )
 
-        rgb_mean = tuple(mean) * 3 if len(mean) == 1 else tuple(mean)
-        try:
-            primary, secondary, _ = create_transform(
-                (3, img_size, img_size),
-                is_training=True,
-                scale=tuple(scale),
-                hflip=hflip,
-                color_jitter=0.0,  # colour changes come from auto_augment, when asked for
-                auto_augment=auto_augment,
-                mean=rgb_mean,
-                separate=True,
-            )
-        except (AssertionError, ValueError, KeyError, IndexError) as e:
-            raise ConfigError(
-                f"data.auto_augment={auto_augment!r} is not a timm policy (e.g. 'rand-m9-mstd0.5', "
-                f"'trivialaugment', 'original'): {e}"
-            ) from e
-        self.transforms = [*primary.transforms, *secondary.transforms]
+        primary, _, _ = create_transform(
+            (3, img_size, img_size), is_training=True, scale=tuple(scale), hflip=hflip, separate=True
+        )
+        self.transforms = list(primary.transforms)
+        if auto_augment:
+            rgb_mean = tuple(mean) * 3 if len(mean) == 1 else tuple(mean)
+            hparams = {
+                "translate_const": int(img_size * 0.45),
+                "img_mean": tuple(round(255 * m) for m in rgb_mean),
+                "magnitude_max": 9,
+            }
+            make = auto_augment_transform
+            if auto_augment.startswith("rand"):
+                make = rand_augment_transform
+            elif auto_augment.startswith("augmix"):
+                make = augment_and_mix_transform
+            try:
+                self.transforms.append(make(auto_augment, hparams))
+            except (AssertionError, ValueError, KeyError, IndexError) as e:
+                raise ConfigError(
+                    f"data.auto_augment={auto_augment!r} is not a timm policy (e.g. 'rand-m9-mstd0.5', "
+                    f"TrivialAugment '{TRIVIAL_AUGMENT}', 'original'): {e}"
+                ) from e
         self.mode = "L" if in_chans == 1 else "RGB"
 
     def __call__(self, img: Image.Image) -> Tensor:
@@ -198,8 +216,8 @@ class ImageFilesDataModule(DataModule):
         batch_size: images per batch (per rank).
         scale: the area range of timm's random resized crop.
         hflip: probability of a horizontal flip.
-        auto_augment: a timm policy: "rand-m9-mstd0.5" (RandAugment), "trivialaugment",
-            "augmix-m5-w3", "original" (AutoAugment), or ``None``.
+        auto_augment: a timm policy: "rand-m9-mstd0.5" (RandAugment), TrivialAugment
+            (``TRIVIAL_AUGMENT``), "augmix-m5-w3", "original" (AutoAugment), or ``None``.
         mean, std: per-channel normalisation; ``None``: measured on the validation images.
         random_erasing, mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: as
             ``ImageClassificationDataModule`` (per batch, on the device).
