@@ -310,49 +310,26 @@ class ImageFilesDataModule(DataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        if self.source == "folder":
-            found, self.classes = scan_image_folder(self.data_dir)
-            files = {**carve(*found["train"], self.val_size, self.seed), **found}
-            first = files["val"][0][0]
-            self._fix_size(first.read_bytes(), str(first))
-            make = lambda split, t: ImageFiles(*files[split], t, self.bad, self.seed)  # noqa: E731
-            self.splits["val"] = make("val", self._eval_transform())
-            if "test" in files:
-                self.splits["test"] = make("test", self._eval_transform())
-        else:
-            self.shards = ImageShards(self.shards_dir)
-            if self.shards.kind != "cls" or not self.classes_of_shards():
-                raise DataError(
-                    f"{self.shards_dir}: not classification shards (key.jpg + key.cls); see its manifest"
-                )
-            self.classes = self.classes_of_shards()
-            if not self.shards.count("val"):
-                raise DataError(f"{self.shards_dir}: no validation records (prepare with --val-size > 0)")
-            first = next(read_shard(self.shards.splits["val"][0], 0, self.bad))
-            self._fix_size(image_bytes(first), f"{first['__url__']}: record {first['__key__']}")
-            for split in ("val", "test"):
-                if self.shards.count(split):
-                    decode = self._decode(self._eval_transform())
-                    self.splits[split] = ShardRecords(self.shards.splits[split], decode, self.bad)
-        self.splits.setdefault("test", self.splits["val"])
+        train = self._setup_folder() if self.source == "folder" else self._setup_shards()
+        if "test" not in self.splits:
+            log.warning("%s has no test split: the test stage scores the validation split", self.data_dir)
+            self.splits["test"] = self.splits["val"]
         if self.mean is None:
-            sample = collate_readable(
-                [self.splits["val"][i] for i in range(min(512, len(self.splits["val"])))]
-            )
+            val = self.splits["val"]
+            sample = collate_readable([val[i] for i in range(min(512, len(val)))])
             mean, std = channel_stats(sample[0])
             self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
-        train_transform = TrainTransform(
+        self.train_transform = TrainTransform(
             self.img_size, self.in_chans, self.scale, self.hflip, self.auto_augment, self.mean
         )
-        if self.source == "folder":
-            self.splits["train"] = ImageFiles(*files["train"], train_transform, self.bad, self.seed)
+        if train is not None:
+            self.splits["train"] = ImageFiles(*train, self.train_transform, self.bad, self.seed)
         if self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]:
             self.mixup = Mixup(**self.mixup_args, label_smoothing=0.0, num_classes=len(self.classes))
-        self.train_transform = train_transform
         log.info(
             "%s: %d train / %d val / %d test images at %dx%d, %d channel(s), %d classes",
             self.data_dir or self.shards_dir,
-            len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
+            len(self.splits["train"]) if train is not None else self.shards.count("train"),
             len(self.splits["val"]),
             len(self.splits["test"]),
             self.img_size,
@@ -361,8 +338,33 @@ class ImageFilesDataModule(DataModule):
             len(self.classes),
         )
 
-    def classes_of_shards(self) -> list[str] | None:
-        return self.shards.classes
+    def _setup_folder(self) -> tuple[list[Path], list[int]]:
+        """The val and test splits of the folder; returns the training files and labels."""
+        found, self.classes = scan_image_folder(self.data_dir)
+        files = {**carve(*found["train"], self.val_size, self.seed), **found}
+        first = files["val"][0][0]
+        self._fix_size(first.read_bytes(), str(first))
+        for split in ("val", "test"):
+            if split in files:
+                self.splits[split] = ImageFiles(*files[split], self._eval_transform(), self.bad)
+        return files["train"]
+
+    def _setup_shards(self) -> None:
+        """The val and test splits of the shards (training streams them: ``train_dataloader``)."""
+        self.shards = ImageShards(self.shards_dir)
+        if self.shards.kind != "cls" or not self.shards.classes:
+            raise DataError(
+                f"{self.shards_dir}: not classification shards (key.jpg + key.cls); see its manifest"
+            )
+        self.classes = self.shards.classes
+        if not self.shards.count("val"):
+            raise DataError(f"{self.shards_dir}: no validation records (prepare with --val-size > 0)")
+        first = next(read_shard(self.shards.splits["val"][0], 0, self.bad))
+        self._fix_size(image_bytes(first), f"{first['__url__']}: record {first['__key__']}")
+        for split in ("val", "test"):
+            if self.shards.count(split):
+                decode = self._decode(self._eval_transform())
+                self.splits[split] = ShardRecords(self.shards.splits[split], decode, self.bad)
 
     def _fix_size(self, data: bytes | None, where: str) -> None:
         """``img_size`` and ``in_chans`` from the first validation image where not given."""
