@@ -308,11 +308,11 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
     with pytest.raises(
         DataError,
         match=r"2 of 12 listed images are missing or unreadable \(first: .*img0.png\); "
-        "set data.on_missing=skip",
+        "set data.on_bad_record=skip",
     ):
         strict.setup("fit")
     lenient = ImageTextDataModule(
-        source="pairs", pairs_file=str(path), img_size=8, val_size=3, on_missing="skip"
+        source="pairs", pairs_file=str(path), img_size=8, val_size=3, on_bad_record="skip"
     )
     with caplog.at_level("WARNING"):
         lenient.setup("fit")

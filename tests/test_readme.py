@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.shards import prepare
+from attnlab.data.vision.shards import prepare_images, prepare_pairs
 from conftest import (
     QUIET,
     ROOT,
@@ -251,8 +252,14 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
             writers[name](cwd / name)
     shards = next((a.partition("=")[2] for a in args if a.startswith("data.shards_dir=")), None)
     if shards and not (cwd / shards).exists():  # what attnlab-prepare would have written there
-        (cwd / "corpus.txt").write_text(python_docs())
-        prepare([str(cwd / "corpus.txt")], cwd / shards, val_tokens=5000, test_tokens=5000, progress=False)
+        if "data=image_shards" in args:
+            prepare_images(write_image_folder(cwd / "shard_images"), cwd / shards, val_size=4)
+        elif "data=image_text_shards" in args:
+            prepare_pairs(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
+        else:
+            (cwd / "corpus.txt").write_text(python_docs())
+            corpus = [str(cwd / "corpus.txt")]
+            prepare(corpus, cwd / shards, val_tokens=5000, test_tokens=5000, progress=False)
 
 
 def concrete(cmd: Command, cwd: Path) -> list[str]:
@@ -421,7 +428,8 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
     elif cmd.entry == "prepare":  # reads the files it names, needs no run
         write_inputs(cmd.args, tmp_path)
         cwd = tmp_path
-        status, out = run_in(cwd, "prepare", list(cmd.args))
+        tiny = ["--val-size", "4"] if cmd.args[0] in ("images", "pairs") else []  # of 24 images
+        status, out = run_in(cwd, "prepare", [*cmd.args, *tiny])
     elif cmd.entry == "compare":
         cwd = workspaces.compare()
         status, out = run_in(cwd, "compare", concrete(cmd, cwd))

@@ -6,9 +6,11 @@ from attnlab.data.text.language_modeling import TextDataModule
 from attnlab.data.text.masked_lm import MaskedLMDataModule
 from attnlab.data.text.translation import TranslationDataModule
 from attnlab.data.vision.classification import ImageClassificationDataModule
+from attnlab.data.vision.files import ImageFilesDataModule
 
 __all__ = [
     "ImageClassificationDataModule",
+    "ImageFilesDataModule",
     "ImageTextDataModule",
     "MaskedLMDataModule",
     "SentenceClassificationDataModule",

@@ -164,7 +164,8 @@ class ImageClassificationTask(Task):
         data = self.trainer.datamodule
         split = data.splits["val"]
         n = min(self.plot_images, len(split))
-        raw = split.images[:n]  # the first validation images: the same ones every time
+        items = [split[i] for i in range(n)]  # the first validation images: the same ones every time
+        raw = torch.stack([x for x, _ in items])
         images = data.normalize(raw.to(self.device))
         maps = {k: v.float().cpu() for k, v in self.net.patch_attention(images).items()}
         predicted = self.net(images).argmax(-1).tolist()
@@ -172,7 +173,8 @@ class ImageClassificationTask(Task):
             return
         classes = self._classes()
         captions = [
-            f"{classes[t]} -> {classes[p]}" for t, p in zip(split.labels[:n].tolist(), predicted, strict=True)
+            f"{classes[t]} -> {classes[p]}"
+            for t, p in zip([int(y) for _, y in items], predicted, strict=True)
         ]
         fig = attention_overlay_figure(raw.float() / 255, maps, captions)
         if self.plot_dir:

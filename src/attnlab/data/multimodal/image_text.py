@@ -21,12 +21,23 @@ from attnlab.data.sampling import Key, example_seed
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
 from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.data.vision.shards import (
+    BadRecords,
+    ImageShards,
+    Record,
+    ShardRecords,
+    ShardStream,
+    decode_image,
+    image_bytes,
+    read_shard,
+    stream_loader,
+)
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("fashion_mnist", "mnist", "pairs")
+SOURCES = ("fashion_mnist", "mnist", "pairs", "shards")
 
 
 class GeneratedCaptions(Dataset):
@@ -59,6 +70,12 @@ class GeneratedCaptions(Dataset):
         return self.images[i], self.caption(key), int(self.labels[i])
 
 
+def square(image: Tensor, img_size: int) -> Tensor:
+    """(C, H, W) uint8 -> (C, S, S): the shorter side resized to S, the centre cropped."""
+    image = TF.resize(image, img_size, antialias=True)
+    return TF.center_crop(image, [img_size, img_size])
+
+
 class CaptionedFiles(Dataset):
     """(uint8 image, caption, -1) from image files, decoded and resized when read."""
 
@@ -75,8 +92,7 @@ class CaptionedFiles(Dataset):
         i = key if isinstance(key, int) else key[1]  # a training draw's (epoch, index): nothing random here
         with Image.open(self.paths[i]) as im:
             image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
-        image = TF.resize(image, self.img_size, antialias=True)
-        return TF.center_crop(image, [self.img_size, self.img_size]), self.captions[i], -1
+        return square(image, self.img_size), self.captions[i], -1
 
 
 def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str, int]]:
@@ -113,15 +129,21 @@ class ImageTextDataModule(DataModule):
 
     Sources: "fashion_mnist" / "mnist" (the IDX files; captions from the label and measured
     attributes, ``attnlab.data.multimodal.captions``; the held-out prompt templates and the class
-    names serve zero-shot evaluation), or "pairs" (``pairs_file``: CSV with a header, or JSONL;
-    image paths relative to the file; labels unknown, so no zero-shot).
+    names serve zero-shot evaluation), "pairs" (``pairs_file``: CSV with a header, or JSONL;
+    image paths relative to the file; labels unknown, so no zero-shot) or "shards" (``shards_dir``:
+    tar shards of ``key.jpg`` + ``key.txt`` from ``attnlab-prepare pairs``, streamed in training as
+    ``ImageFilesDataModule`` streams them; the tokenizer is fitted on the first
+    ``fit_captions`` training captions).
 
     Args:
         source: see above.
         data_dir, cache_dir, url: the IDX files (as ``ImageClassificationDataModule``).
         pairs_file, test_file: the "pairs" rows; test rows default to the validation split.
         image_key, caption_key: the columns (fields) of a pairs file.
-        on_missing: "skip" or "error": what to do with listed images that are missing or unreadable.
+        shards_dir, fit_captions: the "shards" folder; how many captions fit the tokenizer.
+        on_bad_record: "error" or "skip": listed images that are missing or unreadable, shard
+            records that do not decode, shards that break off (one line naming the file and
+            record; with "skip" a warning, counted, the rest trained on).
         img_size, in_chans: pairs images are converted and resized to these (the IDX sources keep
             their own: 28x28, one channel).
         val_size: items carved (seeded) out of the training split.
@@ -143,7 +165,9 @@ class ImageTextDataModule(DataModule):
         test_file: str | None = None,
         image_key: str = "image",
         caption_key: str = "caption",
-        on_missing: str = "error",
+        shards_dir: str | None = None,
+        fit_captions: int = 100_000,
+        on_bad_record: str = "error",
         img_size: int = 64,
         in_chans: int = 3,
         val_size: int = 5000,
@@ -157,7 +181,7 @@ class ImageTextDataModule(DataModule):
     ) -> None:
         super().__init__()
         check_choice("data", "source", source, SOURCES)
-        check_choice("data", "on_missing", on_missing, ("skip", "error"))
+        check_choice("data", "on_bad_record", on_bad_record, ("skip", "error"))
         check_positive(
             "data",
             img_size=img_size,
@@ -172,6 +196,10 @@ class ImageTextDataModule(DataModule):
             raise ConfigError(
                 f"data.context_length must be >= 3 (<sot>, a token, <eot>), got {context_length}"
             )
+        if source == "shards" and shards_dir is None:
+            raise ConfigError(
+                "data.shards_dir: a folder written by attnlab-prepare pairs is needed with data.source=shards"
+            )
         if source == "pairs" and pairs_file is None:
             raise ConfigError(
                 "data.pairs_file: a CSV or JSONL file of image-caption rows is needed with data.source=pairs"
@@ -183,7 +211,9 @@ class ImageTextDataModule(DataModule):
             image_key,
             caption_key,
         )
-        self.on_missing, self.img_size, self.in_chans = on_missing, img_size, in_chans
+        self.on_bad_record, self.img_size, self.in_chans = on_bad_record, img_size, in_chans
+        self.shards_dir, self.fit_captions, self.bad = shards_dir, fit_captions, BadRecords(on_bad_record)
+        self.shards: ImageShards | None = None
         self.val_size, self.batch_size, self.context_length = val_size, batch_size, context_length
         self.vocab_size, self.crop_padding, self.hflip = vocab_size, crop_padding, hflip
         self.num_workers, self.seed = num_workers, seed
@@ -226,13 +256,16 @@ class ImageTextDataModule(DataModule):
     # --- loading ---------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        if self.source != "pairs" and self.data_dir is None:  # download once, on one process
+        if (
+            self.source in ("fashion_mnist", "mnist") and self.data_dir is None
+        ):  # download once, on one process
             load_idx_dataset(self.source, None, self.cache_dir, self.url)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        corpus = self._setup_generated() if self.source != "pairs" else self._setup_pairs()
+        setups = {"pairs": self._setup_pairs, "shards": self._setup_shards}
+        corpus = setups.get(self.source, self._setup_generated)()
         if self.tokenizer is None:
             self.tokenizer = CaptionTokenizer.fit(corpus, self.vocab_size)
         _, self.truncated = self.tokenizer.encode_captions(corpus, self.context_length)
@@ -246,7 +279,7 @@ class ImageTextDataModule(DataModule):
         log.info(
             "%s: %d train / %d val / %d test pairs, a %d-token caption vocabulary",
             self.source,
-            len(self.splits["train"]),
+            len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
             len(self.splits["val"]),
             len(self.splits["test"]),
             self.tokenizer.vocab_size,
@@ -300,8 +333,8 @@ class ImageTextDataModule(DataModule):
         if bad:
             what = f"{where}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
             what += f" (first: {bad[0]})"
-            if self.on_missing == "error":
-                raise DataError(f"{what}; set data.on_missing=skip to leave them out")
+            if self.on_bad_record == "error":
+                raise DataError(f"{what}; set data.on_bad_record=skip to leave them out")
             log.warning("%s: skipped", what)
         if not paths:
             raise DataError(f"{where}: none of the listed images can be read")
@@ -328,10 +361,54 @@ class ImageTextDataModule(DataModule):
             self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
         return files[0].captions
 
+    def _setup_shards(self) -> list[str]:
+        self.shards = ImageShards(self.shards_dir)
+        if self.shards.kind != "txt":
+            raise DataError(
+                f"{self.shards_dir}: not image-caption shards (key.jpg + key.txt); see its manifest"
+            )
+        if not self.shards.count("val"):
+            raise DataError(f"{self.shards_dir}: no validation records (prepare with --val-size > 0)")
+        for split in ("val", "test"):
+            if self.shards.count(split):
+                self.splits[split] = ShardRecords(self.shards.splits[split], self.decode_record, self.bad)
+        self.splits.setdefault("test", self.splits["val"])
+        if self.mean is None:
+            val = self.splits["val"]
+            sample = [x for x in (val[i] for i in range(min(len(val), 512))) if x is not None]
+            mean, std = channel_stats(torch.stack([image for image, _, _ in sample]))
+            self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
+        return self._shard_captions()
+
+    def _shard_captions(self) -> list[str]:
+        """The first ``fit_captions`` training captions (read past the images, not decoded)."""
+        out: list[str] = []
+        for shard in self.shards.splits["train"]:
+            for record in read_shard(shard, 0, self.bad):
+                if "txt" in record:
+                    out.append(record["txt"].decode("utf-8", errors="replace").strip())
+                if len(out) >= self.fit_captions:
+                    return out
+        if not out:
+            raise DataError(f"{self.shards_dir}: no training captions")
+        return out
+
+    def decode_record(self, record: Record, where: str, seed: int | None = None) -> tuple[Tensor, str, int]:
+        """A shard record -> (uint8 (C, S, S) image, caption, -1); nothing random (augmentation
+        runs on the batch)."""
+        try:
+            text = record["txt"].decode("utf-8").strip()
+        except (KeyError, UnicodeDecodeError):
+            raise DataError(f"{where}: no UTF-8 caption (.txt)") from None
+        if not text:
+            raise DataError(f"{where}: empty caption")
+        img = decode_image(image_bytes(record), where, "L" if self.in_chans == 1 else "RGB")
+        return square(TF.pil_to_tensor(img), self.img_size), text, -1
+
     # --- batches ---------------------------------------------------------------------------
 
-    def collate(self, items: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
-        images, texts, labels = zip(*items, strict=True)
+    def collate(self, items: list[tuple[Tensor, str, int] | None]) -> tuple[Tensor, Tensor, Tensor]:
+        images, texts, labels = zip(*[x for x in items if x is not None], strict=True)  # None: skipped
         tokens, _ = self.tokenizer.encode_captions(list(texts), self.context_length)
         return torch.stack(images), tokens, torch.tensor(labels)
 
@@ -345,6 +422,21 @@ class ImageTextDataModule(DataModule):
         return self.normalize(images), tokens, labels
 
     def train_dataloader(self) -> DataLoader:
+        if self.source == "shards":
+            rank, world = self.rank_world()
+            stream = ShardStream(
+                self.shards.splits["train"],
+                self.batch_size,
+                self.decode_record,
+                self.collate,
+                self.seed,
+                lanes=self.num_workers,
+                rank=rank,
+                world=world,
+                on_bad_record=self.on_bad_record,
+            )
+            stream.start = self.train_batches_consumed
+            return stream_loader(stream, self.num_workers, self.seed)
         sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
         return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler, self.collate)
 

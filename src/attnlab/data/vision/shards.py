@@ -1,0 +1,493 @@
+"""Images in tar shards, open_clip's webdataset layout: ``key.jpg`` (or ``.png``) with ``key.cls``
+(a class index) for classification, or with ``key.txt`` (a caption) for CLIP; a ``manifest.json``
+lists each split's shards with their record counts, sizes and sha256, and the class names.
+
+Written once (``attnlab-prepare images|pairs``); training streams the shards in order, each loader
+worker of each rank reading one contiguous part of every epoch (``ShardStream``); validation and
+test read records by their offsets in the tar (``ShardRecords``), a map-style split that
+``DataModule.eval_loader`` shares out exactly. The tar files are read through ``webdataset``'s
+tar iterators, so any shard open_clip or img2dataset writes in this layout reads here too.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import logging
+import os
+import shutil
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from attnlab.data import sampling
+from attnlab.data.sampling import example_seed
+from attnlab.data.text.shards import file_sha256
+from attnlab.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val", "test")
+IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
+ON_BAD_RECORD = ("error", "skip")
+
+Record = dict[str, Any]  # webdataset's sample: {"__key__": ..., "jpg": bytes, "cls": bytes, ...}
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def image_ext(path: Path) -> str:
+    ext = path.suffix.lower().lstrip(".")
+    return "jpg" if ext == "jpeg" else ext
+
+
+def check_image(data: bytes, where: str) -> None:
+    """Raise ``DataError`` naming ``where`` unless ``data`` decodes as an image."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{where}: not a readable image ({e})") from None
+
+
+def check_out(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` if shards can be written there: it must not exist or be empty."""
+    out = Path(out_dir)
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out}: exists and is not empty; choose another folder")
+    return out
+
+
+def write_shards(
+    splits: dict[str, Iterable[tuple[Path, dict[str, bytes]]]],
+    out_dir: str | os.PathLike,
+    meta: dict[str, Any],
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+) -> dict[str, Any]:
+    """Write each split's ``(image file, {ext: bytes})`` items into tar shards of at most
+    ``shard_records`` records in ``out_dir``, with a manifest (``meta`` plus the shards); return it.
+
+    Images that do not decode are refused, or skipped and counted with ``on_bad_record=skip``.
+    Everything goes into ``<out_dir>.partial``, moved into place with its manifest at the end: an
+    interrupted write leaves no half-written shard where a reader would take it for whole."""
+    import webdataset as wds
+
+    if on_bad_record not in ON_BAD_RECORD:
+        raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    if not isinstance(shard_records, int) or shard_records < 1:
+        raise ConfigError(f"shard_records must be a positive integer, got {shard_records!r}")
+    out = check_out(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    entries: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    skipped: list[str] = []
+    key = 0
+    for split, items in splits.items():
+        writer, shard = None, None
+        for path, fields in items:
+            try:
+                check_image(fields[image_ext(path)], str(path))
+            except DataError as e:
+                if on_bad_record == "error":
+                    raise DataError(f"{e}; set --on-bad-record skip to leave such images out") from None
+                log.warning("%s: skipped", e)
+                skipped.append(str(path))
+                continue
+            if writer is None or shard["count"] == shard_records:
+                if writer is not None:
+                    writer.close()
+                shard = {"file": f"{split}-{len(entries[split]):06d}.tar", "count": 0}
+                entries[split].append(shard)
+                writer = wds.TarWriter(str(partial / shard["file"]))
+            writer.write({"__key__": f"{key:09d}", **fields})
+            shard["count"] += 1
+            key += 1
+        if writer is not None:
+            writer.close()
+        for shard in entries[split]:
+            shard["bytes"] = (partial / shard["file"]).stat().st_size
+            shard["sha256"] = file_sha256(partial / shard["file"])
+    manifest = {"version": 1, **meta, "splits": entries, "skipped": skipped}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(partial, out)
+    return manifest
+
+
+def image_folder_items(files: list[Path], labels: list[int]) -> Iterator[tuple[Path, dict[str, bytes]]]:
+    for path, label in zip(files, labels, strict=True):
+        yield path, {image_ext(path): path.read_bytes(), "cls": str(label).encode()}
+
+
+def caption_items(files: list[Path], captions: list[str]) -> Iterator[tuple[Path, dict[str, bytes]]]:
+    for path, text in zip(files, captions, strict=True):
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            data = b""  # refused or skipped by the image check, naming the file
+            log.debug("%s: %s", path, e)
+        yield path, {image_ext(path): data, "txt": text.encode()}
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    count: int
+
+
+class ImageShards:
+    """A prepared folder: its manifest (kind, classes) and each split's shards, checked for presence
+    and size (``verify``: their sha256 too)."""
+
+    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise DataError(f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare images|pairs")
+        try:
+            self.manifest = json.loads(path.read_text())
+            self.kind: str = self.manifest["kind"]
+            entries = self.manifest["splits"]
+            self.splits = {
+                s: [Shard(self.folder / e["file"], int(e["count"])) for e in entries.get(s, [])]
+                for s in SPLITS
+            }
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+        for split in SPLITS:
+            for shard, entry in zip(self.splits[split], entries.get(split, []), strict=True):
+                if not shard.path.is_file():
+                    raise DataError(f"{shard.path}: a shard the manifest lists is missing")
+                if shard.path.stat().st_size != entry["bytes"]:
+                    raise DataError(
+                        f"{shard.path}: {shard.path.stat().st_size} bytes, but the manifest says "
+                        f"{entry['bytes']}; truncated or replaced?"
+                    )
+                if verify and file_sha256(shard.path) != entry["sha256"]:
+                    raise DataError(
+                        f"{shard.path}: its sha256 differs from the manifest's; corrupt or replaced"
+                    )
+
+    @property
+    def classes(self) -> list[str] | None:
+        return self.manifest.get("classes")
+
+    def count(self, split: str) -> int:
+        return sum(s.count for s in self.splits[split])
+
+
+def image_bytes(record: Record) -> bytes | None:
+    return next((record[e] for e in IMAGE_EXTS if e in record), None)
+
+
+class BadRecords:
+    """What to do with a record that cannot be read: ``error`` raises one line naming the shard and
+    the record; ``skip`` logs that line and counts it (per process)."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in ON_BAD_RECORD:
+            raise ConfigError(f"data.on_bad_record must be 'error' or 'skip', got {policy!r}")
+        self.policy, self.skipped = policy, 0
+
+    def __call__(self, message: str) -> None:
+        if self.policy == "error":
+            raise DataError(f"{message}; set data.on_bad_record=skip to leave such records out")
+        self.skipped += 1
+        log.warning("%s: skipped (%d so far in this process)", message, self.skipped)
+
+
+def read_shard(shard: Shard, skip: int, bad: BadRecords) -> Iterator[Record]:
+    """The records of one shard after the first ``skip`` (read past, not decoded), through
+    webdataset's tar iterators. A shard that breaks off or holds fewer records than its manifest
+    says is reported (``bad``) once, naming the last record read."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    seen, last, error = 0, None, None
+
+    def handler(exn: Exception) -> bool:
+        nonlocal error
+        error = exn
+        return False  # a tar stream cannot be picked up after a broken record: stop this shard
+
+    with open(shard.path, "rb") as f:
+        files = tar_file_expander([{"url": str(shard.path), "stream": f}], handler=handler)
+        for record in group_by_keys(files, handler=handler):
+            seen += 1
+            last = record["__key__"]
+            if seen > skip:
+                yield record
+    if error is not None or seen < shard.count:
+        where = f"after record {last}" if last else "at its start"
+        why = f"({type(error).__name__}: {error.args[0] if error.args else ''})" if error else ""
+        bad(f"{shard.path}: broken off {where}, {seen} of {shard.count} records read {why}".rstrip())
+
+
+def decode_image(data: bytes | None, where: str, mode: str | None) -> Image.Image:
+    """Image bytes -> a PIL image in ``mode`` ("L" or "RGB"; ``None``: as stored); ``DataError``
+    naming ``where``."""
+    if data is None:
+        raise DataError(f"{where}: no image (expected a .jpg, .png, .jpeg or .webp file)")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return im.convert(mode) if mode else im.copy()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{where}: not a readable image ({e})") from None
+
+
+class ShardStream(IterableDataset):
+    """Endless training batches from tar shards, each epoch every record at most once over all
+    ranks and workers, resumable at any batch.
+
+    Epoch ``e`` is the shards in an order seeded by ``(seed, e)``, their records in order. It is
+    cut into ``world * lanes`` contiguous spans of ``per_lane`` batches; rank ``r``'s lane ``l``
+    reads span ``r * lanes + l`` from start to end, sequentially (the remainder, fewer records than
+    one batch per span, is left out of that epoch). A rank's batch ``k`` is batch ``k // lanes`` of
+    lane ``k % lanes``: loader worker ``w`` draws batches ``start + w, start + w + lanes, ...``
+    (the loader takes them round-robin), all of one lane, so a resumed run (``start``: the batches
+    its checkpoint had consumed) reads exactly the batches the uninterrupted run would have. Records
+    are shuffled within blocks of ``shuffle_batches`` batches of a lane (seeded per block).
+
+    ``decode(record, where, seed)`` turns a record into an item (``DataError`` if it cannot), its
+    random draws seeded by ``seed`` (of the run, the epoch and the record's place); ``collate``
+    a list of items into a batch. Bad records leave their batch smaller (``bad`` says or stops).
+    """
+
+    def __init__(
+        self,
+        shards: list[Shard],
+        batch_size: int,
+        decode: Callable[[Record, str], Any],
+        collate: Callable[[list[Any]], Any],
+        seed: int,
+        lanes: int = 1,
+        rank: int = 0,
+        world: int = 1,
+        shuffle_batches: int = 16,
+        on_bad_record: str = "error",
+    ) -> None:
+        self.shards, self.batch_size, self.decode, self.collate = shards, batch_size, decode, collate
+        self.seed, self.lanes, self.rank, self.world = seed, max(1, lanes), rank, world
+        self.shuffle_batches, self.bad = shuffle_batches, BadRecords(on_bad_record)
+        self.records = sum(s.count for s in shards)
+        self.per_lane = self.records // (batch_size * self.world * self.lanes)
+        self.start = 0
+
+    def batches_per_epoch(self) -> int:
+        """Batches of one epoch on this rank. (Not ``__len__``: to Lightning the stream is endless,
+        as ``ShardWindows`` is; were it an epoch long, Lightning would start the stream anew each
+        epoch, and the workers' copies with it.)"""
+        return self.per_lane * self.lanes
+
+    def epoch_order(self, epoch: int) -> list[Shard]:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+        return [self.shards[i] for i in torch.randperm(len(self.shards), generator=g).tolist()]
+
+    def span(self, epoch: int, lane: int, first: int, last: int) -> Iterator[Record]:
+        """Records ``first..last - 1`` of lane ``lane``'s span of ``epoch``."""
+        begin = (self.rank * self.lanes + lane) * self.per_lane * self.batch_size
+        lo, hi = begin + first, begin + last
+        offset = 0
+        for shard in self.epoch_order(epoch):
+            if offset + shard.count > lo and offset < hi:
+                skip = max(0, lo - offset)
+                for i, record in enumerate(read_shard(shard, skip, self.bad), offset + skip):
+                    if i >= hi:
+                        break
+                    yield i, record
+            offset += shard.count
+            if offset >= hi:
+                return
+
+    def lane_batches(self, lane: int, start: int) -> Iterator[Any]:
+        """Lane ``lane``'s batches from its ``start``-th on, epoch after epoch."""
+        b, block = self.batch_size, self.shuffle_batches
+        begin = (self.rank * self.lanes + lane) * self.per_lane * b  # the span's first record
+        epoch, j = divmod(start, self.per_lane)
+        while True:
+            opening = (j // block) * block  # the shuffle block holding batch j
+            records = self.span(epoch, lane, opening * b, self.per_lane * b)  # read on, sequentially
+            pending: tuple[int, Record] | None = None
+            for first in range(opening, self.per_lane, block):
+                last = min(first + block, self.per_lane)
+                got: dict[int, Record] = {}
+                for i, record in itertools.chain([pending] if pending else [], records):
+                    if i >= begin + last * b:
+                        pending = (i, record)
+                        break
+                    got[i] = record
+                else:
+                    pending = None
+                slot = self.rank * self.lanes + lane
+                block_seed = ((self.seed * 1_000_003 + epoch) * 1_000_003 + slot) * 1_000_003 + first
+                g = torch.Generator().manual_seed(block_seed % 2**63)
+                order = (begin + first * b + torch.randperm((last - first) * b, generator=g)).tolist()
+                for jj in range(max(j, first), last):
+                    indices = order[(jj - first) * b : (jj - first + 1) * b]
+                    yield self._batch(got, indices, epoch, f"batch {jj} of epoch {epoch}")
+            epoch, j = epoch + 1, 0
+
+    def _batch(self, records: dict[int, Record], indices: list[int], epoch: int, where: str) -> Any:
+        items = []
+        for i in indices:
+            record = records.get(i)
+            if record is None:
+                continue  # its shard broke off before it (already reported)
+            try:
+                where_ = f"{record['__url__']}: record {record['__key__']}"
+                items.append(self.decode(record, where_, example_seed(self.seed, (epoch, i))))
+            except DataError as e:
+                self.bad(str(e))
+        if not items:
+            raise DataError(f"no readable record in {where} of the training shards")
+        return self.collate(items)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.per_lane:
+            raise DataError(
+                f"the training shards hold {self.records} records, fewer than one batch of "
+                f"{self.batch_size} for each of {self.world} ranks x {self.lanes} loader workers"
+            )
+        info = sampling.get_worker_info()
+        worker = info.id if info else 0
+        k = self.start + worker  # this worker's first batch of the rank's stream
+        yield from self.lane_batches(k % self.lanes, k // self.lanes)
+
+
+def stream_loader(stream: ShardStream, num_workers: int, seed: int) -> DataLoader:
+    """A loader of a stream's batches (made in the workers: ``batch_size=None``)."""
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class ShardRecords(Dataset):
+    """A split's records by index, read at their offsets in the tar files (validation and test:
+    a map-style split, for ``DataModule.eval_loader``'s exact sharing between ranks). The offsets
+    come from one pass over the tar headers."""
+
+    def __init__(self, shards: list[Shard], decode: Callable[[Record, str], Any], bad: BadRecords) -> None:
+        self.decode, self.bad = decode, bad
+        self.index: list[tuple[Path, str, dict[str, tuple[int, int]]]] = []
+        for shard in shards:
+            self.index += self._scan(shard)
+
+    def _scan(self, shard: Shard) -> list[tuple[Path, str, dict[str, tuple[int, int]]]]:
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        try:
+            with tarfile.open(shard.path) as tar:
+                for member in tar:
+                    if member.isreg() and "." in member.name:
+                        key, ext = member.name.split(".", 1)
+                        out.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
+        except (tarfile.TarError, OSError) as e:
+            self.bad(
+                f"{shard.path}: not a readable tar file ({e}), {len(out)} of {shard.count} records found"
+            )
+        if len(out) < shard.count:
+            self.bad(f"{shard.path}: {len(out)} of {shard.count} records found")
+        return [(shard.path, key, fields) for key, fields in out.items()]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def record(self, i: int) -> Record:
+        path, key, fields = self.index[i]
+        record: Record = {"__key__": key, "__url__": str(path)}
+        with open(path, "rb") as f:
+            for ext, (offset, size) in fields.items():
+                f.seek(offset)
+                record[ext] = f.read(size)
+        return record
+
+    def __getitem__(self, i: int) -> Any:
+        """The decoded record, or ``None`` for one that is skipped (collate leaves it out)."""
+        record = self.record(i)
+        try:
+            return self.decode(record, f"{record['__url__']}: record {record['__key__']}")
+        except DataError as e:
+            self.bad(str(e))
+            return None
+
+
+# ---- preparing ----------------------------------------------------------------------------------
+
+
+def prepare_images(
+    folder: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    val_size: int = 1000,
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+    seed: int = 1337,
+) -> dict[str, Any]:
+    """An ImageFolder tree (``folder/train/<class>/<image>``, optional ``folder/test/...``) into
+    classification shards: ``val_size`` training images carved out (seeded) as the val split."""
+    from attnlab.data.vision.files import carve, scan_image_folder
+
+    check_out(out_dir)
+    found, classes = scan_image_folder(str(folder))
+    if val_size >= len(found["train"][0]):
+        raise ConfigError(
+            f"--val-size ({val_size}) must be smaller than the {len(found['train'][0])} training images"
+        )
+    files = {**carve(*found["train"], val_size, seed), **{k: v for k, v in found.items() if k == "test"}}
+    splits = {s: image_folder_items(*files[s]) for s in SPLITS if s in files}
+    meta = {"kind": "cls", "classes": classes, "source": str(folder)}
+    return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
+
+
+def prepare_pairs(
+    pairs_file: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    val_size: int = 1000,
+    test_file: str | os.PathLike | None = None,
+    image_key: str = "image",
+    caption_key: str = "caption",
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+    seed: int = 1337,
+) -> dict[str, Any]:
+    """Image-caption rows (CSV with a header, or JSONL; image paths relative to the file) into
+    CLIP shards (``key.jpg`` + ``key.txt``): ``val_size`` rows carved out (seeded) as the val split,
+    ``test_file``'s rows (if any) the test split."""
+    from attnlab.data.multimodal.image_text import read_pairs
+
+    def rows(path: Path) -> tuple[list[Path], list[str]]:
+        found = read_pairs(path, image_key, caption_key)
+        return [path.parent / image for image, _, _ in found], [text for _, text, _ in found]
+
+    check_out(out_dir)
+    files, texts = rows(Path(pairs_file))
+    if val_size >= len(files):
+        raise ConfigError(
+            f"--val-size ({val_size}) must be smaller than the {len(files)} rows of {pairs_file}"
+        )
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    pick = lambda idx: caption_items([files[i] for i in idx], [texts[i] for i in idx])  # noqa: E731
+    splits = {"train": pick(order[val_size:]), "val": pick(order[:val_size])}
+    if test_file is not None:
+        splits["test"] = caption_items(*rows(Path(test_file)))
+    meta = {"kind": "txt", "source": str(pairs_file)}
+    return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
