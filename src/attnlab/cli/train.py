@@ -186,8 +186,9 @@ def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
     if cfg.model.get("init_from"):  # fine-tuning: the weights' tokenizer comes with them
         with open_dict(cfg):  # the file, not a task name, goes into the saved config
             cfg.model.init_from = str(resolve_init_from(cfg.model.init_from, Path(cfg.paths.log_dir)))
-        if not meta.get("artifacts"):
-            datamodule.load_artifacts(init_artifacts(cfg.model.init_from, cfg.model._target_))
+        artifacts = {} if meta.get("artifacts") else init_artifacts(cfg.model.init_from, cfg.model._target_)
+        if artifacts:  # another library's image model brings none: the data's own statistics
+            datamodule.load_artifacts(artifacts)
     datamodule.prepare_data()
     datamodule.setup("fit")
     fill_missing(cfg.model.net, datamodule.model_kwargs(), "model.net")

@@ -98,7 +98,9 @@ def read_state_dict(file: Path, field: str = "model.init_from") -> dict[str, Ten
 
     try:
         state = load_state_dict(str(file), use_ema=False, weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        if "weights_only" not in str(e) and not isinstance(e, pickle.UnpicklingError):
+            raise CheckpointError(f"{field}={file}: not a state dict ({str(e).strip()[:200]})") from e
         raise CheckpointError(
             f"{field}={file}: a pickle that weights_only loading refuses (it would run code); "
             "save the weights as safetensors or a plain state dict"
