@@ -14,7 +14,6 @@ import open_clip
 import pytest
 import timm
 import torch
-from conftest import QUIET, assert_user_error, read_metrics, run_cli, run_dirs, write_cifar
 from safetensors.torch import save_file
 from timm.models import save_for_hf
 
@@ -27,6 +26,7 @@ from attnlab.models import (
     VisionTransformer,
 )
 from attnlab.models.pretrained import export_pretrained, load_pretrained
+from conftest import QUIET, assert_user_error, read_metrics, run_cli, run_dirs, write_cifar
 
 VIT_TIMM = dict(img_size=32, in_chans=3, patch_size=8, embed_dim=48, depth=2, num_heads=3)
 VIT_OURS = dict(img_size=32, in_chans=3, patch_size=8, dim=48, depth=2, n_head=3)
