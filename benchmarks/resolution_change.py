@@ -80,12 +80,14 @@ def main() -> None:
         "source28",
         [*common, f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={every}"],
     )
+    print(f"source at 28 px ({args.steps} steps):              test acc {source['test/acc']:.4f}", flush=True)
     trained = TrainedRun(str(out / "checkpoints" / "last.ckpt"), root / "logs")
     export = export_pretrained(trained.net(), root / "timm_vit28", trained.artifacts)
 
     at32 = [*common, "data.img_size=32"]
     net = instantiate(compose_train(at32).model.net, num_classes=10, img_size=32, in_chans=1)
     before = test_accuracy(load_pretrained(net, export).eval(), at32)
+    print(f"resampled to 32 px, not fine-tuned:            test acc {before:.4f}", flush=True)
 
     warmup = max(1, args.finetune_steps // 10)
     tuned, _ = run(
@@ -102,8 +104,6 @@ def main() -> None:
         ],
     )
     print(f"runs under {root}")
-    print(f"source at 28 px ({args.steps} steps):              test acc {source['test/acc']:.4f}")
-    print(f"resampled to 32 px, not fine-tuned:            test acc {before:.4f}")
     print(f"fine-tuned at 32 px ({args.finetune_steps} steps): test acc {tuned['test/acc']:.4f}")
 
 

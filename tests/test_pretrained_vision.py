@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from timm.models import save_for_hf
 
+from attnlab.data.text.tokenizers import CaptionTokenizer
 from attnlab.errors import CheckpointError
 from attnlab.models import (
     CLIP,
@@ -25,6 +26,7 @@ from attnlab.models import (
     TextTransformer,
     VisionTransformer,
 )
+from attnlab.models.multimodal.clip_weights import CAPTION_EOT_ID
 from attnlab.models.pretrained import export_pretrained, load_pretrained
 from conftest import QUIET, assert_user_error, read_metrics, run_cli, run_dirs, write_cifar
 
@@ -249,6 +251,7 @@ def test_our_clip_exports_to_open_clip_with_end_of_text_pooling(tmp_path):
     net = our_clip(pool="last", act="quick_gelu")
     t = torch.randint(3, 99, (2, 16))
     t[0, 8], t[0, 9:], t[1, 15] = 2, 0, 2  # <eot> = CaptionTokenizer.eot_id, then <pad> = 0
+    assert CaptionTokenizer.eot_id == CAPTION_EOT_ID
     export_pretrained(net, tmp_path / "out", {})
     back = open_clip.create_model(f"local-dir:{tmp_path / 'out'}").eval()
     again = load_pretrained(our_clip(pool="last"), tmp_path / "out")

@@ -36,6 +36,7 @@ from attnlab.utils.checkpoint import check_fits
 log = logging.getLogger(__name__)
 
 CONFIG = "open_clip_config.json"
+CAPTION_EOT_ID = 2  # our caption tokenizer's end-of-text (attnlab.data.text.tokenizers.CaptionTokenizer)
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
 # open_clip's names inside a residual block -> ours
 _BLOCK = (
@@ -296,9 +297,7 @@ def model_config(net: nn.Module, artifacts: dict) -> dict[str, Any]:
         "pad_id": text.pad_id,
     }
     if text.pool == "last":  # our captions end in end-of-text, then only padding
-        from attnlab.data.text.tokenizers import CaptionTokenizer
-
-        text_cfg |= {"pool_type": "eos", "eos_id": CaptionTokenizer.eot_id}
+        text_cfg |= {"pool_type": "eos", "eos_id": CAPTION_EOT_ID}
     return {
         "embed_dim": net.embed_dim,
         "quick_gelu": facts["image act"] == "quick_gelu",
