@@ -312,7 +312,8 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
-        out.append(f"model.init_from={timm_folder(kind, tmp / 'timm')}")
+        # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
+        out += [f"model.init_from={timm_folder(kind, tmp / 'timm')}", "data.img_size=112"]
     if kind == "deit" and "_finetune_" not in experiment:  # the fine-tuning recipe has no teacher
         weights = tmp / "teacher.pth"
         torch.save(timm.create_model("test_resnet", num_classes=10, in_chans=1).state_dict(), weights)
