@@ -152,8 +152,13 @@ def timm_reference(config: dict[str, Any], where: Path) -> nn.Module:
     arch = config.get("architecture") or config["pretrained_cfg"]["architecture"]
     if not timm.is_model(arch):
         raise CheckpointError(f"model.init_from={where}: architecture {arch!r} is not a timm model")
-    with torch.device("meta"):
-        return timm.create_model(arch, pretrained=False, **config.get("model_args", {}))
+    try:
+        with torch.device("meta"):
+            return timm.create_model(arch, pretrained=False, **config.get("model_args", {}))
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:  # model_args timm refuses
+        raise CheckpointError(
+            f"model.init_from={where}: timm cannot build {arch} from its config ({e})"
+        ) from e
 
 
 def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> None:
