@@ -311,7 +311,10 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
     kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
-    if kind == "deit":
+    if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
+        # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
+        out += [f"model.init_from={timm_folder(kind, tmp / 'timm')}", "data.img_size=112"]
+    if kind == "deit" and "_finetune_" not in experiment:  # the fine-tuning recipe has no teacher
         weights = tmp / "teacher.pth"
         torch.save(timm.create_model("test_resnet", num_classes=10, in_chans=1).state_dict(), weights)
         out += [
@@ -320,6 +323,22 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
             f"+model.distillation.teacher.weights={weights}",
         ]
     return out
+
+
+def timm_folder(kind: str, folder: Path) -> Path:
+    """A random timm model of the fine-tuning recipes' architecture (vit_tiny_patch16_224's,
+    deit_tiny_distilled_patch16_224's or swin_tiny_patch4_window7_224's) cut to VISION_NETS' size,
+    with ImageNet's 1,000 classes, saved as timm saves one (config.json + model.safetensors)."""
+    import timm
+    from timm.models import save_for_hf
+
+    if kind == "swin":
+        name, size = "swin_tiny_patch4_window7_224", dict(embed_dim=8, depths=(1, 1, 1), num_heads=(1, 2, 2))
+    else:
+        name = "deit_tiny_distilled_patch16_224" if kind == "deit" else "vit_tiny_patch16_224"
+        size = dict(embed_dim=16, depth=1, num_heads=2)
+    save_for_hf(timm.create_model(name, pretrained=False, **size), folder, safe_serialization=True)
+    return folder
 
 
 def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv") -> Path:

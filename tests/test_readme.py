@@ -276,6 +276,8 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
                 PRETRAINED[cmd.experiment](folder)
             out.append(f"{key}={folder}")
             continue
+        if key == "model.init_from" and cmd.experiment in FROM_HUB and not (cwd / value).exists():
+            continue  # a model downloaded from the hub (`hf download` above it): the tiny random one
         if value == "..." and key == "ckpt_path":
             value = "logs/.../last.ckpt"
         if not eq:
@@ -290,6 +292,10 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
             value = str(found[-1].relative_to(cwd))
         out.append(f"{key}={value}" if key else value)
     return out
+
+
+# the recipes that start from a model on the Hugging Face hub: the tiny overrides' random one here
+FROM_HUB = ("vit_finetune_cifar10", "deit_finetune_cifar10", "swin_finetune_cifar10")
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -4,13 +4,23 @@ the encoders to come), with its attention, MLP and norm injected as in timm."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
-from timm.layers import DropPath
+from timm.layers import DropPath, QuickGELU
 from torch import Tensor, nn
 
 from attnlab.nn.attention import KVCache, MultiHeadAttention
 from attnlab.nn.dropout import Dropout
+from attnlab.utils.checks import check_choice
+
+# The MLP's activation by name: exact GELU, or OpenAI CLIP's sigmoid approximation x * sigmoid(1.702 x)
+Activation = Literal["gelu", "quick_gelu"]
+
+
+def activation(where: str, name: Activation) -> Callable[[], nn.Module]:
+    """The activation layer ``name`` names (``where``: the config node, for the error)."""
+    check_choice(where, "act", name, get_args(Activation))
+    return {"gelu": nn.GELU, "quick_gelu": QuickGELU}[name]
 
 
 class MLP(nn.Module):

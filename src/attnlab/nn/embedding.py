@@ -105,6 +105,7 @@ class PatchEmbedding(nn.Module):
         in_chans: image channels.
         dim: embedding width.
         norm_layer: applied to each patch embedding, or ``None``.
+        bias: a bias in the projection (CLIP's image tower has none).
     """
 
     def __init__(
@@ -114,13 +115,14 @@ class PatchEmbedding(nn.Module):
         in_chans: int,
         dim: int,
         norm_layer: Callable[[int], nn.Module] | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         check_divisible(img_size, patch_size)
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.grid_size = img_size // patch_size
         self.num_patches = self.grid_size**2
-        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, bias=bias)
         self.norm = norm_layer(dim) if norm_layer else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -191,12 +193,16 @@ def patch_embedding(
     in_chans: int,
     dim: int,
     norm_layer: Callable[[int], nn.Module] | None = None,
+    bias: bool = True,
 ) -> nn.Module:
     """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
-    papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution)."""
+    papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution);
+    ``bias=False``: a patch projection without bias (CLIP's)."""
     check_choice("model.net", "stem", stem, STEMS)
     if stem == "patch":
-        return PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer)
+        return PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer, bias)
+    if not bias:
+        raise ConfigError("model.net.patch_bias=false is for stem=patch (a conv stem's layers keep theirs)")
     return ConvStem(img_size, patch_size, in_chans, dim, norm_layer, full_resolution=stem == "conv_full")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,10 @@ from torch import Tensor, nn
 
 from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.nn.blocks import Activation, activation
+from attnlab.utils.checks import check_choice, check_positive, check_probability
+
+TextPool = Literal["last", "argmax"]
 
 INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature
 MAX_LOGIT_SCALE = math.log(100.0)  # the scale exp(t) is clamped at 100, as in CLIP
@@ -35,6 +39,10 @@ class TextTransformer(nn.Module):
         dropout: on the embeddings and each residual branch.
         pad_id: the padding token (captions are right-padded).
         attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        act: the MLPs' activation, "gelu" or "quick_gelu" (OpenAI's CLIP weights).
+        pool: which token's state is the caption's feature: "last" (the last non-padding one)
+            or "argmax" (the one of highest id: open_clip's, where end-of-text has the highest
+            id and padding may share an id with a real token).
     """
 
     def __init__(
@@ -48,6 +56,8 @@ class TextTransformer(nn.Module):
         dropout: float = 0.0,
         pad_id: int = 0,
         attn_impl: AttentionImpl = "auto",
+        act: Activation = "gelu",
+        pool: TextPool = "last",
     ) -> None:
         super().__init__()
         check_positive(
@@ -59,7 +69,10 @@ class TextTransformer(nn.Module):
             n_head=n_head,
         )
         check_probability("model.net.text", dropout=dropout)
+        check_choice("model.net.text", "pool", pool, get_args(TextPool))
+        act_layer = activation("model.net.text", act)
         self.vocab_size, self.max_len, self.dim, self.pad_id = vocab_size, max_len, dim, pad_id
+        self.pool = pool
         self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
@@ -68,6 +81,7 @@ class TextTransformer(nn.Module):
                 int(dim * mlp_ratio),
                 dropout=dropout,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                act_layer=act_layer,
             )
             for _ in range(depth)
         )
@@ -95,7 +109,10 @@ class TextTransformer(nn.Module):
         for block in self.blocks:
             x, _ = block(x, causal=True)
         x = self.norm(x)
-        last = (tokens != self.pad_id).sum(1).clamp(min=1) - 1  # (B,) the end-of-text position
+        if self.pool == "argmax":
+            last = tokens.argmax(1)  # (B,) the end-of-text position
+        else:
+            last = (tokens != self.pad_id).sum(1).clamp(min=1) - 1  # (B,) the end-of-text position
         return x[torch.arange(x.size(0), device=x.device), last]
 
 

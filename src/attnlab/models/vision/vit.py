@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.blocks import Activation, activation
 from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
@@ -42,6 +43,10 @@ class VisionTransformer(nn.Module):
         stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
             convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
             or "conv_full" (the conv stem with a first convolution at full resolution).
+        pre_norm, norm_eps, patch_bias, act: what CLIP's image tower does differently (open_clip
+            and timm's ``vit_*_clip_*``): a LayerNorm on the tokens before the blocks
+            (``norm_pre``), LayerNorms of eps 1e-5 instead of 1e-6, a patch projection without
+            bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
     """
 
     num_prefix_tokens = 1  # [CLS]
@@ -61,6 +66,10 @@ class VisionTransformer(nn.Module):
         drop_path: float = 0.0,
         attn_impl: AttentionImpl = "auto",
         stem: Stem = "patch",
+        pre_norm: bool = False,
+        norm_eps: float = 1e-6,
+        patch_bias: bool = True,
+        act: Activation = "gelu",
     ) -> None:
         super().__init__()
         check_positive(
@@ -75,15 +84,17 @@ class VisionTransformer(nn.Module):
         if num_classes < 0:
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
+        check_positive_number("model.net", mlp_ratio=mlp_ratio, norm_eps=norm_eps)
+        act_layer = activation("model.net", act)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim)
+        self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, bias=patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)
         )
         self.pos_drop = Dropout(dropout)
-        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        norm_layer = partial(nn.LayerNorm, eps=norm_eps)
+        self.norm_pre = norm_layer(dim) if pre_norm else nn.Identity()
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 dim,
@@ -94,6 +105,7 @@ class VisionTransformer(nn.Module):
                 drop_path=rate,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
                 norm_layer=norm_layer,
+                act_layer=act_layer,
             )
             for rate in drop_path_rates(drop_path, depth)
         )
@@ -119,7 +131,7 @@ class VisionTransformer(nn.Module):
         """(B, C, H, W) images -> (B, T, D): prefix tokens and patches, with positions."""
         x = self.patch_embed(images)  # (B, N, D)
         x = torch.cat([self.prefix_tokens(x.size(0)), x], dim=1) + self.pos_embed
-        return self.pos_drop(x)
+        return self.norm_pre(self.pos_drop(x))
 
     def forward_features(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> normalised token states (B, T, D)."""
