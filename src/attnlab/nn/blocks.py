@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from attnlab.nn.attention import KVCache, MultiHeadAttention
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.positions import RelativePositions
 
 
 class MLP(nn.Module):
@@ -102,6 +103,7 @@ class TransformerBlock(nn.Module):
         memory_padding_mask: Tensor | None = None,
         cross_cache: KVCache | None = None,
         need_weights: bool = False,
+        positions: RelativePositions | None = None,
     ) -> tuple[Tensor, AttentionWeights]:
         """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``.
 
@@ -109,6 +111,7 @@ class TransformerBlock(nn.Module):
         or float (added to the scores), ``padding_mask`` (B, T) True at padding. ``cache`` holds
         earlier positions' keys/values (incremental decoding); ``memory`` (B, S, C) with
         ``memory_padding_mask`` feeds the cross-attention, or ``cross_cache`` holds its projection.
+        ``positions``: relative positions (RoPE, ALiBi, T5) for the self-attention.
         """
         weights: dict[str, Tensor | None] = {}
 
@@ -120,6 +123,7 @@ class TransformerBlock(nn.Module):
                 causal=causal,
                 cache=cache,
                 need_weights=need_weights,
+                positions=positions,
             )
             return y
 
