@@ -22,7 +22,15 @@ from attnlab.nn import (
 )
 from attnlab.nn.linear_attention import elu_feature_map
 from attnlab.nn.positions import alibi_slopes, relative_positions, t5_bucket
-from conftest import assert_ok, assert_user_error, read_metrics, run_cli, run_dirs, tiny
+from conftest import (
+    assert_ok,
+    assert_user_error,
+    bert_overrides,
+    read_metrics,
+    run_cli,
+    run_dirs,
+    tiny,
+)
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # beside TINY's quiet console
 # (positions, attention): every position with full attention, every pattern with RoPE and NoPE
@@ -281,3 +289,38 @@ def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path:
     proc = run_cli("eval", [f"ckpt_path={learned}", "+data.block_size=32", *limits], tmp_path)
     assert_user_error(proc, "32 tokens exceeds the 16 learned positions (model.net.max_len)")
     assert math.isfinite(metrics["eval/test/ppl_x4"][-1][1])
+
+
+# ---- the BERT encoder ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positions", ["rope", "alibi", "t5"])
+def test_bert_with_relative_positions_ignores_padding_and_sees_order(positions: str):
+    from attnlab.models import Bert
+
+    torch.manual_seed(0)
+    bert = Bert(30, pad_id=0, dim=16, depth=2, n_head=2, max_len=16, positions=positions).eval()
+    for param in bert.parameters():  # scores far from uniform: order shows in the outputs
+        torch.nn.init.normal_(param, std=0.5)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(bert(padded)[0][:, :5], bert(ids)[0], atol=1e-5, rtol=1e-5)
+    swapped = torch.tensor([[5, 7, 6, 8, 9]])  # the same tokens in another order
+    assert not torch.allclose(bert(swapped)[0][:, 0], bert(ids)[0][:, 0], atol=1e-4)
+    assert {n for n, _ in bert.named_parameters() if "positions" in n} <= bert.no_weight_decay()
+
+
+def test_bert_pretrains_with_t5_positions_through_the_cli(tmp_path: Path):
+    args = [
+        "experiment=bert_pretrain_sst2",
+        *bert_overrides("bert_pretrain_sst2", tmp_path),
+        "model.net.encoder.positions=t5",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "extras.print_config=false",
+        "~callbacks.rich_progress_bar",
+        "logger=csv",
+    ]
+    assert_ok(run_cli("train", args, tmp_path))
