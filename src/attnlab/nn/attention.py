@@ -13,6 +13,11 @@ Two interchangeable paths compute the same thing:
 - ``math``: an explicit matmul + softmax that can also return the attention weights (plots, tests).
 ``impl="auto"`` picks ``math`` when the weights are wanted, and for bf16 on a CPU with native bf16
 (there the explicit path was faster; see ``benchmarks/attention_paths.py``), else ``sdpa``.
+
+Relative positions (``nn/positions.py``) come in through ``forward(positions=...)``: RoPE turns
+q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses keep
+the projections and change which pairs are scored (``attend``) and how decoding remembers
+(``new_cache``): ``nn/local_attention.py``, ``nn/linear_attention.py``.
 """
 
 from __future__ import annotations
