@@ -96,7 +96,7 @@ def test_bad_config_names_the_field(kw, field):
 
 
 def test_context_longer_than_max_len_is_refused():
-    with pytest.raises(ValueError, match="17 tokens exceeds the 16 positions"):
+    with pytest.raises(ValueError, match="17 tokens exceeds the 16 learned positions"):
         tiny_gpt()(torch.zeros(1, 17, dtype=torch.long))
 
 

@@ -305,9 +305,10 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 
 def default_metrics(runs: list[Run]) -> list[str]:
-    """The test metrics, else the validation ones (bests and per-class accuracies left out)."""
+    """The test metrics and those of later evaluations (``eval/test/...``: attnlab-eval), else the
+    validation ones (bests and per-class accuracies left out)."""
     names = sorted({m for r in runs for m in r.curves})
-    test = [m for m in names if m.startswith("test/") and "/acc_class/" not in m]
+    test = [m for m in names if m.startswith(("test/", "eval/test/")) and "/acc_class/" not in m]
     return test or [m for m in names if m.startswith("val/") and not m.endswith("_best")]
 
 

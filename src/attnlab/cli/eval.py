@@ -16,6 +16,8 @@ from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error, re
 from attnlab.utils.config import check_config
 
 if TYPE_CHECKING:
+    import lightning as L
+
     from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab.eval")
@@ -25,26 +27,66 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg, imports=False)  # before torch loads: a wrong trainer value is one quick line
     resolve_checkpoint(cfg)  # and so is a checkpoint that is not there
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities import rank_zero_only
 
     from attnlab.inference.runs import TrainedRun
 
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     log.info("evaluating %s", run.path)
     data_cfg = OmegaConf.merge(run.config.data, cfg.get("data") or {})
+    out = Path(cfg.paths.output_dir)
+    if cfg.get("lengths"):
+        metrics = test_at_lengths(cfg, run, data_cfg, out)
+    else:
+        trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[])
+        metrics = test(trainer, run, data_cfg)
+    (out / "metrics.json").write_text(json.dumps({"ckpt_path": str(run.path), **metrics}, indent=2))
+    log.info("metrics: %s (saved to %s)", metrics, out / "metrics.json")
+    if cfg.get("log_to_run", True) and rank_zero_only.rank == 0:
+        log_to_run(run, metrics)
+    return metrics
+
+
+def test(trainer: L.Trainer, run: TrainedRun, data_cfg: DictConfig) -> dict[str, float]:
+    """The run's test metrics on the data ``data_cfg`` describes."""
     datamodule = instantiate(data_cfg)
     if run.artifacts:
         datamodule.load_artifacts(run.artifacts)
     datamodule.prepare_data()
     datamodule.setup("test")
-    task = run.task()
-    out = Path(cfg.paths.output_dir)
-    trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[])
-    trainer.test(task, datamodule=datamodule)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    (out / "metrics.json").write_text(json.dumps({"ckpt_path": str(run.path), **metrics}, indent=2))
-    log.info("metrics: %s (saved to %s)", metrics, out / "metrics.json")
-    if cfg.get("log_to_run", True) and trainer.is_global_zero:
-        log_to_run(run, metrics)
+    trainer.test(run.task(), datamodule=datamodule)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_at_lengths(cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path) -> dict[str, float]:
+    """A language model tested with windows of each multiple in ``cfg.lengths`` of the length it
+    was trained on (``data.block_size``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
+    extrapolation study). A length the model cannot take (learned positions past their table) is
+    skipped, saying why; if it can take none, that is the error."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from attnlab.errors import ConfigError
+
+    base = data_cfg.get("block_size")
+    lengths = list(cfg.lengths)
+    if base is None or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in lengths):
+        raise ConfigError(
+            "lengths must be positive integers (multiples of a language model's data.block_size), "
+            f"got {lengths}"
+        )
+    metrics, skipped = {}, []
+    for m in lengths:
+        data = OmegaConf.merge(data_cfg, {"block_size": base * m})
+        logger = CSVLogger(save_dir=out, name="csv", version=f"x{m}")
+        try:
+            found = test(build_trainer(cfg, logger=logger, callbacks=[]), run, data)
+        except ConfigError as e:
+            log.warning("length x%d (%d tokens) skipped: %s", m, base * m, e)
+            skipped.append(e)
+            continue
+        metrics |= {f"{k}_x{m}": v for k, v in found.items() if k in ("test/loss", "test/ppl")}
+    if not metrics:
+        raise skipped[0]
     return metrics
 
 

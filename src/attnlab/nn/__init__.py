@@ -19,12 +19,24 @@ from attnlab.nn.embedding import (
     conv_bn_relu,
     patch_embedding,
 )
+from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
+from attnlab.nn.local_attention import GlobalLocalAttention, LocalKVCache, SlidingWindowAttention
+from attnlab.nn.positions import ALiBi, RelativePositions, Rotary, T5RelativeBias
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 from attnlab.nn.window_attention import WindowAttention
 
 __all__ = [
     "MLP",
     "STEMS",
+    "ALiBi",
+    "GlobalLocalAttention",
+    "LinearAttention",
+    "LinearAttentionState",
+    "LocalKVCache",
+    "RelativePositions",
+    "Rotary",
+    "SlidingWindowAttention",
+    "T5RelativeBias",
     "AdditiveAttention",
     "AttentionWeights",
     "ConvStem",

@@ -13,6 +13,11 @@ Two interchangeable paths compute the same thing:
 - ``math``: an explicit matmul + softmax that can also return the attention weights (plots, tests).
 ``impl="auto"`` picks ``math`` when the weights are wanted, and for bf16 on a CPU with native bf16
 (there the explicit path was faster; see ``benchmarks/attention_paths.py``), else ``sdpa``.
+
+Relative positions (``nn/positions.py``) come in through ``forward(positions=...)``: RoPE turns
+q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses keep
+the projections and change which pairs are scored (``attend``) and how decoding remembers
+(``new_cache``): ``nn/local_attention.py``, ``nn/linear_attention.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
+from attnlab.nn.positions import RelativePositions
 from attnlab.utils.hardware import native_bf16_cpu
 
 AttentionImpl = Literal["auto", "sdpa", "math"]
@@ -62,6 +68,15 @@ def _block(mask: Tensor | None, allowed: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask & allowed
     return mask.masked_fill(~allowed, float("-inf"))
+
+
+def with_bias(mask: Tensor | None, bias: Tensor) -> Tensor:
+    """A float mask: ``bias`` added to ``mask`` (bool or float, see above), ``-inf`` where blocked."""
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return mask + bias
 
 
 def scaled_dot_product_attention(
@@ -106,13 +121,17 @@ def scaled_dot_product_attention(
 class KVCache:
     """Keys and values (B, H, T, D) of one attention layer, kept across decoding steps.
 
-    A self-attention cache grows by the new positions at every step (``append``). A
-    cross-attention cache (``KVCache.of_memory``) holds the projected encoder output, computed
-    once per source; either kind follows the hypotheses of a beam through ``reorder``.
+    A self-attention cache grows by the new positions at every step (``append``) and records each
+    key's absolute position (``positions``; ``seen``: how many positions went through it, the next
+    token's position). A cross-attention cache (``KVCache.of_memory``) holds the projected encoder
+    output, computed once per source; either kind follows the hypotheses of a beam through
+    ``reorder``. Subclasses ``forget`` keys no later query can see (local attention).
     """
 
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None, static: bool = False) -> None:
         self.k, self.v, self.static = k, v, static
+        self.seen = 0 if k is None else k.size(-2)
+        self.positions = None if k is None else torch.arange(self.seen, device=k.device)  # (T,)
 
     @classmethod
     def of_memory(cls, attn: MultiHeadAttention, memory: Tensor) -> KVCache:
@@ -124,12 +143,24 @@ class KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add the new positions' (B, H, T, D) keys and values; return all of them."""
+        if self.k is not None:
+            self.forget()
+        new = torch.arange(self.seen, self.seen + k.size(-2), device=k.device)
+        self.seen += k.size(-2)
         if self.k is None:
-            self.k, self.v = k, v
+            self.k, self.v, self.positions = k, v, new
         else:
             self.k = torch.cat([self.k, k], dim=-2)
             self.v = torch.cat([self.v, v], dim=-2)
+            self.positions = torch.cat([self.positions, new])
         return self.k, self.v
+
+    def forget(self) -> None:
+        """Drop keys the next queries cannot see (none here: full attention sees every one)."""
+
+    def keep(self, kept: Tensor) -> None:
+        """Keep only the cached keys where ``kept`` (T,) is True."""
+        self.k, self.v, self.positions = self.k[..., kept, :], self.v[..., kept, :], self.positions[kept]
 
     def reorder(self, index: Tensor) -> None:
         """Keep the rows at ``index`` (beam search)."""
@@ -181,17 +212,61 @@ class MultiHeadAttention(nn.Module):
         k, v = F.linear(memory, *self._slice(self.dim, 3 * self.dim)).split(self.dim, dim=-1)
         return self._split_heads(k), self._split_heads(v)
 
-    def _qkv(self, x: Tensor, memory: Tensor | None, cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        cache: KVCache | None,
+        positions: RelativePositions | None = None,
+        start: int = 0,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if cache is not None and cache.static:  # cross-attention to a memory projected once
             return self._split_heads(F.linear(x, *self._slice(0, self.dim))), cache.k, cache.v
         if memory is None:  # self-attention: one matmul for q, k and v
             q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.dim, dim=-1))
+            if positions is not None:  # RoPE: turned at their positions, keys before the cache
+                pos = torch.arange(start, start + x.size(1), device=x.device)
+                q, k = positions.rotate(q, pos), positions.rotate(k, pos)
         else:
             q = self._split_heads(F.linear(x, *self._slice(0, self.dim)))
             k, v = self.project_memory(memory)
         if cache is not None:
             k, v = cache.append(k, v)
         return q, k, v
+
+    def new_cache(self) -> KVCache:
+        """An empty self-attention cache of the kind this layer decodes with."""
+        return KVCache()
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        causal: bool,
+        positions: RelativePositions | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, H, T_q, D) queries over (B, H, T_k, D) keys at positions ``q_pos`` (T_q,) and
+        ``k_pos`` (T_k,): every pair scored (subclasses score fewer)."""
+        bias = positions.bias(k_pos[None, :] - q_pos[:, None]) if positions is not None else None
+        if bias is not None:  # (H, T_q, T_k)
+            if causal:  # in the mask with the bias: the fused causal path takes no bias
+                mask, causal = _block(mask, k_pos[None, :] <= q_pos[:, None]), False
+            mask = with_bias(mask, bias)
+        return scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+            impl=self.impl,
+        )
 
     def forward(
         self,
@@ -203,6 +278,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        positions: RelativePositions | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``x`` (B, T_q, C) to itself or to ``memory`` (B, T_k, C).
 
@@ -215,21 +291,18 @@ class MultiHeadAttention(nn.Module):
             cache: a self-attention cache (the new keys/values are appended) or a cross-attention
                 cache from ``KVCache.of_memory`` (``memory`` is then not needed).
             need_weights: also return the (B, H, T_q, T_k) attention weights.
+            positions: relative positions (``attnlab.nn.positions``) for self-attention.
         """
         b, t, c = x.shape
-        q, k, v = self._qkv(x, memory, cache)
+        start = cache.seen if cache is not None and not cache.static else 0  # x's first position
+        q, k, v = self._qkv(x, memory, cache, positions, start)
         mask = attn_mask
         if key_padding_mask is not None:
             mask = _block(mask, ~key_padding_mask[:, None, None, :])  # (B, 1, 1, T_k)
-        y, weights = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            impl=self.impl,
-        )
+        q_pos = torch.arange(start, start + t, device=x.device)
+        k_pos = cache.positions if cache is not None and not cache.static else None
+        if k_pos is None:
+            k_pos = torch.arange(k.size(-2), device=x.device)
+        y, weights = self.attend(q, k, v, mask, causal, positions, q_pos, k_pos, need_weights)
         y = y.transpose(1, 2).reshape(b, t, c)  # (B, T_q, C)
         return self.out_proj(y), weights

@@ -4,6 +4,7 @@ the encoders to come), with its attention, MLP and norm injected as in timm."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal, NamedTuple, get_args
 
 from timm.layers import DropPath, QuickGELU
@@ -11,16 +12,18 @@ from torch import Tensor, nn
 
 from attnlab.nn.attention import KVCache, MultiHeadAttention
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.positions import RelativePositions
 from attnlab.utils.checks import check_choice
 
-# The MLP's activation by name: exact GELU, or OpenAI CLIP's sigmoid approximation x * sigmoid(1.702 x)
-Activation = Literal["gelu", "quick_gelu"]
+# The MLP's activation by name: exact GELU, its tanh approximation (GPT-2's), or OpenAI CLIP's
+# sigmoid approximation x * sigmoid(1.702 x)
+Activation = Literal["gelu", "gelu_tanh", "quick_gelu"]
 
 
 def activation(where: str, name: Activation) -> Callable[[], nn.Module]:
     """The activation layer ``name`` names (``where``: the config node, for the error)."""
     check_choice(where, "act", name, get_args(Activation))
-    return {"gelu": nn.GELU, "quick_gelu": QuickGELU}[name]
+    return {"gelu": nn.GELU, "gelu_tanh": partial(nn.GELU, approximate="tanh"), "quick_gelu": QuickGELU}[name]
 
 
 class MLP(nn.Module):
@@ -112,6 +115,7 @@ class TransformerBlock(nn.Module):
         memory_padding_mask: Tensor | None = None,
         cross_cache: KVCache | None = None,
         need_weights: bool = False,
+        positions: RelativePositions | None = None,
     ) -> tuple[Tensor, AttentionWeights]:
         """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``.
 
@@ -119,6 +123,7 @@ class TransformerBlock(nn.Module):
         or float (added to the scores), ``padding_mask`` (B, T) True at padding. ``cache`` holds
         earlier positions' keys/values (incremental decoding); ``memory`` (B, S, C) with
         ``memory_padding_mask`` feeds the cross-attention, or ``cross_cache`` holds its projection.
+        ``positions``: relative positions (RoPE, ALiBi, T5) for the self-attention.
         """
         weights: dict[str, Tensor | None] = {}
 
@@ -130,6 +135,7 @@ class TransformerBlock(nn.Module):
                 causal=causal,
                 cache=cache,
                 need_weights=need_weights,
+                positions=positions,
             )
             return y
 

@@ -16,25 +16,33 @@ from attnlab.nn.dropout import Dropout
 from attnlab.utils.checks import check_choice
 
 
+def sinusoids(pos: Tensor, dim: int) -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), cos for 2i+1: (T,) positions -> (T, dim)."""
+    freq = torch.exp(torch.arange(0, dim, 2, device=pos.device) * (-math.log(10000.0) / dim))
+    pe = torch.zeros(len(pos), dim, device=pos.device)
+    pe[:, 0::2] = torch.sin(pos[:, None] * freq)
+    pe[:, 1::2] = torch.cos(pos[:, None] * freq)
+    return pe
+
+
 class SinusoidalPositions(nn.Module):
-    """Fixed sin/cos position encodings: PE[pos, 2i] = sin(pos / 10000^(2i/d)), cos for 2i+1."""
+    """Fixed sin/cos position encodings (Vaswani et al. 2017), kept for the first ``max_len``
+    positions and computed for any position past them (a model may be run on longer inputs than it
+    was trained on)."""
 
     def __init__(self, dim: int, max_len: int) -> None:
         super().__init__()
-        pos = torch.arange(max_len)[:, None]
-        freq = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
-        pe = torch.zeros(max_len, dim)
-        pe[:, 0::2] = torch.sin(pos * freq)
-        pe[:, 1::2] = torch.cos(pos * freq)
-        self.register_buffer("pe", pe, persistent=False)
-        self.max_len = max_len
+        self.register_buffer("pe", sinusoids(torch.arange(max_len), dim), persistent=False)
+        self.dim, self.max_len = dim, max_len
 
     def forward(self, t: int, start: int = 0) -> Tensor:
-        return self.pe[start : start + t]  # (T, C)
+        if start + t <= self.max_len:
+            return self.pe[start : start + t]  # (T, C)
+        return sinusoids(torch.arange(start, start + t, device=self.pe.device), self.dim)
 
 
 class LearnedPositions(nn.Module):
-    """One learned vector per position (GPT, BERT, ViT)."""
+    """One learned vector per position (GPT, BERT, ViT); there are none past ``max_len``."""
 
     def __init__(self, dim: int, max_len: int) -> None:
         super().__init__()
@@ -42,6 +50,12 @@ class LearnedPositions(nn.Module):
         self.max_len = max_len
 
     def forward(self, t: int, start: int = 0) -> Tensor:
+        if start + t > self.max_len:
+            raise ConfigError(
+                f"a sequence of {start + t} tokens exceeds the {self.max_len} learned positions "
+                "(model.net.max_len): learned positions stop at their table; sinusoidal, rope, "
+                "alibi, t5 or none go past it"
+            )
         return self.emb(torch.arange(start, start + t, device=self.emb.weight.device))  # (T, C)
 
 
@@ -52,7 +66,8 @@ class TokenEmbedding(nn.Module):
     Args:
         vocab_size: number of token ids.
         dim: embedding width.
-        positions: a ``SinusoidalPositions`` or ``LearnedPositions`` (or ``None``).
+        positions: a ``SinusoidalPositions`` or ``LearnedPositions`` (or ``None``: none, or
+            relative ones inside the attention).
         dropout: on the sum.
         scale: multiply token vectors by sqrt(dim) (the Transformer paper, with a small init).
         padding_idx: id whose vector is zero and gets no gradient.
@@ -81,13 +96,7 @@ class TokenEmbedding(nn.Module):
         """(B, T) ids at positions start..start+T-1 -> (B, T, C)."""
         x = self.tokens(ids) * self.scale if self.scale != 1.0 else self.tokens(ids)
         if self.positions is not None:
-            t = ids.size(1)
-            if start + t > self.positions.max_len:
-                raise ValueError(
-                    f"sequence of {start + t} tokens exceeds the {self.positions.max_len} "
-                    "positions the model has"
-                )
-            x = x + self.positions(t, start)
+            x = x + self.positions(ids.size(1), start)
         return self.drop(x)
 
     def unembed(self, x: Tensor) -> Tensor:

@@ -108,12 +108,15 @@ class WindowAttention(MultiHeadAttention):
         causal: bool = False,
         cache: object | None = None,
         need_weights: bool = False,
+        positions: object | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, size * size, C) -> (B, size * size, C), and with ``need_weights`` the weights
         (B * nW, H, N, N) of every window."""
-        if memory is not None or key_padding_mask is not None or attn_mask is not None or causal or cache:
+        extras = (memory, key_padding_mask, attn_mask, cache, positions)
+        if causal or any(e is not None for e in extras):
             raise ValueError(
-                "window attention is self-attention over a whole feature map: no masks or caches"
+                "window attention is self-attention over a whole feature map with its own relative "
+                "bias: no masks, caches or other positions"
             )
         b, _, c = x.shape
         s, w = self.size, self.window

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.utils.checks import check_positive, check_positive_number, check_probability
+from attnlab.nn.positions import relative_positions
+from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-12)
 
@@ -32,13 +33,22 @@ def init_bert(module: nn.Module) -> None:
 
 
 class BertEmbeddings(nn.Module):
-    """Token + learned position + segment embeddings, then LayerNorm and dropout."""
+    """Token + learned position (unless ``learned_positions`` is off) + segment embeddings, then
+    LayerNorm and dropout."""
 
     def __init__(
-        self, vocab_size: int, dim: int, max_len: int, n_segments: int, dropout: float, pad_id: int
+        self,
+        vocab_size: int,
+        dim: int,
+        max_len: int,
+        n_segments: int,
+        dropout: float,
+        pad_id: int,
+        learned_positions: bool = True,
     ) -> None:
         super().__init__()
-        self.tokens = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), padding_idx=pad_id)
+        positions = LearnedPositions(dim, max_len) if learned_positions else None
+        self.tokens = TokenEmbedding(vocab_size, dim, positions, padding_idx=pad_id)
         self.segments = nn.Embedding(n_segments, dim)
         self.norm = LayerNorm(dim)
         self.drop = Dropout(dropout)
@@ -62,6 +72,8 @@ class Bert(nn.Module):
         dropout: on the embeddings and each residual branch.
         attn_dropout: on the attention weights.
         attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        positions: "learned" (BERT's), or relative ones inside the attention (docs/positions.md):
+            "rope", "alibi" (symmetric: the distance either way) or "t5" (buckets both ways).
     """
 
     def __init__(
@@ -77,8 +89,10 @@ class Bert(nn.Module):
         dropout: float = 0.1,
         attn_dropout: float = 0.1,
         attn_impl: AttentionImpl = "auto",
+        positions: str = "learned",
     ) -> None:
         super().__init__()
+        check_choice("model.net.encoder", "positions", positions, ("learned", "rope", "alibi", "t5"))
         check_positive(
             "model.net.encoder",
             vocab_size=vocab_size,
@@ -91,7 +105,10 @@ class Bert(nn.Module):
         check_positive_number("model.net.encoder", mlp_ratio=mlp_ratio)
         check_probability("model.net.encoder", dropout=dropout, attn_dropout=attn_dropout)
         self.vocab_size, self.pad_id, self.dim, self.max_len = vocab_size, pad_id, dim, max_len
-        self.embed = BertEmbeddings(vocab_size, dim, max_len, n_segments, dropout, pad_id)
+        self.embed = BertEmbeddings(
+            vocab_size, dim, max_len, n_segments, dropout, pad_id, learned_positions=positions == "learned"
+        )
+        self.positions = relative_positions(positions, dim // n_head, n_head, causal=False)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 dim,
@@ -109,7 +126,8 @@ class Bert(nn.Module):
         self.apply(init_bert)
 
     def no_weight_decay(self) -> set[str]:
-        return {"embed.tokens.positions.emb.weight", "embed.segments.weight"}
+        """The position tables (learned, T5's) and the segment table."""
+        return {n for n, _ in self.named_parameters() if "positions." in n} | {"embed.segments.weight"}
 
     def forward(
         self, ids: Tensor, segments: Tensor | None = None, need_weights: bool = False
@@ -122,7 +140,7 @@ class Bert(nn.Module):
         x = self.embed(ids, segments)
         weights = []
         for block in self.blocks:
-            x, w = block(x, padding_mask=padding, need_weights=need_weights)
+            x, w = block(x, padding_mask=padding, need_weights=need_weights, positions=self.positions)
             weights.append(w.self_attn)
         return x, weights if need_weights else []
 

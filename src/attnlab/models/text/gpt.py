@@ -10,20 +10,55 @@ input/output embeddings), built from the shared blocks of ``attnlab.nn``:
   ``KVCache`` for generation) and ``MLP`` (Linear, GELU, Linear).
 
 The forward pass reads top-down: embed, the blocks in order, a final LayerNorm, the tied head.
+
+Positions and the attention pattern are chosen by name (docs/positions.md): ``positions`` learned
+(nanoGPT's), sinusoidal (both added to the embeddings), rope, alibi, t5 (inside the attention,
+``nn/positions.py``) or none; ``attention`` full, sliding, global_local (``nn/local_attention.py``)
+or linear (``nn/linear_attention.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import KVCache, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
-from attnlab.nn.attention import AttentionImpl
+from attnlab.errors import ConfigError
+from attnlab.nn import (
+    LearnedPositions,
+    MultiHeadAttention,
+    SinusoidalPositions,
+    TokenEmbedding,
+    TransformerBlock,
+)
+from attnlab.nn.attention import AttentionImpl, KVCache
+from attnlab.nn.blocks import Activation, activation
+from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
+from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
+from attnlab.nn.positions import Positions, relative_positions
 from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
+
+Attention = Literal["full", "sliding", "global_local", "linear"]
+ATTENTIONS = get_args(Attention)
+Cache = KVCache | LinearAttentionState
+
+
+def causal_attention_layer(
+    attention: Attention, window: int, n_global: int, impl: AttentionImpl
+) -> Callable[..., nn.Module]:
+    """The attention layer ``attention`` names, as a constructor for ``TransformerBlock``."""
+    check_choice("model.net", "attention", attention, ATTENTIONS)
+    if attention == "sliding":
+        return partial(SlidingWindowAttention, window=window, impl=impl)
+    if attention == "global_local":
+        return partial(GlobalLocalAttention, window=window, n_global=n_global, impl=impl)
+    if attention == "linear":
+        return LinearAttention
+    return partial(MultiHeadAttention, impl=impl)
 
 
 class GPT(nn.Module):
@@ -31,8 +66,8 @@ class GPT(nn.Module):
 
     Args:
         vocab_size: number of token ids (filled in from the data's tokenizer when left ``???``).
-        max_len: longest context the model sees (its learned position table; the data's
-            ``block_size`` window must fit in it).
+        max_len: the context it is trained on and generates with (the learned position table;
+            the data's ``block_size`` follows it). Every other ``positions`` runs on longer inputs.
         depth: number of blocks.
         n_head: attention heads per block; must divide ``dim``.
         dim: model width.
@@ -40,7 +75,14 @@ class GPT(nn.Module):
         dropout: dropout on embeddings, attention weights and residual branches.
         bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
         attn_impl: "auto", "sdpa" or "math" attention (see ``attnlab.nn.attention``).
-        gelu: the MLP's GELU, "exact" (nanoGPT) or "tanh" (GPT-2's approximation, for its weights).
+        act: the MLP's activation: "gelu" (nanoGPT), "gelu_tanh" (GPT-2's approximation, for
+            its weights) or "quick_gelu".
+        positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
+            attention alone tells a token how many came before it).
+        attention: "full", "sliding" (the last ``window`` tokens), "global_local" (those and the
+            first ``n_global``) or "linear" (elu + 1 features, a recurrent state).
+        window: keys each token sees under sliding and global_local attention, itself included.
+        n_global: global tokens of global_local attention.
     """
 
     def __init__(
@@ -54,7 +96,11 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         attn_impl: AttentionImpl = "auto",
-        gelu: Literal["exact", "tanh"] = "exact",
+        act: Activation = "gelu",
+        positions: Positions = "learned",
+        attention: Attention = "full",
+        window: int = 32,
+        n_global: int = 4,
     ) -> None:
         super().__init__()
         check_positive(
@@ -64,12 +110,22 @@ class GPT(nn.Module):
             depth=depth,
             n_head=n_head,
             dim=dim,
+            window=window,
+            n_global=n_global,
         )
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
         check_probability("model.net", dropout=dropout)
-        check_choice("model.net", "gelu", gelu, ("exact", "tanh"))
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
+        absolute = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(positions)
+        self.embed = TokenEmbedding(vocab_size, dim, absolute(dim, max_len) if absolute else None, dropout)
+        # one instance for every block (T5 shares its bias table across layers)
+        self.positions = relative_positions(positions, dim // n_head, n_head, causal=True)
+        if attention == "linear" and positions in ("alibi", "t5"):
+            raise ConfigError(
+                f"model.net.positions={positions} biases attention scores, which linear attention "
+                "never forms: use learned, sinusoidal, rope or none"
+            )
+        attn_layer = causal_attention_layer(attention, window, n_global, attn_impl)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 dim,
@@ -78,9 +134,9 @@ class GPT(nn.Module):
                 dropout=dropout,
                 attn_dropout=dropout,
                 bias=bias,
-                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                attn_layer=attn_layer,
                 norm_layer=partial(nn.LayerNorm, bias=bias),
-                act_layer=partial(nn.GELU, approximate="none" if gelu == "exact" else "tanh"),
+                act_layer=activation("model.net", act),
             )
             for _ in range(depth)
         )
@@ -103,16 +159,20 @@ class GPT(nn.Module):
         position table too, and the recipes here follow it."""
         return set()
 
-    def forward(self, idx: Tensor, caches: list[KVCache] | None = None) -> Tensor:
+    def new_caches(self) -> list[Cache]:
+        """One empty cache per block, of the kind its attention decodes with (KV or state)."""
+        return [block.attn.new_cache() for block in self.blocks]
+
+    def forward(self, idx: Tensor, caches: list[Cache] | None = None) -> Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
 
-        With ``caches`` (one per block), ``idx`` holds only the new positions, which follow the
-        cached ones; their keys and values are appended to the caches.
+        With ``caches`` (one per block, ``new_caches``), ``idx`` holds only the new positions,
+        which follow the cached ones; their keys and values (or state) go into the caches.
         """
-        offset = len(caches[0]) if caches else 0
+        offset = caches[0].seen if caches else 0
         x = self.embed(idx, offset)  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x, _ = block(x, causal=True, cache=caches[i] if caches else None)
+            x, _ = block(x, causal=True, cache=caches[i] if caches else None, positions=self.positions)
         return self.embed.unembed(self.norm(x))
 
     @torch.no_grad()
@@ -131,12 +191,12 @@ class GPT(nn.Module):
         Past ``max_len`` the context window slides, which moves every token to a new
         position, so the cache is rebuilt from the window: output equals cache-free decoding.
         """
-        caches: list[KVCache] | None = None
+        caches: list[Cache] | None = None
         for _ in range(max_new_tokens):
-            if caches is not None and len(caches[0]) < self.max_len:
+            if caches is not None and caches[0].seen < self.max_len:
                 logits = self(idx[:, -1:], caches)
             else:
-                caches = [KVCache() for _ in self.blocks] if use_cache else None
+                caches = self.new_caches() if use_cache else None
                 logits = self(idx[:, -self.max_len :], caches)
             next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat([idx, next_id], dim=1)

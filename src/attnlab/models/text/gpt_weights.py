@@ -3,7 +3,7 @@
 The layouts are the same network: GPT-2 keeps its linear layers as ``Conv1D`` (weights stored
 (in, out), ours (out, in): transposed), packs q, k, v into one ``c_attn`` as ours packs them into
 ``in_proj``, and ties its output layer to the token table as ours does. Our GPT is GPT-2 with
-``bias: true`` and ``gelu: tanh`` (``conf/model/net/gpt2.yaml``); any of ours exports (a GPT without
+``bias: true`` and ``act: gelu_tanh`` (``conf/model/net/gpt2.yaml``); any of ours exports (a GPT without
 biases has them zero, an exact GELU is transformers' ``gelu``).
 """
 
@@ -39,7 +39,12 @@ _NAMES = (
     ("h.{i}.mlp.c_proj.{p}", "blocks.{i}.mlp.fc2.{p}", True),
     ("ln_f.{p}", "norm.{p}", False),
 )
-_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "quick_gelu": "quick_gelu",
+}
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -84,8 +89,12 @@ def state_to_hf(net: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def _gelu(net: nn.Module) -> str:
-    return "tanh" if net.blocks[0].mlp.act.approximate == "tanh" else "exact"
+def _act(net: nn.Module) -> str:
+    """The ``model.net.act`` of ``net``'s MLPs."""
+    act = net.blocks[0].mlp.act
+    if not isinstance(act, nn.GELU):
+        return "quick_gelu"
+    return "gelu_tanh" if act.approximate == "tanh" else "gelu"
 
 
 def load(net: nn.Module, source: Path) -> None:
@@ -93,10 +102,10 @@ def load(net: nn.Module, source: Path) -> None:
     config = read_config(source)
     require_architecture(config, source, ("gpt2",), "GPT")
     wanted = _ACTIVATIONS.get(config.get("activation_function", "gelu_new"), "another activation")
-    if wanted != _gelu(net):
+    if wanted != _act(net):
         raise CheckpointError(
             f"model.init_from={source}: config.json's activation_function is "
-            f"{config.get('activation_function', 'gelu_new')!r}; set model.net.gelu={wanted} "
+            f"{config.get('activation_function', 'gelu_new')!r}; set model.net.act={wanted} "
             "(conf/model/net/gpt2.yaml is GPT-2)"
         )
     require_value(
@@ -124,7 +133,9 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
         "n_layer": len(net.blocks),
         "n_head": net.blocks[0].attn.n_head,
         "n_inner": net.blocks[0].mlp.fc1.out_features,
-        "activation_function": "gelu_new" if _gelu(net) == "tanh" else "gelu",
+        "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "quick_gelu": "quick_gelu"}[
+            _act(net)
+        ],
         "layer_norm_epsilon": net.norm.eps,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,

@@ -1,0 +1,112 @@
+"""Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs").
+
+Softmax attention weighs key j for query i by exp(q_i . k_j); linear attention by a kernel
+phi(q_i) . phi(k_j) with a positive feature map phi(x) = elu(x) + 1. The output
+
+    y_i = sum_{j<=i} phi(q_i) . phi(k_j) v_j  /  sum_{j<=i} phi(q_i) . phi(k_j)
+        = phi(q_i) S_i / phi(q_i) . z_i,   S_i = sum_{j<=i} phi(k_j) v_j^T,  z_i = sum_{j<=i} phi(k_j)
+
+needs only the running sums (S, z): a recurrent state of fixed size instead of a KV cache, and a
+cost linear in the length. Training computes it in chunks: the quadratic form inside each chunk,
+the state of the chunks before it for the rest (one prefix sum over chunk states).
+
+There is no score matrix, so no bias can be added to it: ALiBi and T5 do not apply; RoPE turns q
+and k before the feature map, which gives each token its position (not a purely relative one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.positions import RelativePositions
+
+State = tuple[Tensor, Tensor]  # S (B, H, D, E), z (B, H, D)
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """phi(x) = elu(x) + 1 > 0."""
+    return F.elu(x) + 1
+
+
+def causal_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, state: State | None = None, chunk: int = 64, eps: float = 1e-6
+) -> tuple[Tensor, State]:
+    """Causal linear attention of features ``q``, ``k`` (B, H, T, D) (already phi'd) over values
+    ``v`` (B, H, T, E), continuing from ``state`` (the sums of the keys before; zeros when None).
+    Returns the outputs (B, H, T, E) and the state after the last position."""
+    b, h, t, d = q.shape
+    e = v.size(-1)
+    dtype = v.dtype
+    q, k, v = q.float(), k.float(), v.float()  # running sums in float32 under any autocast
+    n = -(-t // chunk)
+    pad = n * chunk - t  # zero features: padded keys add nothing
+    qc, kc, vc = (F.pad(z, (0, 0, 0, pad)).view(b, h, n, chunk, -1) for z in (q, k, v))  # (B, H, n, c, .)
+    kv = kc.transpose(-1, -2) @ vc  # (B, H, n, D, E): each chunk's sum of k v^T
+    ksum = kc.sum(-2)  # (B, H, n, D)
+    s0, z0 = state if state is not None else (q.new_zeros(b, h, d, e), q.new_zeros(b, h, d))
+    # the state before each chunk: the start state plus the sums of the chunks before it
+    s_before = s0[:, :, None] + torch.cat([torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]], dim=2)
+    z_before = z0[:, :, None] + torch.cat(
+        [torch.zeros_like(ksum[:, :, :1]), ksum.cumsum(2)[:, :, :-1]], dim=2
+    )
+    scores = (qc @ kc.transpose(-1, -2)).tril()  # (B, H, n, c, c): inside the chunk, causal
+    num = scores @ vc + qc @ s_before  # (B, H, n, c, E)
+    den = scores.sum(-1) + (qc * z_before[..., None, :]).sum(-1)  # (B, H, n, c)
+    y = num / (den[..., None] + eps)
+    new_state = (s_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1])
+    return y.reshape(b, h, n * chunk, e)[:, :, :t].to(dtype), new_state
+
+
+class LinearAttentionState:
+    """The recurrent state of one linear-attention layer across decoding steps (its "KV cache"):
+    S (B, H, D, E) and z (B, H, D), and how many positions went through it."""
+
+    def __init__(self) -> None:
+        self.state: State | None = None
+        self.seen = 0
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the rows at ``index`` (beam search)."""
+        if self.state is not None:
+            self.state = (self.state[0][index], self.state[1][index])
+
+
+class LinearAttention(MultiHeadAttention):
+    """Causal multi-head linear attention (elu + 1 features) with ``MultiHeadAttention``'s
+    projections; decodes from a ``LinearAttentionState``. ``dropout`` is unused: there are no
+    attention weights to drop."""
+
+    def new_cache(self) -> LinearAttentionState:
+        return LinearAttentionState()
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        causal: bool = False,
+        cache: LinearAttentionState | None = None,
+        need_weights: bool = False,
+        positions: RelativePositions | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) -> (B, T, C); with ``need_weights`` (no cache) also the (B, H, T, T) weights
+        of the quadratic form, phi(q) phi(k)^T masked and normalised per row."""
+        if memory is not None or key_padding_mask is not None or attn_mask is not None or not causal:
+            raise ValueError("linear attention here is causal self-attention: no memory or masks")
+        b, t, c = x.shape
+        start = cache.seen if cache is not None else 0
+        q, k, v = self._qkv(x, None, None, positions, start)  # (B, H, T, D); RoPE applied
+        q, k = elu_feature_map(q), elu_feature_map(k)
+        y, state = causal_linear_attention(q, k, v, cache.state if cache is not None else None)
+        if cache is not None:
+            cache.state, cache.seen = state, cache.seen + t
+        weights = None
+        if need_weights and cache is None:
+            att = (q @ k.transpose(-1, -2)).tril()  # (B, H, T, T)
+            weights = att / att.sum(-1, keepdim=True)
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, c)), weights

@@ -1,0 +1,141 @@
+"""Causal local attention: each token sees only the ``window`` most recent tokens (itself included),
+as in Longformer's and Mistral's sliding window, optionally plus the first ``n_global`` tokens of
+the sequence, which every token sees (Longformer's/BigBird's global tokens; in a causal model a
+global token's own row is already complete, as everything before it is global too).
+
+The cost grows linearly with the length: queries go in blocks of ``window``, and each block is
+scored against the keys of its own block and the one before (2 x window keys, plus the global
+ones), not against all T keys. A decoding step sees at most ``window`` cached keys: the cache
+forgets the others (``LocalKVCache``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.nn.attention import (
+    AttentionImpl,
+    KVCache,
+    MultiHeadAttention,
+    scaled_dot_product_attention,
+    with_bias,
+)
+from attnlab.nn.positions import RelativePositions
+from attnlab.utils.checks import check_positive
+
+
+class LocalKVCache(KVCache):
+    """A KV cache that keeps the keys a future query may still see: the last ``window - 1`` (the
+    next query is the window's last) and the first ``n_global``."""
+
+    def __init__(self, window: int, n_global: int = 0) -> None:
+        super().__init__()
+        self.window, self.n_global = window, n_global
+
+    def forget(self) -> None:
+        self.keep((self.positions > self.seen - self.window) | (self.positions < self.n_global))
+
+
+class SlidingWindowAttention(MultiHeadAttention):
+    """Causal multi-head attention within a sliding window of ``window`` keys (the query's own
+    position and the ``window - 1`` before it); the projections are ``MultiHeadAttention``'s.
+
+    Args: as ``MultiHeadAttention``, and
+        window: keys each query sees, itself included.
+        n_global: the first ``n_global`` positions are seen by every query (``GlobalLocalAttention``).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_head: int,
+        window: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        impl: AttentionImpl = "auto",
+        n_global: int = 0,
+    ) -> None:
+        super().__init__(dim, n_head, dropout, bias, impl)
+        check_positive("model.net", window=window)
+        self.window, self.n_global = window, n_global
+
+    def new_cache(self) -> LocalKVCache:
+        return LocalKVCache(self.window, self.n_global)
+
+    def allowed(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """Boolean (T_q, T_k): True where a query at ``q_pos`` may attend a key at ``k_pos``."""
+        back = q_pos[:, None] - k_pos[None, :]  # how far back the key is
+        return (back >= 0) & ((back < self.window) | (k_pos[None, :] < self.n_global))
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        causal: bool,
+        positions: RelativePositions | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        if mask is not None or not causal:
+            raise ValueError("local attention is causal self-attention: no other masks")
+        t_q, t_k = q.size(-2), k.size(-2)
+        if need_weights or t_q != t_k or t_k <= self.window:
+            # every pair scored, those outside the window blocked: the weights as a (T_q, T_k)
+            # matrix, a decoding step (at most window + n_global cached keys), or a short sequence
+            allowed = self.allowed(q_pos, k_pos)
+            return super().attend(q, k, v, allowed, False, positions, q_pos, k_pos, need_weights)
+        y = self.blocked(q, k, v, positions)
+        return y, None
+
+    def blocked(self, q: Tensor, k: Tensor, v: Tensor, positions: RelativePositions | None) -> Tensor:
+        """The same attention over a whole sequence (positions 0..T-1) in blocks of ``window``
+        queries, each scored against 2 x window local keys and the global ones: O(T * window)."""
+        b, h, t, d = q.shape
+        w, g = self.window, self.n_global
+        n = -(-t // w)  # blocks
+        pad = n * w - t
+        qb = F.pad(q, (0, 0, 0, pad)).view(b, h, n, w, d)  # (B, H, n, w, D)
+        # block i's keys: the window before it and its own, positions (i-1)w .. (i+1)w - 1
+        kb = F.pad(k, (0, 0, w, pad)).unfold(2, 2 * w, w).transpose(-1, -2)  # (B, H, n, 2w, D)
+        vb = F.pad(v, (0, 0, w, pad)).unfold(2, 2 * w, w).transpose(-1, -2)
+        q_pos = torch.arange(n * w, device=q.device).view(n, w, 1)  # (n, w, 1)
+        k_pos = torch.arange(-w, w, device=q.device) + w * torch.arange(n, device=q.device)[:, None]
+        k_pos = k_pos[:, None]  # (n, 1, 2w)
+        allowed = (q_pos - k_pos >= 0) & (q_pos - k_pos < w) & (k_pos >= 0)  # (n, w, 2w)
+        if g:  # the global keys, where the local ones do not already hold them
+            g_pos = torch.arange(min(g, t), device=q.device)
+            kb = torch.cat([k[:, :, None, : len(g_pos)].expand(-1, -1, n, -1, -1), kb], dim=-2)
+            vb = torch.cat([v[:, :, None, : len(g_pos)].expand(-1, -1, n, -1, -1), vb], dim=-2)
+            g_allowed = q_pos - g_pos >= w  # (n, w, g): older than the window
+            k_pos = torch.cat([g_pos.expand(n, 1, -1), k_pos], dim=-1)
+            allowed = torch.cat([g_allowed.expand(n, w, -1), allowed], dim=-1)  # (n, w, g + 2w)
+        mask = allowed
+        bias = positions.bias((k_pos - q_pos).expand_as(allowed)) if positions is not None else None
+        if bias is not None:  # (H, n, w, K)
+            mask = with_bias(allowed, bias)
+        dropout = self.dropout if self.training else 0.0
+        y, _ = scaled_dot_product_attention(qb, kb, vb, mask=mask, dropout_p=dropout, impl=self.impl)
+        return y.reshape(b, h, n * w, d)[:, :, :t]  # (B, H, T, D)
+
+
+class GlobalLocalAttention(SlidingWindowAttention):
+    """Sliding-window attention plus ``n_global`` global tokens: the first ``n_global`` positions
+    (a [CLS] or a prompt's start) are seen by every later query."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_head: int,
+        window: int,
+        n_global: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        impl: AttentionImpl = "auto",
+    ) -> None:
+        check_positive("model.net", n_global=n_global)
+        super().__init__(dim, n_head, window, dropout, bias, impl, n_global=n_global)

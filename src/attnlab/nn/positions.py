@@ -1,0 +1,146 @@
+"""Relative positions: how far apart a query and a key are, applied inside the attention instead of
+added to the token embeddings (``nn/embedding.py`` holds the absolute ones, learned and sinusoidal).
+
+Two ways in, one hook each (``RelativePositions``):
+- ``rotate``: RoPE (Su et al. 2021) turns each query and key by an angle proportional to its
+  position, so their dot product depends only on the offset between them;
+- ``bias``: ALiBi (Press et al. 2022) and T5 (Raffel et al. 2020) add a per-head bias to the
+  attention scores, a function of ``relative = key position - query position`` (<= 0 for the past,
+  T5's sign).
+
+One instance serves every layer of a model (T5 shares its bias table across layers), and the
+attention layers ask it for what they need (``MultiHeadAttention.forward(positions=...)``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.utils.checks import check_choice
+
+Positions = Literal["learned", "sinusoidal", "rope", "alibi", "t5", "none"]
+POSITIONS = get_args(Positions)
+
+
+class RelativePositions(nn.Module):
+    """The two hooks an attention layer calls; each subclass overrides one."""
+
+    def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Queries or keys (B, H, T, D) at absolute positions ``pos`` (T,), position applied."""
+        return x
+
+    def bias(self, relative: Tensor) -> Tensor | None:
+        """Score bias (H, *relative.shape) for ``relative`` (key - query positions), or ``None``."""
+        return None
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim: a 90-degree turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(RelativePositions):
+    """RoPE: pair i of a head's dims (i, i + D/2, as GPT-NeoX and Llama) is turned by the angle
+    ``pos * base^(-2i/D)``. Keys are turned before they are cached, at their own positions.
+
+    Args:
+        head_dim: dims per head (even).
+        base: the wavelength scale (10000 in the paper).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+
+    def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
+        angles = pos[:, None].float() * self.inv_freq  # (T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+        xf = x.float()
+        return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+
+
+def alibi_slopes(n_head: int) -> list[float]:
+    """Press et al.'s head slopes: for 2^k heads the geometric sequence starting at and stepping by
+    2^(-8/n); otherwise the 2^k heads below n, then every other slope of 2^(k+1) heads."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return power_of_two(n_head)
+    below = 2 ** math.floor(math.log2(n_head))
+    return power_of_two(below) + alibi_slopes(2 * below)[0::2][: n_head - below]
+
+
+class ALiBi(RelativePositions):
+    """ALiBi: head h adds ``slope_h * relative`` to its scores, a penalty growing linearly with the
+    distance to the key; no position is ever embedded, so nothing is out of range at any length.
+    ``symmetric`` (encoders): ``-slope_h * |relative|`` on both sides."""
+
+    def __init__(self, n_head: int, symmetric: bool = False) -> None:
+        super().__init__()
+        self.symmetric = symmetric
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)  # (H,)
+
+    def bias(self, relative: Tensor) -> Tensor:
+        rel = -relative.abs() if self.symmetric else relative
+        return self.slopes.view(-1, *[1] * rel.dim()) * rel.float()  # (H, ...)
+
+
+def t5_bucket(
+    relative: Tensor, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """T5's bucket of each offset: exact for the small ones, log-spaced up to ``max_distance``, the
+    last bucket beyond; ``bidirectional`` gives the future half of the buckets."""
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # the future counts as distance 0
+    max_exact = num_buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < max_exact, distance, large)
+
+
+class T5RelativeBias(RelativePositions):
+    """T5: a learned scalar per head and bucket of offsets (``t5_bucket``), added to the scores.
+
+    Args:
+        n_head: heads (one bias each per bucket).
+        causal: offsets into the future are never seen, so all buckets go to the past.
+        num_buckets, max_distance: T5's 32 and 128.
+    """
+
+    def __init__(self, n_head: int, causal: bool, num_buckets: int = 32, max_distance: int = 128) -> None:
+        super().__init__()
+        self.causal, self.num_buckets, self.max_distance = causal, num_buckets, max_distance
+        self.table = nn.Embedding(num_buckets, n_head)
+
+    def bias(self, relative: Tensor) -> Tensor:
+        bucket = t5_bucket(relative, not self.causal, self.num_buckets, self.max_distance)
+        return self.table(bucket).movedim(-1, 0)  # (H, ...)
+
+
+def relative_positions(kind: Positions, head_dim: int, n_head: int, causal: bool) -> RelativePositions | None:
+    """The ``RelativePositions`` a model's ``positions`` names, or ``None`` for the absolute ones
+    (added to the embeddings) and for "none"."""
+    check_choice("model.net", "positions", kind, POSITIONS)
+    if kind == "rope":
+        return Rotary(head_dim)
+    if kind == "alibi":
+        return ALiBi(n_head, symmetric=not causal)
+    if kind == "t5":
+        return T5RelativeBias(n_head, causal)
+    return None
