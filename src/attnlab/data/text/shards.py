@@ -279,8 +279,8 @@ def read_manifest(folder: Path, kind: str) -> dict[str, Any]:
         raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
     if found != kind:
         raise DataError(
-            f"{folder}: holds {found} shards (attnlab-prepare --mode {MODES.get(found, found)}), "
-            f"not {kind} shards (--mode {MODES.get(kind, kind)})"
+            f"{folder}: holds {str(found).rstrip('s')} shards (attnlab-prepare --mode "
+            f"{MODES.get(found, found)}), not {kind.rstrip('s')} shards (--mode {MODES.get(kind, kind)})"
         )
     return manifest
 
