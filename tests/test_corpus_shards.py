@@ -111,6 +111,7 @@ def test_two_ranks_of_two_workers_share_the_bert_stream_out_once(tmp_path, monke
     assert sorted(i for m in matches for i in m) == list(range(16))  # each of batches 0-15 once
 
 
+@pytest.mark.slow  # two runs of 60 steps: about 40 s on 2 shared cores
 def test_a_bert_trains_from_document_shards_and_resumes_mid_run_exactly(tmp_path):
     documents(tmp_path, vocab_size=120)
     extra = ["data=bert_shards", f"data.shards_dir={tmp_path / 'docs'}", "data.max_len=32"]
