@@ -278,6 +278,9 @@ def test_damaged_or_mismatched_shards_are_refused_in_one_line(tmp_path):
         dm.setup("fit")
     with pytest.raises(DataError, match="holds de-en pairs; data.src_lang and data.tgt_lang must be"):
         TranslationDataModule(shards_dir=str(tmp_path / "pairs"), src_lang="fr", tgt_lang="en").setup()
+    (tmp_path / "pairs" / "test.en").write_text("a replaced test set\n")
+    with pytest.raises(DataError, match=r"test.en: 20 bytes, but the manifest says 30 lines of text"):
+        TranslationDataModule(shards_dir=str(tmp_path / "pairs")).setup()
     (tmp_path / "gpt.txt").write_text("some text for a language model\n" * 50)
     prepare([str(tmp_path / "gpt.txt")], tmp_path / "gpt", val_tokens=10, test_tokens=10, progress=False)
     with pytest.raises(

@@ -282,6 +282,11 @@ class MaskedLMDataModule(DataModule):
         self.tokenizer = self.tokenizer or shards.tokenizer()
         self.val_docs, self.test_docs = shards.read_split("val"), shards.read_split("test")
         self.train_docs = ShardDocuments(shards)
+        if not (len(self.train_docs) and self.val_docs and self.test_docs):
+            raise DataError(
+                f"{shards.folder}: a training, a validation and a test split of documents are needed; "
+                f"it has {len(self.train_docs)} / {len(self.val_docs)} / {len(self.test_docs)}"
+            )
         log.info(
             "shards %s: %d train / %d val / %d test documents, vocab %d",
             self.shards_dir,

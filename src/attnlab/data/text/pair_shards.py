@@ -295,7 +295,11 @@ def write_text(
             fb.write(" ".join(y.splitlines()) + "\n")
             advance(size)
             count += 1
-    return {"pairs": count, "sha256": {lang: file_sha256(p) for lang, p in files.items()}}
+    return {
+        "pairs": count,
+        "bytes": {lang: p.stat().st_size for lang, p in files.items()},
+        "sha256": {lang: file_sha256(p) for lang, p in files.items()},
+    }
 
 
 def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance) -> Iterator[list[Pair]]:
@@ -354,6 +358,11 @@ class PairShards:
                     f"{shard.pairs} sentence offsets",
                     sha.get(f"{lang}.offsets"),
                 )
+        for split, entry in self.held_out.items():
+            for lang in self.langs:
+                sha = entry["sha256"][lang] if verify else None
+                what = f"{entry['pairs']} lines of text"
+                check_file(self.folder / f"{split}.{lang}", int(entry["bytes"][lang]), what, sha)
         self.ends = np.cumsum([s.pairs for s in self.train])
 
     def tokenizer(self) -> SubwordTokenizer:
