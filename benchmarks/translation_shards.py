@@ -71,6 +71,8 @@ def train(data: list[str], steps: int, out: Path) -> tuple[float, float]:
         f"trainer.val_check_interval={steps}",
         "trainer.limit_val_batches=2",
         "model.val_bleu=false",  # greedy decoding of an untrained model: minutes, and no data reading
+        "callbacks.model_checkpoint.monitor=val/loss",
+        "callbacks.model_checkpoint.mode=min",
         "trainer.num_sanity_val_steps=0",
         "test=false",
         "logger=csv",
