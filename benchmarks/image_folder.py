@@ -9,7 +9,7 @@ ImageFolder tree (``train/<class>/`` and a test split a tenth its size), then pr
 (b) the training images/s of the vit_fashion_mnist net (model/net=vit_mini) at img_size 32 on this
     machine (forward, loss, backward, AdamW step on random images), and the ratio (a)/(b): above
     1.0 the loader keeps up;
-(c) the same set written as tar shards (``attnlab-prepare images``'s code; images/s written),
+(c) the same set written as tar shards (``attnlab-prepare --mode images``'s code; images/s written),
     and the ``data=image_shards`` loader's images/s;
 (d) with ``--train-steps N``: the experiment trained N steps from the folder and from the shards
     (same seed), its test accuracy from each (they should agree within noise).

@@ -1,5 +1,5 @@
 """Images of any size and count: ImageFolder trees decoded lazily (``data=image_folder``), tar
-shards in webdataset's layout (``attnlab-prepare images|pairs``, ``data=image_shards``,
+shards in webdataset's layout (``attnlab-prepare --mode images|pairs``, ``data=image_shards``,
 ``data=image_text_shards``) streamed once per epoch over ranks and workers, resumable at any batch;
 exact evaluation; bad input named in one line, skipped and counted or refused."""
 
@@ -305,10 +305,12 @@ def test_an_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch)
 
 def test_the_prepare_command_reports_and_refuses_in_one_line(tmp_path):
     mixed_folder(tmp_path / "pets")
-    proc = run_cli("prepare", ["images", "pets", "--out", "shards/pets", "--val-size", "4"], tmp_path)
+    proc = run_cli(
+        "prepare", ["--mode", "images", "pets", "--out", "shards/pets", "--val-size", "4"], tmp_path
+    )
     assert_ok(proc)
     assert "16 train / 4 val / 6 test records" in proc.stdout
-    again = run_cli("prepare", ["images", "pets", "--out", "shards/pets"], tmp_path)
+    again = run_cli("prepare", ["--mode", "images", "pets", "--out", "shards/pets"], tmp_path)
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         "error: shards/pets: already holds prepared shards; choose another folder or remove it"
     ]
@@ -323,7 +325,7 @@ def test_clip_trains_from_image_caption_shards(tmp_path):
     pairs = write_pairs(tmp_path / "pairs", n=40)
     proc = run_cli(
         "prepare",
-        ["pairs", str(pairs), "--out", "shards/cap", "--val-size", "8", "--shard-records", "10"],
+        ["--mode", "pairs", str(pairs), "--out", "shards/cap", "--val-size", "8", "--shard-records", "10"],
         tmp_path,
     )
     assert_ok(proc)

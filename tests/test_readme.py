@@ -32,8 +32,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from attnlab.data.text.corpora import python_docs
+from attnlab.data.text.document_shards import prepare_documents
+from attnlab.data.text.pair_shards import prepare_pairs
 from attnlab.data.text.shards import prepare
-from attnlab.data.vision.shards import prepare_images, prepare_pairs
+from attnlab.data.text.translation import synthetic_pairs
+from attnlab.data.vision import shards as image_shards
 from conftest import (
     QUIET,
     ROOT,
@@ -245,6 +248,9 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         "my_images": lambda p: write_image_folder(p),
         "captions.csv": lambda p: write_pairs(p.parent, n=24).rename(p),
         "corpus.txt": lambda p: p.write_text(python_docs()),
+        "documents.txt": lambda p: p.write_text(python_docs()[:100_000]),  # paragraphs: documents
+        "pairs.tsv": lambda p: write_tsv(p),
+        "corpus/train": lambda p: write_aligned(p),
     }
     for a in args:
         name = a.partition("=")[2] or a  # key=file, or a file given by position
@@ -252,14 +258,38 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
             writers[name](cwd / name)
     shards = next((a.partition("=")[2] for a in args if a.startswith("data.shards_dir=")), None)
     if shards and not (cwd / shards).exists():  # what attnlab-prepare would have written there
-        if "data=image_shards" in args:
-            prepare_images(write_image_folder(cwd / "shard_images"), cwd / shards, val_size=4)
-        elif "data=image_text_shards" in args:
-            prepare_pairs(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
+        data = next((a.partition("=")[2] for a in args if a.startswith("data=")), "token_shards")
+        if data == "image_shards":
+            image_shards.prepare_images(write_image_folder(cwd / "shard_images"), cwd / shards, val_size=4)
+        elif data == "image_text_shards":
+            image_shards.prepare_pairs(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
+        elif data == "bert_shards":
+            writers["documents.txt"](cwd / "documents.txt")
+            docs = [str(cwd / "documents.txt")]
+            prepare_documents(docs, cwd / shards, vocab_size=500, val_docs=8, test_docs=8, progress=False)
+        elif data == "translation_shards":
+            writers["pairs.tsv"](cwd / "pairs.tsv")
+            pairs = [str(cwd / "pairs.tsv")]
+            prepare_pairs(
+                pairs, cwd / shards, "de", "en", vocab_size=120, val_pairs=8, test_pairs=8, progress=False
+            )
         else:
             (cwd / "corpus.txt").write_text(python_docs())
-            corpus = [str(cwd / "corpus.txt")]
-            prepare(corpus, cwd / shards, val_tokens=5000, test_tokens=5000, progress=False)
+            prepare(
+                [str(cwd / "corpus.txt")], cwd / shards, val_tokens=5000, test_tokens=5000, progress=False
+            )
+
+
+def write_tsv(path: Path) -> None:
+    """A parallel corpus as ``de<TAB>en`` lines."""
+    path.write_text("".join(f"{a}\t{b}\n" for a, b in zip(*synthetic_pairs(400, 0), strict=True)))
+
+
+def write_aligned(prefix: Path) -> None:
+    """Two line-aligned files ``<prefix>.de`` and ``<prefix>.en``."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for lang, lines in zip(("de", "en"), synthetic_pairs(400, 0), strict=True):
+        Path(f"{prefix}.{lang}").write_text("\n".join(lines) + "\n")
 
 
 def concrete(cmd: Command, cwd: Path) -> list[str]:
@@ -434,7 +464,8 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
     elif cmd.entry == "prepare":  # reads the files it names, needs no run
         write_inputs(cmd.args, tmp_path)
         cwd = tmp_path
-        tiny = ["--val-size", "4"] if cmd.args[0] in ("images", "pairs") else []  # of 24 images
+        images = any(f"--mode {m}" in " ".join(cmd.args) for m in ("images", "pairs"))
+        tiny = ["--val-size", "4"] if images else []  # of 24 images
         status, out = run_in(cwd, "prepare", [*cmd.args, *tiny])
     elif cmd.entry == "compare":
         cwd = workspaces.compare()

@@ -1,20 +1,32 @@
-"""Prepare data of any size for training that reads it as it goes: a text corpus into token
-shards, an image folder or image-caption pairs into tar shards (webdataset's layout).
+"""Prepare data of any size for training that reads it as it goes: a text corpus tokenised into
+shards (GPT's tokens, BERT's documents, translation pairs), an image folder or image-caption
+pairs written into tar shards (webdataset's layout, as open_clip reads them).
 
 examples:
   attnlab-prepare ../shared/data/tinyshakespeare/input.txt --out shards/shakespeare_char
   attnlab-prepare 'corpus/**/*.txt' --out shards/corpus_bpe --tokenizer bpe --vocab-size 8192 --workers 2
   attnlab-train experiment=gpt_shakespeare_char data.shards_dir=shards/shakespeare_char
-  attnlab-prepare images path/to/image_folder --out shards/pets          # train/<class>/<image>
-  attnlab-prepare pairs captions.csv --out shards/captions               # image,caption rows
 
-Text: the first --val-tokens tokens validate and the next --test-tokens are the test split; the
-rest trains. The folder gets one file per shard (uint16 ids while the vocabulary fits) and a
-manifest.json (the tokenizer, counts, sha256 of each shard, the sources).
-Images: key.jpg + key.cls (images) or key.jpg + key.txt (pairs) in tar files of --shard-records
-records; --val-size training images are carved out (seeded) to validate; test/ (or --test-file)
-is the test split; manifest.json holds the counts, classes and sha256 of each shard.
-An interrupted prepare leaves only <out>.partial, which the next one removes.
+  attnlab-prepare --mode bert 'wiki/*.txt' --out shards/wiki --vocab-size 8000 --val-docs 2000
+  attnlab-train experiment=bert_pretrain_sst2 data=bert_shards data.shards_dir=shards/wiki
+
+  attnlab-prepare --mode translation wmt.tsv --src-lang de --tgt-lang en --out shards/de_en
+  attnlab-prepare --mode translation corpus/train --src-lang de --tgt-lang en --out shards/de_en
+  attnlab-train experiment=nmt_transformer_multi30k data=translation_shards data.shards_dir=shards/de_en
+
+  attnlab-prepare --mode images path/to/image_folder --out shards/pets     # train/<class>/<image>
+  attnlab-prepare --mode pairs captions.csv --out shards/captions          # image,caption rows
+
+--mode lm (GPT): the first --val-tokens tokens validate and the next --test-tokens are the test
+split; the rest trains. --mode bert (one sentence per line, documents separated by blank lines,
+WordPiece): the first --val-docs documents, then --test-docs. --mode translation (joint BPE): a
+.tsv (source<TAB>target), a .jsonl ({"de": ..., "en": ...}) or a prefix of two aligned files
+(corpus/train reads corpus/train.de and corpus/train.en); the first --val-pairs pairs, then
+--test-pairs. Text shards hold uint16 ids while the vocabulary fits. --mode images|pairs:
+key.jpg + key.cls (images) or key.jpg + key.txt (pairs) in tar files of --shard-records records;
+--val-size training records are carved out (seeded) to validate; test/ (or --test-file) is the
+test split. Every folder gets a manifest.json (the tokenizer, counts, sha256 of each file, the
+sources). An interrupted prepare leaves only <out>.partial, which the next one removes.
 """
 
 from __future__ import annotations
@@ -25,110 +37,132 @@ import time
 
 from attnlab.cli.common import exit_on_user_error
 
-IMAGE_COMMANDS = ("images", "pairs")
+IMAGES = {"val_size": 1000, "shard_records": 10_000, "on_bad_record": "error", "seed": 1337}
+# the options of some modes only, with their defaults there
+MODE_OPTIONS = {
+    "lm": {"tokenizer": "char", "val_tokens": 100_000, "test_tokens": 100_000},
+    "bert": {"val_docs": 2000, "test_docs": 2000},
+    "translation": {"src_lang": None, "tgt_lang": None, "val_pairs": 1000, "test_pairs": 1000},
+    "images": IMAGES,
+    "pairs": {**IMAGES, "test_file": None, "image_key": "image", "caption_key": "caption"},
+}
+TEXT_OPTIONS = {"vocab_size": None, "shard_tokens": 100_000_000, "workers": 1}
+for mode in ("lm", "bert", "translation"):
+    MODE_OPTIONS[mode] = {**MODE_OPTIONS[mode], **TEXT_OPTIONS}
+VOCAB_SIZE = {"lm": 1024, "bert": 8000, "translation": 8000}
+UNITS = {"lm": "tokens", "bert": "documents", "translation": "pairs"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="attnlab-prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("inputs", nargs="+", help="text files or globs (quoted: 'corpus/**/*.txt'), UTF-8")
+    p.add_argument(
+        "inputs", nargs="+", help="files or globs (quoted: 'corpus/**/*.txt'), UTF-8; images: one folder"
+    )
     p.add_argument("--out", required=True, help="the folder to create (must not exist or be empty)")
-    p.add_argument("--tokenizer", choices=["char", "bpe"], default="char")
-    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
-    p.add_argument("--val-tokens", type=int, default=100_000)
-    p.add_argument("--test-tokens", type=int, default=100_000)
-    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
-    p.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    p.add_argument(
+        "--mode", choices=list(MODE_OPTIONS), default="lm", help="for GPT, BERT, translation, images, CLIP"
+    )
+    p.add_argument("--tokenizer", choices=["char", "bpe"], help="lm: char (default) or byte-level BPE")
+    p.add_argument("--vocab-size", type=int, help="BPE / WordPiece vocabulary size (lm 1024, else 8000)")
+    p.add_argument("--val-tokens", type=int, help="lm (100000)")
+    p.add_argument("--test-tokens", type=int, help="lm (100000)")
+    p.add_argument("--val-docs", type=int, help="bert (2000)")
+    p.add_argument("--test-docs", type=int, help="bert (2000)")
+    p.add_argument("--src-lang", help="translation: the source language, e.g. de")
+    p.add_argument("--tgt-lang", help="translation: the target language, e.g. en")
+    p.add_argument("--val-pairs", type=int, help="translation (1000)")
+    p.add_argument("--test-pairs", type=int, help="translation (1000)")
+    p.add_argument("--shard-tokens", type=int, help="text: tokens per shard, about (100000000)")
+    p.add_argument("--workers", type=int, help="text: tokenising processes (1)")
+    p.add_argument(
+        "--val-size", type=int, help="images, pairs: training records carved out to validate (1000)"
+    )
+    p.add_argument("--shard-records", type=int, help="images, pairs: records per tar file (10000)")
+    p.add_argument(
+        "--on-bad-record", choices=["error", "skip"], help="images, pairs: an image that does not decode"
+    )
+    p.add_argument("--seed", type=int, help="images, pairs: of the validation split (1337)")
+    p.add_argument("--test-file", help="pairs: rows of the test split (default: none)")
+    p.add_argument("--image-key", help="pairs: the image column (image)")
+    p.add_argument("--caption-key", help="pairs: the caption column (caption)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p.parse_args(argv)
 
 
-def parse_image_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"attnlab-prepare {argv[0]}",
-        description="Write images (an ImageFolder tree) or image-caption pairs (CSV/JSONL) into tar shards.",
-    )
-    p.add_argument("source", help="images: the folder with train/<class>/; pairs: the CSV or JSONL file")
-    p.add_argument("--out", required=True, help="the folder to create (must not exist or be empty)")
-    p.add_argument("--val-size", type=int, default=1000, help="training records carved out to validate")
-    p.add_argument("--shard-records", type=int, default=10_000, help="records per tar file")
-    p.add_argument(
-        "--on-bad-record", choices=["error", "skip"], default="error", help="an image that does not decode"
-    )
-    p.add_argument("--seed", type=int, default=1337, help="of the validation split")
-    if argv[0] == "pairs":
-        p.add_argument("--test-file", default=None, help="rows of the test split (default: none)")
-        p.add_argument("--image-key", default="image")
-        p.add_argument("--caption-key", default="caption")
-    args = p.parse_args(argv[1:])
-    args.command = argv[0]
-    return args
+def mode_options(args: argparse.Namespace) -> dict:
+    """The options of ``args.mode`` with their defaults; another mode's option is refused."""
+    from attnlab.errors import ConfigError
+
+    ours = MODE_OPTIONS[args.mode]
+    for name in {n for options in MODE_OPTIONS.values() for n in options} - ours.keys():
+        if getattr(args, name) is not None:
+            modes = " or ".join(m for m, options in MODE_OPTIONS.items() if name in options)
+            raise ConfigError(f"--{name.replace('_', '-')} is for --mode {modes}, not --mode {args.mode}")
+    out = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in ours.items()}
+    for name in ("src_lang", "tgt_lang"):
+        if name in out and out[name] is None:
+            raise ConfigError(f"--mode translation needs --{name.replace('_', '-')} (e.g. de, en)")
+    if args.mode in ("images", "pairs") and len(args.inputs) != 1:
+        what = "folder (train/<class>/...)" if args.mode == "images" else "CSV or JSONL file"
+        raise ConfigError(f"--mode {args.mode} takes one {what}, not {len(args.inputs)} inputs")
+    return out
 
 
-def prepare_images(args: argparse.Namespace) -> None:
+def prepare_text(args: argparse.Namespace, options: dict) -> str:
+    options["vocab_size"] = options["vocab_size"] or VOCAB_SIZE[args.mode]
+    options["progress"] = not args.no_progress
+    t0 = time.perf_counter()
+    if args.mode == "lm":
+        from attnlab.data.text.shards import prepare
+
+        manifest = prepare(args.inputs, args.out, **options)
+        counts = {s: sum(x["tokens"] for x in shards) for s, shards in manifest["splits"].items()}
+    elif args.mode == "bert":
+        from attnlab.data.text.document_shards import prepare_documents
+
+        manifest = prepare_documents(args.inputs, args.out, **options)
+        counts = {s: sum(x["documents"] for x in shards) for s, shards in manifest["splits"].items()}
+    else:
+        from attnlab.data.text.pair_shards import prepare_pairs
+
+        manifest = prepare_pairs(args.inputs, args.out, **options)
+        splits = manifest["splits"]
+        counts = {"train": sum(x["pairs"] for x in splits["train"]), "val": splits["val"]["pairs"]}
+        counts["test"] = splits["test"]["pairs"]
+    seconds = time.perf_counter() - t0
+    size = sum(s["bytes"] for s in manifest["sources"])
+    return (
+        f"{args.out}: {counts['train']} train / {counts['val']} val / {counts['test']} test "
+        f"{UNITS[args.mode]} ({manifest['dtype']}, vocab {manifest['vocab_size']}) from "
+        f"{size / 1e6:.1f} MB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.2f} MB/s)"
+    )
+
+
+def prepare_images(args: argparse.Namespace, options: dict) -> str:
     from attnlab.data.vision import shards
 
     t0 = time.perf_counter()
-    common = dict(
-        val_size=args.val_size,
-        shard_records=args.shard_records,
-        on_bad_record=args.on_bad_record,
-        seed=args.seed,
-    )
-    if args.command == "images":
-        manifest = shards.prepare_images(args.source, args.out, **common)
-    else:
-        manifest = shards.prepare_pairs(
-            args.source,
-            args.out,
-            test_file=args.test_file,
-            image_key=args.image_key,
-            caption_key=args.caption_key,
-            **common,
-        )
+    write = shards.prepare_images if args.mode == "images" else shards.prepare_pairs
+    manifest = write(args.inputs[0], args.out, **options)
     seconds = time.perf_counter() - t0
     counts = {s: sum(e["count"] for e in entries) for s, entries in manifest["splits"].items()}
-    n = sum(counts.values())
     size = sum(e["bytes"] for entries in manifest["splits"].values() for e in entries)
     skipped = f", {len(manifest['skipped'])} unreadable images skipped" if manifest["skipped"] else ""
-    print(
+    return (
         f"{args.out}: {counts['train']} train / {counts['val']} val / {counts['test']} test records in "
         f"{sum(len(e) for e in manifest['splits'].values())} shards ({size / 1e6:.1f} MB) in "
-        f"{seconds:.1f} s ({n / max(seconds, 1e-9):.0f} images/s){skipped}"
+        f"{seconds:.1f} s ({sum(counts.values()) / max(seconds, 1e-9):.0f} images/s){skipped}"
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in IMAGE_COMMANDS:
-        args = parse_image_args(argv)
-        with exit_on_user_error(console=True):
-            prepare_images(args)
-        return
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     with exit_on_user_error(console=True):
-        from attnlab.data.text.shards import prepare
-
-        t0 = time.perf_counter()
-        manifest = prepare(
-            args.inputs,
-            args.out,
-            tokenizer=args.tokenizer,
-            vocab_size=args.vocab_size,
-            val_tokens=args.val_tokens,
-            test_tokens=args.test_tokens,
-            shard_tokens=args.shard_tokens,
-            workers=args.workers,
-            progress=not args.no_progress,
-        )
-        seconds = time.perf_counter() - t0
-        size = sum(s["bytes"] for s in manifest["sources"])
-        counts = {split: sum(s["tokens"] for s in shards) for split, shards in manifest["splits"].items()}
+        options = mode_options(args)
         print(
-            f"{args.out}: {counts['train']} train / {counts['val']} val / {counts['test']} test tokens "
-            f"({manifest['dtype']}, vocab {manifest['vocab_size']}) from {size / 1e6:.1f} MB in "
-            f"{seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.2f} MB/s)"
+            prepare_images(args, options) if args.mode in ("images", "pairs") else prepare_text(args, options)
         )
 
 

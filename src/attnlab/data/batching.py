@@ -5,10 +5,12 @@ a token budget). With equal lengths the batches are fixed-size runs of the split
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
@@ -47,7 +49,7 @@ class TokenBatchSampler(DistributedSampler):
 
     def __init__(
         self,
-        lengths: list[int],
+        lengths: list[int] | np.ndarray,
         max_tokens: int,
         shuffle: bool,
         seed: int = 0,
@@ -66,6 +68,8 @@ class TokenBatchSampler(DistributedSampler):
 
     def global_batches(self) -> list[list[int]]:
         """The batches of all processes for this epoch, before padding."""
+        if isinstance(self.lengths, np.ndarray):
+            return self._global_batches_of_array()
         rng = random.Random(self.seed + self.epoch)
         noise = [rng.random() if self.shuffle else 0.0 for _ in self.lengths]
         order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i] + noise[i], i))
@@ -81,6 +85,26 @@ class TokenBatchSampler(DistributedSampler):
             batches.append(batch)
         if self.shuffle:
             rng.shuffle(batches)
+        return batches
+
+    def _global_batches_of_array(self) -> list[np.ndarray]:
+        """``global_batches`` for lengths in a numpy array (millions of pairs read from shards):
+        the same rule, with no Python object per pair; each batch a view of one index array."""
+        rng = np.random.default_rng(self.seed + self.epoch)
+        lengths = self.lengths.astype(np.int64)
+        noise = rng.random(len(lengths)) if self.shuffle else np.zeros(len(lengths))
+        order = np.lexsort((np.arange(len(lengths)), lengths + noise))
+        longest = lengths[order]  # non-decreasing: a batch's longest pair is its last
+        cuts, start, n = [], 0, len(order)
+        while start < n:  # the first position whose pair would break the budget
+            end = bisect.bisect_right(
+                range(start, n), self.max_tokens, key=lambda q: longest[q] * (q - start + 1)
+            )
+            start = start + max(end, 1)
+            cuts.append(start)
+        batches = np.split(order, cuts[:-1])
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 
     def _shard(self) -> list[list[int]]:

@@ -131,7 +131,7 @@ class ImageTextDataModule(DataModule):
     attributes, ``attnlab.data.multimodal.captions``; the held-out prompt templates and the class
     names serve zero-shot evaluation), "pairs" (``pairs_file``: CSV with a header, or JSONL;
     image paths relative to the file; labels unknown, so no zero-shot) or "shards" (``shards_dir``:
-    tar shards of ``key.jpg`` + ``key.txt`` from ``attnlab-prepare pairs``, streamed in training as
+    tar shards of ``key.jpg`` + ``key.txt`` from ``attnlab-prepare --mode pairs``, streamed in training as
     ``ImageFilesDataModule`` streams them; the tokenizer is fitted on the first
     ``fit_captions`` training captions).
 
@@ -198,7 +198,7 @@ class ImageTextDataModule(DataModule):
             )
         if source == "shards" and shards_dir is None:
             raise ConfigError(
-                "data.shards_dir: a folder written by attnlab-prepare pairs is needed with data.source=shards"
+                "data.shards_dir: a folder written by attnlab-prepare --mode pairs is needed with data.source=shards"
             )
         if source == "pairs" and pairs_file is None:
             raise ConfigError(

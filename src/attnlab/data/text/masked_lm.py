@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ def join_pair(a: list[int], b: list[int], max_len: int) -> tuple[list[int], list
 
 
 def make_pair(
-    docs: list[Document], i: int, rng: random.Random, max_len: int
+    docs: Sequence[Document], i: int, rng: random.Random, max_len: int
 ) -> tuple[list[int], list[int], int]:
     """Ids, segment ids and NSP label of a pair whose A comes from document ``i``."""
     a, b = split_document(docs[i], rng)
@@ -88,6 +89,23 @@ def mask_tokens(
     swap = chosen & (how >= 0.8) & (how < 0.9)
     inputs = torch.where(swap, random_ids, inputs)
     return inputs, labels
+
+
+def masked_batch(
+    items: list[tuple[list[int], list[int], int]],
+    vocab_size: int,
+    mask_prob: float,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """A training batch of pairs (``make_pair``'s), padded and masked together (``mask_tokens``)."""
+    ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
+    inputs, labels = mask_tokens(ids, vocab_size, mask_prob, generator)
+    return {
+        "ids": inputs,
+        "segments": pad([it[1] for it in items], 0),
+        "mlm_labels": labels,
+        "nsp_labels": torch.tensor([it[2] for it in items]),
+    }
 
 
 @dataclass
@@ -122,13 +140,12 @@ class SegmentPairs:
 
     def __call__(self, idx: list[int]) -> dict[str, Tensor]:
         items = [self.pair(i) for i in idx]
-        ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
-        if self.fixed:  # each pair masked by its own seed: the same whichever batch holds it
-            masked = [self.fixed_masks(it[0], i) for it, i in zip(items, idx, strict=True)]
-            inputs = pad([m[0].tolist() for m in masked], WordPieceTokenizer.pad_id)
-            labels = pad([m[1].tolist() for m in masked], -100)
-        else:
-            inputs, labels = mask_tokens(ids, self.vocab_size, self.mask_prob)
+        if not self.fixed:
+            return masked_batch(items, self.vocab_size, self.mask_prob)
+        # each pair masked by its own seed: the same whichever batch holds it
+        masked = [self.fixed_masks(it[0], i) for it, i in zip(items, idx, strict=True)]
+        inputs = pad([m[0].tolist() for m in masked], WordPieceTokenizer.pad_id)
+        labels = pad([m[1].tolist() for m in masked], -100)
         return {
             "ids": inputs,
             "segments": pad([it[1] for it in items], 0),
@@ -156,12 +173,17 @@ class MaskedLMDataModule(DataModule):
         val_docs: at most this many documents of each held-out split are scored (their pairs
             and masks the same every time).
         num_workers: DataLoader workers.
-        seed: of the validation split and its fixed masks.
+        seed: of the validation split and its fixed masks (and of the training stream from shards).
+        shards_dir: a folder of document shards made by ``attnlab-prepare --mode bert`` (a corpus
+            of any size): training pairs are built from documents read from disk as they are drawn
+            (``PairStream``), validation and test are the shards' held-out documents, and the
+            tokenizer is the one they were made with; ``files``, ``vocab_size`` and the fractions
+            are then not used.
     """
 
     def __init__(
         self,
-        files: list[str],
+        files: list[str] | None = None,
         data_dir: str | None = None,
         cache_dir: str = "data",
         vocab_size: int = 8000,
@@ -173,13 +195,14 @@ class MaskedLMDataModule(DataModule):
         val_docs: int = 2000,
         num_workers: int = 0,
         seed: int = 1234,
+        shards_dir: str | None = None,
     ) -> None:
         super().__init__()
         check_positive(
             "data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens, val_docs=val_docs
         )
-        if not files:
-            raise ConfigError("data.files must name at least one corpus file")
+        if not files and shards_dir is None:
+            raise ConfigError("data.files must name at least one corpus file (or set data.shards_dir)")
         if max_len < 5:
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
         if max_tokens < max_len:
@@ -189,13 +212,14 @@ class MaskedLMDataModule(DataModule):
                 f"data.mask_prob ({mask_prob}), data.val_fraction ({val_fraction}) and "
                 f"data.test_fraction ({test_fraction}) must be between 0 and 1"
             )
-        self.files, self.data_dir, self.cache_dir = list(files), data_dir, cache_dir
+        self.files, self.data_dir, self.cache_dir = list(files or []), data_dir, cache_dir
+        self.shards_dir = shards_dir
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_docs_scored = mask_prob, val_docs
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
-        self.train_docs: list[Document] | None = None
+        self.train_docs: Sequence[Document] | None = None
         self.val_docs: list[Document] = []
         self.test_docs: list[Document] = []
 
@@ -209,12 +233,15 @@ class MaskedLMDataModule(DataModule):
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
-        for name in self.files:
-            data_file(name, self.data_dir, self.cache_dir)
+        if self.shards_dir is None:
+            for name in self.files:
+                data_file(name, self.data_dir, self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_docs is not None:
             return
+        if self.shards_dir is not None:
+            return self._setup_shards()
         docs = [d for name in self.files for d in read_corpus(data_file(name, self.data_dir, self.cache_dir))]
         if len(docs) < 3:
             raise DataError(
@@ -249,6 +276,32 @@ class MaskedLMDataModule(DataModule):
             self.tokenizer.vocab_size,
         )
 
+    def _setup_shards(self) -> None:
+        from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
+
+        shards = DocumentShards(self.shards_dir)
+        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
+            raise DataError(
+                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
+                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
+            )
+        self.tokenizer = self.tokenizer or shards.tokenizer()
+        self.val_docs, self.test_docs = shards.read_split("val"), shards.read_split("test")
+        self.train_docs = ShardDocuments(shards)
+        if not (len(self.train_docs) and self.val_docs and self.test_docs):
+            raise DataError(
+                f"{shards.folder}: a training, a validation and a test split of documents are needed; "
+                f"it has {len(self.train_docs)} / {len(self.val_docs)} / {len(self.test_docs)}"
+            )
+        log.info(
+            "shards %s: %d train / %d val / %d test documents, vocab %d",
+            self.shards_dir,
+            len(self.train_docs),
+            len(self.val_docs),
+            len(self.test_docs),
+            self.tokenizer.vocab_size,
+        )
+
     def _encode(self, docs: list[list[str]]) -> list[Document]:
         """Token ids of each document, without those too short to cut in two."""
         flat = self.tokenizer.encode_batch([s for d in docs for s in d])
@@ -277,6 +330,25 @@ class MaskedLMDataModule(DataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        if self.shards_dir is not None:
+            from attnlab.data.text.document_shards import PairStream
+
+            stream = PairStream(
+                self.train_docs,
+                self.max_len,
+                self.max_tokens,
+                self.tokenizer.vocab_size,
+                self.mask_prob,
+                self.seed,
+            )
+            stream.start = self.train_batches_consumed
+            return DataLoader(
+                stream,
+                batch_size=None,
+                num_workers=self.num_workers,
+                persistent_workers=self.num_workers > 0,
+                generator=torch.Generator().manual_seed(self.seed),
+            )
         return self._loader(
             SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob), "train"
         )

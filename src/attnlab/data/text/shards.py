@@ -197,19 +197,14 @@ def prepare(
     end, so an interrupted prepare leaves no half-written shards behind: the next one starts clean.
     """
     out = Path(out_dir)
-    if (out / MANIFEST).exists():
-        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
-    if out.exists() and any(out.iterdir()):
-        raise DataError(f"{out}: exists and is not empty; choose another folder")
+    check_free(out)
     for name, value in (("val_tokens", val_tokens), ("test_tokens", test_tokens)):
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ConfigError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
     files = source_files(inputs)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = start_partial(out)
 
     tok = fit_tokenizer(files, tokenizer, vocab_size, bpe_sample_bytes)
     dtype = token_dtype(tok.vocab_size)
@@ -231,18 +226,80 @@ def prepare(
         w.close()
     manifest = {
         "version": 1,
+        "kind": "tokens",
         "tokenizer": tok.to_json(),
-        "tokenizer_sha256": hashlib.sha256(tok.to_json().encode()).hexdigest(),
+        "tokenizer_sha256": tokenizer_sha256(tok.to_json()),
         "vocab_size": tok.vocab_size,
         "dtype": dtype,
         "splits": {s: writers[s].shards for s in SPLITS},
         "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
     }
+    publish(partial, out, manifest)
+    return manifest
+
+
+def check_free(out: Path) -> None:
+    """``out`` may become a prepared folder: absent, or an empty folder."""
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out}: already holds prepared shards; choose another folder or remove it")
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out}: exists and is not empty; choose another folder")
+
+
+def start_partial(out: Path) -> Path:
+    """A clean ``<out>.partial`` folder (what an interrupted prepare left there removed), which
+    ``publish`` moves into place once everything is written."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish(partial: Path, out: Path, manifest: dict[str, Any]) -> None:
+    """The manifest written last, then the folder renamed: a folder with a manifest is whole."""
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():
-        out.rmdir()  # empty, checked above
+        out.rmdir()  # empty, checked by check_free
     os.replace(partial, out)
+
+
+def tokenizer_sha256(tokenizer_json: str) -> str:
+    return hashlib.sha256(tokenizer_json.encode()).hexdigest()
+
+
+def read_manifest(folder: Path, kind: str) -> dict[str, Any]:
+    """The manifest of a prepared folder of ``kind`` ("tokens", "documents", "pairs")."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{folder}: no {MANIFEST}; prepare it with attnlab-prepare")
+    try:
+        manifest = json.loads(path.read_text())
+        found = manifest.get("kind", "tokens")  # version 1 token shards did not say
+    except (ValueError, AttributeError) as e:
+        raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+    if found != kind:
+        raise DataError(
+            f"{folder}: holds {str(found).rstrip('s')} shards (attnlab-prepare --mode "
+            f"{MODES.get(found, found)}), not {kind.rstrip('s')} shards (--mode {MODES.get(kind, kind)})"
+        )
     return manifest
+
+
+def check_file(path: Path, size: int, what: str, sha256: str | None = None) -> None:
+    """A file a manifest lists: there, of the size it says (``what`` says in what units), and of
+    its sha256 when given."""
+    if not path.is_file():
+        raise DataError(f"{path}: a shard the manifest lists is missing")
+    found = path.stat().st_size
+    if found != size:
+        raise DataError(
+            f"{path}: {found} bytes, but the manifest says {what} ({size} bytes); truncated or replaced?"
+        )
+    if sha256 is not None and file_sha256(path) != sha256:
+        raise DataError(f"{path}: its sha256 differs from the manifest's; corrupt or replaced")
+
+
+MODES = {"tokens": "lm", "documents": "bert", "pairs": "translation"}  # manifest kind -> prepare mode
 
 
 def _counted(chunks: Iterator[tuple[str, int]], advance) -> Iterator[tuple[str, int]]:
@@ -322,10 +379,8 @@ class TokenShards:
     def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
         self.folder = Path(folder)
         path = self.folder / MANIFEST
-        if not path.is_file():
-            raise DataError(f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare")
+        manifest = read_manifest(self.folder, "tokens")
         try:
-            manifest = json.loads(path.read_text())
             self.dtype = np.dtype(manifest["dtype"])
             self.tokenizer_json: str = manifest["tokenizer"]
             self.tokenizer_sha256: str = manifest["tokenizer_sha256"]
@@ -340,16 +395,8 @@ class TokenShards:
                 self._check(shard, entry.get("sha256") if verify else None)
 
     def _check(self, shard: Shard, sha256: str | None) -> None:
-        if not shard.path.is_file():
-            raise DataError(f"{shard.path}: a shard the manifest lists is missing")
-        size = shard.path.stat().st_size
-        if size != shard.tokens * self.dtype.itemsize:
-            raise DataError(
-                f"{shard.path}: {size} bytes, but the manifest says {shard.tokens} tokens of "
-                f"{self.dtype} ({shard.tokens * self.dtype.itemsize} bytes); truncated or replaced?"
-            )
-        if sha256 is not None and file_sha256(shard.path) != sha256:
-            raise DataError(f"{shard.path}: its sha256 differs from the manifest's; corrupt or replaced")
+        what = f"{shard.tokens} tokens of {self.dtype}"
+        check_file(shard.path, shard.tokens * self.dtype.itemsize, what, sha256)
 
     def tokenizer(self) -> Tokenizer:
         return tokenizer_from_json(self.tokenizer_json)

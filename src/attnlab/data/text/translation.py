@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
+from attnlab.data.text.pair_shards import PairShards, ShardSide
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.checks import check_positive
@@ -105,8 +108,8 @@ def cached_tokenizer(path: Path) -> SubwordTokenizer | None:
 class ParallelSplit:
     """Token ids of a split (without <bos>/<eos>) and its raw target sentences (the references)."""
 
-    src: list[list[int]]
-    tgt: list[list[int]]
+    src: Sequence[list[int]]  # a list, or sentences read from shards (ShardSide)
+    tgt: Sequence[list[int]]
     src_text: list[str]
     tgt_text: list[str]
 
@@ -151,6 +154,11 @@ class TranslationDataModule(DataModule):
         synthetic_size: training pairs of the synthetic corpus (validation and test get 1/10).
         num_workers: DataLoader workers.
         seed: seed of the batch order.
+        shards_dir: a folder of pair shards made by ``attnlab-prepare --mode translation`` (a
+            corpus of any size): training pairs are read from disk as batches need them, only
+            their lengths held in memory; validation and test are the folder's held-out text.
+            ``src_lang``/``tgt_lang`` must be its two languages, in either order; ``corpus``,
+            ``data_dir`` and ``vocab_size`` are then not used (the tokenizer is the folder's).
     """
 
     def __init__(
@@ -167,12 +175,13 @@ class TranslationDataModule(DataModule):
         synthetic_size: int = 5000,
         num_workers: int = 0,
         seed: int = 1337,
+        shards_dir: str | None = None,
     ) -> None:
         super().__init__()
         if corpus not in SPLITS:
             raise ConfigError(f"data.corpus must be one of {sorted(SPLITS)}, got {corpus!r}")
         langs = {"multi30k": ("de", "en"), "synthetic": ("de", "en")}[corpus]
-        if {src_lang, tgt_lang} != set(langs):
+        if shards_dir is None and {src_lang, tgt_lang} != set(langs):
             raise ConfigError(
                 f"data.src_lang/data.tgt_lang must be {langs[0]!r} and {langs[1]!r} in either order "
                 f"for corpus {corpus!r}, got {src_lang!r} -> {tgt_lang!r}"
@@ -195,8 +204,10 @@ class TranslationDataModule(DataModule):
         self.max_tokens, self.eval_max_tokens = max_tokens, eval_max_tokens
         self.max_len, self.synthetic_size = max_len, synthetic_size
         self.num_workers, self.seed = num_workers, seed
+        self.shards_dir = shards_dir
         self.tokenizer: SubwordTokenizer | None = None
         self.splits: dict[str, ParallelSplit] = {}
+        self.train_lengths: np.ndarray | None = None  # from shards: the training pairs' lengths
 
     # -- what the model and the entry points need -------------------------------------------
     def model_kwargs(self) -> dict[str, int]:
@@ -257,7 +268,7 @@ class TranslationDataModule(DataModule):
         return src, tgt
 
     def prepare_data(self) -> None:
-        if self.corpus == "multi30k":
+        if self.corpus == "multi30k" and self.shards_dir is None:
             for split in SPLITS["multi30k"]:
                 self._files(split)
 
@@ -290,22 +301,63 @@ class TranslationDataModule(DataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
+        if self.shards_dir is not None:
+            return self._setup_shards()
         raw = {s: self._read(s) for s in ("train", "val", "test")}
         if self.tokenizer is None:
             self.tokenizer = self._fit_tokenizer(*raw["train"])
         for s, (src_text, tgt_text) in raw.items():
             self.splits[s] = self._encode(s, src_text, tgt_text)
         tr = self.splits["train"]
+        self._log(self.corpus, len(tr), sum(map(len, tr.tgt)) / len(tr))
+
+    def _setup_shards(self) -> None:
+        """Validation and test from the folder's text (read and encoded whole, as in memory);
+        training pairs read from its shards when a batch needs them (``ShardSide``)."""
+        shards = PairShards(self.shards_dir)
+        if {self.src_lang, self.tgt_lang} != set(shards.langs):
+            raise DataError(
+                f"{shards.folder}: holds {shards.langs[0]}-{shards.langs[1]} pairs; data.src_lang and "
+                f"data.tgt_lang must be those two, got {self.src_lang!r} -> {self.tgt_lang!r}"
+            )
+        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
+            raise DataError(
+                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
+                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
+            )
+        self.tokenizer = self.tokenizer or shards.tokenizer()
+        for s in ("val", "test"):
+            self.splits[s] = self._encode(
+                s, *read_parallel(*shards.text_files(s, self.src_lang, self.tgt_lang))
+            )
+        src_len, tgt_len = shards.lengths(self.src_lang), shards.lengths(self.tgt_lang)
+        limit = self.max_len - 1  # room for <bos>/<eos>
+        keep = np.flatnonzero((src_len <= limit) & (tgt_len <= limit))
+        if len(keep) < len(src_len):
+            log.warning(
+                "dropped %d of %d training pairs longer than data.max_len=%d tokens",
+                len(src_len) - len(keep),
+                len(src_len),
+                self.max_len,
+            )
+        if not len(keep):
+            raise DataError(f"no training pair is shorter than data.max_len={self.max_len} tokens")
+        self.train_lengths = np.maximum(src_len, tgt_len)[keep] + 1
+        side = {lang: ShardSide(shards, lang, keep) for lang in shards.langs}
+        self.splits["train"] = ParallelSplit(side[self.src_lang], side[self.tgt_lang], [], [])
+        self._log(str(shards.folder), len(keep), float(tgt_len[keep].mean()))
+
+    def _log(self, corpus: str, n_train: int, tgt_tokens: float) -> None:
         log.info(
             "%s %s->%s: %d / %d / %d pairs, joint BPE vocabulary %d, %.1f target tokens per sentence",
-            self.corpus,
+            corpus,
             self.src_lang,
             self.tgt_lang,
-            len(tr),
+            n_train,
             len(self.splits["val"]),
             len(self.splits["test"]),
             self.tokenizer.vocab_size,
-            sum(map(len, tr.tgt)) / len(tr),
+            tgt_tokens,
         )
 
     def _encode(self, stage: str, src_text: list[str], tgt_text: list[str]) -> ParallelSplit:
@@ -344,7 +396,10 @@ class TranslationDataModule(DataModule):
         scored once). The sampler shards the batches itself, so Lightning injects none."""
         split = self.splits[stage]
         assert self.tokenizer is not None
-        lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
+        if stage == "train" and self.train_lengths is not None:
+            lengths = self.train_lengths
+        else:
+            lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
         budget = self.max_tokens if stage == "train" else self.eval_max_tokens
         rank, world = self.rank_world()
         sampler = TokenBatchSampler(

@@ -205,7 +205,7 @@ class ImageFilesDataModule(DataModule):
     Sources: "folder" (``data_dir/train/<class>/<image>``, optional ``data_dir/test/...``; a
     seeded validation split of ``val_size`` images is carved from train, and the training order
     is ``ResumableSampler``'s) or "shards" (``shards_dir``: tar shards written by
-    ``attnlab-prepare images``, with their own val and test splits; training streams them,
+    ``attnlab-prepare --mode images``, with their own val and test splits; training streams them,
     ``ShardStream``). Validation and test are exact under any number of ranks.
 
     Args:
@@ -270,7 +270,7 @@ class ImageFilesDataModule(DataModule):
         if source == "folder" and data_dir is None:
             raise ConfigError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
         if source == "shards" and shards_dir is None:
-            raise ConfigError("data.shards_dir must name a folder written by attnlab-prepare images")
+            raise ConfigError("data.shards_dir must name a folder written by attnlab-prepare --mode images")
         self.source, self.data_dir, self.shards_dir, self.val_size = source, data_dir, shards_dir, val_size
         self.img_size, self.in_chans, self.batch_size = img_size, in_chans, batch_size
         self.scale, self.hflip, self.auto_augment = list(scale), hflip, auto_augment

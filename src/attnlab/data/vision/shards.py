@@ -2,7 +2,7 @@
 (a class index) for classification, or with ``key.txt`` (a caption) for CLIP; a ``manifest.json``
 lists each split's shards with their record counts, sizes and sha256, and the class names.
 
-Written once (``attnlab-prepare images|pairs``); training streams the shards in order, each loader
+Written once (``attnlab-prepare --mode images|pairs``); training streams the shards in order, each loader
 worker of each rank reading one contiguous part of every epoch (``ShardStream``); validation and
 test read records by their offsets in the tar (``ShardRecords``), a map-style split that
 ``DataModule.eval_loader`` shares out exactly. The tar files are read through ``webdataset``'s
@@ -160,7 +160,9 @@ class ImageShards:
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         if not path.is_file():
-            raise DataError(f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare images|pairs")
+            raise DataError(
+                f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare --mode images|pairs"
+            )
         try:
             self.manifest = json.loads(path.read_text())
             self.kind: str = self.manifest["kind"]
