@@ -198,7 +198,8 @@ class ImageTextDataModule(DataModule):
             )
         if source == "shards" and shards_dir is None:
             raise ConfigError(
-                "data.shards_dir: a folder written by attnlab-prepare --mode pairs is needed with data.source=shards"
+                "data.shards_dir: a folder written by attnlab-prepare --mode pairs is needed with "
+                "data.source=shards"
             )
         if source == "pairs" and pairs_file is None:
             raise ConfigError(
