@@ -1,0 +1,156 @@
+"""open_clip's folder (as ``open_clip.push_to_hf_hub`` writes it) brings its tokenizer with its
+weights, and ``attnlab-zeroshot init_from=<folder>`` classifies images as open_clip does; no
+downloads: the vocabulary is the one installed with open_clip, the model random and tiny."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from open_clip.push_to_hf_hub import save_for_hf
+from open_clip.tokenizer import SimpleTokenizer
+from PIL import Image
+from transformers import CLIPTokenizer
+
+from attnlab.cli.common import config_dir
+from attnlab.data.text.tokenizers import tokenizer_from_json
+from attnlab.utils.checkpoint import init_artifacts
+from conftest import run_cli
+
+TINY_CFG = {  # OpenAI CLIP's vocabulary and caption length, tiny towers
+    "embed_dim": 32,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def save_open_clip(folder: Path, tokenizer_files: str = "tokenizer.json") -> open_clip.CLIP:
+    """A random open_clip CLIP saved by open_clip's ``save_for_hf`` (what ``push_to_hf_hub``
+    uploads) with OpenAI CLIP's tokenizer as transformers saves it (``tokenizer.json``), or as
+    older folders hold it (``vocab.json`` + ``merges.txt``), built from open_clip's own BPE file."""
+    simple = SimpleTokenizer()
+    names = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    vocab = {names.get(k, k): v for k, v in simple.encoder.items()}
+    merges = sorted(simple.bpe_ranks, key=simple.bpe_ranks.get)
+    torch.manual_seed(0)
+    model = open_clip.CLIP(**TINY_CFG).eval()
+    model.visual.image_mean, model.visual.image_std = (
+        open_clip.OPENAI_DATASET_MEAN,
+        open_clip.OPENAI_DATASET_STD,
+    )
+    save_for_hf(model, CLIPTokenizer(vocab=vocab, merges=merges), TINY_CFG, folder, safe_serialization=True)
+    if tokenizer_files == "vocab.json + merges.txt":
+        (folder / "tokenizer.json").unlink()
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+        lines = "".join(f"{a} {b}\n" for a, b in merges)
+        (folder / "merges.txt").write_text("#version: 0.2\n" + lines, encoding="utf-8")
+    return model
+
+
+def captions(n: int) -> list[str]:
+    """Varied captions: case, punctuation, numbers, contractions, accents, runs of whitespace, and
+    some longer than open_clip's 77 tokens (cut, keeping the end-of-text)."""
+    rng = random.Random(0)
+    words = "a A photo PHOTO of the dog Dog's cats sitting on mat BLUE café naïve it's don't we'll".split()
+    marks = [",", ".", "!", "?", "...", ";", ":", " - ", "(", ")", "'", '"', "&", "#1", "%"]
+    out = []
+    for i in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 120 if i % 25 == 0 else 15)):
+            r = rng.random()
+            parts.append(
+                rng.choice(words) if r < 0.6 else rng.choice(marks) if r < 0.8 else str(rng.randint(0, 2026))
+            )
+        out.append(
+            rng.choice(["", " ", "  "])
+            + rng.choice([" ", "  ", "\t", "\n"]).join(parts)
+            + rng.choice(["", " "])
+        )
+    return out
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json + merges.txt"])
+def test_open_clip_folder_brings_its_tokenizer_with_open_clips_ids(tmp_path, files):
+    save_open_clip(tmp_path / "open_clip", files)
+    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
+    ours = tokenizer_from_json(artifacts["tokenizer"])  # as the CLIP data loads it
+    texts = captions(300)
+    ids, cut = ours.encode_captions(texts, 77)
+    reference = open_clip.get_tokenizer("ViT-B-32")(texts)
+    assert cut > 0, "no caption long enough to be cut"
+    assert torch.equal(ids, reference), [
+        t for t, a, b in zip(texts, ids, reference, strict=True) if not torch.equal(a, b)
+    ][:3]
+    assert (ours.sot_id, ours.eot_id, ours.pad_id, ours.vocab_size) == (49406, 49407, 0, 49408)
+
+
+def write_images(folder: Path, n: int = 3) -> list[Path]:
+    """RGB PNGs at the model's 32 pixels (no resizing on either side)."""
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(1)
+    paths = []
+    for i in range(n):
+        pixels = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=generator)
+        Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+        paths.append(folder / f"{i}.png")
+    return paths
+
+
+def open_clip_probs(
+    model: open_clip.CLIP, paths: list[Path], labels: list[str], templates: list[str]
+) -> torch.Tensor:
+    """open_clip's zero-shot: its classifier from the templates, its image features, its scale."""
+    from open_clip.zero_shot_classifier import build_zero_shot_classifier
+
+    with torch.no_grad():
+        classifier = build_zero_shot_classifier(
+            model, open_clip.get_tokenizer("ViT-B-32"), labels, templates, device="cpu", use_tqdm=False
+        )  # (E, K)
+        images = torch.stack([torch.from_numpy(np.array(Image.open(p))) for p in paths])
+        images = images.permute(0, 3, 1, 2).float() / 255
+        mean, std = torch.tensor(open_clip.OPENAI_DATASET_MEAN), torch.tensor(open_clip.OPENAI_DATASET_STD)
+        features = model.encode_image((images - mean[:, None, None]) / std[:, None, None], normalize=True)
+        return (model.logit_scale.exp() * features @ classifier).softmax(-1)
+
+
+def test_zeroshot_from_an_open_clip_folder_gives_open_clips_probabilities(tmp_path):
+    from attnlab.cli.zeroshot import label_images
+
+    model = save_open_clip(tmp_path / "open_clip")
+    paths = write_images(tmp_path / "photos")
+    labels, templates = ["cat", "dog", "red car"], ["a photo of a {}.", "a blurry photo of the {}!"]
+    (tmp_path / "prompts.txt").write_text("\n".join(templates) + "\n")
+    reference = open_clip_probs(model, paths, labels, templates)
+    args = [
+        f"init_from={tmp_path / 'open_clip'}",
+        f"image={tmp_path / 'photos'}",
+        "labels=cat,dog,red car",
+        f"templates={tmp_path / 'prompts.txt'}",
+        "device=cpu",
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):  # the CLI quotes free text
+        cfg = compose(
+            "zeroshot",
+            overrides=[a.replace("labels=cat,dog,red car", "labels='cat,dog,red car'") for a in args],
+        )
+    results = label_images(cfg)  # what the CLI prints, unrounded
+    ours = torch.tensor([[dict(probs)[label] for label in labels] for _, probs in results])
+    assert [path for path, _ in results] == paths
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    proc = run_cli("zeroshot", args, tmp_path)  # the command itself
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    top = [line.split(": ", 1)[1].split(" ")[0] for line in proc.stdout.splitlines()]
+    assert top == [labels[i].split()[0] for i in reference.argmax(-1)], proc.stdout
+
+
+def test_zeroshot_init_from_refuses_a_run_option(tmp_path):
+    save_open_clip(tmp_path / "open_clip")
+    proc = run_cli("zeroshot", [f"init_from={tmp_path / 'open_clip'}", "split=test"], tmp_path)
+    assert proc.returncode == 2 and "ckpt_path and split= need a run" in proc.stderr, proc.stderr
