@@ -4,7 +4,6 @@ downloads: the vocabulary is the one installed with open_clip, the model random 
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -13,45 +12,12 @@ import open_clip
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from open_clip.push_to_hf_hub import save_for_hf
-from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
-from transformers import CLIPTokenizer
 
 from attnlab.cli.common import config_dir
 from attnlab.data.text.tokenizers import tokenizer_from_json
 from attnlab.utils.checkpoint import init_artifacts
-from conftest import run_cli
-
-TINY_CFG = {  # OpenAI CLIP's vocabulary and caption length, tiny towers
-    "embed_dim": 32,
-    "quick_gelu": True,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
-
-
-def save_open_clip(folder: Path, tokenizer_files: str = "tokenizer.json") -> open_clip.CLIP:
-    """A random open_clip CLIP saved by open_clip's ``save_for_hf`` (what ``push_to_hf_hub``
-    uploads) with OpenAI CLIP's tokenizer as transformers saves it (``tokenizer.json``), or as
-    older folders hold it (``vocab.json`` + ``merges.txt``), built from open_clip's own BPE file."""
-    simple = SimpleTokenizer()
-    names = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
-    vocab = {names.get(k, k): v for k, v in simple.encoder.items()}
-    merges = sorted(simple.bpe_ranks, key=simple.bpe_ranks.get)
-    torch.manual_seed(0)
-    model = open_clip.CLIP(**TINY_CFG).eval()
-    model.visual.image_mean, model.visual.image_std = (
-        open_clip.OPENAI_DATASET_MEAN,
-        open_clip.OPENAI_DATASET_STD,
-    )
-    save_for_hf(model, CLIPTokenizer(vocab=vocab, merges=merges), TINY_CFG, folder, safe_serialization=True)
-    if tokenizer_files == "vocab.json + merges.txt":
-        (folder / "tokenizer.json").unlink()
-        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-        lines = "".join(f"{a} {b}\n" for a, b in merges)
-        (folder / "merges.txt").write_text("#version: 0.2\n" + lines, encoding="utf-8")
-    return model
+from conftest import run_cli, write_open_clip
 
 
 def captions(n: int) -> list[str]:
@@ -78,7 +44,7 @@ def captions(n: int) -> list[str]:
 
 @pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json + merges.txt"])
 def test_open_clip_folder_brings_its_tokenizer_with_open_clips_ids(tmp_path, files):
-    save_open_clip(tmp_path / "open_clip", files)
+    write_open_clip(tmp_path / "open_clip", files)
     artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
     ours = tokenizer_from_json(artifacts["tokenizer"])  # as the CLIP data loads it
     texts = captions(300)
@@ -123,7 +89,7 @@ def open_clip_probs(
 def test_zeroshot_from_an_open_clip_folder_gives_open_clips_probabilities(tmp_path):
     from attnlab.cli.zeroshot import label_images
 
-    model = save_open_clip(tmp_path / "open_clip")
+    model = write_open_clip(tmp_path / "open_clip")
     paths = write_images(tmp_path / "photos")
     labels, templates = ["cat", "dog", "red car"], ["a photo of a {}.", "a blurry photo of the {}!"]
     (tmp_path / "prompts.txt").write_text("\n".join(templates) + "\n")
@@ -151,6 +117,6 @@ def test_zeroshot_from_an_open_clip_folder_gives_open_clips_probabilities(tmp_pa
 
 
 def test_zeroshot_init_from_refuses_a_run_option(tmp_path):
-    save_open_clip(tmp_path / "open_clip")
+    write_open_clip(tmp_path / "open_clip")
     proc = run_cli("zeroshot", [f"init_from={tmp_path / 'open_clip'}", "split=test"], tmp_path)
     assert proc.returncode == 2 and "ckpt_path and split= need a run" in proc.stderr, proc.stderr
