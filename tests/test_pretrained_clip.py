@@ -16,8 +16,9 @@ from PIL import Image
 
 from attnlab.cli.common import config_dir
 from attnlab.data.text.tokenizers import tokenizer_from_json
+from attnlab.inference.runs import TrainedRun
 from attnlab.utils.checkpoint import init_artifacts
-from conftest import run_cli, write_open_clip
+from conftest import QUIET, clip_overrides, run_cli, run_dirs, run_main, vision_overrides, write_open_clip
 
 
 def captions(n: int) -> list[str]:
@@ -120,3 +121,66 @@ def test_zeroshot_init_from_refuses_a_run_option(tmp_path):
     write_open_clip(tmp_path / "open_clip")
     proc = run_cli("zeroshot", [f"init_from={tmp_path / 'open_clip'}", "split=test"], tmp_path)
     assert proc.returncode == 2 and "ckpt_path and split= need a run" in proc.stderr, proc.stderr
+
+
+# ---- attnlab-export of a vision run and a CLIP run ------------------------------------------------
+
+FAST = [
+    *QUIET,
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.num_sanity_val_steps=0",
+]
+
+
+def train_and_export(tmp_path: Path, experiment: str, overrides: list[str]) -> tuple[TrainedRun, Path]:
+    """A short run of ``experiment``, exported by ``attnlab-export`` into tmp_path/<experiment>."""
+    proc = run_cli("train", [f"experiment={experiment}", *overrides, *FAST], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run,) = run_dirs(tmp_path, experiment)
+    ckpt, out = run / "checkpoints" / "last.ckpt", tmp_path / experiment
+    status, printed = run_main("export", [f"ckpt_path={ckpt}", f"out={out}"])
+    assert status == 0, printed
+    return TrainedRun(str(ckpt), tmp_path / "logs"), out
+
+
+@pytest.mark.slow
+def test_a_vit_run_exports_to_timm_with_the_cli(tmp_path):
+    import timm
+
+    overrides = [*vision_overrides("vit_fashion_mnist", tmp_path), "model.net.stem=patch", "~callbacks.ema"]
+    ours, out = train_and_export(tmp_path, "vit_fashion_mnist", overrides)
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    images = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), ours.net()(images), atol=1e-5, rtol=0)
+    assert list(model.pretrained_cfg["mean"]) == list(ours.artifacts["mean"])
+
+
+@pytest.mark.slow
+def test_a_clip_run_exports_to_open_clip_with_the_cli(tmp_path):
+    """open_clip's image tower (patch stem without bias); our caption tokenizer, fitted on the run's
+    captions, has no open_clip counterpart: the folder holds the weights, and captions are encoded
+    with the run's tokenizer (its ids, its end-of-text pooled as open_clip's ``eos``)."""
+    overrides = [
+        *clip_overrides("clip_pairs", tmp_path),
+        "model.net.image.stem=patch",
+        "+model.net.image.patch_bias=false",
+    ]
+    ours, out = train_and_export(tmp_path, "clip_pairs", overrides)
+    assert not (out / "tokenizer.json").exists()
+    model = open_clip.create_model(f"local-dir:{out}").eval()
+    net = ours.net()
+    images = torch.randn(2, 3, 16, 16)
+    tokens, _ = ours.tokenizer.encode_captions(
+        ["a red square", "two blue circles, side by side"], ours.artifacts["context_length"]
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.encode_image(images, normalize=True), net.encode_image(images), atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            model.encode_text(tokens, normalize=True), net.encode_text(tokens), atol=1e-5, rtol=0
+        )

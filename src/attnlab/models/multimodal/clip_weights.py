@@ -24,12 +24,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from attnlab.errors import CheckpointError
+from attnlab.models.hf_files import read_weights
 from attnlab.models.vision.timm_weights import (
     fit_input_channels,
     fit_positions,
     read_json,
-    read_state_dict,
-    weights_file,
 )
 from attnlab.utils.checkpoint import check_fits
 
@@ -223,8 +222,8 @@ def read_open_clip(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | No
     ``model_cfg``)."""
     if source.is_dir():
         config = read_folder_config(source)
-        return read_state_dict(weights_file(source, WEIGHT_FILES)), config["model_cfg"]
-    return read_state_dict(source), None
+        return read_weights(source, WEIGHT_FILES), config["model_cfg"]
+    return read_weights(source), None
 
 
 def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
