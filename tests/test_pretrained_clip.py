@@ -184,3 +184,23 @@ def test_a_clip_run_exports_to_open_clip_with_the_cli(tmp_path):
         torch.testing.assert_close(
             model.encode_text(tokens, normalize=True), net.encode_text(tokens), atol=1e-5, rtol=0
         )
+
+
+def test_a_clip_with_open_clips_tokenizer_exports_its_end_of_text_id(tmp_path):
+    """A CLIP fine-tuned with open_clip's imported tokenizer and pooled at the last token goes out
+    with ``eos_id`` 49407, open_clip's end-of-text (our own tokenizer's would be 2)."""
+    from attnlab.models import CLIP, TextTransformer, VisionTransformer
+    from attnlab.models.pretrained import export_pretrained
+
+    write_open_clip(tmp_path / "open_clip")
+    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
+    image = VisionTransformer(0, 32, 3, patch_size=8, dim=16, depth=1, n_head=2, patch_bias=False)
+    net = CLIP(image, TextTransformer(49408, max_len=77, dim=16, depth=1, n_head=2, pool="last"), 8).eval()
+    export_pretrained(net, tmp_path / "out", artifacts)
+    model = open_clip.create_model(f"local-dir:{tmp_path / 'out'}").eval()
+    tokens = open_clip.get_tokenizer(f"local-dir:{tmp_path / 'out'}")(["a photo of a dog", "two cats!"])
+    assert model.text_eos_id == 49407
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.encode_text(tokens, normalize=True), net.encode_text(tokens), atol=1e-5, rtol=0
+        )

@@ -35,6 +35,7 @@ from attnlab.utils.checkpoint import check_fits
 log = logging.getLogger(__name__)
 
 CONFIG = "open_clip_config.json"
+CLIP_EOT = "<|endoftext|>"  # OpenAI CLIP's end-of-text (open_clip's vocabulary)
 CAPTION_EOT_ID = 2  # our caption tokenizer's end-of-text (attnlab.data.text.tokenizers.CaptionTokenizer)
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
 # open_clip's names inside a residual block -> ours
@@ -364,13 +365,22 @@ def model_config(net: nn.Module, artifacts: dict) -> dict[str, Any]:
         "pad_id": text.pad_id,
     }
     if text.pool == "last":  # our captions end in end-of-text, then only padding
-        text_cfg |= {"pool_type": "eos", "eos_id": CAPTION_EOT_ID}
+        vocab = caption_vocab(artifacts)
+        text_cfg |= {"pool_type": "eos", "eos_id": vocab.get(CLIP_EOT, vocab.get("<eot>", CAPTION_EOT_ID))}
     return {
         "embed_dim": net.embed_dim,
         "quick_gelu": facts["image act"] == "quick_gelu",
         "vision_cfg": vision,
         "text_cfg": text_cfg,
     }
+
+
+def caption_vocab(artifacts: dict) -> dict[str, int]:
+    """The run's caption vocabulary (token -> id), read from its saved tokenizer; ``{}`` if none."""
+    saved = json.loads(artifacts.get("tokenizer") or "{}")
+    if saved.get("kind") != "caption":
+        return {}
+    return json.loads(saved["tokenizer"])["model"]["vocab"]
 
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
@@ -384,3 +394,11 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
         config["preprocess_cfg"] = {"mean": list(artifacts["mean"]), "std": list(artifacts["std"])}
     save_file(state_dict_to_open_clip(net), str(out_dir / "open_clip_model.safetensors"))
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2))
+    if CLIP_EOT in caption_vocab(artifacts):
+        log.info("%s: the captions' tokenizer is OpenAI CLIP's, open_clip's own (get_tokenizer)", out_dir)
+    else:
+        log.warning(
+            "%s: the run's caption tokenizer (fitted on its captions) has no open_clip counterpart "
+            "and is left out; encode captions with the run's tokenizer (attnlab's ids)",
+            out_dir,
+        )
