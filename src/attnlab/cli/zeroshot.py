@@ -27,6 +27,7 @@ from attnlab.errors import CheckpointError, ConfigError
 # torch and the model load after the options and the checkpoint's path are checked (quick errors)
 if TYPE_CHECKING:
     from attnlab.data.text.tokenizers import CaptionTokenizer
+    from attnlab.inference.runs import TrainedRun
     from attnlab.models import CLIP
 
 DEFAULT_TEMPLATE = "a photo of a {}."  # init_from's prompt without templates= (OpenAI CLIP's)
@@ -43,12 +44,18 @@ def load_clip(cfg: DictConfig) -> tuple[CLIP, CaptionTokenizer, dict[str, Any], 
         net, tokenizer, artifacts = open_clip_folder(Path(str(cfg.init_from)).expanduser())
         templates = read_templates(cfg.templates) if cfg.templates else [DEFAULT_TEMPLATE]
         return net.to(device), tokenizer, artifacts, templates
+    run, templates = clip_run(cfg)
+    return run.net().to(device), run.tokenizer, run.artifacts, templates
+
+
+def clip_run(cfg: DictConfig) -> tuple[TrainedRun, list[str]]:
+    """The CLIP run ``ckpt_path`` names, and ``templates=`` or the run's held-out templates."""
     from attnlab.inference.runs import TrainedRun
+    from attnlab.inference.zeroshot import read_templates
     from attnlab.tasks import ContrastiveTask
 
     run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
-    templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
-    return run.net().to(device), run.tokenizer, run.artifacts, templates
+    return run, read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
 
 
 def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, Any]]:
@@ -101,13 +108,10 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split must be 'val' or 'test', got {cfg.split!r}")
     import torch
 
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.inference.zeroshot import class_embeddings, read_templates, zeroshot_accuracy
-    from attnlab.tasks import ContrastiveTask
+    from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 
-    run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
+    run, templates = clip_run(cfg)
     net = run.net().to(inference_device(cfg.device))
-    templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
     if not run.artifacts.get("classes"):
         raise CheckpointError(f"checkpoint {run.path}: its data has no classes to classify into")
     data_cfg = run.config.data.copy()
