@@ -308,7 +308,8 @@ def test_finetune_recipe_starts_from_a_timm_folder(family, tmp_path):
 
 def test_clip_starts_from_an_open_clip_folder(tmp_path):
     """attnlab-train's CLIP recipe on image-caption pairs, configured as open_clip's architecture
-    (with our caption tokenizer: importing open_clip's BPE vocabulary is not done yet)."""
+    (a folder without tokenizer files: the data fits our caption tokenizer; open_clip's own comes
+    with a folder that has one, tests/test_pretrained_clip.py)."""
     from conftest import write_pairs
 
     # our caption tokenizer's ids: its <eot> (2) ends a caption, which open_clip pools at as "eos"
