@@ -6,12 +6,14 @@ import contextlib
 import csv
 import importlib
 import io
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -388,6 +390,45 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
     else:
         data = [f"data.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
     return [*CLIP_TINY, *data]
+
+
+OPEN_CLIP_TINY = {  # OpenAI CLIP's vocabulary and caption length, tiny towers
+    "embed_dim": 32,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def write_open_clip(folder: Path, tokenizer_files: str = "tokenizer.json") -> Any:
+    """A random open_clip CLIP saved by open_clip's ``save_for_hf`` (what ``push_to_hf_hub``
+    uploads) with OpenAI CLIP's tokenizer as transformers saves it (``tokenizer.json``), or as
+    older folders hold it (``vocab.json`` + ``merges.txt``), built from open_clip's own BPE file."""
+    import open_clip
+    import torch
+    from open_clip.push_to_hf_hub import save_for_hf
+    from open_clip.tokenizer import SimpleTokenizer
+    from transformers import CLIPTokenizer
+
+    simple = SimpleTokenizer()
+    names = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    vocab = {names.get(k, k): v for k, v in simple.encoder.items()}
+    merges = sorted(simple.bpe_ranks, key=simple.bpe_ranks.get)
+    torch.manual_seed(0)
+    model = open_clip.CLIP(**OPEN_CLIP_TINY).eval()
+    model.visual.image_mean, model.visual.image_std = (
+        open_clip.OPENAI_DATASET_MEAN,
+        open_clip.OPENAI_DATASET_STD,
+    )
+    save_for_hf(
+        model, CLIPTokenizer(vocab=vocab, merges=merges), OPEN_CLIP_TINY, folder, safe_serialization=True
+    )
+    if tokenizer_files == "vocab.json + merges.txt":
+        (folder / "tokenizer.json").unlink()
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+        lines = "".join(f"{a} {b}\n" for a, b in merges)
+        (folder / "merges.txt").write_text("#version: 0.2\n" + lines, encoding="utf-8")
+    return model
 
 
 BERT_TINY = [

@@ -308,7 +308,8 @@ def test_finetune_recipe_starts_from_a_timm_folder(family, tmp_path):
 
 def test_clip_starts_from_an_open_clip_folder(tmp_path):
     """attnlab-train's CLIP recipe on image-caption pairs, configured as open_clip's architecture
-    (with our caption tokenizer: importing open_clip's BPE vocabulary is not done yet)."""
+    (a folder without tokenizer files: the data fits our caption tokenizer; open_clip's own comes
+    with a folder that has one, tests/test_pretrained_clip.py)."""
     from conftest import write_pairs
 
     # our caption tokenizer's ids: its <eot> (2) ends a caption, which open_clip pools at as "eos"
@@ -354,8 +355,8 @@ def test_clip_starts_from_an_open_clip_folder(tmp_path):
             lambda tmp: saved(timm_reference("vit", num_heads=6), tmp / "heads"),
             "6 attention heads, the net has 3",
         ),
-        (lambda tmp: pickled(tmp / "model.pth"), "a pickle that weights_only loading refuses"),
-        (lambda tmp: junk(tmp / "junk.safetensors"), "not a state dict"),
+        (lambda tmp: pickled(tmp / "model.pth"), "a pickle that holds more than tensors"),
+        (lambda tmp: junk(tmp / "junk.safetensors"), "not a readable weights file"),
     ],
     ids=["missing", "architecture", "depth", "width", "heads", "pickle", "corrupt"],
 )
@@ -381,3 +382,33 @@ def junk(path: Path) -> Path:
 def pickled(path: Path) -> Path:
     path.write_bytes(pickle.dumps({"weights": Planted()}))
     return path
+
+
+def test_one_reader_for_every_converters_weights_files(tmp_path):
+    """``read_weights`` (transformers', timm's and open_clip's converters): safetensors, a sharded
+    index, ``weights_only`` PyTorch files with a training script's wrapping and DDP's prefix, all
+    the same tensors; a folder holding none of the names, a pickle and junk are one line each."""
+    from attnlab.models.hf_files import read_weights
+
+    state = {"a.weight": torch.randn(2, 3), "b.bias": torch.randn(3)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    save_file({"a.weight": state["a.weight"]}, str(tmp_path / "part-1.safetensors"))
+    save_file({"b.bias": state["b.bias"]}, str(tmp_path / "part-2.safetensors"))
+    index = {"weight_map": {"a.weight": "part-1.safetensors", "b.bias": "part-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    torch.save({"state_dict": state}, tmp_path / "wrapped.pth")
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, tmp_path / "ddp.pth")
+    for source in ("model.safetensors", "model.safetensors.index.json", "wrapped.pth", "ddp.pth"):
+        read = read_weights(tmp_path / source)
+        assert read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state), source
+    assert read_weights(tmp_path, ("open_clip_model.safetensors", "model.safetensors")).keys() == state.keys()
+    for make, needle in (
+        (lambda: tmp_path / "empty", "no weights in it (expected one of open_clip_model.safetensors)"),
+        (lambda: pickled(tmp_path / "planted.pth"), "a pickle that holds more than tensors"),
+        (lambda: junk(tmp_path / "junk.safetensors"), "not a readable weights file"),
+    ):
+        source = make()
+        if source.name == "empty":
+            source.mkdir()
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
+            read_weights(source, ("open_clip_model.safetensors",))

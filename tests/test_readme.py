@@ -46,6 +46,7 @@ from conftest import (
     write_hf_bert,
     write_hf_gpt2,
     write_image_folder,
+    write_open_clip,
     write_pairs,
 )
 from test_debug_matrix import GPT_TINY, tiny_overrides
@@ -246,6 +247,7 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         "sentences.txt": lambda p: p.write_text("a gripping , funny film .\nthe plot was dull .\n"),
         "prompts.txt": lambda p: p.write_text("a photo of a {}.\na blurry picture of a {}.\n"),
         "my_images": lambda p: write_image_folder(p),
+        "photos": lambda p: (p.mkdir(), blank_image(p / "a.png"), blank_image(p / "b.png")),
         "captions.csv": lambda p: write_pairs(p.parent, n=24).rename(p),
         "corpus.txt": lambda p: p.write_text(python_docs()),
         "documents.txt": lambda p: p.write_text(python_docs()[:100_000]),  # paragraphs: documents
@@ -304,6 +306,12 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
             folder = cwd / f"hf_{cmd.experiment}"
             if not folder.exists():
                 PRETRAINED[cmd.experiment](folder)
+            out.append(f"{key}={folder}")
+            continue
+        if key == "init_from" and cmd.entry == "zeroshot":  # an open_clip folder from the hub
+            folder = cwd / "open_clip_tiny"
+            if not folder.exists():
+                write_open_clip(folder)
             out.append(f"{key}={folder}")
             continue
         if key == "model.init_from" and cmd.experiment in FROM_HUB and not (cwd / value).exists():

@@ -1,12 +1,13 @@
 """``attnlab-zeroshot ckpt_path=... image=path.png labels="t-shirt,sneaker"``: label probabilities
-of an image (or each image of a folder); ``split=test [templates=<file>]``: top-1 and top-5
-zero-shot accuracy on the run's test split."""
+of an image (or each image of a folder), with a CLIP run or, ``init_from=<folder>``, a CLIP as
+open_clip saves it (its weights and tokenizer, as they are); ``split=test [templates=<file>]``:
+top-1 and top-5 zero-shot accuracy on a run's test split."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.utils import instantiate
@@ -25,20 +26,53 @@ from attnlab.errors import CheckpointError, ConfigError
 
 # torch and the model load after the options and the checkpoint's path are checked (quick errors)
 if TYPE_CHECKING:
+    from attnlab.data.text.tokenizers import CaptionTokenizer
     from attnlab.inference.runs import TrainedRun
     from attnlab.models import CLIP
 
+DEFAULT_TEMPLATE = "a photo of a {}."  # init_from's prompt without templates= (OpenAI CLIP's)
 
-def load_clip(cfg: DictConfig) -> tuple[TrainedRun, CLIP, list[str]]:
+
+def load_clip(cfg: DictConfig) -> tuple[CLIP, CaptionTokenizer, dict[str, Any], list[str]]:
+    """The CLIP, its caption tokenizer, what its images and captions are (size, channels,
+    normalisation, caption length) and the prompt templates: a run's, or an open_clip folder's
+    (``init_from``; ``templates=`` or ``DEFAULT_TEMPLATE``)."""
+    from attnlab.inference.zeroshot import read_templates
+
+    device = inference_device(cfg.device)
+    if cfg.init_from is not None:
+        net, tokenizer, artifacts = open_clip_folder(Path(str(cfg.init_from)).expanduser())
+        templates = read_templates(cfg.templates) if cfg.templates else [DEFAULT_TEMPLATE]
+        return net.to(device), tokenizer, artifacts, templates
+    run, templates = clip_run(cfg)
+    return run.net().to(device), run.tokenizer, run.artifacts, templates
+
+
+def clip_run(cfg: DictConfig) -> tuple[TrainedRun, list[str]]:
+    """The CLIP run ``ckpt_path`` names, and ``templates=`` or the run's held-out templates."""
     from attnlab.inference.runs import TrainedRun
     from attnlab.inference.zeroshot import read_templates
     from attnlab.tasks import ContrastiveTask
 
-    device = inference_device(cfg.device)
     run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
-    net = run.net()
-    templates = read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
-    return run, net.to(device), templates
+    return run, read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
+
+
+def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, Any]]:
+    """Our CLIP as the folder's ``open_clip_config.json`` describes it, its weights, its tokenizer
+    and its preprocessing (``attnlab.models.multimodal.clip_weights``)."""
+    from attnlab.data.text.tokenizers import CaptionTokenizer, import_tokenizer
+    from attnlab.models.multimodal.clip_weights import clip_from_open_clip, preprocess
+
+    if not folder.is_dir():
+        raise ConfigError(f"init_from={folder}: not a folder (expected one open_clip saved)")
+    net, artifacts = clip_from_open_clip(folder), preprocess(folder)
+    tokenizer = import_tokenizer(folder)
+    if not isinstance(tokenizer, CaptionTokenizer):
+        raise CheckpointError(
+            f"init_from={folder}: no CLIP tokenizer in it (tokenizer.json, or vocab.json + merges.txt)"
+        )
+    return net, tokenizer, artifacts
 
 
 def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
@@ -50,17 +84,17 @@ def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     from attnlab.inference.zeroshot import class_embeddings, parse_labels, zeroshot_probs
 
     labels = parse_labels(cfg.labels)
-    run, net, templates = load_clip(cfg)
+    net, tokenizer, artifacts, templates = load_clip(cfg)
     folder = Path(str(cfg.image)).expanduser()
     files = image_files(folder)
-    classifier = class_embeddings(net, run.tokenizer, run.artifacts["context_length"], labels, templates)
+    classifier = class_embeddings(net, tokenizer, artifacts["context_length"], labels, templates)
     device = next(net.parameters()).device
     results = []
     with progress(len(files), "labelling", show=folder.is_dir()) as advance:
         for start in range(0, len(files), cfg.batch_size):
             chunk = files[start : start + cfg.batch_size]
-            images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-            images = normalize(images, run.artifacts["mean"], run.artifacts["std"])
+            images = torch.stack([load_image(f, artifacts) for f in chunk]).to(device)
+            images = normalize(images, artifacts["mean"], artifacts["std"])
             probs = zeroshot_probs(net, images, classifier)
             for path, row in zip(chunk, probs.tolist(), strict=True):
                 results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
@@ -76,7 +110,8 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
 
     from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 
-    run, net, templates = load_clip(cfg)
+    run, templates = clip_run(cfg)
+    net = run.net().to(inference_device(cfg.device))
     if not run.artifacts.get("classes"):
         raise CheckpointError(f"checkpoint {run.path}: its data has no classes to classify into")
     data_cfg = run.config.data.copy()
@@ -110,8 +145,17 @@ def run(cfg: DictConfig) -> None:
             raise ConfigError(
                 'give exactly one of image=<file or folder> (with labels="a,b,c") or split=test'
             )
+        if cfg.init_from is not None and (cfg.ckpt_path is not None or cfg.split is not None):
+            raise ConfigError(
+                "init_from=<open_clip folder> labels images (image=...); ckpt_path and split= need a run"
+            )
         check_device(cfg.device)
-        resolve_checkpoint(cfg, "ContrastiveTask")
+        if cfg.init_from is None:
+            if cfg.ckpt_path is None:
+                raise ConfigError(
+                    "ckpt_path is required (a CLIP run), or init_from=<a folder open_clip saved>"
+                )
+            resolve_checkpoint(cfg, "ContrastiveTask")
         import torch
 
         torch.set_grad_enabled(False)

@@ -1,7 +1,8 @@
-"""Reading and writing another library's saved model folder: its weights (safetensors, or a
-``pytorch_model.bin`` read with ``weights_only``: nothing in either can run code), its
-``config.json``, and the checks every converter makes (the architecture it describes, each tensor
-fitting ours).
+"""Reading and writing another library's saved model folder (as transformers, timm and open_clip
+save them, and the Hugging Face hub holds them): its weights (safetensors, or a PyTorch file read
+with ``weights_only``: nothing in either can run code; ``read_weights`` is every converter's
+reader), its ``config.json``, and the checks every converter makes (the architecture it describes,
+each tensor fitting ours).
 
 A converter maps the file's names onto ours as ``{our name: (their name, tensor)}``, so that the
 first tensor that does not fit is named as the file names it.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,39 +39,56 @@ def read_config(source: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not JSON ({e})") from e
 
 
-def weights_file(source: Path) -> Path:
-    """The weights ``source`` names: the file itself, or the first of ``WEIGHT_FILES`` in it."""
+def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str = "model.init_from") -> Path:
+    """The weights ``source`` names: the file itself, or the first of ``names`` in the folder
+    (each library's own, safetensors first)."""
     if source.is_file():
         return source
-    for name in WEIGHT_FILES:
+    for name in names:
         if (source / name).is_file():
             return source / name
-    raise CheckpointError(
-        f"model.init_from={source}: no weights in it (expected one of {', '.join(WEIGHT_FILES)})"
-    )
+    raise CheckpointError(f"{field}={source}: no weights in it (expected one of {', '.join(names)})")
 
 
-def read_weights(source: Path) -> dict[str, Tensor]:
-    """Every tensor of a saved model, on the CPU; sharded safetensors through their index."""
-    path = weights_file(source)
+def read_weights(
+    source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str = "model.init_from"
+) -> dict[str, Tensor]:
+    """Every tensor of a saved model (``source``: a weights file, or a folder holding one of
+    ``names``), on the CPU, for every converter (transformers, timm, open_clip): safetensors
+    (sharded ones through their index), or a PyTorch file loaded with ``weights_only`` (nothing in
+    it can run code; a file that needs more is refused). As timm's ``load_state_dict`` does,
+    ``{"state_dict": ...}``/``{"model": ...}`` is unwrapped and DDP's ``module.`` prefix dropped."""
+    path = weights_file(source, names, field)
     try:
         if path.name.endswith(".index.json"):
             shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
-            return {k: v for shard in shards for k, v in load_file(path.parent / shard).items()}
-        if path.suffix == ".safetensors":
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+            state = {k: v for shard in shards for k, v in load_file(path.parent / shard).items()}
+        elif path.suffix == ".safetensors":
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        if not isinstance(e, pickle.UnpicklingError) and "weights_only" not in str(e).lower().replace(
+            " ", "_"
+        ):
+            raise CheckpointError(f"{field}={path}: not a readable weights file ({_first_line(e)})") from e
         raise CheckpointError(
-            f"model.init_from={path}: a pickle that holds more than tensors, which loading would run "
-            "as code (refused; save the model as safetensors)"
+            f"{field}={path}: a pickle that holds more than tensors, which loading would run as code "
+            "(refused; save the model as safetensors or a plain state dict)"
         ) from e
-    except (OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
-        raise CheckpointError(f"model.init_from={path}: not a readable weights file ({reason})") from e
+    except Exception as e:  # a corrupt or foreign file: safetensors, json and torch raise several kinds
+        raise CheckpointError(f"{field}={path}: not a readable weights file ({_first_line(e)})") from e
+    for key in ("state_dict", "model"):  # a training script's checkpoint around the weights
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise CheckpointError(f"model.init_from={path}: holds no state dict of tensors")
-    return state
+        raise CheckpointError(f"{field}={path}: holds no state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or ["no details"])[0][:200]
 
 
 def require_architecture(

@@ -251,8 +251,10 @@ class ImageTextDataModule(DataModule):
         }
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        """A run's tokenizer and normalisation, or pre-trained weights' tokenizer alone (an
+        open_clip folder's): the normalisation is then the data's own."""
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
-        self.mean, self.std = artifacts["mean"], artifacts["std"]
+        self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
 
     # --- loading ---------------------------------------------------------------------------
 

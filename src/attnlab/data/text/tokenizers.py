@@ -1,5 +1,6 @@
 """Tokenizers that turn text into ids and back, and serialise into checkpoints as JSON; and
-transformers' saved tokenizers (GPT-2's byte-level BPE, BERT's WordPiece) imported as ours."""
+transformers' and open_clip's saved tokenizers (GPT-2's byte-level BPE, BERT's WordPiece, CLIP's BPE)
+imported as ours."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from attnlab.errors import AttnlabError, DataError
+
+CLIP_SOT, CLIP_EOT = "<|startoftext|>", "<|endoftext|>"  # OpenAI CLIP's, as transformers saves it
+# OpenAI CLIP's (open_clip's SimpleTokenizer's) words: 's 't 're 've 'm 'll 'd, letters, one digit,
+# other non-space runs
+CLIP_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 
 
 class CharTokenizer:
@@ -155,13 +161,27 @@ class WordPieceTokenizer(HFTokenizer):
 
 class CaptionTokenizer(HFTokenizer):
     """CLIP's kind of text encoding: lower-cased byte-level BPE (any text encodes, nothing is
-    unknown), each caption framed as ``<sot> ... <eot>`` and cut to a context length. Ids 0-2 are
-    ``<pad>``, ``<sot>``, ``<eot>``; ``decode`` drops them."""
+    unknown), each caption framed as ``<sot> ... <eot>`` and cut to a context length. One trained
+    here has ids 0-2 ``<pad>``, ``<sot>``, ``<eot>`` (the class's ids); OpenAI CLIP's vocabulary
+    (open_clip's, imported by ``import_tokenizer``) has ``<|startoftext|>`` 49406 and
+    ``<|endoftext|>`` 49407 and pads with 0, as ``open_clip.tokenize`` does. ``decode`` drops the
+    specials."""
 
     kind = "caption"
     skip_special_tokens = True
     specials = ("<pad>", "<sot>", "<eot>")
     pad_id, sot_id, eot_id = 0, 1, 2
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        if tokenizer.token_to_id("<sot>") is not None:
+            return
+        sot, eot = tokenizer.token_to_id(CLIP_SOT), tokenizer.token_to_id(CLIP_EOT)
+        if sot is None or eot is None:
+            raise DataError(
+                f"a caption vocabulary needs <sot> and <eot>, or CLIP's {CLIP_SOT} and {CLIP_EOT}"
+            )
+        self.pad_id, self.sot_id, self.eot_id = 0, sot, eot
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> CaptionTokenizer:
@@ -201,20 +221,19 @@ def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")
 
 
-def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | None:
-    """transformers' saved tokenizer in ``folder`` as ours, through HF ``tokenizers``: its
-    ``tokenizer.json``, else GPT-2's ``vocab.json`` + ``merges.txt`` or BERT's ``vocab.txt``
-    (lower-cased unless ``tokenizer_config.json`` says ``do_lower_case: false``); ``None`` when the
-    folder has none of them. A byte-level BPE becomes a ``BPETokenizer``, a WordPiece a
+def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | CaptionTokenizer | None:
+    """transformers' or open_clip's saved tokenizer in ``folder`` as ours, through HF
+    ``tokenizers``: its ``tokenizer.json``, else GPT-2's or CLIP's ``vocab.json`` + ``merges.txt``
+    or BERT's ``vocab.txt`` (lower-cased unless ``tokenizer_config.json`` says ``do_lower_case:
+    false``); ``None`` when the folder has none of them. A byte-level BPE becomes a
+    ``BPETokenizer``, CLIP's (words ending in ``</w>``) a ``CaptionTokenizer``, a WordPiece a
     ``WordPieceTokenizer``; ids are the file's, so they index the weights' embedding table."""
     folder = folder if folder.is_dir() else folder.parent
     try:
         if (folder / "tokenizer.json").is_file():
             tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            tok.decoder = decoders.ByteLevel()
+            tok = _bpe_from_files(folder / "vocab.json", folder / "merges.txt")
         elif (folder / "vocab.txt").is_file():
             tok = Tokenizer(models.WordPiece.from_file(str(folder / "vocab.txt"), unk_token="[UNK]"))
             tok.normalizer = normalizers.BertNormalizer(lowercase=_lower_case(folder))
@@ -228,11 +247,42 @@ def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | None:
     tok.no_padding()
     tok.no_truncation()
     kind = type(tok.model).__name__
+    if kind == "BPE" and tok.model.end_of_word_suffix == "</w>":
+        return CaptionTokenizer(tok)
     if kind == "BPE":
         return BPETokenizer(tok)
     if kind == "WordPiece":
         return WordPieceTokenizer(tok)
-    raise DataError(f"model.init_from={folder}: a {kind} tokenizer (GPT-2's BPE and BERT's WordPiece import)")
+    raise DataError(
+        f"model.init_from={folder}: a {kind} tokenizer (GPT-2's and CLIP's BPE and BERT's WordPiece import)"
+    )
+
+
+def _bpe_from_files(vocab: Path, merges: Path) -> Tokenizer:
+    """GPT-2's byte-level BPE, or CLIP's when the vocabulary has its ``<|startoftext|>``: words
+    end in ``</w>``, text is lower-cased with whitespace runs made one space and split into CLIP's
+    words (transformers' ``CLIPConverter``, which gives open_clip's ``SimpleTokenizer`` ids)."""
+    if CLIP_SOT not in json.loads(vocab.read_text(encoding="utf-8")):
+        tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+    bpe = models.BPE.from_file(
+        str(vocab), str(merges), continuing_subword_prefix="", end_of_word_suffix="</w>", unk_token=CLIP_EOT
+    )
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(CLIP_WORDS), behavior="removed", invert=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([CLIP_SOT, CLIP_EOT])
+    return tok
 
 
 def _lower_case(folder: Path) -> bool:

@@ -24,18 +24,18 @@ from typing import Any
 from torch import Tensor, nn
 
 from attnlab.errors import CheckpointError
+from attnlab.models.hf_files import read_weights
 from attnlab.models.vision.timm_weights import (
     fit_input_channels,
     fit_positions,
     read_json,
-    read_state_dict,
-    weights_file,
 )
 from attnlab.utils.checkpoint import check_fits
 
 log = logging.getLogger(__name__)
 
 CONFIG = "open_clip_config.json"
+CLIP_EOT = "<|endoftext|>"  # OpenAI CLIP's end-of-text (open_clip's vocabulary)
 CAPTION_EOT_ID = 2  # our caption tokenizer's end-of-text (attnlab.data.text.tokenizers.CaptionTokenizer)
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
 # open_clip's names inside a residual block -> ours
@@ -222,14 +222,9 @@ def read_open_clip(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | No
     """An open_clip folder (weights + ``open_clip_config.json``) or a bare state dict: (state,
     ``model_cfg``)."""
     if source.is_dir():
-        config_file = source / CONFIG
-        if not config_file.is_file():
-            raise CheckpointError(f"model.init_from={source}: no {CONFIG} (not a folder open_clip saved)")
-        config = read_json(config_file)
-        if not isinstance(config.get("model_cfg"), dict):
-            raise CheckpointError(f"model.init_from={config_file}: no 'model_cfg' (not an open_clip config)")
-        return read_state_dict(weights_file(source, WEIGHT_FILES)), config["model_cfg"]
-    return read_state_dict(source), None
+        config = read_folder_config(source)
+        return read_weights(source, WEIGHT_FILES), config["model_cfg"]
+    return read_weights(source), None
 
 
 def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
@@ -258,6 +253,79 @@ def load(net: nn.Module, source: Path) -> None:
     check_fits(net, state, source)
     net.load_state_dict(state)
     log.info("model.init_from=%s: open_clip weights loaded", source)
+
+
+# open_clip's defaults (its CLIPVisionCfg, CLIPTextCfg) for what a model_cfg leaves out
+_VISION_DEFAULTS = {"image_size": 224, "layers": 12, "width": 768, "head_width": 64, "patch_size": 16}
+_TEXT_DEFAULTS = {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12}
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip's OPENAI_DATASET_MEAN / _STD
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def read_folder_config(folder: Path) -> dict[str, Any]:
+    """``open_clip_config.json`` of an open_clip folder, with its ``model_cfg`` checked."""
+    config_file = folder / CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"model.init_from={folder}: no {CONFIG} (not a folder open_clip saved)")
+    config = read_json(config_file)
+    if not isinstance(config.get("model_cfg"), dict):
+        raise CheckpointError(f"model.init_from={config_file}: no 'model_cfg' (not an open_clip config)")
+    return config
+
+
+def preprocess(folder: Path) -> dict[str, Any]:
+    """What an open_clip folder says about its inputs, as our data's artifacts: the image size,
+    RGB, the normalisation (``preprocess_cfg``, else OpenAI's) and the caption length."""
+    config = read_folder_config(folder)
+    model_cfg, pre = config["model_cfg"], config.get("preprocess_cfg") or {}
+    size = (_VISION_DEFAULTS | model_cfg.get("vision_cfg", {}))["image_size"]
+    return {
+        "img_size": size if isinstance(size, int) else size[0],
+        "in_chans": 3,
+        "mean": list(pre.get("mean", OPENAI_MEAN)),
+        "std": list(pre.get("std", OPENAI_STD)),
+        "context_length": (_TEXT_DEFAULTS | model_cfg.get("text_cfg", {}))["context_length"],
+    }
+
+
+def clip_from_open_clip(folder: Path) -> nn.Module:
+    """Our CLIP built as an open_clip folder's ``model_cfg`` describes, with its weights: what
+    ``open_clip.create_model("local-dir:<folder>")`` gives, for ``attnlab-zeroshot init_from=``."""
+    from attnlab.models import CLIP, TextTransformer, VisionTransformer
+
+    model_cfg = read_folder_config(folder)["model_cfg"]
+    facts = architecture_in(model_cfg, folder)
+    vision = _VISION_DEFAULTS | model_cfg.get("vision_cfg", {})
+    text = _TEXT_DEFAULTS | model_cfg.get("text_cfg", {})
+    image = VisionTransformer(
+        0,
+        preprocess(folder)["img_size"],
+        3,
+        patch_size=vision["patch_size"],
+        dim=vision["width"],
+        depth=vision["layers"],
+        n_head=facts["image heads"],
+        mlp_ratio=vision.get("mlp_ratio", 4.0),
+        stem="patch",
+        pre_norm=not vision.get("no_ln_pre", False),
+        norm_eps=facts["image norm eps"],
+        patch_bias=False,
+        act=facts["image act"],
+    )
+    captions = TextTransformer(
+        text["vocab_size"],
+        max_len=text["context_length"],
+        dim=text["width"],
+        depth=text["layers"],
+        n_head=facts["text heads"],
+        mlp_ratio=text.get("mlp_ratio", 4.0),
+        pad_id=text.get("pad_id", 0),
+        act=facts["text act"],
+        pool=facts["text pooling"],
+    )
+    net = CLIP(image, captions, embed_dim=model_cfg["embed_dim"])
+    load(net, folder)
+    return net.eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,13 +365,22 @@ def model_config(net: nn.Module, artifacts: dict) -> dict[str, Any]:
         "pad_id": text.pad_id,
     }
     if text.pool == "last":  # our captions end in end-of-text, then only padding
-        text_cfg |= {"pool_type": "eos", "eos_id": CAPTION_EOT_ID}
+        vocab = caption_vocab(artifacts)
+        text_cfg |= {"pool_type": "eos", "eos_id": vocab.get(CLIP_EOT, vocab.get("<eot>", CAPTION_EOT_ID))}
     return {
         "embed_dim": net.embed_dim,
         "quick_gelu": facts["image act"] == "quick_gelu",
         "vision_cfg": vision,
         "text_cfg": text_cfg,
     }
+
+
+def caption_vocab(artifacts: dict) -> dict[str, int]:
+    """The run's caption vocabulary (token -> id), read from its saved tokenizer; ``{}`` if none."""
+    saved = json.loads(artifacts.get("tokenizer") or "{}")
+    if saved.get("kind") != "caption":
+        return {}
+    return json.loads(saved["tokenizer"])["model"]["vocab"]
 
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
@@ -317,3 +394,11 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
         config["preprocess_cfg"] = {"mean": list(artifacts["mean"]), "std": list(artifacts["std"])}
     save_file(state_dict_to_open_clip(net), str(out_dir / "open_clip_model.safetensors"))
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2))
+    if CLIP_EOT in caption_vocab(artifacts):
+        log.info("%s: the captions' tokenizer is OpenAI CLIP's, open_clip's own (get_tokenizer)", out_dir)
+    else:
+        log.warning(
+            "%s: the run's caption tokenizer (fitted on its captions) has no open_clip counterpart "
+            "and is left out; encode captions with the run's tokenizer (attnlab's ids)",
+            out_dir,
+        )

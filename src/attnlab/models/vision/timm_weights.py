@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import CheckpointError
+from attnlab.models.hf_files import read_weights
 from attnlab.utils.checkpoint import check_fits
 
 log = logging.getLogger(__name__)
@@ -90,37 +90,6 @@ def load_timm_weights(model: nn.Module, timm_model: nn.Module) -> nn.Module:
 # reading a saved model
 
 
-def read_state_dict(file: Path, field: str = "model.init_from") -> dict[str, Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a PyTorch file loaded with ``weights_only``
-    (nothing in it can run code; a file that needs more is refused); timm's ``load_state_dict``
-    unwraps ``{"state_dict": ...}``/``{"model": ...}`` and drops DDP's ``module.`` prefix."""
-    from timm.models import load_state_dict
-
-    try:
-        state = load_state_dict(str(file), use_ema=False, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError) as e:
-        if "weights_only" not in str(e) and not isinstance(e, pickle.UnpicklingError):
-            raise CheckpointError(f"{field}={file}: not a state dict ({str(e).strip()[:200]})") from e
-        raise CheckpointError(
-            f"{field}={file}: a pickle that weights_only loading refuses (it would run code); "
-            "save the weights as safetensors or a plain state dict"
-        ) from e
-    except Exception as e:  # a corrupt or foreign file: safetensors and torch raise several kinds
-        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
-        raise CheckpointError(f"{field}={file}: not a state dict ({type(e).__name__}: {reason})") from e
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise CheckpointError(f"{field}={file}: holds no state dict of tensors")
-    return state
-
-
-def weights_file(folder: Path, names: tuple[str, ...], field: str = "model.init_from") -> Path:
-    """The first of ``names`` present in ``folder`` (safetensors first)."""
-    for name in names:
-        if (folder / name).is_file():
-            return folder / name
-    raise CheckpointError(f"{field}={folder}: no weights file in the folder (expected {' or '.join(names)})")
-
-
 def read_json(file: Path, field: str = "model.init_from") -> dict[str, Any]:
     try:
         config = json.loads(file.read_text())
@@ -140,8 +109,8 @@ def read_timm(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
         config = read_json(config_file)
         if "architecture" not in config and "architecture" not in config.get("pretrained_cfg", {}):
             raise CheckpointError(f"model.init_from={config_file}: no 'architecture' (not a timm config)")
-        return read_state_dict(weights_file(source, WEIGHT_FILES)), config
-    return read_state_dict(source), None
+        return read_weights(source, WEIGHT_FILES), config
+    return read_weights(source), None
 
 
 def timm_reference(config: dict[str, Any], where: Path) -> nn.Module:
