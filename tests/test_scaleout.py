@@ -64,7 +64,7 @@ def pictures(experiment: str) -> list[str]:
         return ["model.plot_sentences=1"]
     if experiment.startswith("clip_"):
         return ["model.plot_pairs=2"]
-    if experiment.startswith("gpt_"):
+    if experiment.startswith("gpt"):  # gpt_ and gpt2_
         return []
     return ["model.plot_images=2"]
 
