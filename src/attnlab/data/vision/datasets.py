@@ -169,8 +169,28 @@ def read_image(path: Path, channels: int | None = None) -> Tensor:
 
 
 def load_image_folder(root: str | None) -> ImageSplits:
-    """An ImageFolder tree: ``root/train/<class>/<image>`` and, optionally, ``root/test/<class>/...``
-    (the class folders of ``test`` must be those of ``train``). All images must share one size."""
+    """An ImageFolder tree (``scan_image_folder``) decoded whole into tensors; all images must
+    share one size (``data=image_folder`` reads any sizes lazily instead)."""
+    found, classes = scan_image_folder(root)
+
+    def split(name: str) -> tuple[Tensor, Tensor]:
+        files, labels = found[name]
+        images = [read_image(f) for f in files]
+        shapes = {tuple(img.shape) for img in images}
+        if len(shapes) > 1:
+            raise DataError(
+                f"{files[0].parent.parent}: images of different sizes or channels {sorted(shapes)[:3]}; "
+                "resize them to one size first"
+            )
+        return torch.stack(images), torch.tensor(labels)
+
+    test = split("test") if "test" in found else (None, None)
+    return ImageSplits(*split("train"), *test, classes)
+
+
+def scan_image_folder(root: str | None) -> tuple[dict[str, tuple[list[Path], list[int]]], list[str]]:
+    """The files and labels of an ImageFolder tree: ``root/train/<class>/<image>`` and, optionally,
+    ``root/test/<class>/...`` (whose class folders must be among train's); nothing decoded."""
     if root is None:
         raise DataError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
     base = Path(root).expanduser()
@@ -181,32 +201,26 @@ def load_image_folder(root: str | None) -> ImageSplits:
     if not classes:
         raise DataError(f"{train_dir}: no class folders")
 
-    def split(folder: Path) -> tuple[Tensor, Tensor]:
-        images, labels = [], []
+    def split(folder: Path) -> tuple[list[Path], list[int]]:
+        files, labels = [], []
         for label, name in enumerate(classes):
-            for f in sorted((folder / name).glob("*")):
-                if f.suffix.lower() in IMAGE_SUFFIXES:
-                    images.append(read_image(f))
-                    labels.append(label)
-        if not images:
+            found = sorted(f for f in (folder / name).glob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+            if not found and folder == train_dir:
+                raise DataError(
+                    f"{folder / name}: a class folder without images (a class that cannot be "
+                    "learnt); add images or remove it"
+                )
+            files += found
+            labels += [label] * len(found)
+        if not files:
             raise DataError(f"{folder}: no images in its class folders")
-        if folder == train_dir and (empty := sorted(set(classes) - {classes[y] for y in labels})):
-            raise DataError(
-                f"{train_dir / empty[0]}: a class folder without images (a class that "
-                "cannot be learnt); add images or remove it"
-            )
-        shapes = {tuple(img.shape) for img in images}
-        if len(shapes) > 1:
-            raise DataError(
-                f"{folder}: images of different sizes or channels {sorted(shapes)[:3]}; "
-                "resize them to one size first"
-            )
-        return torch.stack(images), torch.tensor(labels)
+        return files, labels
 
+    splits = {"train": split(train_dir)}
     test_dir = base / "test"
     if test_dir.is_dir():
         extra = sorted(p.name for p in test_dir.iterdir() if p.is_dir() and p.name not in classes)
         if extra:
             raise DataError(f"{test_dir}: class folders {extra} are not in {train_dir}")
-        return ImageSplits(*split(train_dir), *split(test_dir), classes)
-    return ImageSplits(*split(train_dir), None, None, classes)
+        splits["test"] = split(test_dir)
+    return splits, classes

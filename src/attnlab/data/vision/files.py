@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from attnlab.data.base import DataModule
 from attnlab.data.sampling import Key, example_seed, seeded_globals
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize
-from attnlab.data.vision.datasets import IMAGE_SUFFIXES
+from attnlab.data.vision.datasets import scan_image_folder
 from attnlab.data.vision.shards import (
     BadRecords,
     ImageShards,
@@ -41,44 +41,6 @@ from attnlab.utils.checks import check_choice, check_positive, check_probability
 log = logging.getLogger(__name__)
 
 SOURCES = ("folder", "shards")
-
-
-def scan_image_folder(root: str | None) -> tuple[dict[str, tuple[list[Path], list[int]]], list[str]]:
-    """The files and labels of an ImageFolder tree: ``root/train/<class>/<image>`` and, optionally,
-    ``root/test/<class>/...`` (whose class folders must be among train's); nothing decoded."""
-    if root is None:
-        raise DataError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
-    base = Path(root).expanduser()
-    train_dir = base / "train"
-    if not train_dir.is_dir():
-        raise DataError(f"data.data_dir={root}: no train/ folder (expected {train_dir}/<class>/<image>)")
-    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
-    if not classes:
-        raise DataError(f"{train_dir}: no class folders")
-
-    def split(folder: Path) -> tuple[list[Path], list[int]]:
-        files, labels = [], []
-        for label, name in enumerate(classes):
-            found = sorted(f for f in (folder / name).glob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-            if not found and folder == train_dir:
-                raise DataError(
-                    f"{folder / name}: a class folder without images (a class that cannot be "
-                    "learnt); add images or remove it"
-                )
-            files += found
-            labels += [label] * len(found)
-        if not files:
-            raise DataError(f"{folder}: no images in its class folders")
-        return files, labels
-
-    splits = {"train": split(train_dir)}
-    test_dir = base / "test"
-    if test_dir.is_dir():
-        extra = sorted(p.name for p in test_dir.iterdir() if p.is_dir() and p.name not in classes)
-        if extra:
-            raise DataError(f"{test_dir}: class folders {extra} are not in {train_dir}")
-        splits["test"] = split(test_dir)
-    return splits, classes
 
 
 def carve(files: list[Path], labels: list[int], val_size: int, seed: int) -> dict[str, tuple[list, list]]:

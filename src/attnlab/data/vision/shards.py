@@ -446,7 +446,8 @@ def prepare_images(
 ) -> dict[str, Any]:
     """An ImageFolder tree (``folder/train/<class>/<image>``, optional ``folder/test/...``) into
     classification shards: ``val_size`` training images carved out (seeded) as the val split."""
-    from attnlab.data.vision.files import carve, scan_image_folder
+    from attnlab.data.vision.datasets import scan_image_folder
+    from attnlab.data.vision.files import carve
 
     check_out(out_dir)
     found, classes = scan_image_folder(str(folder))
