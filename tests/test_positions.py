@@ -229,6 +229,19 @@ def test_each_variant_is_causal_and_runs_past_its_training_length(variant: tuple
         assert gpt(torch.randint(40, (1, 128))).shape == (1, 128, 40)  # 8x the training length
 
 
+def test_sinusoidal_positions_do_not_drown_the_tokens():
+    """GPT's tokens start at std 0.02 and the sinusoids at amplitude 1: scaled by sqrt(dim), as in
+    the Transformer paper, the tokens keep a fair share of each input vector."""
+    torch.manual_seed(0)
+    net = GPT(65, max_len=64, depth=1, n_head=2, dim=128, positions="sinusoidal")
+    idx = torch.randint(65, (4, 64))
+    tokens = net.embed.tokens(idx) * net.embed.scale
+    positions = net.embed.positions(64)
+    assert net.embed.scale == pytest.approx(128**0.5)
+    assert tokens.std() > 0.25 * positions.std()
+    assert GPT(65, max_len=64, depth=1, n_head=2, dim=128).embed.scale == 1.0  # learned: nanoGPT's
+
+
 def test_learned_positions_refuse_inputs_past_their_table():
     with pytest.raises(ConfigError, match="17 tokens exceeds the 16 learned positions"):
         tiny_gpt("learned", "full", max_len=16)(torch.zeros(1, 17, dtype=torch.long))

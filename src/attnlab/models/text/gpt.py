@@ -117,7 +117,15 @@ class GPT(nn.Module):
         check_probability("model.net", dropout=dropout)
         self.vocab_size, self.max_len = vocab_size, max_len
         absolute = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(positions)
-        self.embed = TokenEmbedding(vocab_size, dim, absolute(dim, max_len) if absolute else None, dropout)
+        # fixed sinusoids (amplitude 1) would drown token vectors of GPT's small init: the
+        # Transformer paper's sqrt(dim) scale on the tokens keeps both heard
+        self.embed = TokenEmbedding(
+            vocab_size,
+            dim,
+            absolute(dim, max_len) if absolute else None,
+            dropout,
+            scale=positions == "sinusoidal",
+        )
         # one instance for every block (T5 shares its bias table across layers)
         self.positions = relative_positions(positions, dim // n_head, n_head, causal=True)
         if attention == "linear" and positions in ("alibi", "t5"):
