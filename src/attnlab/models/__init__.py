@@ -1,6 +1,7 @@
 """Architectures as plain ``nn.Module``s (no Lightning)."""
 
 from attnlab.models.multimodal.clip import CLIP, TextTransformer
+from attnlab.models.multimodal.flamingo import Flamingo
 from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier, BertTokenClassifier
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
@@ -17,6 +18,7 @@ __all__ = [
     "BertTokenClassifier",
     "CLIP",
     "ConvNet",
+    "Flamingo",
     "GPT",
     "DistilledVisionTransformer",
     "Seq2Seq",
