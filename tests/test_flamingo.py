@@ -141,3 +141,31 @@ def test_few_shot_prompt_then_decoding_equals_the_interleaved_sequence():
     assert state.image.tolist() == [2]  # the query image
     with pytest.raises(DataError, match="at least one"):
         few_shot_prompt([], query)
+
+
+def test_init_from_fills_each_part_from_its_own_run(tmp_path):
+    """``model.init_from={vision: ..., lm: ...}``: the ViT from a classifier's run (its head left
+    out: the Flamingo's ViT has none) and the GPT from a language model's run."""
+    from attnlab.errors import ConfigError
+    from attnlab.tasks.base import load_initial_weights
+
+    torch.manual_seed(3)
+    classifier = VisionTransformer(
+        num_classes=10, img_size=16, in_chans=1, patch_size=4, dim=32, depth=2, n_head=2
+    )
+    lm = GPT(vocab_size=VOCAB, max_len=48, depth=4, n_head=2, dim=32)
+    for name, net in (("vit", classifier), ("gpt", lm)):
+        torch.save(
+            {"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}, tmp_path / f"{name}.ckpt"
+        )
+    net = tiny_flamingo(seed=4)
+    load_initial_weights(net, {"vision": str(tmp_path / "vit.ckpt"), "lm": str(tmp_path / "gpt.ckpt")})
+    vision = {k: v for k, v in classifier.state_dict().items() if not k.startswith("head")}
+    assert all(torch.equal(net.vision.state_dict()[k], v) for k, v in vision.items())
+    assert all(torch.equal(net.lm.state_dict()[k], v) for k, v in lm.state_dict().items())
+    tokens = captions(2, 6)
+    assert torch.equal(net(torch.randn(2, 1, 16, 16), tokens)[0], lm(tokens))
+    with pytest.raises(
+        ConfigError, match=r"model.init_from.text: the net has no such part \(its parts: vision, lm"
+    ):
+        load_initial_weights(net, {"text": str(tmp_path / "gpt.ckpt")})
