@@ -169,3 +169,23 @@ def test_init_from_fills_each_part_from_its_own_run(tmp_path):
         ConfigError, match=r"model.init_from.text: the net has no such part \(its parts: vision, lm"
     ):
         load_initial_weights(net, {"text": str(tmp_path / "gpt.ckpt")})
+
+
+def test_the_recipes_flamingo_trains_at_most_30_percent_of_its_parameters():
+    """The net of conf/model/net/flamingo.yaml at the scenes' sizes (64-pixel canvases, a caption
+    vocabulary of a few dozen words): the issue's bar is <= 30% trained."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+
+    cfg = OmegaConf.load(ROOT / "conf/model/net/flamingo.yaml")
+    cfg.update({"vocab_size": 40, "img_size": 64, "in_chans": 1})
+    net = instantiate(cfg)
+    trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in net.parameters())
+    print(
+        f"conf/model/net/flamingo.yaml: {trained:,} of {total:,} parameters trained ({trained / total:.1%})"
+    )
+    assert trained / total <= 0.30
+    assert net.grid == (8, 8)

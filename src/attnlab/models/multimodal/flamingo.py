@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.vit import VisionTransformer
 from attnlab.nn import MLP, KVCache, MultiHeadAttention
@@ -171,6 +171,8 @@ class Flamingo(nn.Module):
         mlp_ratio: MLP hidden width over the width, in the resampler and the gated blocks.
         cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
         image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
+        vocab_size, img_size, in_chans: what the data holds (filled in from it; ``None``: not
+            checked), which the frozen parts must read: refused, named, where they do not.
     """
 
     def __init__(
@@ -183,9 +185,18 @@ class Flamingo(nn.Module):
         mlp_ratio: float = 2.0,
         cross_every: int = 1,
         image_token: int = 1,
+        vocab_size: int | None = None,
+        img_size: int | None = None,
+        in_chans: int | None = None,
     ) -> None:
         super().__init__()
         check_positive("model.net", cross_every=cross_every)
+        data = {"lm.vocab_size": vocab_size, "vision.img_size": img_size, "vision.in_chans": in_chans}
+        for name, value in data.items():
+            part, field = name.split(".")
+            ours = getattr(lm if part == "lm" else vision, field)
+            if value is not None and ours != value:
+                raise ConfigError(f"model.net.{name}={ours}, but the data has {field} {value}")
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
         self.vision = vision.eval().requires_grad_(False)
         self.lm = lm.eval().requires_grad_(False)
