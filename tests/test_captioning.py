@@ -73,3 +73,16 @@ def test_word_attention_is_the_attention_of_step_by_step_decoding():
         _, step_attn, state = net.step(token, state)
         torch.testing.assert_close(step_attn[0], attn[t], atol=1e-6, rtol=1e-5)
         token = torch.tensor([word])
+
+
+def test_doubly_stochastic_penalty_on_a_constructed_map():
+    """sum_s (1 - sum_t attn_ts)^2 over the caption's steps, averaged over captions."""
+    from attnlab.tasks.captioning import doubly_stochastic_penalty
+
+    attn = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]])
+    every = torch.ones(2, 2, dtype=torch.bool)
+    # caption 0: totals (1, 1, 0) -> 1; caption 1: totals (1, 1, 0) -> 1
+    assert doubly_stochastic_penalty(attn, every).item() == pytest.approx(1.0)
+    first = torch.tensor([[True, False], [True, False]])  # the second step is padding
+    # caption 0: totals (1, 0, 0) -> 2; caption 1: (0.5, 0.5, 0) -> 0.25 + 0.25 + 1 = 1.5
+    assert doubly_stochastic_penalty(attn, first).item() == pytest.approx(1.75)
