@@ -2,6 +2,7 @@
 
 from attnlab.models.multimodal.clip import CLIP, TextTransformer
 from attnlab.models.multimodal.flamingo import Flamingo
+from attnlab.models.multimodal.show_attend_tell import ShowAttendTell
 from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier, BertTokenClassifier
 from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
@@ -22,6 +23,7 @@ __all__ = [
     "GPT",
     "DistilledVisionTransformer",
     "Seq2Seq",
+    "ShowAttendTell",
     "SwinTransformer",
     "TextTransformer",
     "TimmModel",
