@@ -189,3 +189,17 @@ def test_the_recipes_flamingo_trains_at_most_30_percent_of_its_parameters():
     )
     assert trained / total <= 0.30
     assert net.grid == (8, 8)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_caption_batch_decodes_the_flamingo(beam_size: int):
+    """The captioning contract as ``attnlab.inference.captioning`` uses it: greedy and beam search
+    through start/step/reorder, each word's attention over the 4 x 4 patches."""
+    from attnlab.inference.captioning import caption_batch
+
+    net = open_gates(tiny_flamingo()).eval()
+    out = caption_batch(net, torch.randn(2, 1, 16, 16), BOS, EOS, max_len=6, beam_size=beam_size)
+    assert len(out) == 2
+    for ids, attn in out:
+        assert 0 < len(ids) <= 6 and EOS not in ids and attn.shape == (len(ids), 16)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(len(ids)))

@@ -69,7 +69,7 @@ class CaptioningTask(Task):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
         compile: bool = False,
-        init_from: str | None = None,
+        init_from: str | dict[str, str] | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
         attention_reg: float = 0.01,
