@@ -7,12 +7,14 @@ from attnlab.data.text.masked_lm import MaskedLMDataModule
 from attnlab.data.text.translation import TranslationDataModule
 from attnlab.data.vision.classification import ImageClassificationDataModule
 from attnlab.data.vision.files import ImageFilesDataModule
+from attnlab.data.vision.scenes import ScenesDataModule
 
 __all__ = [
     "ImageClassificationDataModule",
     "ImageFilesDataModule",
     "ImageTextDataModule",
     "MaskedLMDataModule",
+    "ScenesDataModule",
     "SentenceClassificationDataModule",
     "TextDataModule",
     "TokenClassificationDataModule",
