@@ -392,6 +392,33 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
     return [*CLIP_TINY, *data]
 
 
+# Show, Attend and Tell at a tiny size, on scenes built from fake IDX files (no download)
+SAT_TINY = [
+    "model.net.enc_dim=16",
+    "model.net.enc_depth=2",
+    "model.net.dim=16",
+    "model.net.hidden=32",
+    "model.net.attn_dim=16",
+    "model.beam_size=2",
+    "model.max_len=16",
+    "model.plot_images=1",
+]
+
+
+def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
+    """A tiny captioner on 48 training scenes and 12 each for validation and test, 32x32, made of
+    fake IDX images."""
+    return [
+        *SAT_TINY,
+        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.canvas=32",
+        "data.n_train=48",
+        "data.n_val=12",
+        "data.n_test=12",
+        "data.batch_size=8",
+    ]
+
+
 OPEN_CLIP_TINY = {  # OpenAI CLIP's vocabulary and caption length, tiny towers
     "embed_dim": 32,
     "quick_gelu": True,

@@ -21,7 +21,7 @@ from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import check_types, fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
-from conftest import bert_overrides, clip_overrides, vision_overrides
+from conftest import bert_overrides, captioning_overrides, clip_overrides, vision_overrides
 
 CONF = Path(config_dir())
 
@@ -38,7 +38,7 @@ def composed(*overrides: str, tmp: Path):
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
     text, bert = experiment.startswith(("nmt_", "gpt_", "gpt2_")), experiment.startswith("bert_")
-    clip = experiment.startswith("clip_")
+    clip, captioning = experiment.startswith("clip_"), experiment.startswith("sat_")
     if text:
         corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
         scratch = ["model.init_from=null"] if experiment.startswith("gpt2_") else []  # not the hub's
@@ -47,6 +47,8 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         cfg = composed(f"experiment={experiment}", *bert_overrides(experiment, tmp_path), tmp=tmp_path)
     elif clip:
         cfg = composed(f"experiment={experiment}", *clip_overrides(experiment, tmp_path), tmp=tmp_path)
+    elif captioning:
+        cfg = composed(f"experiment={experiment}", *captioning_overrides(experiment, tmp_path), tmp=tmp_path)
     else:
         cfg = composed(f"experiment={experiment}", *vision_overrides(experiment, tmp_path), tmp=tmp_path)
     dm = instantiate(cfg.data)
@@ -70,6 +72,11 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         images, tokens, _ = next(iter(dm.val_dataloader()))
         image_features, text_features, scale = task.net(dm.normalize(images), tokens)
         assert image_features.shape == text_features.shape == (len(images), cfg.model.net.embed_dim)
+    elif captioning:
+        batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
+        logits, attn = task.net(batch["image"], batch["tokens"])
+        b, t = batch["tokens"].shape
+        assert logits.shape == (b, t, dm.tokenizer.vocab_size) and attn.shape[:2] == (b, t)
     else:
         images, _ = next(iter(dm.val_dataloader()))
         assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))
@@ -107,7 +114,8 @@ def built(node) -> nn.Module:
     return instantiate(node)
 
 
-@pytest.mark.parametrize("preset", [p for p in options("model/net") if p != "gpt2"])  # gpt2: a text net
+# gpt2: a text net; the captioners: tests/test_captioning.py
+@pytest.mark.parametrize("preset", [p for p in options("model/net") if p not in ("gpt2", "show_attend_tell")])
 def test_every_vision_preset_builds(preset, tmp_path):
     size = PRESET_INPUTS.get(preset, 224)
     cfg = composed(

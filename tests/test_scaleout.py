@@ -56,7 +56,7 @@ FAST = ["trainer.fast_dev_run=true", "trainer.val_check_interval=1", "trainer.ch
 # The pictures drawn during evaluation: process 0 draws, every process computes (under FSDP2 a
 # forward pass on process 0 alone would wait forever for the others)
 PICTURES = ("model.plot_images=", "model.plot_sentences=", "model.plot_pairs=")
-DRAWN = ("vit_", "deit_", "swin_", "clip_", "bert_", "nmt_")
+DRAWN = ("vit_", "deit_", "swin_", "clip_", "bert_", "nmt_", "sat_")
 
 
 def pictures(experiment: str) -> list[str]:

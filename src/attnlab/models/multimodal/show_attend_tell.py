@@ -29,10 +29,12 @@ State = dict[str, Tensor]
 
 class ConvEncoder(nn.Module):
     """``depth`` stages of two 3x3 conv-BN-ReLU layers, the first of each with stride 2: an image
-    (B, C, H, W) becomes a map of ``dim`` channels at 1 / 2^depth of its side. The widths double
-    up to ``dim`` (``dim`` / 4, ``dim`` / 2, ``dim`` for three stages)."""
+    (B, C, H, W) becomes a map of ``dim`` channels at 1 / 2^depth of its side (rounded up). The widths double
+    up to ``dim`` (``dim`` / 4, ``dim`` / 2, ``dim`` for three stages). A learned embedding of each
+    map position is added, as ViT adds one to its patches: a context vector then says where the
+    decoder looked, not only what it saw (which words such as "left of" need)."""
 
-    def __init__(self, in_chans: int, dim: int, depth: int) -> None:
+    def __init__(self, img_size: int, in_chans: int, dim: int, depth: int) -> None:
         super().__init__()
         widths = [max(1, dim // 2 ** (depth - 1 - i)) for i in range(depth)]
         stages, chans = [], in_chans
@@ -40,10 +42,16 @@ class ConvEncoder(nn.Module):
             stages += [conv_bn_relu(chans, width, stride=2), conv_bn_relu(width, width)]
             chans = width
         self.stages = nn.Sequential(*stages)
+        side = img_size
+        for _ in range(depth):  # a 3x3 convolution of stride 2 and padding 1: ceil(side / 2)
+            side = (side + 1) // 2
+        self.grid = (side, side)
+        self.pos_embed = nn.Parameter(torch.zeros(1, side * side, dim))
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.stages(images.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
-        return x.flatten(2).transpose(1, 2)  # (B, h * w, D), row-major
+        return x.flatten(2).transpose(1, 2) + self.pos_embed  # (B, h * w, D), row-major
 
 
 class ViTEncoder(nn.Module):
@@ -56,6 +64,8 @@ class ViTEncoder(nn.Module):
         self.vit = VisionTransformer(
             0, img_size, in_chans, patch_size=patch_size, dim=dim, depth=depth, n_head=n_head, stem="conv"
         )
+        side = self.vit.patch_embed.grid_size
+        self.grid = (side, side)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.vit.forward_features(images)[:, self.vit.num_prefix_tokens :]  # (B, S, D)
@@ -112,12 +122,10 @@ class ShowAttendTell(nn.Module):
         check_probability("model.net", dropout=dropout)
         self.vocab_size, self.pad_id = vocab_size, pad_id
         if encoder == "cnn":
-            self.encoder: nn.Module = ConvEncoder(in_chans, enc_dim, enc_depth)
-            side = img_size // 2**enc_depth
+            self.encoder: nn.Module = ConvEncoder(img_size, in_chans, enc_dim, enc_depth)
         else:
             self.encoder = ViTEncoder(img_size, in_chans, enc_dim, enc_depth, patch_size, n_head)
-            side = img_size // patch_size
-        self.grid: tuple[int, int] = (side, side)
+        self.grid: tuple[int, int] = self.encoder.grid
         self.init_h, self.init_c = nn.Linear(enc_dim, hidden), nn.Linear(enc_dim, hidden)
         self.attn = AdditiveAttention(hidden, enc_dim, attn_dim)
         self.f_beta = nn.Linear(hidden, enc_dim)  # the gate on the context
