@@ -4,6 +4,8 @@ teacher forcing, few-shot prompts."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -16,11 +18,11 @@ BOS, EOS, VOCAB = 1, 2, 24
 
 def tiny_flamingo(cross_every: int = 1, seed: int = 0) -> Flamingo:
     torch.manual_seed(seed)
-    vision = VisionTransformer(
-        num_classes=0, img_size=16, in_chans=1, patch_size=4, dim=32, depth=2, n_head=2
+    vision = partial(VisionTransformer, num_classes=0, patch_size=4, dim=32, depth=2, n_head=2)
+    lm = partial(GPT, max_len=48, depth=4, n_head=2, dim=32)
+    return Flamingo(
+        vision, lm, VOCAB, 16, 1, n_latents=4, resampler_depth=2, n_head=2, cross_every=cross_every
     )
-    lm = GPT(vocab_size=VOCAB, max_len=48, depth=4, n_head=2, dim=32)
-    return Flamingo(vision, lm, n_latents=4, resampler_depth=2, n_head=2, cross_every=cross_every)
 
 
 def open_gates(net: Flamingo) -> Flamingo:
@@ -180,7 +182,7 @@ def test_the_recipes_flamingo_trains_at_most_30_percent_of_its_parameters():
     from conftest import ROOT
 
     cfg = OmegaConf.load(ROOT / "conf/model/net/flamingo.yaml")
-    cfg.update({"vocab_size": 40, "img_size": 64, "in_chans": 1})
+    cfg.update({"vocab_size": 40, "img_size": 64, "in_chans": 1})  # what the data fills in
     net = instantiate(cfg)
     trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
     total = sum(p.numel() for p in net.parameters())

@@ -292,6 +292,7 @@ def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
             artifacts = init_artifacts(path, "")
         if artifacts:
             found[str(part)] = artifacts
+            log.info("model.init_from.%s=%s: its tokenizer goes to the data", part, path)
     if len({str(a["tokenizer"]) for a in found.values()}) > 1:
         raise CheckpointError(
             f"model.init_from: the parts {', '.join(found)} come with different tokenizers; "

@@ -7,7 +7,8 @@ a Perceiver Resampler and gated cross-attention layers, the only parts trained.
   added through ``tanh(gate)`` with the gate at 0, so at initialisation the block is the identity
   and the frozen LM's predictions are untouched (exactly: ``x + 0 * y`` is ``x``).
 - ``Flamingo``: our ``VisionTransformer`` (its patch tokens) and ``GPT``, frozen and kept in eval
-  mode, with a gated block before every ``cross_every``-th GPT block.
+  mode, with a gated block before every ``cross_every``-th GPT block. Their weights come from
+  runs of their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
 
 Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
 ``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
@@ -26,12 +27,13 @@ averaged over heads and layers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.vit import VisionTransformer
 from attnlab.nn import MLP, KVCache, MultiHeadAttention
@@ -162,42 +164,37 @@ class Flamingo(nn.Module):
     Resampler and gated cross-attention blocks.
 
     Args:
-        vision: the vision encoder; its patch tokens (``forward_features`` without the prefix
+        vision: builds the vision encoder from ``img_size`` and ``in_chans`` (a partial
+            ``VisionTransformer``); its patch tokens (``forward_features`` without the prefix
             tokens) are what the resampler reads.
-        lm: the language model.
+        lm: builds the language model from ``vocab_size`` (a partial ``GPT``).
+        vocab_size, img_size, in_chans: the data's (filled in from it), which the parts are built for.
         n_latents: latents per image.
         resampler_depth: layers of the resampler.
-        n_head: attention heads of the resampler and the gated blocks; must divide ``lm.dim``.
+        n_head: attention heads of the resampler and the gated blocks; must divide the GPT's width.
         mlp_ratio: MLP hidden width over the width, in the resampler and the gated blocks.
         cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
         image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
-        vocab_size, img_size, in_chans: what the data holds (filled in from it; ``None``: not
-            checked), which the frozen parts must read: refused, named, where they do not.
     """
 
     def __init__(
         self,
-        vision: VisionTransformer,
-        lm: GPT,
+        vision: Callable[..., VisionTransformer],
+        lm: Callable[..., GPT],
+        vocab_size: int,
+        img_size: int,
+        in_chans: int,
         n_latents: int = 16,
         resampler_depth: int = 2,
         n_head: int = 4,
         mlp_ratio: float = 2.0,
         cross_every: int = 1,
         image_token: int = 1,
-        vocab_size: int | None = None,
-        img_size: int | None = None,
-        in_chans: int | None = None,
     ) -> None:
         super().__init__()
         check_positive("model.net", cross_every=cross_every)
-        data = {"lm.vocab_size": vocab_size, "vision.img_size": img_size, "vision.in_chans": in_chans}
-        for name, value in data.items():
-            part, field = name.split(".")
-            ours = getattr(lm if part == "lm" else vision, field)
-            if value is not None and ours != value:
-                raise ConfigError(f"model.net.{name}={ours}, but the data has {field} {value}")
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
+        vision, lm = vision(img_size=img_size, in_chans=in_chans), lm(vocab_size=vocab_size)
         self.vision = vision.eval().requires_grad_(False)
         self.lm = lm.eval().requires_grad_(False)
         self.image_token, self.n_latents = image_token, n_latents
