@@ -295,6 +295,13 @@ VISION_NETS = {
     "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
     "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_head=[1,2,2]"],
     "convnet": ["model.net.widths=[4,8]"],
+    "perceiver": [
+        "model.net.n_latents=4",
+        "model.net.dim=16",
+        "model.net.depth=1",
+        "model.net.n_head=2",
+        "model.net.n_bands=2",
+    ],
 }
 
 
@@ -311,7 +318,7 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
     batch = 4 if "cifar" in experiment else 8
     out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
-    kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
+    kind = next(k for k in ("swin", "convnet", "vit", "deit", "perceiver") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
         # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
