@@ -19,9 +19,9 @@ from timm.layers import DropPath
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
+from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock
 from attnlab.nn.attention import AttentionImpl
-from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
