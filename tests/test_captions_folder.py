@@ -3,7 +3,6 @@ give caption batches; each bad input is one line and exit status 2."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,37 +13,7 @@ from hydra.utils import instantiate
 from attnlab.cli.common import config_dir
 from attnlab.data.text.tokenizers import WordTokenizer
 from attnlab.data.vision.shards import prepare_pairs
-from conftest import QUIET, run_main, write_pairs
-
-
-def write_flickr8k(folder: Path, n: int = 10, per_image: int = 2) -> Path:
-    """Flickr8k's layout in miniature: PNGs and ``Flickr8k.token.txt`` (``name#k<TAB>caption``)."""
-    from PIL import Image
-
-    (folder / "images").mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(n):
-        Image.new("RGB", (24, 20), (20 * i, 100, 200 - 10 * i)).save(folder / "images" / f"{i}.png")
-        lines += [f"{i}.png#{k}\ta dog number {i} runs on grass {k} ." for k in range(per_image)]
-    path = folder / "Flickr8k.token.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def write_coco(folder: Path, n: int = 10) -> Path:
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    images, notes = [], []
-    for i in range(n):
-        Image.new("RGB", (20, 24), (10 * i, 50, 90)).save(folder / f"{i:012d}.jpg")
-        images.append({"id": 100 + i, "file_name": f"{i:012d}.jpg"})
-        notes += [
-            {"id": 2 * i + k, "image_id": 100 + i, "caption": f"A cat {i} on a mat {k}."} for k in range(2)
-        ]
-    path = folder / "captions_train2017.json"
-    path.write_text(json.dumps({"images": images, "annotations": notes}))
-    return path
+from conftest import QUIET, run_main, write_coco, write_flickr8k, write_pairs
 
 
 def data_module(tmp: Path, *overrides: str):
