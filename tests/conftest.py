@@ -295,6 +295,13 @@ VISION_NETS = {
     "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
     "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_head=[1,2,2]"],
     "convnet": ["model.net.widths=[4,8]"],
+    "perceiver": [
+        "model.net.n_latents=4",
+        "model.net.dim=16",
+        "model.net.depth=1",
+        "model.net.n_head=2",
+        "model.net.n_bands=2",
+    ],
 }
 
 
@@ -311,7 +318,7 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
     batch = 4 if "cifar" in experiment else 8
     out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
-    kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
+    kind = next(k for k in ("swin", "convnet", "vit", "deit", "perceiver") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
         # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
@@ -361,6 +368,39 @@ def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv
         path.write_text("image,caption\n" + "".join(f"{a},{b}\n" for a, b in rows))
     else:
         path.write_text("".join(json.dumps({"image": a, "caption": b}) + "\n" for a, b in rows))
+    return path
+
+
+def write_flickr8k(folder: Path, n: int = 10, per_image: int = 2, images: str = "images") -> Path:
+    """Flickr8k's layout in miniature: ``n`` PNGs in ``folder/images`` and ``folder/Flickr8k.token.txt``
+    (``name#k<TAB>caption``, ``per_image`` captions each)."""
+    from PIL import Image
+
+    (folder / images).mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        Image.new("RGB", (24, 20), (20 * i, 100, 200 - 10 * i)).save(folder / images / f"{i}.png")
+        lines += [f"{i}.png#{k}\ta dog number {i} runs on grass {k} ." for k in range(per_image)]
+    path = folder / "Flickr8k.token.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_coco(folder: Path, n: int = 10, images_dir: str = ".") -> Path:
+    """COCO's captions in miniature: ``n`` JPEGs in ``folder/images_dir`` and
+    ``folder/captions_train2017.json`` (two captions each)."""
+    from PIL import Image
+
+    (folder / images_dir).mkdir(parents=True, exist_ok=True)
+    images, notes = [], []
+    for i in range(n):
+        Image.new("RGB", (20, 24), (10 * i, 50, 90)).save(folder / images_dir / f"{i:012d}.jpg")
+        images.append({"id": 100 + i, "file_name": f"{i:012d}.jpg"})
+        notes += [
+            {"id": 2 * i + k, "image_id": 100 + i, "caption": f"A cat {i} on a mat {k}."} for k in range(2)
+        ]
+    path = folder / "captions_train2017.json"
+    path.write_text(json.dumps({"images": images, "annotations": notes}))
     return path
 
 

@@ -1,5 +1,6 @@
 """DataModules, datasets, tokenizers and downloads."""
 
+from attnlab.data.multimodal.captioning import CaptionsFolderDataModule
 from attnlab.data.multimodal.image_text import ImageTextDataModule
 from attnlab.data.text.classification import SentenceClassificationDataModule, TokenClassificationDataModule
 from attnlab.data.text.language_modeling import TextDataModule
@@ -10,6 +11,7 @@ from attnlab.data.vision.files import ImageFilesDataModule
 from attnlab.data.vision.scenes import ScenesDataModule
 
 __all__ = [
+    "CaptionsFolderDataModule",
     "ImageClassificationDataModule",
     "ImageFilesDataModule",
     "ImageTextDataModule",

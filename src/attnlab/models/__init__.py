@@ -8,6 +8,7 @@ from attnlab.models.text.gpt import GPT
 from attnlab.models.text.seq2seq import Seq2Seq
 from attnlab.models.text.transformer import Transformer
 from attnlab.models.vision.convnet import ConvNet
+from attnlab.models.vision.perceiver import Perceiver
 from attnlab.models.vision.swin import SwinTransformer
 from attnlab.models.vision.timm_model import TimmModel
 from attnlab.models.vision.vit import DistilledVisionTransformer, VisionTransformer
@@ -21,6 +22,7 @@ __all__ = [
     "ConvNet",
     "Flamingo",
     "GPT",
+    "Perceiver",
     "DistilledVisionTransformer",
     "Seq2Seq",
     "ShowAttendTell",

@@ -228,7 +228,7 @@ class ScenesDataModule(DataModule):
         canvas: int = 64,
         items: tuple[int, int] = (2, 4),
         n_train: int = 20_000,
-        n_val: int = 1000,
+        n_val: int = 500,
         n_test: int = 2000,
         target: str = "caption",
         batch_size: int = 64,
