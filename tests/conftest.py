@@ -459,6 +459,50 @@ def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
     ]
 
 
+# The Flamingo recipe at a tiny size: the captioner's parts as their own experiments would make
+# them (vit_scenes, gpt_scene_captions), and the resampler and gated blocks
+FLAMINGO_TINY = [
+    "model.net.vision.dim=16",
+    "model.net.vision.depth=1",
+    "model.net.vision.n_head=2",
+    "model.net.lm.dim=32",
+    "model.net.lm.depth=2",
+    "model.net.lm.n_head=2",
+    "model.net.lm.max_len=32",
+    "model.net.n_head=2",
+    "model.net.n_latents=4",
+    "model.net.resampler_depth=1",
+    "model.beam_size=2",
+    "model.max_len=16",
+    "model.plot_images=1",
+]
+FLAMINGO_RECIPE = ("vit_scenes", "gpt_scene_captions", "flamingo_scenes")
+
+
+def flamingo_overrides(experiment: str, tmp: Path, init_from: bool = False) -> list[str]:
+    """The Flamingo recipe's experiments, tiny, on 48 training scenes and 12 each for validation
+    and test made of fake IDX images: its ViT, its GPT (on their captions) and the captioner, whose
+    frozen parts are random unless ``init_from`` (then the newest runs of the other two)."""
+    scenes = [
+        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.n_train=48",
+        "data.n_val=12",
+        "data.n_test=12",
+    ]
+    if experiment == "gpt_scene_captions":
+        size = ["model.net.dim=32", "model.net.depth=2", "model.net.n_head=2", "model.net.max_len=32"]
+        return [
+            *(o.replace("data.", "data.captions.") for o in scenes),
+            *size,
+            "data.batch_size=4",
+            "data.val_batches=2",
+        ]
+    scenes.append("data.batch_size=8")
+    if experiment == "vit_scenes":
+        return [*scenes, "model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.plot_images=0"]
+    return [*scenes, *FLAMINGO_TINY, *([] if init_from else ["model.init_from=null"])]
+
+
 OPEN_CLIP_TINY = {  # OpenAI CLIP's vocabulary and caption length, tiny towers
     "embed_dim": 32,
     "quick_gelu": True,
