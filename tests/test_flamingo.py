@@ -12,6 +12,7 @@ import torch
 from attnlab.errors import DataError
 from attnlab.models import GPT, VisionTransformer
 from attnlab.models.multimodal.flamingo import Flamingo, few_shot_prompt
+from conftest import QUIET, assert_ok, flamingo_overrides, read_metrics, run_cli, run_dirs, write_idx_dataset
 
 BOS, EOS, VOCAB = 1, 2, 24
 
@@ -205,3 +206,48 @@ def test_caption_batch_decodes_the_flamingo(beam_size: int):
     for ids, attn in out:
         assert 0 < len(ids) <= 6 and EOS not in ids and attn.shape == (len(ids), 16)
         torch.testing.assert_close(attn.sum(-1), torch.ones(len(ids)))
+
+
+def test_the_caption_text_is_every_caption_in_order_in_the_scenes_vocabulary(tmp_path):
+    """data=scene_text: the GPT's stream is each caption's ``<bos> words <eos>`` as the captioner's
+    batches hold them, one after another; its artifacts are the scenes' (the tokenizer)."""
+    from attnlab.data.multimodal.caption_text import CaptionTextDataModule
+    from attnlab.data.vision.scenes import ScenesDataModule
+
+    scenes = ScenesDataModule(
+        data_dir=str(write_idx_dataset(tmp_path / "idx")), n_train=12, n_val=6, n_test=6
+    )
+    data = CaptionTextDataModule(scenes, block_size=8, batch_size=2, val_batches=1)
+    data.setup("fit")
+    tok = scenes.tokenizer
+    for split, stream in (("train", data.train_tokens), ("test", data.test_tokens)):
+        expected = [i for c in scenes.caption_texts(split) for i in [tok.bos_id, *tok.encode(c), tok.eos_id]]
+        assert stream.tolist() == expected
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == y.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    assert data.artifacts() == scenes.artifacts() and data.model_kwargs() == {"vocab_size": tok.vocab_size}
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_the_parts_then_the_captioner_from_them(tmp_path):
+    """vit_scenes, gpt_scene_captions, then flamingo_scenes through attnlab-train: the captioner's
+    frozen ViT and GPT are those runs' weights (and stay so), its tokenizer the GPT run's, and it
+    is scored as a captioner."""
+    from attnlab.inference.runs import TrainedRun
+
+    fast = [*QUIET, "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_test_batches=1"]
+    for experiment in ("vit_scenes", "gpt_scene_captions", "flamingo_scenes"):
+        overrides = flamingo_overrides(experiment, tmp_path, init_from=True)
+        assert_ok(run_cli("train", [f"experiment={experiment}", *fast, *overrides], tmp_path))
+    vit, gpt, flamingo = (
+        TrainedRun(str(run_dirs(tmp_path, name)[0] / "checkpoints" / "last.ckpt"), tmp_path / "logs")
+        for name in ("vit_scenes", "gpt_scene_captions", "flamingo_scenes")
+    )
+    net = flamingo.net()
+    for part, run in (("vision", vit), ("lm", gpt)):
+        theirs = {k: v for k, v in run.net().state_dict().items() if not k.startswith("head")}
+        ours = getattr(net, part).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], v) for k, v in theirs.items()), part
+    assert flamingo.artifacts["tokenizer"] == gpt.artifacts["tokenizer"]
+    metrics = read_metrics(run_dirs(tmp_path, "flamingo_scenes")[0])
+    assert {"val/cider", "val/exact_match", "val/grounding", "test/bleu4"} <= metrics.keys()
