@@ -38,6 +38,7 @@ from attnlab.data.text.shards import prepare
 from attnlab.data.text.translation import synthetic_pairs
 from attnlab.data.vision import shards as image_shards
 from conftest import (
+    FLAMINGO_RECIPE,
     QUIET,
     ROOT,
     blank_image,
@@ -209,7 +210,7 @@ def tiny_for(experiment: str, data: Path, args: tuple[str, ...] = ()) -> list[st
     if any(a == "data=captions_folder" for a in args):  # the scenes' data overrides make no sense there
         keep = [o for o in tiny_overrides(experiment, data) if not o.startswith("data.")]
         return [*keep, "data.val_size=2", "data.test_size=2", "data.img_size=16", "data.batch_size=4"]
-    if not experiment.startswith("gpt_"):
+    if not experiment.startswith("gpt_") or experiment in FLAMINGO_RECIPE:
         return tiny_overrides(experiment, data)
     if experiment == "gpt_shakespeare_char" or any(a.startswith("data=shakespeare") for a in args):
         # the recipe's block of 64 kept: the README's data.test_stride=32 is within it
@@ -307,7 +308,9 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
     out = []
     for a in cmd.args:
         key, eq, value = a.partition("=")
-        if key == "data.data_dir" and (value == "..." or value.startswith("../shared/data/")):
+        if key in ("data.data_dir", "data.captions.data_dir") and (
+            value == "..." or value.startswith("../shared/data/")
+        ):
             continue
         if key == "model.init_from" and cmd.experiment in PRETRAINED:
             folder = cwd / f"hf_{cmd.experiment}"
