@@ -287,7 +287,8 @@ def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
     for part, path in paths.items():
         if is_run_checkpoint(path):
             artifacts = metadata(load_checkpoint(Path(path)), Path(path))["artifacts"]
-            artifacts = {"tokenizer": artifacts["tokenizer"]} if "tokenizer" in artifacts else {}
+            # a run without text records none, or None (the scenes as labels)
+            artifacts = {"tokenizer": artifacts["tokenizer"]} if artifacts.get("tokenizer") else {}
         else:
             artifacts = init_artifacts(path, "")
         if artifacts:
