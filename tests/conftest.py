@@ -295,6 +295,13 @@ VISION_NETS = {
     "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
     "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_head=[1,2,2]"],
     "convnet": ["model.net.widths=[4,8]"],
+    "perceiver": [
+        "model.net.n_latents=4",
+        "model.net.dim=16",
+        "model.net.depth=1",
+        "model.net.n_head=2",
+        "model.net.n_bands=2",
+    ],
 }
 
 
@@ -311,7 +318,7 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
     batch = 4 if "cifar" in experiment else 8
     out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
-    kind = next(k for k in ("swin", "convnet", "vit", "deit") if k in experiment)
+    kind = next(k for k in ("swin", "convnet", "vit", "deit", "perceiver") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
         # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
@@ -364,6 +371,39 @@ def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv
     return path
 
 
+def write_flickr8k(folder: Path, n: int = 10, per_image: int = 2, images: str = "images") -> Path:
+    """Flickr8k's layout in miniature: ``n`` PNGs in ``folder/images`` and ``folder/Flickr8k.token.txt``
+    (``name#k<TAB>caption``, ``per_image`` captions each)."""
+    from PIL import Image
+
+    (folder / images).mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        Image.new("RGB", (24, 20), (20 * i, 100, 200 - 10 * i)).save(folder / images / f"{i}.png")
+        lines += [f"{i}.png#{k}\ta dog number {i} runs on grass {k} ." for k in range(per_image)]
+    path = folder / "Flickr8k.token.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_coco(folder: Path, n: int = 10, images_dir: str = ".") -> Path:
+    """COCO's captions in miniature: ``n`` JPEGs in ``folder/images_dir`` and
+    ``folder/captions_train2017.json`` (two captions each)."""
+    from PIL import Image
+
+    (folder / images_dir).mkdir(parents=True, exist_ok=True)
+    images, notes = [], []
+    for i in range(n):
+        Image.new("RGB", (20, 24), (10 * i, 50, 90)).save(folder / images_dir / f"{i:012d}.jpg")
+        images.append({"id": 100 + i, "file_name": f"{i:012d}.jpg"})
+        notes += [
+            {"id": 2 * i + k, "image_id": 100 + i, "caption": f"A cat {i} on a mat {k}."} for k in range(2)
+        ]
+    path = folder / "captions_train2017.json"
+    path.write_text(json.dumps({"images": images, "annotations": notes}))
+    return path
+
+
 CLIP_TINY = [
     "model.net.image.dim=16",
     "model.net.image.depth=1",
@@ -390,6 +430,77 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
     else:
         data = [f"data.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
     return [*CLIP_TINY, *data]
+
+
+# Show, Attend and Tell at a tiny size, on scenes built from fake IDX files (no download)
+SAT_TINY = [
+    "model.net.enc_dim=16",
+    "model.net.enc_depth=2",
+    "model.net.dim=16",
+    "model.net.hidden=32",
+    "model.net.attn_dim=16",
+    "model.beam_size=2",
+    "model.max_len=16",
+    "model.plot_images=1",
+]
+
+
+def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
+    """A tiny captioner on 48 training scenes and 12 each for validation and test, 32x32, made of
+    fake IDX images."""
+    return [
+        *SAT_TINY,
+        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.canvas=32",
+        "data.n_train=48",
+        "data.n_val=12",
+        "data.n_test=12",
+        "data.batch_size=8",
+    ]
+
+
+# The Flamingo recipe at a tiny size: the captioner's parts as their own experiments would make
+# them (vit_scenes, gpt_scene_captions), and the resampler and gated blocks
+FLAMINGO_TINY = [
+    "model.net.vision.dim=16",
+    "model.net.vision.depth=1",
+    "model.net.vision.n_head=2",
+    "model.net.lm.dim=32",
+    "model.net.lm.depth=2",
+    "model.net.lm.n_head=2",
+    "model.net.lm.max_len=32",
+    "model.net.n_head=2",
+    "model.net.n_latents=4",
+    "model.net.resampler_depth=1",
+    "model.beam_size=2",
+    "model.max_len=16",
+    "model.plot_images=1",
+]
+FLAMINGO_RECIPE = ("vit_scenes", "gpt_scene_captions", "flamingo_scenes")
+
+
+def flamingo_overrides(experiment: str, tmp: Path, init_from: bool = False) -> list[str]:
+    """The Flamingo recipe's experiments, tiny, on 48 training scenes and 12 each for validation
+    and test made of fake IDX images: its ViT, its GPT (on their captions) and the captioner, whose
+    frozen parts are random unless ``init_from`` (then the newest runs of the other two)."""
+    scenes = [
+        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.n_train=48",
+        "data.n_val=12",
+        "data.n_test=12",
+    ]
+    if experiment == "gpt_scene_captions":
+        size = ["model.net.dim=32", "model.net.depth=2", "model.net.n_head=2", "model.net.max_len=32"]
+        return [
+            *(o.replace("data.", "data.captions.") for o in scenes),
+            *size,
+            "data.batch_size=4",
+            "data.val_batches=2",
+        ]
+    scenes.append("data.batch_size=8")
+    if experiment == "vit_scenes":
+        return [*scenes, "model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.plot_images=0"]
+    return [*scenes, *FLAMINGO_TINY, *([] if init_from else ["model.init_from=null"])]
 
 
 OPEN_CLIP_TINY = {  # OpenAI CLIP's vocabulary and caption length, tiny towers

@@ -21,7 +21,14 @@ from attnlab.utils.checkpoint import metadata
 from attnlab.utils.config import check_types, fill_missing
 from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
 from attnlab.utils.wandb_mode import ensure_wandb_mode
-from conftest import bert_overrides, clip_overrides, vision_overrides
+from conftest import (
+    FLAMINGO_RECIPE,
+    bert_overrides,
+    captioning_overrides,
+    clip_overrides,
+    flamingo_overrides,
+    vision_overrides,
+)
 
 CONF = Path(config_dir())
 
@@ -37,9 +44,13 @@ def composed(*overrides: str, tmp: Path):
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
-    text, bert = experiment.startswith(("nmt_", "gpt_", "gpt2_")), experiment.startswith("bert_")
-    clip = experiment.startswith("clip_")
-    if text:
+    flamingo = experiment in FLAMINGO_RECIPE  # its ViT, its GPT, the captioner
+    text = experiment.startswith(("nmt_", "gpt_", "gpt2_")) and not flamingo
+    bert, clip = experiment.startswith("bert_"), experiment.startswith("clip_")
+    captioning = experiment.startswith("sat_") or experiment == "flamingo_scenes"
+    if flamingo:
+        cfg = composed(f"experiment={experiment}", *flamingo_overrides(experiment, tmp_path), tmp=tmp_path)
+    elif text:
         corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
         scratch = ["model.init_from=null"] if experiment.startswith("gpt2_") else []  # not the hub's
         cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", *scratch, tmp=tmp_path)
@@ -47,13 +58,15 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         cfg = composed(f"experiment={experiment}", *bert_overrides(experiment, tmp_path), tmp=tmp_path)
     elif clip:
         cfg = composed(f"experiment={experiment}", *clip_overrides(experiment, tmp_path), tmp=tmp_path)
+    elif captioning:
+        cfg = composed(f"experiment={experiment}", *captioning_overrides(experiment, tmp_path), tmp=tmp_path)
     else:
         cfg = composed(f"experiment={experiment}", *vision_overrides(experiment, tmp_path), tmp=tmp_path)
     dm = instantiate(cfg.data)
     dm.setup()
     fill_missing(cfg.model.net, dm.model_kwargs(), "model.net")
     task = instantiate(cfg.model)
-    if text:
+    if text or experiment == "gpt_scene_captions":
         vocab = dm.model_kwargs()["vocab_size"]
         ids = torch.randint(4, vocab, (2, 5))
         logits = task.net(ids, ids) if experiment.startswith("nmt_") else task.net(ids)
@@ -70,6 +83,14 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         images, tokens, _ = next(iter(dm.val_dataloader()))
         image_features, text_features, scale = task.net(dm.normalize(images), tokens)
         assert image_features.shape == text_features.shape == (len(images), cfg.model.net.embed_dim)
+    elif captioning:
+        batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
+        logits, attn = task.net(batch["image"], batch["tokens"])
+        b, t = batch["tokens"].shape
+        assert logits.shape == (b, t, dm.tokenizer.vocab_size) and attn.shape[:2] == (b, t)
+    elif experiment == "vit_scenes":  # multi-label
+        batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
+        assert task.net(batch["image"]).shape == batch["target"].shape
     else:
         images, _ = next(iter(dm.val_dataloader()))
         assert task.net(dm.normalize(images)).shape == (len(images), len(dm.classes))
@@ -107,7 +128,11 @@ def built(node) -> nn.Module:
     return instantiate(node)
 
 
-@pytest.mark.parametrize("preset", [p for p in options("model/net") if p != "gpt2"])  # gpt2: a text net
+# gpt2: a text net; the captioners: tests/test_captioning.py, tests/test_flamingo.py
+CAPTIONERS = ("show_attend_tell", "flamingo")
+
+
+@pytest.mark.parametrize("preset", [p for p in options("model/net") if p not in ("gpt2", *CAPTIONERS)])
 def test_every_vision_preset_builds(preset, tmp_path):
     size = PRESET_INPUTS.get(preset, 224)
     cfg = composed(

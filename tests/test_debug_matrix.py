@@ -5,7 +5,7 @@ model (task and net: the experiments of one kind differ in data and sizes, which
 In-process (Hydra's compose API, then ``attnlab.cli.train.train``), no interpreter start-up each.
 GPT experiments read Python's docs instead of their corpus; Multi30k ones a tiny fake corpus;
 vision ones tiny fake IDX or CIFAR files, CLIP ones also a fake pairs file; BERT ones fake SST-2
-files or the CoNLL fixture.
+files or the CoNLL fixture; captioning ones scenes made of fake IDX files.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from hydra import compose, initialize_config_dir
 from attnlab.cli.common import config_dir
 from attnlab.cli.train import train
 from attnlab.data.text.translation import synthetic_pairs
-from conftest import bert_overrides, clip_overrides, vision_overrides
+from conftest import (
+    FLAMINGO_RECIPE,
+    bert_overrides,
+    captioning_overrides,
+    clip_overrides,
+    flamingo_overrides,
+    vision_overrides,
+)
 
 CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -73,6 +80,10 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
         return bert_overrides(experiment, tmp)
     if experiment.startswith("clip_"):
         return clip_overrides(experiment, tmp)
+    if experiment.startswith("sat_"):
+        return captioning_overrides(experiment, tmp)
+    if experiment in FLAMINGO_RECIPE:
+        return flamingo_overrides(experiment, tmp)
     if experiment.startswith("gpt2_"):  # GPT-2's architecture, tiny, from scratch (not the hub's)
         return [*GPT_TINY, "data.block_size=16", "model.init_from=null"]
     if not experiment.startswith(("gpt_", "nmt_")):

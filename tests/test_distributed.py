@@ -317,6 +317,16 @@ RUNS = {
         "trainer.val_check_interval=3",
         "trainer.num_sanity_val_steps=1",
     ],
+    # Show, Attend and Tell on scenes of fake IDX images: 12 validation and 12 test scenes shared
+    # out by the 2 processes, captions gathered for BLEU/CIDEr, counts synced
+    "sat_two": [
+        "experiment=sat_scenes",
+        "trainer=ddp_cpu",
+        *QUIET,
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.num_sanity_val_steps=1",
+    ],
     "gpt_one": [*GPT, "data.batch_size=32", "data.val_batches=16"],
     "nmt_one": [*NMT, "data.max_tokens=512"],
 }
@@ -336,6 +346,8 @@ def launch(name: str, cwd: Path) -> Path:
     args = [*RUNS[name], f"task_name={name}"]
     if name in MULTI30K:  # 300 / 20 / 20 pairs of the synthetic language pair
         args += [f"data.data_dir={fake_multi30k(cwd / 'multi30k')}", f"data.cache_dir={cwd}"]
+    if name == "sat_two":
+        args += tiny_overrides("sat_scenes", cwd)
     if name == "vit_two":  # 60 training and 20 test images
         args += [f"data.data_dir={write_idx_dataset(cwd / 'fashion_mnist')}"]
     assert_ok(run_cli("train", args, cwd))
@@ -422,6 +434,18 @@ def test_ddp_cpu_trains_and_tests_a_vision_transformer(runs):
     matrix = (run_dir / "confusion_matrix.csv").read_text().splitlines()[1:]
     assert sum(int(v) for row in matrix for v in row.split(",")[1:]) == 20  # every test image, once
     assert len(list((run_dir / "attention").glob("*.png"))) == 2  # drawn by process 0
+
+
+@pytest.mark.slow
+@uses("sat_two")
+def test_ddp_cpu_trains_and_tests_show_attend_and_tell(runs):
+    run_dir, m = finished_run(runs("sat_two"), "sat_two")
+    assert len(m["val/loss"]) == 2 and len(m["val/cider"]) == 2
+    for key in ("test/loss", "test/bleu4", "test/cider", "test/exact_match", "test/grounding"):
+        assert key in m, key
+    captions = (run_dir / "test_captions.txt").read_text(encoding="utf-8").split("\n")
+    assert len(captions) == 12 + 1  # every test scene once, gathered from both processes
+    assert len(list((run_dir / "caption_attention").glob("*.png"))) == 2  # drawn by process 0
 
 
 @pytest.mark.slow

@@ -147,3 +147,36 @@ def curves_figure(
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.15), ncol=1, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def caption_attention_figure(image: Tensor, words: list[str], attn: Tensor, grid: tuple[int, int]) -> Figure:
+    """Where a captioner looked for each word: the image, then one panel per word with that word's
+    attention over the image's ``grid`` positions laid over it (Show, Attend and Tell's figure).
+
+    ``image``: (C, H, W) in [0, 1]; ``attn``: (L, S) weights, S = h * w row-major, one row per word.
+    """
+    cols = min(6, len(words) + 1)
+    rows = -(-(len(words) + 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.0 * rows), squeeze=False)
+    img = image.permute(1, 2, 0).numpy()
+    cmap = "gray" if img.shape[2] == 1 else None
+    img = img[:, :, 0] if cmap else img
+    h, w = img.shape[:2]
+    panels = [("", None), *((word, attn[i].reshape(grid)) for i, word in enumerate(words))]
+    for ax, (title, weights) in zip(axes.flat, panels, strict=False):
+        ax.imshow(img, cmap=cmap, vmin=0.0, vmax=1.0)
+        if weights is not None:
+            ax.imshow(
+                (weights / weights.max().clamp_min(1e-12)).numpy(),
+                cmap="inferno",
+                alpha=0.6,
+                extent=(-0.5, w - 0.5, h - 0.5, -0.5),
+                interpolation="bilinear",
+                vmin=0.0,
+                vmax=1.0,
+            )
+        ax.set_title(title, fontsize=9)
+    for ax in axes.flat:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig

@@ -185,7 +185,8 @@ def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
         datamodule.load_artifacts(meta["artifacts"])
     if cfg.model.get("init_from"):  # fine-tuning: the weights' tokenizer comes with them
         with open_dict(cfg):  # the file, not a task name, goes into the saved config
-            cfg.model.init_from = str(resolve_init_from(cfg.model.init_from, Path(cfg.paths.log_dir)))
+            resolved = resolve_init_from(cfg.model.init_from, Path(cfg.paths.log_dir))
+            cfg.model.init_from = resolved if isinstance(resolved, dict) else str(resolved)
         if not meta.get("artifacts") and (
             artifacts := init_artifacts(cfg.model.init_from, cfg.model._target_)
         ):

@@ -1,5 +1,6 @@
 """LightningModules: losses, metrics and optimizers around the models."""
 
+from attnlab.tasks.captioning import CaptioningTask
 from attnlab.tasks.classification import ImageClassificationTask
 from attnlab.tasks.contrastive import ContrastiveTask
 from attnlab.tasks.language_model import LanguageModelTask
@@ -8,6 +9,7 @@ from attnlab.tasks.text_classification import TextClassificationTask
 from attnlab.tasks.translation import TranslationTask
 
 __all__ = [
+    "CaptioningTask",
     "ContrastiveTask",
     "ImageClassificationTask",
     "LanguageModelTask",

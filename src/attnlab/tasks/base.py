@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from attnlab.errors import ConfigError
 from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
 from attnlab.tasks.optim import freeze as freeze_parameters
@@ -39,14 +40,28 @@ ENTRY_POINTS = (
 log = logging.getLogger(__name__)
 
 
-def load_initial_weights(net: nn.Module, spec: str) -> None:
+def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
     """``model.init_from``: copy the weights ``spec`` names into ``net``.
 
     One of our runs' checkpoints gives its whole net, or only its encoder where the heads differ
     (a pre-trained BERT into a classifier). A head of another size (another number of classes)
-    starts fresh, with a notice; any other tensor that does not fit is refused, named. Another
-    library's saved model goes through its converter (``attnlab.models.pretrained``).
+    starts fresh, with a notice, and a head the net has none of is left out (a classifier's
+    trunk as a backbone); any other tensor that does not fit is refused, named. Another
+    library's saved model goes through its converter (``attnlab.models.pretrained``). A mapping
+    ``{part: spec}`` fills each named part of the net (``{vision: vit_scenes, lm: gpt_...}``, a
+    Flamingo's) from its own source, as above.
     """
+    if isinstance(spec, Mapping):
+        for part, source in spec.items():
+            try:
+                target = net.get_submodule(str(part))
+            except AttributeError:
+                names = ", ".join(name for name, _ in net.named_children())
+                raise ConfigError(
+                    f"model.init_from.{part}: the net has no such part (its parts: {names})"
+                ) from None
+            load_initial_weights(target, str(source))
+        return
     if not is_run_checkpoint(spec):
         from attnlab.models.pretrained import load_pretrained
 
@@ -64,6 +79,9 @@ def load_initial_weights(net: nn.Module, spec: str) -> None:
     if fresh:
         log.info("model.init_from: %s differ in size from %s's: they start fresh", ", ".join(fresh), path)
         state.update({k: own[k] for k in fresh})
+    if headless := [k for k in state if k.startswith("head") and k not in own]:
+        log.info("model.init_from: %s of %s left out (the net has no head)", ", ".join(headless), path)
+        state = {k: v for k, v in state.items() if k not in headless}
     check_fits(target, state, f"{path} (model.init_from)")
     target.load_state_dict(state)
     log.info("%s weights loaded from %s", "all" if target is net else "encoder", path)
@@ -80,7 +98,8 @@ class Task(L.LightningModule):
         compile: ``torch.compile`` the net at setup.
         init_from: weights to start from: one of our runs' checkpoints (or the name of a task
             whose newest run's ``last.ckpt``), or another library's saved model (transformers,
-            timm, open_clip: ``attnlab.models.pretrained``); ``None``: from scratch.
+            timm, open_clip: ``attnlab.models.pretrained``); or ``{part: one of those}`` for
+            parts of the net (``load_initial_weights``); ``None``: from scratch.
         lr_decay: layer-wise learning-rate decay for fine-tuning: each block ``lr_decay`` times the
             rate of the one above it, the head at the full rate (``tasks.optim.param_groups``).
         freeze: parameters never trained, as dotted prefixes of their names (``[embed, blocks.0]``).
@@ -93,7 +112,7 @@ class Task(L.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
         compile: bool = False,
-        init_from: str | None = None,
+        init_from: str | dict[str, str] | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
     ) -> None:

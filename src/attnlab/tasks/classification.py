@@ -1,5 +1,6 @@
 """Image classification: cross-entropy (label smoothing, mixup targets, DeiT distillation),
-top-1/top-5 accuracy, per-class accuracy and a confusion matrix, attention pictures."""
+top-1/top-5 accuracy, per-class accuracy and a confusion matrix, attention pictures; or, with
+``multilabel``, several labels per image: binary cross-entropy per class, accuracy, F1, exact match."""
 
 from __future__ import annotations
 
@@ -11,16 +12,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+from torchmetrics import MaxMetric, MeanMetric, Metric
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MultilabelAccuracy,
+    MultilabelExactMatch,
+    MultilabelF1Score,
+)
 
+from attnlab.errors import ConfigError
 from attnlab.tasks.base import Task
 from attnlab.tasks.distillation import HardDistillation
 from attnlab.utils.checks import check_probability
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[Tensor, Tensor]
+# (images, targets), or a dict with "image" and "target" (data=scenes data.target=labels)
+Batch = tuple[Tensor, Tensor] | dict[str, Any]
+
+
+def images_and_targets(batch: Batch) -> tuple[Tensor, Tensor]:
+    return (batch["image"], batch["target"]) if isinstance(batch, dict) else batch
 
 
 class ImageClassificationTask(Task):
@@ -31,6 +44,11 @@ class ImageClassificationTask(Task):
     confusion matrix (``confusion_matrix.csv`` and a picture). Targets are class ids, or label
     distributions (B, K) when the data mixes images (mixup/cutmix).
 
+    With ``multilabel`` an image has any number of the classes: targets are multi-hot (B, K), the
+    loss is binary cross-entropy on each class's logit, and ``val/acc`` (over every image and
+    class), ``val/f1`` (F1 averaged over the classes), ``val/exact_match`` (images with every
+    class right) are logged, at test also ``test/f1_class/<class>``.
+
     Args:
         net: the classifier (``VisionTransformer``, ``SwinTransformer``, ``TimmModel``, ...).
         optimizer, scheduler, weight_decay, compile: see ``Task``.
@@ -39,6 +57,8 @@ class ImageClassificationTask(Task):
         plot_images: validation images whose attention is drawn at each validation (nets with
             ``patch_attention``); 0 for none.
         plot_dir: where the pictures go (also to W&B).
+        multilabel: several labels per image (e.g. ``data=scenes data.target=labels``); label
+            smoothing then moves each target towards 1/2.
     """
 
     def __init__(
@@ -55,81 +75,120 @@ class ImageClassificationTask(Task):
         distillation: HardDistillation | None = None,
         plot_images: int = 4,
         plot_dir: str | None = None,
+        multilabel: bool = False,
     ) -> None:
         super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
         check_probability("model", label_smoothing=label_smoothing)
         if distillation is not None:
+            if multilabel:
+                raise ConfigError(
+                    "model.distillation: DeiT's distillation is for one label per image, not model.multilabel"
+                )
             distillation.check_student(net)
         self.label_smoothing, self.distillation = label_smoothing, distillation
-        self.plot_images, self.plot_dir = plot_images, plot_dir
+        self.plot_images, self.plot_dir, self.multilabel = plot_images, plot_dir, multilabel
         k = net.num_classes
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.val_acc, self.test_acc = (
-            MulticlassAccuracy(k, average="micro"),
-            MulticlassAccuracy(k, average="micro"),
+        self.val_metrics, self.test_metrics = nn.ModuleDict(self._metrics(k)), nn.ModuleDict(self._metrics(k))
+        self.test_per_class = (
+            MultilabelF1Score(k, average="none") if multilabel else MulticlassConfusionMatrix(k)
         )
-        self.val_acc5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
-        self.test_acc5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
-        self.test_confusion = MulticlassConfusionMatrix(k)
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)
 
+    def _metrics(self, k: int) -> dict[str, Metric]:
+        """What validation and test score besides the loss, by name (logged as val/<name>)."""
+        if self.multilabel:
+            return {
+                "acc": MultilabelAccuracy(k, average="micro"),
+                "f1": MultilabelF1Score(k, average="macro"),
+                "exact_match": MultilabelExactMatch(k),
+            }
+        return {
+            "acc": MulticlassAccuracy(k, average="micro"),
+            "acc_top5": MulticlassAccuracy(k, top_k=min(5, k), average="micro"),
+        }
+
     def forward(self, images: Tensor) -> Tensor:
         return self.net(images)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        data = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        if getattr(data, "target", None) == "labels" and not self.multilabel:
+            raise ConfigError(
+                "data.target=labels gives several labels per image: train with model.multilabel=true "
+                "(as experiment=perceiver_scenes)"
+            )
+
+    def loss(self, logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+        """Cross-entropy over the classes, or with ``multilabel`` binary cross-entropy per class."""
+        if self.multilabel:
+            targets = targets.float() * (1 - label_smoothing) + label_smoothing / 2
+            return F.binary_cross_entropy_with_logits(logits, targets)
+        return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
     def on_fit_start(self) -> None:
         if self.distillation is not None:  # held outside the module tree: not saved with the student
             self.distillation.teacher.to(self.device)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        images, targets = batch
+        images, targets = images_and_targets(batch)
         if self.distillation is not None:
             cls_logits, dist_logits = self.net.forward_heads(images)
             loss = self.distillation.loss(cls_logits, dist_logits, targets, images, self.label_smoothing)
         else:
-            loss = F.cross_entropy(self(images).float(), targets, label_smoothing=self.label_smoothing)
+            loss = self.loss(self(images).float(), targets, self.label_smoothing)
         self.log_train_loss(loss)
         return loss
 
-    def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *accuracies: Any) -> Tensor:
-        images, labels = batch
+    def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *metrics: Metric) -> Tensor:
+        images, labels = images_and_targets(batch)
         logits = self(images).float()
-        loss_metric.update(F.cross_entropy(logits, labels), labels.numel())
-        for metric in accuracies:
+        loss_metric.update(self.loss(logits, labels), len(labels))
+        if self.multilabel:  # probabilities: torchmetrics takes logits that happen to lie in [0, 1] for them
+            logits, labels = logits.sigmoid(), labels.long()
+        for metric in metrics:
             metric.update(logits, labels)
         return logits
 
+    def _log_metrics(self, split: str, loss: MeanMetric, metrics: nn.ModuleDict) -> Tensor:
+        """Log and reset the loss and ``metrics`` of ``split``; return its accuracy."""
+        acc = metrics["acc"].compute()
+        self.log(f"{split}/loss", loss.compute(), prog_bar=split == "val")
+        for name, metric in metrics.items():
+            self.log(f"{split}/{name}", acc if name == "acc" else metric.compute(), prog_bar=name == "acc")
+            metric.reset()
+        loss.reset()
+        return acc
+
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_loss, self.val_acc, self.val_acc5)
+        self._evaluate(batch, self.val_loss, *self.val_metrics.values())
 
     def on_validation_epoch_end(self) -> None:
-        acc = self.val_acc.compute()
-        self.log("val/loss", self.val_loss.compute(), prog_bar=True)
-        self.log("val/acc", acc, prog_bar=True)
-        self.log("val/acc_top5", self.val_acc5.compute())
-        for metric in (self.val_loss, self.val_acc, self.val_acc5):
-            metric.reset()
+        acc = self._log_metrics("val", self.val_loss, self.val_metrics)
         if not self.trainer.sanity_checking:
             self.val_acc_best.update(acc)
             self.log("val/acc_best", self.val_acc_best.compute())
             self._plot_attention()  # every process: a sharded net needs them all
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_loss, self.test_acc, self.test_acc5, self.test_confusion)
+        self._evaluate(batch, self.test_loss, *self.test_metrics.values(), self.test_per_class)
 
     def on_test_epoch_end(self) -> None:
-        matrix = self.test_confusion.compute().cpu()
-        self.log("test/loss", self.test_loss.compute())
-        self.log("test/acc", self.test_acc.compute())
-        self.log("test/acc_top5", self.test_acc5.compute())
+        self._log_metrics("test", self.test_loss, self.test_metrics)
         classes = self._classes()
-        per_class = matrix.diagonal() / matrix.sum(1).clamp_min(1)
-        for name, acc in zip(classes, per_class.tolist(), strict=True):
+        per_class = self.test_per_class.compute().cpu()  # F1 per class, or the confusion matrix
+        self.test_per_class.reset()
+        if self.multilabel:
+            for name, f1 in zip(classes, per_class.tolist(), strict=True):
+                self.log(f"test/f1_class/{name.replace('/', '-')}", f1)
+            return
+        accuracy = per_class.diagonal() / per_class.sum(1).clamp_min(1)
+        for name, acc in zip(classes, accuracy.tolist(), strict=True):
             self.log(f"test/acc_class/{name.replace('/', '-')}", acc)
-        for metric in (self.test_loss, self.test_acc, self.test_acc5, self.test_confusion):
-            metric.reset()
         if self.trainer.is_global_zero:
-            self._save_confusion(matrix, classes)
+            self._save_confusion(per_class, classes)
 
     # -- what people look at ------------------------------------------------------------------------
     def _classes(self) -> list[str]:
@@ -157,7 +216,7 @@ class ImageClassificationTask(Task):
 
     @torch.no_grad()
     def _plot_attention(self) -> None:
-        if not self.plot_images or not hasattr(self.net, "patch_attention"):
+        if not self.plot_images or self.multilabel or not hasattr(self.net, "patch_attention"):
             return
         from attnlab.plots import attention_overlay_figure
 

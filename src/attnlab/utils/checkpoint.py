@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -210,10 +211,13 @@ def pretrained_artifacts(path: Path, task: str) -> dict[str, Any]:
     return {"tokenizer": artifacts["tokenizer"]} if "tokenizer" in artifacts else {}
 
 
-def resolve_init_from(spec: str, log_dir: Path) -> Path:
+def resolve_init_from(spec: str | Mapping[str, str], log_dir: Path) -> Path | dict[str, str]:
     """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
     another library's saved model, a folder or file, or, when nothing here has that name, a
-    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online."""
+    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online.
+    A mapping ``{part: spec}`` (parts of the net) gives each part's path."""
+    if isinstance(spec, Mapping):
+        return {str(part): str(resolve_init_from(str(source), log_dir)) for part, source in spec.items()}
     try:
         if is_run_checkpoint(spec):
             return resolve_pretrained(spec, log_dir)
@@ -256,10 +260,14 @@ def download_from_hub(repo_id: str, not_here: str) -> Path:
     return Path(folder)
 
 
-def init_artifacts(path: str, target: str) -> dict[str, Any]:
+def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]:
     """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
     task ``target`` (``cfg.model._target_``): a run's, or that of another library's folder
-    (``attnlab.data.text.tokenizers.import_tokenizer``)."""
+    (``attnlab.data.text.tokenizers.import_tokenizer``). Parts of a net (``{part: path}``) come
+    from runs of other tasks (a Flamingo's GPT from a language model's run): the tokenizer of the
+    part that has one, whatever its task."""
+    if isinstance(path, Mapping):
+        return part_artifacts(path)
     if is_run_checkpoint(path):
         return pretrained_artifacts(Path(path), target.rsplit(".", 1)[-1])
     from attnlab.data.text.tokenizers import import_tokenizer
@@ -270,6 +278,28 @@ def init_artifacts(path: str, target: str) -> dict[str, Any]:
         return {}
     log.info("model.init_from=%s: its %s tokenizer (%d tokens)", path, tokenizer.kind, tokenizer.vocab_size)
     return {"tokenizer": tokenizer.to_json()}
+
+
+def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
+    """The tokenizer of the one part in ``{part: path}`` whose run or folder has one (none: {});
+    parts with different tokenizers are refused: the data can follow only one."""
+    found: dict[str, dict[str, Any]] = {}
+    for part, path in paths.items():
+        if is_run_checkpoint(path):
+            artifacts = metadata(load_checkpoint(Path(path)), Path(path))["artifacts"]
+            # a run without text records none, or None (the scenes as labels)
+            artifacts = {"tokenizer": artifacts["tokenizer"]} if artifacts.get("tokenizer") else {}
+        else:
+            artifacts = init_artifacts(path, "")
+        if artifacts:
+            found[str(part)] = artifacts
+            log.info("model.init_from.%s=%s: its tokenizer goes to the data", part, path)
+    if len({str(a["tokenizer"]) for a in found.values()}) > 1:
+        raise CheckpointError(
+            f"model.init_from: the parts {', '.join(found)} come with different tokenizers; "
+            "train them on the same text"
+        )
+    return next(iter(found.values()), {})
 
 
 def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -1,1 +1,1 @@
-"""Models of more than one modality: CLIP."""
+"""Models of more than one modality: CLIP, Show, Attend and Tell, Flamingo."""

@@ -1,1 +1,1 @@
-"""Vision models: ViT, DeiT's distilled ViT, Swin, and any timm model."""
+"""Vision models: ViT, DeiT's distilled ViT, Swin, the Perceiver, and any timm model."""

@@ -1,0 +1,82 @@
+"""Language modelling on a captioning data set's captions: the text a Flamingo's frozen GPT is
+trained on before the captioner is."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import Tensor
+
+from attnlab.data.base import DataModule
+from attnlab.data.text.language_modeling import TextDataModule
+
+log = logging.getLogger(__name__)
+
+
+class CaptionTextDataModule(TextDataModule):
+    """Each split's captions as a captioner reads them (``<bos> words <eos>``, the caption data's
+    word tokenizer), one after another in one stream cut into windows of ``block_size`` tokens
+    (``TextDataModule``'s batches, validation and test). A GPT trained here reads the tokens of
+    the captioner's batches, and contexts of several captions: a Flamingo's few-shot prompts.
+    The artifacts are the caption data's own, so the tokenizer goes on to the captioner with the
+    GPT's weights (``model.init_from``).
+
+    Args:
+        captions: a captioning DataModule with a ``tokenizer`` (``encode_captions``) and
+            ``caption_texts(split)`` (``data=scenes``).
+        block_size, batch_size, val_batches, test_stride, num_workers, seed: ``TextDataModule``'s.
+    """
+
+    def __init__(
+        self,
+        captions: DataModule,
+        block_size: int = 128,
+        batch_size: int = 64,
+        val_batches: int = 20,
+        test_stride: int | None = None,
+        num_workers: int = 0,
+        seed: int = 1337,
+    ) -> None:
+        super().__init__(
+            block_size=block_size,
+            batch_size=batch_size,
+            val_batches=val_batches,
+            test_stride=test_stride,
+            num_workers=num_workers,
+            seed=seed,
+        )
+        self.captions = captions
+        self.corpus = f"captions of {type(captions).__name__}"
+
+    def artifacts(self) -> dict[str, Any]:
+        return self.captions.artifacts()
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        self.captions.load_artifacts(artifacts)
+
+    def prepare_data(self) -> None:
+        self.captions.prepare_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_tokens is not None:
+            return
+        self.captions.setup("fit")
+        self.tokenizer = self.captions.tokenizer
+        self.train_tokens, self.val_tokens, self.test_tokens = (
+            self.stream(self.captions.caption_texts(split)) for split in ("train", "val", "test")
+        )
+        self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
+        log.info(
+            "%s: %d train / %d val / %d test tokens, vocab %d (words)",
+            self.corpus,
+            len(self.train_tokens),
+            len(self.val_tokens),
+            len(self.test_tokens),
+            self.vocab_size,
+        )
+
+    def stream(self, texts: list[str]) -> Tensor:
+        """The captions' tokens, ``<bos> words <eos>`` each, one after another (N,)."""
+        tokens, _ = self.tokenizer.encode_captions(texts, max_len=1 << 30)  # (captions, T), padded
+        return tokens[tokens != self.tokenizer.pad_id]  # row by row: the captions in order

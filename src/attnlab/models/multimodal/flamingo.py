@@ -1,0 +1,338 @@
+"""Flamingo (Alayrac et al. 2022): a frozen vision encoder and a frozen language model joined by
+a Perceiver Resampler and gated cross-attention layers, the only parts trained.
+
+- ``PerceiverResampler``: a few learned latents attend to [image features; latents], so every
+  image reaches the language model as ``n_latents`` vectors whatever its number of patches.
+- ``GatedCrossAttentionBlock``: text tokens attend to the latents, then an MLP; each branch is
+  added through ``tanh(gate)`` with the gate at 0, so at initialisation the block is the identity
+  and the frozen LM's predictions are untouched (exactly: ``x + 0 * y`` is ``x``).
+- ``Flamingo``: our ``VisionTransformer`` (its patch tokens) and ``GPT``, frozen and kept in eval
+  mode, with a gated block before every ``cross_every``-th GPT block. Their weights come from
+  runs of their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
+
+Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
+``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
+attends only to the latents of the last image at or before it (the paper's masking), a token
+before any image to none. A row of one image (B, C, H, W), the captioning contract's, is seen by
+every token, whatever follows. The marker is BOS by default: a caption ``[BOS] words [EOS]`` is an
+(image, text) chunk, and few-shot prompting puts example chunks before the query image's
+(``few_shot_prompt``).
+
+It is a captioning net (``attnlab.tasks.captioning``): ``forward``, ``start``, ``step``,
+``reorder`` and ``grid``. The attention of a word over the image patches is the gated
+cross-attention over the latents composed with the resampler's attention over the patches, each
+averaged over heads and layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.errors import DataError
+from attnlab.models.text.gpt import GPT, Cache
+from attnlab.models.vision.vit import VisionTransformer
+from attnlab.nn import MLP, KVCache, MultiHeadAttention
+from attnlab.utils.checks import check_positive, check_positive_number
+
+log = logging.getLogger(__name__)
+
+
+class ResamplerLayer(nn.Module):
+    """Latents attend to [features; latents] (keys and values from both), then an MLP."""
+
+    def __init__(self, dim: int, n_head: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.norm_media = nn.LayerNorm(dim)
+        self.norm_latents = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, n_head)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(mlp_ratio * dim))
+
+    def forward(self, latents: Tensor, media: Tensor, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """latents (B, L, D), media (B, S, D) -> latents (B, L, D), weights (B, H, L, S + L)."""
+        q = self.norm_latents(latents)
+        kv = torch.cat([self.norm_media(media), q], dim=1)  # (B, S + L, D)
+        y, weights = self.attn(q, kv, need_weights=need_weights)
+        latents = latents + y
+        return latents + self.mlp(self.norm2(latents)), weights
+
+
+class PerceiverResampler(nn.Module):
+    """Image features (B, S, in_dim) -> ``n_latents`` vectors (B, L, dim).
+
+    The features are projected to ``dim``; learned latents then attend to [features; latents]
+    in ``depth`` layers (attention + MLP, pre-LN residuals) and leave through a LayerNorm.
+
+    Args:
+        in_dim: width of the vision encoder's features.
+        dim: width of the latents (the language model's, whose cross-attention reads them).
+        depth: number of layers.
+        n_head: attention heads; must divide ``dim``.
+        n_latents: number of latents (the paper's 64).
+        mlp_ratio: MLP hidden width over ``dim``.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        dim: int,
+        depth: int = 2,
+        n_head: int = 4,
+        n_latents: int = 16,
+        mlp_ratio: float = 2.0,
+    ) -> None:
+        super().__init__()
+        check_positive("model.net", in_dim=in_dim, resampler_depth=depth, n_latents=n_latents)
+        self.proj = nn.Linear(in_dim, dim)
+        self.latents = nn.Parameter(torch.randn(n_latents, dim) * 0.02)
+        self.layers = nn.ModuleList(ResamplerLayer(dim, n_head, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, features: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """features (B, S, in_dim) -> latents (B, L, dim) and, with ``need_weights``, where each
+        latent looks among the S features (B, L, S): every layer's attention to the features,
+        renormalised to sum to 1 (the rest went to the latents), averaged over heads and layers."""
+        media = self.proj(features)
+        x = self.latents.expand(features.size(0), -1, -1)
+        maps = []
+        for layer in self.layers:
+            x, weights = layer(x, media, need_weights)
+            if need_weights:
+                on_media = weights.mean(1)[..., : media.size(1)]  # (B, L, S)
+                maps.append(on_media / on_media.sum(-1, keepdim=True))
+        return self.norm(x), torch.stack(maps).mean(0) if need_weights else None
+
+
+class GatedCrossAttentionBlock(nn.Module):
+    """x + tanh(a) * attn(ln(x), latents), then x + tanh(b) * mlp(ln(x)), with a = b = 0 at first.
+
+    Args:
+        dim: the language model's width.
+        n_head: attention heads; must divide ``dim``.
+        mlp_ratio: MLP hidden width over ``dim``.
+    """
+
+    def __init__(self, dim: int, n_head: int, mlp_ratio: float = 2.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, n_head)
+        self.attn_gate = nn.Parameter(torch.zeros(1))
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(mlp_ratio * dim))
+        self.mlp_gate = nn.Parameter(torch.zeros(1))
+
+    def forward(
+        self,
+        x: Tensor,
+        latents: Tensor | None,
+        visible: Tensor,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, D) over ``latents`` (B, K, D) (or their projection in ``cache``); ``visible``
+        (B, T, K) bool, True where a token may attend a latent. A token that may attend none
+        gets no cross-attention (zero output and weights). Returns x and the weights (B, H, T, K)."""
+        sees_some = visible.any(-1, keepdim=True)  # (B, T, 1)
+        mask = (visible | ~sees_some)[:, None]  # (B, 1, T, K): blind rows attend all, then zeroed
+        y, weights = self.attn(self.norm1(x), latents, attn_mask=mask, cache=cache, need_weights=need_weights)
+        y = y * sees_some
+        if weights is not None:
+            weights = weights * sees_some[:, None]
+        x = x + self.attn_gate.tanh() * y
+        return x + self.mlp_gate.tanh() * self.mlp(self.norm2(x)), weights
+
+
+@dataclass
+class FlamingoState:
+    """What decoding keeps between steps: the frozen GPT's caches, each gated block's projection
+    of the latents, each row's current image (-1: none yet) and where its latents look (B, N, L, S)."""
+
+    caches: list[Cache]
+    cross: list[KVCache]
+    image: Tensor  # (B,) long
+    patch_attn: Tensor  # (B, N, L, S)
+    interleaved: bool  # markers move a row to its next image (else its one image is seen)
+
+
+class Flamingo(nn.Module):
+    """A frozen ``VisionTransformer`` and a frozen ``GPT`` joined by a trained Perceiver
+    Resampler and gated cross-attention blocks.
+
+    Args:
+        vision: builds the vision encoder from ``img_size`` and ``in_chans`` (a partial
+            ``VisionTransformer``); its patch tokens (``forward_features`` without the prefix
+            tokens) are what the resampler reads.
+        lm: builds the language model from ``vocab_size`` (a partial ``GPT``).
+        vocab_size, img_size, in_chans: the data's (filled in from it), which the parts are built for.
+        n_latents: latents per image.
+        resampler_depth: layers of the resampler.
+        n_head: attention heads of the resampler and the gated blocks; must divide the GPT's width.
+        mlp_ratio: MLP hidden width over the width, in the resampler and the gated blocks.
+        cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
+        image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
+    """
+
+    def __init__(
+        self,
+        vision: Callable[..., VisionTransformer],
+        lm: Callable[..., GPT],
+        vocab_size: int,
+        img_size: int,
+        in_chans: int,
+        n_latents: int = 16,
+        resampler_depth: int = 2,
+        n_head: int = 4,
+        mlp_ratio: float = 2.0,
+        cross_every: int = 1,
+        image_token: int = 1,
+    ) -> None:
+        super().__init__()
+        check_positive("model.net", cross_every=cross_every)
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
+        vision, lm = vision(img_size=img_size, in_chans=in_chans), lm(vocab_size=vocab_size)
+        self.vision = vision.eval().requires_grad_(False)
+        self.lm = lm.eval().requires_grad_(False)
+        self.image_token, self.n_latents = image_token, n_latents
+        dim = lm.norm.normalized_shape[0]
+        self.resampler = PerceiverResampler(
+            vision.num_features, dim, resampler_depth, n_head, n_latents, mlp_ratio
+        )
+        self.xattn_at = list(range(0, len(lm.blocks), cross_every))  # GPT blocks with one before them
+        self.xattn = nn.ModuleList(GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in self.xattn_at)
+        grid = vision.patch_embed.grid_size
+        self.grid = (grid, grid)
+        trained = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.parameters())
+        log.info("Flamingo: %d of %d parameters trained (%.1f%%)", trained, total, 100 * trained / total)
+
+    def train(self, mode: bool = True) -> Flamingo:
+        """The frozen encoder and LM stay in eval mode (no dropout) while the new layers train."""
+        super().train(mode)
+        self.vision.eval()
+        self.lm.eval()
+        return self
+
+    def encode(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """images (B, N, C, H, W) -> latents (B, N * L, D) and where they look (B, N, L, S)."""
+        b, n = images.shape[:2]
+        with torch.no_grad():
+            features = self.vision.forward_features(images.flatten(0, 1))  # (B * N, P + S, Dv)
+        features = features[:, self.vision.num_prefix_tokens :]  # the patches
+        latents, patch_attn = self.resampler(features, need_weights=True)
+        return latents.reshape(b, -1, latents.size(-1)), patch_attn.unflatten(0, (b, n))
+
+    def _decode(
+        self,
+        tokens: Tensor,
+        image: Tensor,
+        n_images: int,
+        latents: Tensor | None = None,
+        state: FlamingoState | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The frozen GPT over ``tokens`` (B, T) with the gated blocks before its blocks; ``image``
+        (B, T): the image each token sees (-1: none). Either ``latents`` (B, N * L, D) (teacher
+        forcing) or ``state`` (its caches hold earlier positions and the latents' projections).
+        Returns logits (B, T, V) and the cross-attention over the latents (B, T, N * L), averaged
+        over heads and gated blocks."""
+        lm = self.lm
+        key_image = torch.arange(n_images * self.n_latents, device=tokens.device) // self.n_latents
+        visible = key_image == image[..., None]  # (B, T, N * L)
+        x = lm.embed(tokens, state.caches[0].seen if state else 0)  # (B, T, D)
+        weights, j = [], 0
+        for i, block in enumerate(lm.blocks):
+            if j < len(self.xattn_at) and self.xattn_at[j] == i:
+                cross = state.cross[j] if state else None
+                x, w = self.xattn[j](x, latents, visible, cache=cross, need_weights=True)
+                weights.append(w.mean(1))
+                j += 1
+            cache = state.caches[i] if state else None
+            x, _ = block(x, causal=True, cache=cache, positions=lm.positions)
+        return lm.embed.unembed(lm.norm(x)), torch.stack(weights).mean(0)
+
+    def image_of_tokens(self, tokens: Tensor, n_images: int, first: Tensor | None = None) -> Tensor:
+        """The image each token (B, T) sees: markers counted up to it, minus one, after ``first``
+        (B,) (the image the row was on before these tokens; default -1, none)."""
+        image = (tokens == self.image_token).long().cumsum(1) + (-1 if first is None else first[:, None])
+        if (image >= n_images).any():
+            raise DataError(
+                f"model.net.image_token: a sequence marks more images (token {self.image_token}) than "
+                f"the {n_images} it was given"
+            )
+        return image
+
+    @staticmethod
+    def _as_sequence(images: Tensor) -> Tensor:
+        return images[:, None] if images.dim() == 4 else images  # (B, N, C, H, W)
+
+    @staticmethod
+    def _on_patches(xattn: Tensor, patch_attn: Tensor) -> Tensor:
+        """Cross-attention over latents (B, T, N * L) composed with where the latents look
+        (B, N, L, S): each token's attention over its image's patches (B, T, S)."""
+        b, n, n_latents, _ = patch_attn.shape
+        return torch.einsum("btnl,bnls->bts", xattn.reshape(b, -1, n, n_latents), patch_attn)
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher forcing: images (B, C, H, W) (one per row) or (B, N, C, H, W) (interleaved)
+        and tokens (B, T), each image at its marker -> logits (B, T, V) and each token's
+        attention over the patches of the image it sees (B, T, S)."""
+        interleaved, images = images.dim() == 5, self._as_sequence(images)
+        latents, patch_attn = self.encode(images)
+        image = self.image_of_tokens(tokens, images.size(1)) if interleaved else torch.zeros_like(tokens)
+        logits, xattn = self._decode(tokens, image, images.size(1), latents=latents)
+        return logits, self._on_patches(xattn, patch_attn)
+
+    def start(self, images: Tensor, prompt: Tensor | None = None) -> FlamingoState:
+        """Encode the images (B, C, H, W) or (B, N, C, H, W) once; with a ``prompt`` (B, P) (a
+        few-shot context), run it through the caches so that decoding continues after it."""
+        interleaved, images = images.dim() == 5, self._as_sequence(images)
+        latents, patch_attn = self.encode(images)
+        state = FlamingoState(
+            caches=self.lm.new_caches(),
+            cross=[KVCache.of_memory(block.attn, latents) for block in self.xattn],
+            image=torch.full((images.size(0),), -1 if interleaved else 0, device=images.device),
+            patch_attn=patch_attn,
+            interleaved=interleaved,
+        )
+        if prompt is not None:
+            image = self._advance(prompt, state)
+            self._decode(prompt, image, images.size(1), state=state)
+            state.image = image[:, -1]
+        return state
+
+    def _advance(self, tokens: Tensor, state: FlamingoState) -> Tensor:
+        """The image each of ``tokens`` (B, T), which follow the state's, sees (B, T)."""
+        if not state.interleaved:
+            return state.image[:, None].expand_as(tokens)
+        return self.image_of_tokens(tokens, state.patch_attn.size(1), state.image)
+
+    def step(self, tokens: Tensor, state: FlamingoState) -> tuple[Tensor, Tensor, FlamingoState]:
+        """One token per row (B,) -> logits (B, V), its attention over the patches (B, S), state."""
+        image = self._advance(tokens[:, None], state)  # (B, 1)
+        logits, xattn = self._decode(tokens[:, None], image, state.patch_attn.size(1), state=state)
+        state.image = image[:, 0]
+        return logits[:, 0], self._on_patches(xattn, state.patch_attn)[:, 0], state
+
+    def reorder(self, state: FlamingoState, index: Tensor) -> FlamingoState:
+        """Keep the rows at ``index`` (B',) (beam search)."""
+        for cache in [*state.caches, *state.cross]:
+            cache.reorder(index)
+        state.image, state.patch_attn = state.image[index], state.patch_attn[index]
+        return state
+
+
+def few_shot_prompt(
+    examples: list[tuple[Tensor, Tensor]], query: Tensor, pad_id: int = 0
+) -> tuple[Tensor, Tensor]:
+    """(image, caption) example pairs and a query image -> the images (k + 1, C, H, W) and the
+    context tokens (P,): each example's caption tokens ([BOS] words [EOS], padding dropped) in
+    order. Decoding then starts from BOS, the query image's marker."""
+    if not examples:
+        raise DataError("few-shot prompting needs at least one (image, caption) example")
+    images = torch.stack([image for image, _ in examples] + [query])
+    tokens = torch.cat([caption[caption != pad_id] for _, caption in examples])
+    return images, tokens

@@ -1,0 +1,185 @@
+"""Show, Attend and Tell (Xu et al. 2015): an LSTM writes the caption one word at a time, and
+before each word attends over the positions of the image's feature map.
+
+The image is encoded once into S = h * w feature vectors a_1..a_S (a small CNN's last map, or our
+ViT's patch tokens). Each step, with the previous state h_{t-1}:
+
+    alpha_t = softmax(v^T tanh(W h_{t-1} + U a_s))          additive (Bahdanau) attention, (S,)
+    z_t     = sigmoid(f_beta(h_{t-1})) * sum_s alpha_ts a_s   the gated context
+    h_t     = LSTM([E y_{t-1}; z_t], h_{t-1})
+    p(y_t)  = softmax(L_o(E y_{t-1} + L_h h_t + L_z z_t))     the deep output layer
+
+with h_0, c_0 from the mean feature. The net follows the captioning contract every captioner here
+follows (``forward``, ``start``, ``step``, ``reorder``, ``grid``), which ``CaptioningTask`` trains
+and ``attnlab.inference.captioning`` decodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.nn import Dropout
+from attnlab.nn.embedding import conv_bn_relu
+from attnlab.nn.rnn_attention import AdditiveAttention
+from attnlab.utils.checks import check_choice, check_positive, check_probability
+
+State = dict[str, Tensor]
+
+
+class ConvEncoder(nn.Module):
+    """``depth`` stages of two 3x3 conv-BN-ReLU layers, the first of each with stride 2: an image
+    (B, C, H, W) becomes a map of ``dim`` channels at 1 / 2^depth of its side (rounded up). The widths double
+    up to ``dim`` (``dim`` / 4, ``dim`` / 2, ``dim`` for three stages). A learned embedding of each
+    map position is added, as ViT adds one to its patches: a context vector then says where the
+    decoder looked, not only what it saw (which words such as "left of" need)."""
+
+    def __init__(self, img_size: int, in_chans: int, dim: int, depth: int) -> None:
+        super().__init__()
+        widths = [max(1, dim // 2 ** (depth - 1 - i)) for i in range(depth)]
+        stages, chans = [], in_chans
+        for width in widths:
+            stages += [conv_bn_relu(chans, width, stride=2), conv_bn_relu(width, width)]
+            chans = width
+        self.stages = nn.Sequential(*stages)
+        side = img_size
+        for _ in range(depth):  # a 3x3 convolution of stride 2 and padding 1: ceil(side / 2)
+            side = (side + 1) // 2
+        self.grid = (side, side)
+        self.pos_embed = nn.Parameter(torch.zeros(1, side * side, dim))
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.stages(images.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
+        return x.flatten(2).transpose(1, 2) + self.pos_embed  # (B, h * w, D), row-major
+
+
+class ViTEncoder(nn.Module):
+    """Our ViT, headless: its patch tokens after the last block (the [CLS] token left out)."""
+
+    def __init__(self, img_size: int, in_chans: int, dim: int, depth: int, patch_size: int, n_head: int):
+        super().__init__()
+        from attnlab.models.vision.vit import VisionTransformer
+
+        self.vit = VisionTransformer(
+            0, img_size, in_chans, patch_size=patch_size, dim=dim, depth=depth, n_head=n_head, stem="conv"
+        )
+        side = self.vit.patch_embed.grid_size
+        self.grid = (side, side)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.vit.forward_features(images)[:, self.vit.num_prefix_tokens :]  # (B, S, D)
+
+
+class ShowAttendTell(nn.Module):
+    """An image captioner: a CNN or ViT feature map, an LSTM decoder with additive attention over
+    it at every word.
+
+    Args:
+        vocab_size, img_size, in_chans: from the data.
+        pad_id: the padding token (its embedding stays zero).
+        encoder: "cnn" (``ConvEncoder``: ``enc_depth`` stride-2 stages, a grid of img_size /
+            2^enc_depth) or "vit" (``ViTEncoder``: ``enc_depth`` blocks over patches of
+            ``patch_size``, ``n_head`` heads; a grid of img_size / patch_size).
+        enc_dim: width of the feature map (the last CNN stage, or the ViT).
+        enc_depth: CNN stages or ViT blocks.
+        patch_size, n_head: the ViT encoder's (unused by the CNN).
+        dim: word embedding size (also the deep output layer's, tied to the output matrix).
+        hidden: LSTM state size.
+        attn_dim: hidden size of the attention's scoring layer.
+        dropout: on the embeddings and before the output layer.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        img_size: int,
+        in_chans: int,
+        pad_id: int = 0,
+        encoder: str = "cnn",
+        enc_dim: int = 128,
+        enc_depth: int = 3,
+        patch_size: int = 8,
+        n_head: int = 4,
+        dim: int = 128,
+        hidden: int = 256,
+        attn_dim: int = 128,
+        dropout: float = 0.2,
+    ) -> None:
+        super().__init__()
+        check_positive(
+            "model.net",
+            vocab_size=vocab_size,
+            img_size=img_size,
+            in_chans=in_chans,
+            enc_dim=enc_dim,
+            enc_depth=enc_depth,
+            dim=dim,
+            hidden=hidden,
+            attn_dim=attn_dim,
+        )
+        check_choice("model.net", "encoder", encoder, ("cnn", "vit"))
+        check_probability("model.net", dropout=dropout)
+        self.vocab_size, self.pad_id = vocab_size, pad_id
+        if encoder == "cnn":
+            self.encoder: nn.Module = ConvEncoder(img_size, in_chans, enc_dim, enc_depth)
+        else:
+            self.encoder = ViTEncoder(img_size, in_chans, enc_dim, enc_depth, patch_size, n_head)
+        self.grid: tuple[int, int] = self.encoder.grid
+        self.init_h, self.init_c = nn.Linear(enc_dim, hidden), nn.Linear(enc_dim, hidden)
+        self.attn = AdditiveAttention(hidden, enc_dim, attn_dim)
+        self.f_beta = nn.Linear(hidden, enc_dim)  # the gate on the context
+        self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        self.cell = nn.LSTMCell(dim + enc_dim, hidden)
+        self.out_h, self.out_z = nn.Linear(hidden, dim), nn.Linear(enc_dim, dim, bias=False)
+        self.drop = Dropout(dropout)
+        self.out = nn.Linear(dim, vocab_size)
+        nn.init.normal_(self.embed.weight, std=dim**-0.5)  # small: tied logits start near uniform
+        self.embed.weight.data[pad_id] = 0.0
+        self.out.weight = self.embed.weight
+
+    # -- the captioning contract ------------------------------------------------------------------
+    def start(self, images: Tensor) -> State:
+        """Encode (B, C, H, W) images once: the features (B, S, D), their attention keys and the
+        LSTM's first state from the mean feature."""
+        feats = self.encoder(images)  # (B, S, D)
+        mean = feats.mean(1)
+        h, c = torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
+        pad = torch.zeros(feats.shape[:2], dtype=torch.bool, device=feats.device)  # every position counts
+        return {"feats": feats, "keys": self.attn.prepare(feats), "pad": pad, "h": h, "c": c}
+
+    def step(self, tokens: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
+        """The next word's logits (B, V) after ``tokens`` (B,), the attention (B, S) that chose it,
+        and the new state (the old one is left as it was)."""
+        out, attn, state = self._step(self.drop(self.embed(tokens)), state)
+        return self.out(self.drop(out)), attn, state
+
+    def reorder(self, state: State, index: Tensor) -> State:
+        """The rows ``index`` (B',) of every tensor: beam search keeps and copies hypotheses."""
+        return {k: v[index] for k, v in state.items()}
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher forcing over ``tokens`` (B, T), which start with BOS: the logits of each next
+        word (B, T, V) and the attention (B, T, S) that step t paid to the image's positions."""
+        state = self.start(images)
+        emb = self.drop(self.embed(tokens))  # (B, T, E)
+        outs, attns = [], []
+        for t in range(tokens.size(1)):
+            out, attn, state = self._step(emb[:, t], state)
+            outs.append(out)
+            attns.append(attn)
+        # the output layer once over every step: one large matmul instead of T small ones
+        return self.out(self.drop(torch.stack(outs, 1))), torch.stack(attns, 1)
+
+    def _step(self, e: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
+        """One word from its input embedding (B, E): the deep output (B, E) before the output
+        matrix, the attention weights (B, S), the new state."""
+        h = state["h"]
+        context, alpha = self.attn(h, state["feats"], state["pad"], state["keys"])  # (B, D), (B, S)
+        z = torch.sigmoid(self.f_beta(h)) * context
+        h, c = self.cell(torch.cat([e, z], -1), (h, state["c"]))
+        out = e + self.out_h(h) + self.out_z(z)
+        return out, alpha, {**state, "h": h, "c": c}
+
+    def extra_repr(self) -> str:
+        return f"grid={self.grid}"

@@ -1,0 +1,237 @@
+"""The Perceiver (Jaegle et al. 2021): a small latent array attends to a large input.
+
+Every pixel is an input element: its values with Fourier features of its position (the "byte
+array", M = H * W rows). A learned latent array (N x D, N << M) cross-attends to it, then a tower
+of latent self-attention blocks refines the latents; the cross-attention and the tower repeat, with
+their weights shared across repeats (the first cross-attention has its own, as in the paper). Only
+the cross-attention sees all M inputs, at a cost linear in M; the tower's cost depends on N alone,
+so one set of weights runs on any image size. The head reads the mean of the latents.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath
+from torch import Tensor, nn
+
+from attnlab.errors import ConfigError
+from attnlab.models.vision.vit import drop_path_rates, init_linear
+from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock
+from attnlab.nn.attention import AttentionImpl
+from attnlab.utils.checks import check_positive, check_positive_number, check_probability
+
+
+def fourier_features(h: int, w: int, n_bands: int, max_freq: tuple[float, float], device=None) -> Tensor:
+    """Position features (H * W, 2 + 4 * n_bands) of an H x W grid, row-major, as the paper's code.
+
+    Each pixel's coordinates x_d (d = row, column) run linearly over [-1, 1]; the features are
+    [x_1, x_2, sin(pi f_k x_d) for d, k, cos(pi f_k x_d) for d, k], the frequencies f_k spaced
+    linearly from 1 to ``max_freq[d]`` (the Nyquist frequency of the resolution the bands are for).
+    """
+    axes = [torch.linspace(-1.0, 1.0, n, device=device) for n in (h, w)]
+    pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(h * w, 2)  # (M, 2)
+    freqs = torch.stack([torch.linspace(1.0, f, n_bands, device=device) for f in max_freq])  # (2, K)
+    angles = math.pi * (pos[:, :, None] * freqs).reshape(h * w, 2 * n_bands)  # (M, 2K)
+    return torch.cat([pos, angles.sin(), angles.cos()], dim=-1)
+
+
+class CrossAttentionBlock(nn.Module):
+    """The latents attend to the inputs, then an MLP; each a pre-LN residual branch."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        dim: int,
+        n_head: int,
+        mlp_dim: int,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float = 0.0,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        self.norm_inputs = nn.LayerNorm(in_dim)
+        self.input_proj = nn.Linear(in_dim, dim)  # the byte array's C' channels -> D
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, n_head, dropout=attn_dropout, impl=attn_impl)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_dim)
+        self.drop = Dropout(dropout)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def memory(self, inputs: Tensor) -> KVCache:
+        """The keys and values (B, heads, M, D / heads) of a byte array (B, M, C'), made once for
+        every repeat that shares this block.
+
+        They are ``KVCache.of_memory(attn, input_proj(norm_inputs(inputs)))`` with the two linear
+        maps folded into one from the C' input channels, as the paper projects them: each of the
+        M inputs costs C' x 2D multiply-adds instead of C' x D + D x 2D.
+        """
+        d = self.attn.dim
+        w_kv, b_kv = self.attn.in_proj.weight[d:], self.attn.in_proj.bias[d:]  # (2D, D), (2D,)
+        w = w_kv @ self.input_proj.weight  # (2D, C')
+        b = w_kv @ self.input_proj.bias + b_kv
+        k, v = F.linear(self.norm_inputs(inputs), w, b).split(d, dim=-1)  # (B, M, D) each
+        return KVCache(
+            *(t.unflatten(-1, (self.attn.n_head, -1)).transpose(1, 2) for t in (k, v)), static=True
+        )
+
+    def forward(
+        self, latents: Tensor, memory: KVCache, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """latents (B, N, D) -> (B, N, D), and the weights (B, H, N, M) when ``need_weights``."""
+        y, weights = self.attn(self.norm1(latents), cache=memory, need_weights=need_weights)
+        latents = latents + self.drop_path(self.drop(y))
+        latents = latents + self.drop_path(self.drop(self.mlp(self.norm2(latents))))
+        return latents, weights
+
+
+class Perceiver(nn.Module):
+    """Perceiver classifier over ``num_classes`` classes, from raw pixels.
+
+    Args:
+        num_classes, in_chans: from the data.
+        img_size: from the data: the side the Fourier bands are made for (their top frequency is
+            its Nyquist frequency, img_size / 2); images of other sizes run through the same weights.
+        n_latents: rows of the latent array (N).
+        dim: width of the latents (D); the inputs are projected to it.
+        depth: latent self-attention blocks after each cross-attention.
+        repeats: cross-attention + latent tower passes; every pass after the first reuses the
+            same weights (the first cross-attention has its own), so parameters do not grow.
+        n_head: heads of the latent self-attention; cross_heads: of the cross-attention (the
+            paper's is 1).
+        n_bands: Fourier frequency bands per coordinate (K): 2 + 4K position features per pixel.
+        mlp_ratio: MLP hidden width over ``dim``.
+        dropout: on each residual branch; attn_dropout: on the attention weights.
+        drop_path: stochastic depth of the last latent block (linear from 0).
+        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        img_size: int,
+        in_chans: int,
+        n_latents: int = 32,
+        dim: int = 128,
+        depth: int = 2,
+        repeats: int = 3,
+        n_head: int = 4,
+        cross_heads: int = 1,
+        n_bands: int = 8,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float = 0.0,
+        attn_impl: AttentionImpl = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive(
+            "model.net",
+            num_classes=num_classes,
+            img_size=img_size,
+            in_chans=in_chans,
+            n_latents=n_latents,
+            dim=dim,
+            depth=depth,
+            repeats=repeats,
+            n_head=n_head,
+            cross_heads=cross_heads,
+            n_bands=n_bands,
+        )
+        if img_size < 2:
+            raise ConfigError(
+                f"model.net.img_size must be at least 2 (a Nyquist frequency >= 1), got {img_size}"
+            )
+        check_positive_number("model.net", mlp_ratio=mlp_ratio)
+        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
+        self.n_bands, self.repeats = n_bands, repeats
+        mlp_dim = int(dim * mlp_ratio)
+        self.latents = nn.Parameter(torch.zeros(n_latents, dim))
+        rates = iter(drop_path_rates(drop_path, depth + 1))
+        cross = partial(
+            CrossAttentionBlock,
+            in_chans + 2 + 4 * n_bands,  # each pixel's values and position features
+            dim,
+            cross_heads,
+            mlp_dim,
+            dropout=dropout,
+            attn_dropout=attn_dropout,
+            attn_impl=attn_impl,
+        )
+        self.cross_first = cross(drop_path=next(rates))
+        self.cross = cross() if repeats > 1 else None  # every later repeat's
+        self.blocks = nn.ModuleList(  # the latent tower, shared by every repeat
+            TransformerBlock(
+                dim,
+                n_head,
+                mlp_dim,
+                dropout=dropout,
+                attn_dropout=attn_dropout,
+                drop_path=rate,
+                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            )
+            for rate in rates
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.num_features = dim
+        self.head = nn.Linear(dim, num_classes)
+        self.apply(init_linear)
+        nn.init.trunc_normal_(self.latents, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"latents"}
+
+    def byte_array(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, H * W, C + 2 + 4K): each pixel's values and its position features."""
+        b, _, h, w = images.shape
+        nyquist = (self.img_size / 2, self.img_size / 2)
+        pos = fourier_features(h, w, self.n_bands, nyquist, images.device).to(images.dtype)
+        pixels = images.flatten(2).transpose(1, 2)  # (B, M, C), row-major as the positions
+        return torch.cat([pixels, pos.expand(b, -1, -1)], dim=-1)
+
+    def encode(self, inputs: Tensor, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """A byte array (B, M, C') -> normalised latents (B, N, D), and with ``need_weights``
+        each repeat's cross-attention weights (B, heads, N, M).
+
+        Nothing here depends on the order of the M inputs: their positions travel in their features.
+        """
+        latents = self.latents.expand(inputs.size(0), -1, -1)  # (B, N, D)
+        maps = []
+        for r in range(self.repeats):
+            cross = self.cross_first if r == 0 else self.cross
+            if r <= 1:  # the shared cross-attention projects the inputs once for all its repeats
+                memory = cross.memory(inputs)
+            latents, weights = cross(latents, memory, need_weights)
+            maps.append(weights)
+            for block in self.blocks:
+                latents, _ = block(latents)
+        return self.norm(latents), maps if need_weights else []
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> normalised latents (B, N, D)."""
+        return self.encode(self.byte_array(images))[0]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Latents (B, N, D) -> logits (B, num_classes), or the pooled (B, D) features."""
+        x = x.mean(1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    @torch.no_grad()
+    def patch_attention(self, images: Tensor) -> dict[str, Tensor]:
+        """Where the latents look: the cross-attention weights summed over latents and heads,
+        each map (B, H, W), of the first and the last repeat."""
+        _, maps = self.encode(self.byte_array(images), need_weights=True)
+        h, w = images.shape[-2:]
+        pictures = {"cross-attention 1": maps[0]}
+        if self.repeats > 1:
+            pictures[f"cross-attention {self.repeats}"] = maps[-1]
+        return {k: m.sum((1, 2)).reshape(-1, h, w) for k, m in pictures.items()}
