@@ -364,6 +364,39 @@ def write_pairs(folder: Path, n: int = 12, missing: int = 0, suffix: str = ".csv
     return path
 
 
+def write_flickr8k(folder: Path, n: int = 10, per_image: int = 2, images: str = "images") -> Path:
+    """Flickr8k's layout in miniature: ``n`` PNGs in ``folder/images`` and ``folder/Flickr8k.token.txt``
+    (``name#k<TAB>caption``, ``per_image`` captions each)."""
+    from PIL import Image
+
+    (folder / images).mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        Image.new("RGB", (24, 20), (20 * i, 100, 200 - 10 * i)).save(folder / images / f"{i}.png")
+        lines += [f"{i}.png#{k}\ta dog number {i} runs on grass {k} ." for k in range(per_image)]
+    path = folder / "Flickr8k.token.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_coco(folder: Path, n: int = 10, images_dir: str = ".") -> Path:
+    """COCO's captions in miniature: ``n`` JPEGs in ``folder/images_dir`` and
+    ``folder/captions_train2017.json`` (two captions each)."""
+    from PIL import Image
+
+    (folder / images_dir).mkdir(parents=True, exist_ok=True)
+    images, notes = [], []
+    for i in range(n):
+        Image.new("RGB", (20, 24), (10 * i, 50, 90)).save(folder / images_dir / f"{i:012d}.jpg")
+        images.append({"id": 100 + i, "file_name": f"{i:012d}.jpg"})
+        notes += [
+            {"id": 2 * i + k, "image_id": 100 + i, "caption": f"A cat {i} on a mat {k}."} for k in range(2)
+        ]
+    path = folder / "captions_train2017.json"
+    path.write_text(json.dumps({"images": images, "annotations": notes}))
+    return path
+
+
 CLIP_TINY = [
     "model.net.image.dim=16",
     "model.net.image.depth=1",

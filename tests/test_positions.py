@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.cli.compare import compare, parse_args
 from attnlab.errors import ConfigError
 from attnlab.models import GPT
 from attnlab.nn import (
@@ -29,6 +30,7 @@ from conftest import (
     read_metrics,
     run_cli,
     run_dirs,
+    run_main,
     tiny,
 )
 
@@ -269,7 +271,7 @@ def test_each_variant_trains_through_the_cli(variant: tuple[str, str], tmp_path:
     assert "test/ppl" in metrics
 
 
-def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path: Path):
+def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path: Path, monkeypatch):
     """attnlab-eval lengths=[1,2,4]: test/ppl_x1.. for ALiBi; learned positions give x1 and say
     why x2 is skipped; a plain eval past the table is one line and exit status 2."""
     short = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_test_batches=1"]
@@ -289,6 +291,56 @@ def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path:
     proc = run_cli("eval", [f"ckpt_path={learned}", "+data.block_size=32", *limits], tmp_path)
     assert_user_error(proc, "32 tokens exceeds the 16 learned positions (model.net.max_len)")
     assert math.isfinite(metrics["eval/test/ppl_x4"][-1][1])
+    # the extrapolation plot: perplexity against the number in each metric's name, a line per run
+    figures = plot_figures(monkeypatch)
+    compare(
+        parse_args([str(alibi.parent.parent), "--plot", "eval/test/ppl_x*", "--out", str(tmp_path / "p.png")])
+    )
+    (ax,) = figures[0].axes
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [1.0, 2.0, 4.0] and ax.get_xlabel() == "ppl_x"
+    assert list(line.get_ydata()) == [metrics[f"eval/test/ppl_x{m}"][-1][1] for m in (1, 2, 4)]
+
+
+def plot_figures(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The figures attnlab-compare draws, kept for the test to read."""
+    import attnlab.plots
+
+    figures, draw = [], attnlab.plots.curves_figure
+    monkeypatch.setattr(
+        attnlab.plots, "curves_figure", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1]
+    )
+    return figures
+
+
+def test_cost_sweep_is_a_multirun_that_compare_plots_against_the_length(tmp_path: Path, monkeypatch):
+    """attnlab-train -m experiment=gpt_long_context over lengths and attentions logs the training
+    and generation cost of each run; attnlab-compare --x model.net.max_len draws one line per
+    attention through every length, and a table of the cost metrics."""
+    monkeypatch.chdir(tmp_path)
+    status, out = run_main(
+        "train",
+        [
+            "-m",
+            "experiment=gpt_long_context",
+            "data=pydoc_char",  # no download: the recipe's own data is tinyshakespeare
+            *tiny("trainer.max_steps=3", "model.net.max_len=32,64", "model.net.attention=full,linear"),
+            "trainer.enable_progress_bar=false",
+            f"paths.root_dir={tmp_path}",
+        ],
+    )
+    assert status == 0, out[-3000:]
+    figures = plot_figures(monkeypatch)
+    logs = str(tmp_path / "logs" / "gpt_long_context")
+    args = ["--plot", "cost/train_ms_per_token", "--x", "model.net.max_len", "--out", str(tmp_path / "c.png")]
+    table = compare(parse_args([logs, *args, "--format", "csv", "--metrics", "cost/generate_ms_per_token"]))
+    (ax,) = figures[0].axes
+    lines = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
+    assert lines == {"attention=full": [32.0, 64.0], "attention=linear": [32.0, 64.0]}, lines
+    assert ax.get_xlabel() == "model.net.max_len" and ax.get_xscale() == "log"
+    header, *body = table.strip().splitlines()
+    assert header == "model.net.attention,model.net.max_len,runs,cost/generate_ms_per_token", header
+    assert len(body) == 4 and all(float(row.rsplit(",", 1)[1]) > 0 for row in body), table
 
 
 # ---- the BERT encoder ---------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from conftest import (
     blank_image,
     run_cli,
     run_main,
+    write_coco,
+    write_flickr8k,
     write_hf_bert,
     write_hf_gpt2,
     write_image_folder,
@@ -204,6 +206,9 @@ def write_shakespeare(folder: Path) -> Path:
 def tiny_for(experiment: str, data: Path, args: tuple[str, ...] = ()) -> list[str]:
     """The experiment's tiny overrides, with fake data written under ``data``; GPT's shakespeare
     data a fake input.txt instead of Python's docs (the README's lines choose that corpus)."""
+    if any(a == "data=captions_folder" for a in args):  # the scenes' data overrides make no sense there
+        keep = [o for o in tiny_overrides(experiment, data) if not o.startswith("data.")]
+        return [*keep, "data.val_size=2", "data.test_size=2", "data.img_size=16", "data.batch_size=4"]
     if not experiment.startswith("gpt_"):
         return tiny_overrides(experiment, data)
     if experiment == "gpt_shakespeare_char" or any(a.startswith("data=shakespeare") for a in args):
@@ -249,6 +254,8 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         "my_images": lambda p: write_image_folder(p),
         "photos": lambda p: (p.mkdir(), blank_image(p / "a.png"), blank_image(p / "b.png")),
         "captions.csv": lambda p: write_pairs(p.parent, n=24).rename(p),
+        "Flickr8k.token.txt": lambda p: write_flickr8k(p.parent, images="Flicker8k_Dataset"),
+        "captions_train2017.json": lambda p: write_coco(p.parent, images_dir="train2017"),
         "corpus.txt": lambda p: p.write_text(python_docs()),
         "documents.txt": lambda p: p.write_text(python_docs()[:100_000]),  # paragraphs: documents
         "pairs.tsv": lambda p: write_tsv(p),
@@ -263,7 +270,7 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         data = next((a.partition("=")[2] for a in args if a.startswith("data=")), "token_shards")
         if data == "image_shards":
             image_shards.prepare_images(write_image_folder(cwd / "shard_images"), cwd / shards, val_size=4)
-        elif data == "image_text_shards":
+        elif data in ("image_text_shards", "captions_folder"):
             image_shards.prepare_pairs(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
         elif data == "bert_shards":
             writers["documents.txt"](cwd / "documents.txt")

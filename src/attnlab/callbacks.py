@@ -194,6 +194,113 @@ class MetricsPrinter(L.Callback):
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
 
+def _process_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (VmRSS: resident now; VmHWM: its
+    peak), in MB; NaN where there is no /proc."""
+    try:
+        for line in open("/proc/self/status").read().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _reset_peak_memory(device: torch.device) -> float:
+    """Start counting the peak memory again; returns the baseline it is measured from (MB)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:  # Linux: VmHWM starts again from VmRSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _process_mb("VmRSS")
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return _process_mb("VmHWM")
+
+
+class TrainingCost(L.Callback):
+    """What a run's training costs, logged once at the end of training for sweeps over lengths or
+    sizes (``attnlab-compare --plot cost/train_ms_per_token --x model.net.max_len``):
+
+    - ``cost/train_ms_per_step`` and ``cost/train_ms_per_token``: the median wall time of a training
+      step (forward, backward, optimizer) after ``warmup`` steps, per step and per input token;
+    - ``cost/train_peak_mb``: the peak memory of those steps above what was held before them (the
+      GPU's allocations; on a CPU the process's resident memory, an upper bound shared with
+      whatever else the process does);
+    - ``cost/generate_ms_per_token``: for a net that decodes with caches (GPT), the median time of
+      one new token after a prompt filling all but ``new_tokens`` of its context.
+    """
+
+    def __init__(self, warmup: int = 1, new_tokens: int = 16) -> None:
+        self.warmup, self.new_tokens = warmup, new_tokens
+        self._steps: list[float] = []
+        self._tokens = 0
+        self._t0 = 0.0
+        self._baseline = 0.0
+
+    def _sync(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        if len(self._steps) == self.warmup:  # the first timed step
+            self._baseline = _reset_peak_memory(pl_module.device)
+        first = batch[0] if isinstance(batch, list | tuple) else batch
+        self._tokens = first.numel() if isinstance(first, torch.Tensor) else 0
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._sync(pl_module)
+        self._steps.append(time.perf_counter() - self._t0)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        timed = self._steps[self.warmup :]
+        if not timed:
+            log.warning("TrainingCost: no step after the %d warm-up steps, nothing measured", self.warmup)
+            return
+        ms = 1000 * float(np.median(timed))
+        metrics = {
+            "cost/train_ms_per_step": ms,
+            "cost/train_peak_mb": _peak_memory(pl_module.device) - self._baseline,
+        }
+        if self._tokens:
+            metrics["cost/train_ms_per_token"] = ms / self._tokens
+        net = getattr(pl_module, "net", None)
+        if hasattr(net, "new_caches") and getattr(net, "max_len", 0) > self.new_tokens:
+            metrics["cost/generate_ms_per_token"] = self._generation_ms(net, pl_module)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        log.info("training cost: %s", ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    @torch.no_grad()
+    def _generation_ms(self, net: torch.nn.Module, pl_module: L.LightningModule) -> float:
+        was_training = net.training
+        net.eval()
+        idx = torch.randint(net.vocab_size, (1, net.max_len), device=pl_module.device)
+        start = net.max_len - self.new_tokens
+        caches = net.new_caches()
+        net(idx[:, :start], caches)
+        times = []
+        for j in range(start, net.max_len):
+            self._sync(pl_module)
+            t0 = time.perf_counter()
+            net(idx[:, j : j + 1], caches)
+            self._sync(pl_module)
+            times.append(time.perf_counter() - t0)
+        net.train(was_training)
+        return 1000 * float(np.median(times))
+
+
 def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]:
     """An EMA update for ``WeightAveraging(multi_avg_fn=...)`` whose decay rises with the number
     n of updates so far as min(decay, (1 + n) / (10 + n)) (timm's ModelEmaV3 warm-up): early on

@@ -14,6 +14,7 @@ import csv
 import functools
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -354,30 +355,77 @@ def short(value: Any, width: int = 32) -> str:
     return text if len(text) <= width else f"{text[: width // 2 - 1]}…{text[-(width // 2) :]}"
 
 
+def _series(groups: dict[str, list[dict[float, float]]]) -> dict[str, list[tuple[float, float, float]]]:
+    """Per label, the points every run of it has: (x, mean, std over the runs)."""
+    series = {}
+    for label, curves in groups.items():
+        xs = sorted(set.intersection(*(set(c) for c in curves)))  # logged by every seed
+        values = [[c[x] for c in curves] for x in xs]
+        if len(curves) > 1:
+            label = f"{label} ({len(curves)} seeds)"
+        series[label] = [
+            (x, statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
+            for x, v in zip(xs, values, strict=True)
+        ]
+    return series
+
+
+def _label(run: Run, keys: list[str]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys) or run.path.name
+
+
+def _save(fig: Any, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = True) -> Path:
     """The ``metric`` of every run against the step, labelled by what varies: runs that differ
     only by seed as one line, their mean, in a band of ± one standard deviation."""
     from attnlab.plots import curves_figure
 
     keys = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
-    groups: dict[str, list[dict[int, float]]] = {}
+    groups: dict[str, list[dict[float, float]]] = {}
     for run in runs:
         if metric in run.curves:
-            label = ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys)
-            groups.setdefault(label or run.path.name, []).append(dict(run.curves[metric]))
+            groups.setdefault(_label(run, keys), []).append(dict(run.curves[metric]))
     if not groups:
         raise DataError(f"--plot {metric}: no run logged it")
-    series = {}
-    for label, curves in groups.items():
-        steps = sorted(set.intersection(*(set(c) for c in curves)))  # logged by every seed
-        values = [[c[s] for c in curves] for s in steps]
-        if len(curves) > 1:
-            label = f"{label} ({len(curves)} seeds)"
-        series[label] = [
-            (s, statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
-            for s, v in zip(steps, values, strict=True)
-        ]
-    fig = curves_figure(series, metric)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(curves_figure(_series(groups), metric), out)
+
+
+def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: bool = True) -> Path:
+    """Each run's last ``metric`` against a number, one line per setting of what else varies:
+    with ``x`` a config key (``model.net.max_len``), against that key's value; with ``x`` = ``*``
+    and a ``*`` in ``metric`` (``eval/test/ppl_x*``), against the number the ``*`` stands for in
+    each logged metric's name. Lengths and sizes grow by doubling, so the x axis is log2."""
+    from attnlab.plots import curves_figure
+
+    if x == "*":
+        pattern = re.compile(re.escape(metric).replace(r"\*", r"([0-9.]+)") + "$")
+        varying = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
+    else:
+        pattern = None
+        varying = [k for k in varying_keys(runs) if k != x and not (group_seeds and k == SEED)]
+    groups: dict[str, dict[str, dict[float, float]]] = {}
+    for run in runs:
+        points: dict[float, float] = {}
+        if pattern is not None:
+            for name in run.curves:
+                if (m := pattern.match(name)) and (v := run.final(name)) is not None:
+                    points[float(m.group(1))] = v
+        elif metric in run.curves and _is_number(run.config.get(x)):
+            points[float(run.config[x])] = run.final(metric)
+        if points:
+            # runs of one setting that differ by seed average; runs at different x join one line
+            per_seed = groups.setdefault(_label(run, varying), {})
+            per_seed.setdefault(repr(run.config.get(SEED)) if group_seeds else str(run.path), {}).update(
+                points
+            )
+    if not groups:
+        what = f"a metric named like {metric}" if x == "*" else f"{metric} with a number at {x}"
+        raise DataError(f"--plot {metric} --x {x}: no run logged {what}")
+    series = _series({label: list(seeds.values()) for label, seeds in groups.items()})
+    xlabel = metric.split("*")[0].rsplit("/", 1)[-1].rstrip("_") if x == "*" else x
+    return _save(curves_figure(series, metric.replace("*", ""), xlabel=xlabel, logx=True), out)

@@ -124,9 +124,12 @@ def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figur
     return fig
 
 
-def curves_figure(series: dict[str, list[tuple[int, float, float]]], metric: str) -> Figure:
-    """One line per run or group of runs: ``metric`` (the mean) against the training step, in a
-    band of ± its standard deviation where it has one; the legend names each line once."""
+def curves_figure(
+    series: dict[str, list[tuple[float, float, float]]], metric: str, xlabel: str = "step", logx: bool = False
+) -> Figure:
+    """One line per run or group of runs: ``metric`` (the mean) against the training step (or
+    ``xlabel``, on a log2 axis with ``logx``), in a band of ± its standard deviation where it has
+    one; the legend names each line once."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.22 * len(series)))  # room for the legend below
     for label, points in series.items():
         steps, means, stds = zip(*points, strict=True)
@@ -135,7 +138,9 @@ def curves_figure(series: dict[str, list[tuple[int, float, float]]], metric: str
             low = [m - s for m, s in zip(means, stds, strict=True)]
             high = [m + s for m, s in zip(means, stds, strict=True)]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
+    if logx:
+        ax.set_xscale("log", base=2)
     ax.set_ylabel(metric)
     ax.set_title(metric)
     ax.grid(alpha=0.3)

@@ -6,6 +6,8 @@ examples:
     attnlab-compare logs/vit_fashion_mnist logs/deit_fashion_mnist --metrics test/acc --sort test/acc
     attnlab-compare logs/... --where model.optimizer.lr=0.001 --best --format md
     attnlab-compare logs/... --plot val/loss --out val_loss.png
+    attnlab-compare logs/gpt_long_context --plot cost/train_ms_per_token --x model.net.max_len
+    attnlab-compare logs/gpt_positions --plot 'eval/test/ppl_x*'     # against each name's number
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from rich.console import Console
 from rich.table import Table
 
 from attnlab.cli.common import exit_on_user_error
-from attnlab.compare import Row, default_metrics, find_runs, format_value, lower_is_better, plot_curves, rows
+from attnlab.compare import (
+    Row,
+    default_metrics,
+    find_runs,
+    format_value,
+    lower_is_better,
+    plot_against,
+    plot_curves,
+    rows,
+)
 from attnlab.errors import ConfigError
 
 
@@ -45,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--format", choices=("table", "md", "csv"), default="table")
     p.add_argument(
         "--plot", metavar="METRIC", help="write a PNG of METRIC against the step, one line per run"
+    )
+    p.add_argument(
+        "--x",
+        metavar="KEY",
+        help="plot each run's last METRIC against this config key (e.g. model.net.max_len) instead "
+        "of the step; with a * in METRIC (eval/test/ppl_x*), against the number it stands for",
     )
     p.add_argument("--out", type=Path, help="where the plot goes (default: <metric>.png)")
     return p.parse_args(argv)
@@ -92,9 +109,11 @@ def compare(args: argparse.Namespace) -> str:
     if not runs:
         raise ConfigError(f"--where {' '.join(args.where)}: no run matches")
     if args.plot:
-        out = plot_curves(
-            runs, args.plot, args.out or Path(args.plot.replace("/", "_") + ".png"), not args.no_group
-        )
+        out = args.out or Path(args.plot.replace("/", "_").replace("*", "") + ".png")
+        if args.x or "*" in args.plot:
+            out = plot_against(runs, args.plot, args.x or "*", out, not args.no_group)
+        else:
+            out = plot_curves(runs, args.plot, out, not args.no_group)
         print(f"plot written to {out}", file=sys.stderr)
     metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
     logged = sorted({m for r in runs for m in r.curves})

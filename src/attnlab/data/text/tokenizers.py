@@ -16,6 +16,9 @@ CLIP_SOT, CLIP_EOT = "<|startoftext|>", "<|endoftext|>"  # OpenAI CLIP's, as tra
 # OpenAI CLIP's (open_clip's SimpleTokenizer's) words: 's 't 're 've 'm 'll 'd, letters, one digit,
 # other non-space runs
 CLIP_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+# a caption's words: letters and digits (joined by inner hyphens or apostrophes: "t-shirt",
+# "dog's"), or one other non-space character ("," "." ";")
+CAPTION_WORDS = r"""[\p{L}\p{N}]+(?:['-][\p{L}\p{N}]+)*|[^\s\p{L}\p{N}]"""
 
 
 class CharTokenizer:
@@ -211,11 +214,58 @@ class CaptionTokenizer(HFTokenizer):
         return out, cut
 
 
+class WordTokenizer(HFTokenizer):
+    """One id per lower-cased word of the training captions (HF ``tokenizers``' WordLevel), as
+    Show, Attend and Tell's vocabulary is: ids 0-3 ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``, then
+    the words, most frequent first. Words are ``CAPTION_WORDS``; ``decode`` joins them with spaces
+    and drops the specials."""
+
+    kind = "word"
+    skip_special_tokens = True
+    specials = ("<pad>", "<bos>", "<eos>", "<unk>")
+    pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+
+    @classmethod
+    def fit(cls, lines: list[str], vocab_size: int | None = None, min_frequency: int = 1) -> WordTokenizer:
+        """The words of ``lines`` seen at least ``min_frequency`` times, the ``vocab_size`` (specials
+        included) most frequent of them if given."""
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(CAPTION_WORDS), behavior="removed", invert=True)
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=vocab_size or 1 << 30,
+            min_frequency=min_frequency,
+            special_tokens=list(cls.specials),
+            show_progress=False,
+        )
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
+
+    def words(self, text: str) -> list[str]:
+        """``text``'s words as the tokenizer splits it, one id each."""
+        text = self.tokenizer.normalizer.normalize_str(text)
+        return [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+    def encode_captions(self, captions: list[str], max_len: int) -> tuple[torch.Tensor, int]:
+        """(N, T) ids, each caption ``<bos> words <eos>`` then ``<pad>``, T the longest of them;
+        captions longer than ``max_len`` tokens lose their last words (``<eos>`` is kept). Returns
+        the ids and how many captions were cut."""
+        rows, cut = [], 0
+        for ids in self.encode_batch(captions):
+            if len(ids) > max_len - 2:
+                ids, cut = ids[: max_len - 2], cut + 1
+            rows.append([self.bos_id, *ids, self.eos_id])
+        out = torch.full((len(rows), max(map(len, rows), default=2)), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row)
+        return out, cut
+
+
 def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:
     state = json.loads(s)
     if state["kind"] == "char":
         return CharTokenizer(state["chars"])
-    for cls in (BPETokenizer, SubwordTokenizer, WordPieceTokenizer, CaptionTokenizer):
+    for cls in (BPETokenizer, SubwordTokenizer, WordPieceTokenizer, CaptionTokenizer, WordTokenizer):
         if state["kind"] == cls.kind:
             return cls(Tokenizer.from_str(state["tokenizer"]))
     raise ValueError(f"unknown tokenizer kind {state['kind']!r}")

@@ -1,0 +1,377 @@
+"""Scenes: 2 to 4 Fashion-MNIST or MNIST items placed without overlap on a blank canvas, captioned
+with the items and the spatial relations between them ("a sneaker to the left of a bag , which is
+above a shirt"), each item's box kept. A captioning set whose captions can be checked word by word
+(``attnlab.tasks.caption_metrics.scene_exact_match``) and whose attention can be checked against
+the boxes (``grounding_hit``); seeded, so the same seed gives the same scenes.
+
+How a caption is made: the items are named from left to right (or, for half the scenes, right to
+left) by their boxes' centres, each related to the next by the larger of the two offsets between
+their centres (horizontal: left of / right of; vertical: above / below), so every relation named is
+true and one ordering rule gives it. The words vary: three phrasings per relation, three openings
+and three ways to link the next item."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from attnlab.data.base import DataModule
+from attnlab.data.multimodal.captions import CLASS_PHRASES
+from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
+from attnlab.data.vision.classification import channel_stats, image_loader, normalize
+from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.errors import ConfigError
+from attnlab.utils.checks import check_choice, check_positive
+
+log = logging.getLogger(__name__)
+
+# each relation (as scenes record it) and its phrasings in captions
+RELATIONS = {
+    "to the left of": ("to the left of", "left of", "on the left of"),
+    "to the right of": ("to the right of", "right of", "on the right of"),
+    "above": ("above", "over", "on top of"),
+    "below": ("below", "under", "beneath"),
+}
+# the first two items ({a}, {b}: "a bag"), and each further one ({prev}: the item before it)
+OPENINGS = ("{a} {rel} {b}", "there is {a} {rel} {b}", "{a} is {rel} {b}")
+LINKS = ("and the {prev} is {rel} {b}", ", which is {rel} {b}", "; the {prev} is {rel} {b}")
+GAP = 2  # the fewest blank pixels between two items' boxes
+
+
+@dataclass
+class Scenes:
+    """``n`` scenes; per scene its items in the order the caption names them."""
+
+    images: Tensor  # (n, 1, canvas, canvas) uint8
+    captions: list[str]  # words separated by single spaces
+    boxes: list[Tensor]  # (k, 4) long: x0, y0, x1, y1 in canvas pixels (x1, y1 exclusive)
+    labels: list[Tensor]  # (k,) long: the items' classes
+    relations: list[list[tuple[str, str, str]]]  # (item, relation, next item), k - 1 of them
+    words: list[list[int]]  # per item, the position in caption.split() of the word naming it
+    sources: list[Tensor]  # (k,) long: the items' indices in the source images
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+
+def make_scenes(
+    images: Tensor,
+    labels: Tensor,
+    phrases: list[str],
+    n: int,
+    seed: int,
+    canvas: int = 64,
+    items: tuple[int, int] = (2, 4),
+) -> Scenes:
+    """``n`` scenes of ``items[0]``..``items[1]`` items of different classes, drawn from ``images``
+    (N, [1,] h, w) uint8 with ``labels`` (N,); ``phrases[c]`` names class ``c``. An item is its
+    image cropped to its non-zero pixels, placed uniformly among the free positions."""
+    src = images.reshape(len(images), *images.shape[-2:]).numpy()
+    by_class = [np.flatnonzero(labels.numpy() == c) for c in range(len(phrases))]
+    present = [c for c, idx in enumerate(by_class) if len(idx)]
+    lo, hi = items
+    if not 1 <= lo <= hi <= len(present):
+        raise ConfigError(
+            f"data.items={list(items)}: expected 1 <= min <= max <= {len(present)} (the classes)"
+        )
+    rng = np.random.default_rng(seed)
+    out = np.zeros((n, canvas, canvas), np.uint8)
+    scenes = Scenes(torch.from_numpy(out[:, None]), [], [], [], [], [], [])
+    for s in range(n):
+        for _ in range(100):
+            classes = rng.choice(present, int(rng.integers(lo, hi + 1)), replace=False)
+            sources = np.array([rng.choice(by_class[c]) for c in classes])
+            crops = [_crop(src[i]) for i in sources]
+            boxes = _place([c.shape for c in crops], canvas, rng)
+            if boxes is not None:
+                break
+        else:
+            raise ConfigError(f"data.canvas={canvas}: too small to place {hi} items without overlap")
+        for crop, (x0, y0, x1, y1) in zip(crops, boxes, strict=True):
+            out[s, y0:y1, x0:x1] = crop
+        order = _reading_order(boxes, reverse=bool(rng.integers(2)))
+        boxes, classes, sources = boxes[order], classes[order], sources[order]
+        names = [phrases[c] for c in classes]
+        rels = [_relation(boxes[i], boxes[i + 1]) for i in range(len(boxes) - 1)]
+        caption = _caption(names, rels, rng)
+        scenes.captions.append(caption)
+        scenes.boxes.append(torch.from_numpy(boxes).long())
+        scenes.labels.append(torch.from_numpy(classes).long())
+        scenes.relations.append([(names[i], r, names[i + 1]) for i, r in enumerate(rels)])
+        scenes.words.append([_naming_word(caption.split(), name) for name in names])
+        scenes.sources.append(torch.from_numpy(sources).long())
+    return scenes
+
+
+def _crop(image: np.ndarray) -> np.ndarray:
+    """The image cut to the bounding box of its non-zero pixels."""
+    rows, cols = np.flatnonzero(image.any(1)), np.flatnonzero(image.any(0))
+    if not len(rows):
+        return image
+    return image[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+
+
+def _place(sizes: list[tuple[int, int]], canvas: int, rng: np.random.Generator) -> np.ndarray | None:
+    """Boxes (k, 4) x0, y0, x1, y1 for items of ``sizes`` (h, w), each at a position drawn
+    uniformly among those at least ``GAP`` pixels from the boxes before it; None where one has
+    no room left."""
+    taken = np.zeros((canvas + 1, canvas + 1), np.int32)  # the blocked pixels' integral image
+    boxes = []
+    for h, w in sizes:
+        if h > canvas or w > canvas:
+            return None
+        # blocked pixels in the h x w window whose top-left is (y, x), for every y, x at once
+        inside = taken[h:, w:] - taken[:-h, w:] - taken[h:, :-w] + taken[:-h, :-w]
+        free = np.flatnonzero(inside == 0)
+        if not len(free):
+            return None
+        y, x = divmod(int(rng.choice(free)), inside.shape[1])
+        boxes.append((x, y, x + w, y + h))
+        blocked = np.zeros((canvas, canvas), np.int32)
+        blocked[max(0, y - GAP) : y + h + GAP, max(0, x - GAP) : x + w + GAP] = 1
+        taken[1:, 1:] += blocked.cumsum(0).cumsum(1)
+    return np.array(boxes)
+
+
+def _centre(box: np.ndarray) -> tuple[float, float]:
+    return (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+
+
+def _reading_order(boxes: np.ndarray, reverse: bool) -> np.ndarray:
+    """Item indices from left to right by centre (top first on a tie), or right to left."""
+    order = sorted(range(len(boxes)), key=lambda i: (_centre(boxes[i])[0], _centre(boxes[i])[1]))
+    return np.array(order[::-1] if reverse else order)
+
+
+def _relation(a: np.ndarray, b: np.ndarray) -> str:
+    """Where item ``a`` is relative to item ``b``: the larger offset between centres decides."""
+    (ax, ay), (bx, by) = _centre(a), _centre(b)
+    if abs(bx - ax) >= abs(by - ay):
+        return "to the left of" if ax < bx else "to the right of"
+    return "above" if ay < by else "below"
+
+
+def _a(name: str) -> str:
+    return ("an " if name[0] in "aeiou" and not name.startswith("one") else "a ") + name
+
+
+def _caption(names: list[str], rels: list[str], rng: np.random.Generator) -> str:
+    """One caption naming ``names`` in order, item i ``rels[i]`` item i + 1."""
+    opening, link = OPENINGS[rng.integers(len(OPENINGS))], LINKS[rng.integers(len(LINKS))]
+
+    def say(rel: str) -> str:
+        return RELATIONS[rel][rng.integers(len(RELATIONS[rel]))]
+
+    parts = [opening.format(a=_a(names[0]), rel=say(rels[0]), b=_a(names[1]))] if rels else [_a(names[0])]
+    for i in range(1, len(rels)):
+        parts.append(link.format(prev=names[i], rel=say(rels[i]), b=_a(names[i + 1])))
+    return " ".join(parts)
+
+
+def _naming_word(words: list[str], name: str) -> int:
+    """Position in ``words`` of the last word of ``name``'s first mention ("boot" of "ankle boot")."""
+    target = name.split()
+    for i in range(len(words) - len(target) + 1):
+        if words[i : i + len(target)] == target:
+            return i + len(target) - 1
+    raise ValueError(f"{name!r} is not in the caption")  # a template bug, not the user's
+
+
+class SceneSplit(Dataset):
+    """A split's scene indices; the DataModule's collate builds the batch from ``scenes``. ``pool``:
+    the indices, in the source's split, of the images its scenes were drawn from."""
+
+    def __init__(self, scenes: Scenes, pool: Tensor) -> None:
+        self.scenes, self.pool = scenes, pool
+
+    def __len__(self) -> int:
+        return len(self.scenes)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> int:
+        return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
+
+
+class ScenesDataModule(DataModule):
+    """Scenes built from Fashion-MNIST or MNIST (``make_scenes``): training and validation scenes
+    from disjoint halves of the source's training images, test scenes from its test images.
+
+    ``target="caption"`` batches (for ``CaptioningTask``): ``image`` (B, 1, H, W) normalised,
+    ``tokens`` (B, T) = ``<bos>`` words ``<eos>`` then ``<pad>`` (``WordTokenizer``, fitted on the
+    training captions and kept in the checkpoint), ``captions`` (the references), ``idx`` (B,)
+    the scenes' indices in their split, and for scoring: ``items`` (the names), ``relations``,
+    ``boxes`` ((k, 4) each) and ``words`` (per item, the index in ``tokens`` of the word naming it).
+    ``target="labels"`` batches (multi-label classification): ``image`` and ``target`` (B, classes)
+    float, 1 for each class in the scene.
+
+    Args:
+        source: "fashion_mnist" or "mnist" (the IDX files, read as ``data=fashion_mnist`` reads them).
+        data_dir, cache_dir, url: where the IDX files are (``ImageClassificationDataModule``'s).
+        canvas: the scenes' side in pixels.
+        items: the fewest and most items in a scene.
+        n_train, n_val, n_test: scenes per split.
+        target: "caption" or "labels".
+        batch_size, num_workers, seed: loaders; the scenes and training order are seeded.
+    """
+
+    def __init__(
+        self,
+        source: str = "fashion_mnist",
+        data_dir: str | None = None,
+        cache_dir: str = "data",
+        url: str | None = None,
+        canvas: int = 64,
+        items: tuple[int, int] = (2, 4),
+        n_train: int = 20_000,
+        n_val: int = 500,
+        n_test: int = 2000,
+        target: str = "caption",
+        batch_size: int = 64,
+        num_workers: int = 0,
+        seed: int = 1337,
+    ) -> None:
+        super().__init__()
+        check_choice("data", "source", source, tuple(CLASS_PHRASES))
+        check_choice("data", "target", target, ("caption", "labels"))
+        check_positive(
+            "data", canvas=canvas, n_train=n_train, n_val=n_val, n_test=n_test, batch_size=batch_size
+        )
+        if len(items) != 2:
+            raise ConfigError(f"data.items must be [min, max], got {list(items)}")
+        self.source, self.data_dir, self.cache_dir, self.url = source, data_dir, cache_dir, url
+        self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
+        self.sizes = {"train": n_train, "val": n_val, "test": n_test}
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.classes = CLASS_PHRASES[source]
+        self.tokenizer: WordTokenizer | None = None
+        self.max_len: int | None = None  # the longest caption in tokens, <bos> and <eos> included
+        self.mean: list[float] | None = None
+        self.std: list[float] | None = None
+        self.splits: dict[str, SceneSplit] = {}
+
+    # --- what the model and inference need -------------------------------------------------
+
+    def model_kwargs(self) -> dict[str, Any]:
+        image = {"img_size": self.canvas, "in_chans": 1}
+        if self.target == "labels":
+            return {"num_classes": len(self.classes), **image}
+        return {"vocab_size": self.tokenizer.vocab_size, "max_len": self.max_len, "pad_id": 0, **image}
+
+    def artifacts(self) -> dict[str, Any]:
+        return {
+            "tokenizer": self.tokenizer.to_json() if self.tokenizer else None,
+            "max_len": self.max_len,
+            "classes": self.classes,
+            "img_size": self.canvas,
+            "in_chans": 1,
+            "mean": self.mean,
+            "std": self.std,
+        }
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        if artifacts.get("tokenizer"):
+            self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+        self.max_len = artifacts.get("max_len", self.max_len)
+        self.mean, self.std = artifacts["mean"], artifacts["std"]
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        if self.data_dir is None:  # download once, on one process
+            load_idx_dataset(self.source, None, self.cache_dir, self.url)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        data = load_idx_dataset(self.source, self.data_dir, self.cache_dir, self.url)
+        order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
+        half = len(order) // 2
+        sources = {  # (images, labels, the pool's indices in them)
+            "train": (data.train_images, data.train_labels, order[:half]),
+            "val": (data.train_images, data.train_labels, order[half:]),
+            "test": (data.test_images, data.test_labels, torch.arange(len(data.test_labels))),
+        }
+        for k, (split, (images, labels, pool)) in enumerate(sources.items()):
+            scenes = make_scenes(
+                images[pool],
+                labels[pool],
+                self.classes,
+                self.sizes[split],
+                self.seed + k,
+                self.canvas,
+                self.items,
+            )
+            self.splits[split] = SceneSplit(scenes, pool)
+        train = self.splits["train"].scenes
+        if self.mean is None:
+            self.mean, self.std = channel_stats(train.images)
+        if self.target == "caption":
+            if self.tokenizer is None:
+                self.tokenizer = WordTokenizer.fit(train.captions)
+            longest = max(len(c.split()) for s in self.splits.values() for c in s.scenes.captions)
+            self.max_len = max(self.max_len or 0, longest + 2)
+        log.info(
+            "scenes of %s: %d train / %d val / %d test, %d-%d items on %dx%d%s",
+            self.source,
+            *self.sizes.values(),
+            *self.items,
+            self.canvas,
+            self.canvas,
+            f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else "",
+        )
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def batch(self, scenes: Scenes, idx: list[int]) -> dict[str, Any]:
+        """The batch of ``scenes`` at ``idx`` (uint8 images: normalised on the device)."""
+        images = scenes.images[idx]
+        if self.target == "labels":
+            target = torch.zeros(len(idx), len(self.classes))
+            for row, i in enumerate(idx):
+                target[row, scenes.labels[i]] = 1.0
+            return {"image": images, "target": target}
+        captions = [scenes.captions[i] for i in idx]
+        tokens, _ = self.tokenizer.encode_captions(captions, self.max_len)
+        return {
+            "image": images,
+            "tokens": tokens,
+            "captions": captions,
+            "idx": torch.tensor(idx),
+            "items": [[self.classes[c] for c in scenes.labels[i].tolist()] for i in idx],
+            "relations": [scenes.relations[i] for i in idx],
+            "boxes": [scenes.boxes[i] for i in idx],
+            "words": [[1 + w for w in scenes.words[i]] for i in idx],  # tokens[0] is <bos>
+        }
+
+    def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
+        return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
+
+    def train_dataloader(self) -> DataLoader:
+        split = self.splits["train"]
+        sampler = self.train_sampler(len(split), self.batch_size, self.seed)
+        return image_loader(split, self.batch_size, self.num_workers, sampler, _Collate(self, "train"))
+
+    def val_dataloader(self) -> DataLoader:
+        return self.eval_loader(
+            self.splits["val"], self.batch_size, "val", _Collate(self, "val"), self.num_workers
+        )
+
+    def test_dataloader(self) -> DataLoader:
+        return self.eval_loader(
+            self.splits["test"], self.batch_size, "test", _Collate(self, "test"), self.num_workers
+        )
+
+
+class _Collate:
+    """A split's batches (picklable, for loader workers)."""
+
+    def __init__(self, data: ScenesDataModule, split: str) -> None:
+        self.data, self.split = data, split
+
+    def __call__(self, idx: list[int]) -> dict[str, Any]:
+        return self.data.batch(self.data.splits[self.split].scenes, idx)
