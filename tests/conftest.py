@@ -435,7 +435,7 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
 # Show, Attend and Tell at a tiny size, on scenes built from fake IDX files (no download)
 SAT_TINY = [
     "model.net.enc_dim=16",
-    "model.net.enc_depth=2",
+    "model.net.enc_depth=3",
     "model.net.dim=16",
     "model.net.hidden=32",
     "model.net.attn_dim=16",
@@ -446,12 +446,11 @@ SAT_TINY = [
 
 
 def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
-    """A tiny captioner on 48 training scenes and 12 each for validation and test, 32x32, made of
-    fake IDX images."""
+    """A tiny captioner on 48 training scenes and 12 each for validation and test, made of fake IDX
+    images."""
     return [
         *SAT_TINY,
         f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
-        "data.canvas=32",
         "data.n_train=48",
         "data.n_val=12",
         "data.n_test=12",

@@ -84,6 +84,7 @@ ENTRY_EXPERIMENT = {
     "fill-mask": "bert_pretrain_sst2",
     "classify": "bert_finetune_sst2",
     "zeroshot": "clip_fashion_mnist",
+    "caption": "sat_scenes",
     "compare": DEFAULT_EXPERIMENT,  # <task> in the compare lines: the learning-rate multirun's
 }
 # experiments that read another run (DeiT's teacher, BERT's pre-training) and the tiny override
@@ -249,6 +250,7 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
     """The files a line names, where it names them (relative to where it runs)."""
     writers = {
         "shoe.png": lambda p: blank_image(p),
+        "scene.png": lambda p: blank_image(p),
         "sentences.de": lambda p: p.write_text("Zwei Männer spielen Fußball.\nEin Hund läuft im Park.\n"),
         "sentences.txt": lambda p: p.write_text("a gripping , funny film .\nthe plot was dull .\n"),
         "prompts.txt": lambda p: p.write_text("a photo of a {}.\na blurry picture of a {}.\n"),
