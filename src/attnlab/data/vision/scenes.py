@@ -277,7 +277,8 @@ class ScenesDataModule(DataModule):
         if artifacts.get("tokenizer"):
             self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
         self.max_len = artifacts.get("max_len", self.max_len)
-        self.mean, self.std = artifacts["mean"], artifacts["std"]
+        # a pre-trained part's run (model.init_from) hands on its tokenizer alone
+        self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -324,6 +325,10 @@ class ScenesDataModule(DataModule):
             self.canvas,
             f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else "",
         )
+
+    def caption_texts(self, split: str) -> list[str]:
+        """The captions of a split ("train", "val", "test"), in order (a language model's text)."""
+        return self.splits[split].scenes.captions
 
     # --- batches ---------------------------------------------------------------------------
 
