@@ -13,12 +13,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from attnlab.cli.common import config_dir
+from attnlab.data import ScenesDataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.scenes import GAP, RELATIONS, Scenes, make_scenes
 from attnlab.errors import ConfigError
 from attnlab.tasks.caption_metrics import bleu4, cider, grounding_hit, parse_scene, scene_exact_match
-from conftest import write_idx_dataset
+from conftest import needs_shared, write_idx_dataset
 
 PHRASES = CLASS_PHRASES["fashion_mnist"]
 
@@ -225,3 +226,16 @@ def test_grounding_hit_on_a_constructed_map():
     # the row of one of two 0.5 cells: exactly half
     attn[1, 2], attn[3, 0] = 0.5, 0.5
     assert grounding_hit(attn.flatten(), (4, 4), torch.tensor([0, 16, 64, 32]), 64)
+
+
+def test_scenes_of_the_real_fashion_mnist(tmp_path):
+    dm = ScenesDataModule(data_dir=str(needs_shared("fashion_mnist")), n_train=100, n_val=20, n_test=20)
+    dm.setup("fit")
+    assert len(dm.splits["train"].pool) == len(dm.splits["val"].pool) == 30_000
+    assert not set(dm.splits["train"].pool.tolist()) & set(dm.splits["val"].pool.tolist())
+    train = dm.splits["train"].scenes
+    for s in range(len(train)):
+        items = [PHRASES[c] for c in train.labels[s].tolist()]
+        assert scene_exact_match(train.captions[s], items, train.relations[s]), train.captions[s]
+    assert {r for rels in train.relations for _, r, _ in rels} == set(RELATIONS)
+    assert dm.tokenizer.vocab_size < 60  # the words of the templates and class names
