@@ -216,7 +216,7 @@ class ImageClassificationTask(Task):
 
     @torch.no_grad()
     def _plot_attention(self) -> None:
-        if not self.plot_images or not hasattr(self.net, "patch_attention"):
+        if not self.plot_images or self.multilabel or not hasattr(self.net, "patch_attention"):
             return
         from attnlab.plots import attention_overlay_figure
 
