@@ -88,7 +88,7 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         logits, attn = task.net(batch["image"], batch["tokens"])
         b, t = batch["tokens"].shape
         assert logits.shape == (b, t, dm.tokenizer.vocab_size) and attn.shape[:2] == (b, t)
-    elif experiment == "vit_scenes":  # multi-label
+    elif experiment in ("vit_scenes", "perceiver_scenes"):  # multi-label
         batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
         assert task.net(batch["image"]).shape == batch["target"].shape
     else:
