@@ -53,7 +53,9 @@ def ms_per_image(net: torch.nn.Module, side: int, batch: int, iters: int, device
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sides", default="28,56,112", help="image sides, comma-separated; the first is the base")
+    parser.add_argument(
+        "--sides", default="28,56,112", help="image sides, comma-separated; the first is the base"
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

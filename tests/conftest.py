@@ -313,7 +313,14 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
 
     if "scenes" in experiment:  # scenes of 2 fake images each: 32 to train on, 8 each to evaluate
         data = write_idx_dataset(tmp / "idx")
-        scenes = ["data.n_train=32", "data.n_val=8", "data.n_test=8", "data.items=[2,2]", "data.canvas=64", "data.batch_size=4"]
+        scenes = [
+            "data.n_train=32",
+            "data.n_val=8",
+            "data.n_test=8",
+            "data.items=[2,2]",
+            "data.canvas=64",
+            "data.batch_size=4",
+        ]
         return [f"data.data_dir={data}", *scenes, *VISION_NETS["perceiver"]]
     if "cifar" in experiment:
         data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
