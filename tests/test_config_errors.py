@@ -211,11 +211,14 @@ def test_signatures_read_from_the_source_agree_with_the_imported_ones(experiment
 def test_shipped_experiments_pass(experiment, monkeypatch):
     cfg = composed(f"experiment={experiment}")
     net = cfg.model.net  # BERT: the encoder's vocabulary; CLIP: the text tower's
-    net = net.encoder if "encoder" in net else net.text if "text" in net else net
+    tower = next((net[k] for k in ("encoder", "text") if isinstance(net.get(k), DictConfig)), None)
+    net = tower if tower is not None else net  # Show, Attend and Tell's encoder is a name ("cnn")
     filled_by_data = "vocab_size" if "vocab_size" in net.keys() else "num_classes"
     assert cfg.task_name == experiment
     assert cfg.trainer.precision == "auto" and net._get_node(filled_by_data)._is_missing()
-    towers = {f"model.net.{k}" for k in ("encoder", "image", "text") if k in cfg.model.net}
+    towers = {
+        f"model.net.{k}" for k in ("encoder", "image", "text") if isinstance(cfg.model.net.get(k), DictConfig)
+    }
     expected = {"trainer", "model", "model.net", "model.optimizer", "data", *towers}
     expected |= {"model.scheduler"} if cfg.model.get("scheduler") else set()
     assert checked_nodes(cfg, monkeypatch) >= expected | targets(cfg, "callbacks", "logger")
