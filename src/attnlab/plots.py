@@ -10,6 +10,19 @@ from matplotlib.figure import Figure  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 
+def overlay_heat(ax: plt.Axes, heat: Tensor, w: int, h: int, interpolation: str) -> None:
+    """Draw ``heat`` (values in [0, 1], any grid) over the w x h image already on ``ax``."""
+    ax.imshow(
+        heat.numpy(),
+        cmap="inferno",
+        alpha=0.6,
+        extent=(-0.5, w - 0.5, h - 0.5, -0.5),
+        interpolation=interpolation,
+        vmin=0.0,
+        vmax=1.0,
+    )
+
+
 def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens: list[str]) -> Figure:
     """Heatmaps of attention weights: one row per map (e.g. decoder layer), one column per head.
 
@@ -56,15 +69,7 @@ def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: 
             ax = axes[i][j]
             ax.imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
             lo, hi = m[i].min(), m[i].max()  # stretched per image: rollout sits on a large constant
-            ax.imshow(
-                ((m[i] - lo) / (hi - lo).clamp_min(1e-12)).numpy(),
-                cmap="inferno",
-                alpha=0.6,
-                extent=(-0.5, w - 0.5, h - 0.5, -0.5),
-                interpolation="nearest",
-                vmin=0.0,
-                vmax=1.0,
-            )
+            overlay_heat(ax, (m[i] - lo) / (hi - lo).clamp_min(1e-12), w, h, "nearest")
             ax.set_title(name, fontsize=7)
         for ax in axes[i]:
             ax.axis("off")
@@ -166,15 +171,7 @@ def caption_attention_figure(image: Tensor, words: list[str], attn: Tensor, grid
     for ax, (title, weights) in zip(axes.flat, panels, strict=False):
         ax.imshow(img, cmap=cmap, vmin=0.0, vmax=1.0)
         if weights is not None:
-            ax.imshow(
-                (weights / weights.max().clamp_min(1e-12)).numpy(),
-                cmap="inferno",
-                alpha=0.6,
-                extent=(-0.5, w - 0.5, h - 0.5, -0.5),
-                interpolation="bilinear",
-                vmin=0.0,
-                vmax=1.0,
-            )
+            overlay_heat(ax, weights / weights.max().clamp_min(1e-12), w, h, "bilinear")
         ax.set_title(title, fontsize=9)
     for ax in axes.flat:
         ax.axis("off")
