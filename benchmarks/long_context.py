@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-# name -> (positions, attention); the reference first
+# name -> (positions, attention[, linear attention's feature map]); the reference first
 VARIANTS = {
     "full": ("learned", "full"),
     "sinusoidal": ("sinusoidal", "full"),
@@ -34,6 +34,7 @@ VARIANTS = {
     "sliding": ("rope", "sliding"),
     "global_local": ("rope", "global_local"),
     "linear": ("rope", "linear"),
+    "linear_taylor": ("rope", "linear", "taylor"),
 }
 
 
@@ -78,10 +79,11 @@ def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, float
     from attnlab.models import GPT
 
     torch.manual_seed(0)
-    positions, attention = VARIANTS[name]
+    positions, attention, *feature_map = VARIANTS[name]
     net = GPT(
         args.vocab, max_len=length, depth=args.depth, n_head=args.n_head, dim=args.dim,
         positions=positions, attention=attention, window=args.window, n_global=args.n_global,
+        feature_map=feature_map[0] if feature_map else "elu",
     ).to(args.device)  # fmt: skip
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     x = torch.randint(args.vocab, (args.batch, length), device=args.device)

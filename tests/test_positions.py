@@ -21,7 +21,7 @@ from attnlab.nn import (
     SlidingWindowAttention,
     T5RelativeBias,
 )
-from attnlab.nn.linear_attention import elu_feature_map
+from attnlab.nn.linear_attention import FEATURE_MAPS, taylor_feature_map
 from attnlab.nn.positions import alibi_slopes, relative_positions, t5_bucket
 from conftest import (
     assert_ok,
@@ -53,8 +53,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def variant_id(v: tuple[str, str]) -> str:
-    return f"{v[0]}-{v[1]}"
+def variant_id(v: tuple[str, ...]) -> str:
+    return "-".join(v)
 
 
 # ---- positions against their references ---------------------------------------------------------
@@ -172,12 +172,14 @@ def test_local_weights_stay_in_the_window_and_the_blocked_path_agrees(kind: str,
 # ---- linear attention ---------------------------------------------------------------------------
 
 
-def test_linear_attention_equals_its_quadratic_form_and_its_recurrence():
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_linear_attention_equals_its_quadratic_form_and_its_recurrence(feature_map: str):
     torch.manual_seed(0)
-    attn, t = LinearAttention(16, 2).eval(), 150  # past two chunks of 64
+    attn, t = LinearAttention(16, 2, feature_map=feature_map).eval(), 150  # past two chunks of 64
     x = torch.randn(2, t, 16)
     q, k, v = (z.view(2, t, 2, 8).transpose(1, 2) for z in attn.in_proj(x).split(16, dim=-1))
-    scores = (elu_feature_map(q) @ elu_feature_map(k).transpose(-1, -2)).tril()  # (B, H, T, T)
+    phi = FEATURE_MAPS[feature_map]
+    scores = (phi(q) @ phi(k).transpose(-1, -2)).tril()  # (B, H, T, T)
     y = (scores / scores.sum(-1, keepdim=True)) @ v
     expected = attn.out_proj(y.transpose(1, 2).reshape(2, t, 16))
     out, weights = attn(x, causal=True, need_weights=True)
@@ -189,10 +191,28 @@ def test_linear_attention_equals_its_quadratic_form_and_its_recurrence():
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=1e-4)
 
 
+def test_taylor_features_give_softmax_kernel_to_second_order_and_keep_rope_relative():
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 8) * 2, torch.randn(7, 8) * 2
+    s = q @ k.T / 8**0.5
+    kernel = taylor_feature_map(q) @ taylor_feature_map(k).T
+    torch.testing.assert_close(kernel, 1 + s + s**2 / 2)
+    assert taylor_feature_map(q).shape == (5, 1 + 8 + 36) and (kernel > 0).all()
+    # RoPE before the features: the kernel of a query and a key depends on their offset alone
+    rope = relative_positions("rope", 8, 1, causal=True)
+
+    def weight(i: int, j: int) -> torch.Tensor:  # query 0 at position i, key 0 at position j
+        qi, kj = rope.rotate(q[:1], torch.tensor([i])), rope.rotate(k[:1], torch.tensor([j]))
+        return taylor_feature_map(qi) @ taylor_feature_map(kj).T
+
+    torch.testing.assert_close(weight(3, 1), weight(12, 10))
+    torch.testing.assert_close(weight(40, 0), weight(45, 5))
+
+
 # ---- GPT with each variant ----------------------------------------------------------------------
 
 
-def tiny_gpt(positions: str, attention: str, max_len: int = 24) -> GPT:
+def tiny_gpt(positions: str, attention: str, max_len: int = 24, feature_map: str = "elu") -> GPT:
     torch.manual_seed(0)
     return GPT(
         40,
@@ -204,13 +224,18 @@ def tiny_gpt(positions: str, attention: str, max_len: int = 24) -> GPT:
         attention=attention,
         window=5,
         n_global=2,
+        feature_map=feature_map,
     ).eval()
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_generation_with_the_cache_gives_the_tokens_of_recomputing(variant: tuple[str, str]):
+@pytest.mark.parametrize("variant", [*VARIANTS, ("rope", "linear", "taylor")], ids=variant_id)
+def test_generation_with_the_cache_gives_the_tokens_of_recomputing(variant: tuple[str, ...]):
     """Past max_len too, where the window slides and the caches are rebuilt."""
-    gpt, prompt = tiny_gpt(*variant), torch.randint(40, (2, 3))
+    positions, attention, *feature_map = variant
+    gpt, prompt = (
+        tiny_gpt(positions, attention, feature_map=(feature_map or ["elu"])[0]),
+        torch.randint(40, (2, 3)),
+    )
     for temperature in (0.0, 1.0):
         with_cache, without = (
             gpt.generate(prompt, 40, temperature, use_cache=c, generator=torch.Generator().manual_seed(1))
@@ -254,6 +279,7 @@ def test_learned_positions_refuse_inputs_past_their_table():
         ({"positions": "xpos"}, "model.net.positions"),
         ({"attention": "flash"}, "model.net.attention"),
         ({"attention": "sliding", "window": 0}, "model.net.window"),
+        ({"attention": "linear", "feature_map": "relu"}, "model.net.feature_map"),
     ],
 )
 def test_bad_choices_name_the_field(kw: dict, needle: str):

@@ -1,7 +1,9 @@
 """Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs").
 
-Softmax attention weighs key j for query i by exp(q_i . k_j); linear attention by a kernel
-phi(q_i) . phi(k_j) with a positive feature map phi(x) = elu(x) + 1. The output
+Softmax attention weighs key j for query i by exp(q_i . k_j / sqrt(d)); linear attention by a
+kernel phi(q_i) . phi(k_j) of a positive feature map: elu(x) + 1 (Katharopoulos et al.), or the
+second-order Taylor features of exp (Based, Arora et al. 2024), whose kernel 1 + s + s^2 / 2 of
+s = q . k / sqrt(d) is softmax's own, cut after three terms. The output
 
     y_i = sum_{j<=i} phi(q_i) . phi(k_j) v_j  /  sum_{j<=i} phi(q_i) . phi(k_j)
         = phi(q_i) S_i / phi(q_i) . z_i,   S_i = sum_{j<=i} phi(k_j) v_j^T,  z_i = sum_{j<=i} phi(k_j)
@@ -10,8 +12,10 @@ needs only the running sums (S, z): a recurrent state of fixed size instead of a
 cost linear in the length. Training computes it in chunks: the quadratic form inside each chunk,
 the state of the chunks before it for the rest (one prefix sum over chunk states).
 
-There is no score matrix, so no bias can be added to it: ALiBi and T5 do not apply; RoPE turns q
-and k before the feature map, which gives each token its position (not a purely relative one).
+There is no score matrix, so no bias can be added to it: ALiBi and T5 do not apply. RoPE turns q
+and k before the feature map: with Taylor features the kernel is a function of q . k, so the
+positions stay relative, as in softmax attention; elu + 1 features give each token its position,
+not a purely relative one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import Tensor
 
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
+from attnlab.utils.checks import check_choice
 
 State = tuple[Tensor, Tensor]  # S (B, H, D, E), z (B, H, D)
 
@@ -29,6 +34,21 @@ State = tuple[Tensor, Tensor]  # S (B, H, D, E), z (B, H, D)
 def elu_feature_map(x: Tensor) -> Tensor:
     """phi(x) = elu(x) + 1 > 0."""
     return F.elu(x) + 1
+
+
+def taylor_feature_map(x: Tensor) -> Tensor:
+    """Features (..., 1 + d + d(d+1)/2) of (..., d) with phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k
+    / sqrt(d): exp(s) to its second order, which has no real root, so every weight is > 0.
+    s^2 / 2 = sum_i q_i^2 k_i^2 / 2 + sum_{i<j} q_i q_j k_i k_j: each pair i <= j once, the
+    squares weighted by sqrt(1/2)."""
+    d = x.size(-1)
+    x = x * d**-0.25  # so that the scaled pair's product is q . k / sqrt(d)
+    i, j = torch.triu_indices(d, d, device=x.device)
+    pairs = x[..., i] * x[..., j] * torch.where(i == j, 0.5**0.5, 1.0).to(x.dtype)
+    return torch.cat([torch.ones_like(x[..., :1]), x, pairs], dim=-1)
+
+
+FEATURE_MAPS = {"elu": elu_feature_map, "taylor": taylor_feature_map}
 
 
 def causal_linear_attention(
@@ -75,9 +95,15 @@ class LinearAttentionState:
 
 
 class LinearAttention(MultiHeadAttention):
-    """Causal multi-head linear attention (elu + 1 features) with ``MultiHeadAttention``'s
-    projections; decodes from a ``LinearAttentionState``. ``dropout`` is unused: there are no
-    attention weights to drop."""
+    """Causal multi-head linear attention with ``MultiHeadAttention``'s projections; decodes from a
+    ``LinearAttentionState``. ``feature_map``: "elu" (elu + 1, d features per head) or "taylor"
+    (1 + d + d(d+1)/2 features: closer to softmax, dearer per token). ``dropout`` is unused:
+    there are no attention weights to drop."""
+
+    def __init__(self, dim: int, n_head: int, *args, feature_map: str = "elu", **kwargs) -> None:
+        super().__init__(dim, n_head, *args, **kwargs)
+        check_choice("model.net", "feature_map", feature_map, tuple(FEATURE_MAPS))
+        self.feature_map = FEATURE_MAPS[feature_map]
 
     def new_cache(self) -> LinearAttentionState:
         return LinearAttentionState()
@@ -101,7 +127,7 @@ class LinearAttention(MultiHeadAttention):
         b, t, c = x.shape
         start = cache.seen if cache is not None else 0
         q, k, v = self._qkv(x, None, None, positions, start)  # (B, H, T, D); RoPE applied
-        q, k = elu_feature_map(q), elu_feature_map(k)
+        q, k = self.feature_map(q), self.feature_map(k)
         y, state = causal_linear_attention(q, k, v, cache.state if cache is not None else None)
         if cache is not None:
             cache.state, cache.seen = state, cache.seen + t

@@ -37,7 +37,7 @@ from attnlab.nn import (
 )
 from attnlab.nn.attention import AttentionImpl, KVCache
 from attnlab.nn.blocks import Activation, activation
-from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
+from attnlab.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
 from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
 from attnlab.nn.positions import Positions, relative_positions
 from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
@@ -48,16 +48,17 @@ Cache = KVCache | LinearAttentionState
 
 
 def causal_attention_layer(
-    attention: Attention, window: int, n_global: int, impl: AttentionImpl
+    attention: Attention, window: int, n_global: int, impl: AttentionImpl, feature_map: str = "elu"
 ) -> Callable[..., nn.Module]:
     """The attention layer ``attention`` names, as a constructor for ``TransformerBlock``."""
     check_choice("model.net", "attention", attention, ATTENTIONS)
+    check_choice("model.net", "feature_map", feature_map, tuple(FEATURE_MAPS))
     if attention == "sliding":
         return partial(SlidingWindowAttention, window=window, impl=impl)
     if attention == "global_local":
         return partial(GlobalLocalAttention, window=window, n_global=n_global, impl=impl)
     if attention == "linear":
-        return LinearAttention
+        return partial(LinearAttention, feature_map=feature_map)
     return partial(MultiHeadAttention, impl=impl)
 
 
@@ -80,9 +81,11 @@ class GPT(nn.Module):
         positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
             attention alone tells a token how many came before it).
         attention: "full", "sliding" (the last ``window`` tokens), "global_local" (those and the
-            first ``n_global``) or "linear" (elu + 1 features, a recurrent state).
+            first ``n_global``) or "linear" (a kernel's features, a recurrent state).
         window: keys each token sees under sliding and global_local attention, itself included.
         n_global: global tokens of global_local attention.
+        feature_map: linear attention's: "elu" (elu + 1, Katharopoulos et al.) or "taylor"
+            (exp to its second order, Based: closer to softmax, more features per head).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class GPT(nn.Module):
         attention: Attention = "full",
         window: int = 32,
         n_global: int = 4,
+        feature_map: str = "elu",
     ) -> None:
         super().__init__()
         check_positive(
@@ -133,7 +137,7 @@ class GPT(nn.Module):
                 f"model.net.positions={positions} biases attention scores, which linear attention "
                 "never forms: use learned, sinusoidal, rope or none"
             )
-        attn_layer = causal_attention_layer(attention, window, n_global, attn_impl)
+        attn_layer = causal_attention_layer(attention, window, n_global, attn_impl, feature_map)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 dim,
