@@ -21,7 +21,6 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
-from pathlib import Path
 
 # name -> (positions, attention[, linear attention's feature map]); the reference first
 VARIANTS = {
@@ -38,33 +37,6 @@ VARIANTS = {
 }
 
 
-def proc_status_mb(field: str) -> float:
-    """A memory figure of /proc/self/status (VmRSS: resident now; VmHWM: its peak), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def reset_peak(device: str) -> float:
-    """Start counting the peak again; returns the baseline the peak is measured from."""
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from VmRSS
-    return proc_status_mb("VmRSS")
-
-
-def peak_mb(device: str) -> float:
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    return proc_status_mb("VmHWM")
-
-
 def sync(device: str) -> None:
     import torch
 
@@ -77,6 +49,7 @@ def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, float
     import torch
 
     from attnlab.models import GPT
+    from attnlab.utils.memory import peak_memory_mb, reset_peak_memory
 
     torch.manual_seed(0)
     positions, attention, *feature_map = VARIANTS[name]
@@ -88,7 +61,7 @@ def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, float
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     x = torch.randint(args.vocab, (args.batch, length), device=args.device)
     steps = []
-    baseline = reset_peak(args.device)
+    baseline = reset_peak_memory(args.device)
     for i in range(args.iters + 1):  # the first is a warm-up
         sync(args.device)
         t0 = time.perf_counter()
@@ -99,7 +72,7 @@ def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, float
         sync(args.device)
         if i:
             steps.append(time.perf_counter() - t0)
-    mem = peak_mb(args.device) - baseline
+    mem = peak_memory_mb(args.device) - baseline
     net.eval()
     tokens = []
     with torch.no_grad():

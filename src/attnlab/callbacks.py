@@ -23,6 +23,7 @@ from attnlab import __version__
 from attnlab.errors import ConfigError
 from attnlab.study import STUDY, trial_id
 from attnlab.utils.cpu import release_freed_memory
+from attnlab.utils.memory import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
 
@@ -194,37 +195,6 @@ class MetricsPrinter(L.Callback):
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
 
-def _process_mb(field: str) -> float:
-    """A memory figure of this process from /proc/self/status (VmRSS: resident now; VmHWM: its
-    peak), in MB; NaN where there is no /proc."""
-    try:
-        for line in open("/proc/self/status").read().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def _reset_peak_memory(device: torch.device) -> float:
-    """Start counting the peak memory again; returns the baseline it is measured from (MB)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device) / 2**20
-    try:  # Linux: VmHWM starts again from VmRSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _process_mb("VmRSS")
-
-
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return _process_mb("VmHWM")
-
-
 class TrainingCost(L.Callback):
     """What a run's training costs, logged once at the end of training for sweeps over lengths or
     sizes (``attnlab-compare --plot cost/train_ms_per_token --x model.net.max_len``):
@@ -253,7 +223,7 @@ class TrainingCost(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
     ) -> None:
         if len(self._steps) == self.warmup:  # the first timed step
-            self._baseline = _reset_peak_memory(pl_module.device)
+            self._baseline = reset_peak_memory(pl_module.device)
         first = batch[0] if isinstance(batch, list | tuple) else batch
         self._tokens = first.numel() if isinstance(first, torch.Tensor) else 0
         self._sync(pl_module)
@@ -271,7 +241,7 @@ class TrainingCost(L.Callback):
         ms = 1000 * float(np.median(timed))
         metrics = {
             "cost/train_ms_per_step": ms,
-            "cost/train_peak_mb": _peak_memory(pl_module.device) - self._baseline,
+            "cost/train_peak_mb": peak_memory_mb(pl_module.device) - self._baseline,
         }
         if self._tokens:
             metrics["cost/train_ms_per_token"] = ms / self._tokens
