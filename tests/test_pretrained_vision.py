@@ -41,6 +41,15 @@ FAMILIES = {
     "deit": (DistilledVisionTransformer, "deit_tiny_distilled_patch16_224", VIT_TIMM, VIT_OURS),
     "swin": (SwinTransformer, "swin_tiny_patch4_window7_224", SWIN_TIMM, SWIN_OURS),
 }
+# ViT's head on the mean patch token (timm's global_pool="avg" without its fc_norm)
+POOLED = {
+    "vit_avg": (
+        VisionTransformer,
+        "vit_tiny_patch16_224",
+        VIT_TIMM | {"global_pool": "avg", "fc_norm": False},
+        VIT_OURS | {"global_pool": "avg"},
+    )
+}
 # the net of each fine-tuning recipe, cut to the reference's size (model.net overrides)
 RECIPE_NET = {
     "vit": ["model.net.patch_size=8", "model.net.dim=48", "model.net.depth=2", "model.net.n_head=3"],
@@ -56,12 +65,12 @@ RECIPE_NET["deit"] = RECIPE_NET["vit"]
 
 
 def timm_reference(family: str, num_classes: int = 10, **overrides) -> torch.nn.Module:
-    _, arch, args, _ = FAMILIES[family]
+    _, arch, args, _ = (FAMILIES | POOLED)[family]
     return timm.create_model(arch, pretrained=False, num_classes=num_classes, **(args | overrides)).eval()
 
 
 def ours(family: str, num_classes: int = 10, **overrides) -> torch.nn.Module:
-    cls, _, _, args = FAMILIES[family]
+    cls, _, _, args = (FAMILIES | POOLED)[family]
     return cls(num_classes=num_classes, **(args | overrides)).eval()
 
 
@@ -74,7 +83,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *POOLED])
 def test_timm_weights_in_and_back_out_give_the_same_logits(family, tmp_path):
     torch.manual_seed(0)
     reference = timm_reference(family)
@@ -355,10 +364,14 @@ def test_clip_starts_from_an_open_clip_folder(tmp_path):
             lambda tmp: saved(timm_reference("vit", num_heads=6), tmp / "heads"),
             "6 attention heads, the net has 3",
         ),
+        (
+            lambda tmp: saved(timm_reference("vit", global_pool="avg"), tmp / "pooled"),
+            "timm's head reads global_pool='avg then fc_norm', the net's reads 'token'",
+        ),
         (lambda tmp: pickled(tmp / "model.pth"), "a pickle that holds more than tensors"),
         (lambda tmp: junk(tmp / "junk.safetensors"), "not a readable weights file"),
     ],
-    ids=["missing", "architecture", "depth", "width", "heads", "pickle", "corrupt"],
+    ids=["missing", "architecture", "depth", "width", "heads", "pool", "pickle", "corrupt"],
 )
 def test_bad_timm_inputs_are_one_line_errors(make, needle, tmp_path):
     source = make(tmp_path)

@@ -192,6 +192,21 @@ def test_label_batches(tmp_path):
     assert dm.model_kwargs() == {"num_classes": 10, "img_size": 64, "in_chans": 1}
 
 
+def test_grid_labels_say_which_class_is_in_which_quadrant(tmp_path):
+    dm = data_module(tmp_path, "target=labels", "label_grid=2")
+    batch = next(iter(dm.test_dataloader()))
+    assert batch["target"].shape == (4, 40) and len(dm.classes) == 40
+    assert dm.model_kwargs()["num_classes"] == 40
+    scenes = dm.splits["test"].scenes
+    for row, i in enumerate(range(4)):
+        expected = set()
+        for (x0, y0, x1, y1), c in zip(scenes.boxes[i].tolist(), scenes.labels[i].tolist(), strict=True):
+            quadrant = 2 * int((y0 + y1) / 2 >= 32) + int((x0 + x1) / 2 >= 32)
+            expected.add(quadrant * 10 + c)
+        assert set(batch["target"][row].nonzero().flatten().tolist()) == expected
+    assert dm.classes[0] == f"{PHRASES[0]} (top left)" and dm.classes[39] == f"{PHRASES[9]} (bottom right)"
+
+
 # --- metrics against hand-computed values -------------------------------------------------
 
 

@@ -31,9 +31,10 @@ SWIN = dict(
 )
 
 
-def timm_vit(name: str) -> torch.nn.Module:
+def timm_vit(name: str, **kwargs) -> torch.nn.Module:
     return timm.create_model(
         name,
+        **kwargs,
         pretrained=False,
         num_classes=10,
         img_size=28,
@@ -46,16 +47,18 @@ def timm_vit(name: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("ours", "name"),
+    ("ours", "name", "pool"),
     [
-        (VisionTransformer, "vit_tiny_patch16_224"),
-        (DistilledVisionTransformer, "deit_tiny_distilled_patch16_224"),
+        (VisionTransformer, "vit_tiny_patch16_224", {}),
+        # the mean patch token (timm's without fc_norm: the tokens are normalised before the mean)
+        (VisionTransformer, "vit_tiny_patch16_224", {"global_pool": "avg"}),
+        (DistilledVisionTransformer, "deit_tiny_distilled_patch16_224", {}),
     ],
 )
-def test_vit_and_deit_equal_timm_with_copied_weights(ours, name):
+def test_vit_and_deit_equal_timm_with_copied_weights(ours, name, pool):
     torch.manual_seed(0)
-    reference = timm_vit(name)
-    model = load_timm_weights(ours(**VIT), reference).eval()
+    reference = timm_vit(name, **pool, **({"fc_norm": False} if pool else {}))
+    model = load_timm_weights(ours(**VIT, **pool), reference).eval()
     x = torch.randn(4, 1, 28, 28)
     with torch.no_grad():
         torch.testing.assert_close(

@@ -109,6 +109,23 @@ def make_scenes(
     return scenes
 
 
+def grid_cells(boxes: Tensor, canvas: int, grid: int) -> Tensor:
+    """The cell (row-major in a ``grid`` x ``grid`` tiling of the canvas) of each box's centre:
+    ``boxes`` (k, 4) x0, y0, x1, y1 -> (k,) long."""
+    centre = (boxes[:, :2] + boxes[:, 2:]).float() / 2  # (k, 2): x, y
+    col, row = (centre * grid / canvas).long().clamp(max=grid - 1).unbind(-1)
+    return row * grid + col
+
+
+def grid_label_names(phrases: list[str], grid: int) -> list[str]:
+    """The names of the (cell, class) labels, cell-major: the phrases alone for a grid of 1."""
+    if grid == 1:
+        return list(phrases)
+    rows = ("top", "bottom") if grid == 2 else [f"row {r}" for r in range(grid)]
+    cols = ("left", "right") if grid == 2 else [f"column {c}" for c in range(grid)]
+    return [f"{p} ({r} {c})" for r in rows for c in cols for p in phrases]
+
+
 def _crop(image: np.ndarray) -> np.ndarray:
     """The image cut to the bounding box of its non-zero pixels."""
     rows, cols = np.flatnonzero(image.any(1)), np.flatnonzero(image.any(0))
@@ -206,8 +223,9 @@ class ScenesDataModule(DataModule):
     training captions and kept in the checkpoint), ``captions`` (the references), ``idx`` (B,)
     the scenes' indices in their split, and for scoring: ``items`` (the names), ``relations``,
     ``boxes`` ((k, 4) each) and ``words`` (per item, the index in ``tokens`` of the word naming it).
-    ``target="labels"`` batches (multi-label classification): ``image`` and ``target`` (B, classes)
-    float, 1 for each class in the scene.
+    ``target="labels"`` batches (multi-label classification): ``image`` and ``target`` (B, labels)
+    float, 1 for each class in the scene; with ``label_grid`` g > 1, 1 for each (cell, class) of an
+    item whose centre lies in that cell of a g x g grid over the canvas (which classes are where).
 
     Args:
         source: "fashion_mnist" or "mnist" (the IDX files, read as ``data=fashion_mnist`` reads them).
@@ -216,6 +234,8 @@ class ScenesDataModule(DataModule):
         items: the fewest and most items in a scene.
         n_train, n_val, n_test: scenes per split.
         target: "caption" or "labels".
+        label_grid: for ``target="labels"``, the side of the grid of cells each class is named in
+            (1: the whole canvas, which classes are in the scene; 2: which are in each quadrant).
         batch_size, num_workers, seed: loaders; the scenes and training order are seeded.
     """
 
@@ -231,6 +251,7 @@ class ScenesDataModule(DataModule):
         n_val: int = 500,
         n_test: int = 2000,
         target: str = "caption",
+        label_grid: int = 1,
         batch_size: int = 64,
         num_workers: int = 0,
         seed: int = 1337,
@@ -239,7 +260,13 @@ class ScenesDataModule(DataModule):
         check_choice("data", "source", source, tuple(CLASS_PHRASES))
         check_choice("data", "target", target, ("caption", "labels"))
         check_positive(
-            "data", canvas=canvas, n_train=n_train, n_val=n_val, n_test=n_test, batch_size=batch_size
+            "data",
+            canvas=canvas,
+            n_train=n_train,
+            n_val=n_val,
+            n_test=n_test,
+            label_grid=label_grid,
+            batch_size=batch_size,
         )
         if len(items) != 2:
             raise ConfigError(f"data.items must be [min, max], got {list(items)}")
@@ -247,7 +274,9 @@ class ScenesDataModule(DataModule):
         self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
         self.sizes = {"train": n_train, "val": n_val, "test": n_test}
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.classes = CLASS_PHRASES[source]
+        self.phrases = CLASS_PHRASES[source]  # what captions call each class
+        self.label_grid = label_grid
+        self.classes = grid_label_names(self.phrases, label_grid)  # the labels' names
         self.tokenizer: WordTokenizer | None = None
         self.max_len: int | None = None  # the longest caption in tokens, <bos> and <eos> included
         self.mean: list[float] | None = None
@@ -301,7 +330,7 @@ class ScenesDataModule(DataModule):
             scenes = make_scenes(
                 images[pool],
                 labels[pool],
-                self.classes,
+                self.phrases,
                 self.sizes[split],
                 self.seed + k,
                 self.canvas,
@@ -338,7 +367,8 @@ class ScenesDataModule(DataModule):
         if self.target == "labels":
             target = torch.zeros(len(idx), len(self.classes))
             for row, i in enumerate(idx):
-                target[row, scenes.labels[i]] = 1.0
+                cells = grid_cells(scenes.boxes[i], self.canvas, self.label_grid)
+                target[row, cells * len(self.phrases) + scenes.labels[i]] = 1.0
             return {"image": images, "target": target}
         captions = [scenes.captions[i] for i in idx]
         tokens, _ = self.tokenizer.encode_captions(captions, self.max_len)
@@ -347,7 +377,7 @@ class ScenesDataModule(DataModule):
             "tokens": tokens,
             "captions": captions,
             "idx": torch.tensor(idx),
-            "items": [[self.classes[c] for c in scenes.labels[i].tolist()] for i in idx],
+            "items": [[self.phrases[c] for c in scenes.labels[i].tolist()] for i in idx],
             "relations": [scenes.relations[i] for i in idx],
             "boxes": [scenes.boxes[i] for i in idx],
             "words": [[1 + w for w in scenes.words[i]] for i in idx],  # tokens[0] is <bos>

@@ -138,6 +138,15 @@ def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> Non
             f"model.init_from={where}: a timm {theirs} ({reference.pretrained_cfg.get('architecture')}), "
             f"but this run configures a {ours}; choose the matching model/net"
         )
+    if ours != "SwinTransformer":  # the head reads [CLS] or the mean token, with no norm of its own
+        pool = reference.global_pool + (
+            " then fc_norm" if not isinstance(reference.fc_norm, nn.Identity) else ""
+        )
+        if pool != net.global_pool:
+            raise CheckpointError(
+                f"model.init_from={where}: timm's head reads global_pool={pool!r}, the net's reads "
+                f"{net.global_pool!r} (model.net.global_pool: token or avg, which has no fc_norm)"
+            )
     if ours == "SwinTransformer":
         heads = [stage.blocks[0].attn.num_heads for stage in reference.layers]
         mine = [stage.blocks[0].attn.n_head for stage in net.layers]
@@ -305,6 +314,8 @@ def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
         "mlp_ratio": block.mlp.fc1.out_features / dim,
         "pre_norm": not isinstance(net.norm_pre, nn.Identity),
     }
+    if net.global_pool == "avg":  # the mean of the normalised tokens: timm's without fc_norm
+        args |= {"global_pool": "avg", "fc_norm": False}
     if type(block.mlp.act).__name__ == "QuickGELU":
         args["act_layer"] = "quick_gelu"
     arch = (

@@ -2,7 +2,8 @@
 
 An image becomes a sequence: patch embeddings behind a learned [CLS] token (DeiT adds a
 distillation token), plus learned positions, through pre-LN Transformer blocks; the head reads
-the [CLS] token. Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
+the [CLS] token (or, ``global_pool="avg"``, the mean of the patch tokens, timm's option).
+Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
 (``attnlab.models.vision.timm_weights``).
 """
 
@@ -17,7 +18,7 @@ from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
-from attnlab.utils.checks import check_positive, check_positive_number, check_probability
+from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -47,6 +48,9 @@ class VisionTransformer(nn.Module):
             and timm's ``vit_*_clip_*``): a LayerNorm on the tokens before the blocks
             (``norm_pre``), LayerNorms of eps 1e-5 instead of 1e-6, a patch projection without
             bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
+        global_pool: what the head reads: "token" ([CLS]) or "avg" (the mean patch token, as
+            timm's; every patch token is then trained by the loss, which a model reading the
+            patches, such as the Flamingo-style captioner's resampler, wants).
     """
 
     num_prefix_tokens = 1  # [CLS]
@@ -70,6 +74,7 @@ class VisionTransformer(nn.Module):
         norm_eps: float = 1e-6,
         patch_bias: bool = True,
         act: Activation = "gelu",
+        global_pool: str = "token",
     ) -> None:
         super().__init__()
         check_positive(
@@ -85,6 +90,8 @@ class VisionTransformer(nn.Module):
             raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         check_positive_number("model.net", mlp_ratio=mlp_ratio, norm_eps=norm_eps)
+        check_choice("model.net", "global_pool", global_pool, ("token", "avg"))
+        self.global_pool = global_pool
         act_layer = activation("model.net", act)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, bias=patch_bias)
@@ -142,7 +149,7 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Token states (B, T, D) -> logits (B, num_classes), or the pooled (B, D) features."""
-        x = x[:, 0]  # [CLS]
+        x = x[:, self.num_prefix_tokens :].mean(1) if self.global_pool == "avg" else x[:, 0]
         return x if pre_logits else self.head(x)
 
     def forward(self, images: Tensor) -> Tensor:
@@ -188,6 +195,8 @@ class DistilledVisionTransformer(VisionTransformer):
     num_prefix_tokens = 2  # [CLS], [DIST]
 
     def add_extras(self, dim: int, num_classes: int) -> None:
+        if self.global_pool != "token":
+            raise ConfigError("model.net.global_pool: DeiT's heads read its two tokens: use token")
         self.dist_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.head_dist = nn.Linear(dim, num_classes)
 
