@@ -109,6 +109,7 @@ def captioner(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "trainer.log_every_n_steps=5",
         "model.scheduler=null",
         "model.optimizer.lr=1e-2",
+        "model.attention_reg=0.01",  # off in the recipe; its path is trained and logged here
     ]
     proc = run_cli("train", args, cwd)
     assert_ok(proc)
