@@ -49,8 +49,7 @@ class VisionTransformer(nn.Module):
             (``norm_pre``), LayerNorms of eps 1e-5 instead of 1e-6, a patch projection without
             bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
         global_pool: what the head reads: "token" ([CLS]) or "avg" (the mean patch token, as
-            timm's; every patch token is then trained by the loss, which a model reading the
-            patches, such as the Flamingo-style captioner's resampler, wants).
+            timm's; every patch token then feeds the loss).
     """
 
     num_prefix_tokens = 1  # [CLS]
