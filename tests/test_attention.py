@@ -47,6 +47,28 @@ def test_cross_attention_matches_torch(impl):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_memory_of_another_width_matches_torch_kdim_vdim():
+    """``kv_dim``: keys and values projected straight from a memory of 19 channels, as
+    ``nn.MultiheadAttention(kdim=, vdim=)``; such a layer refuses self-attention."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(C, H, kdim=19, vdim=19, batch_first=True).eval()
+    ours = MultiHeadAttention(C, H, kv_dim=19).eval()
+    with torch.no_grad():
+        ours.in_proj.weight.copy_(ref.q_proj_weight)
+        ours.kv_proj.weight.copy_(torch.cat([ref.k_proj_weight, ref.v_proj_weight]))
+        ours.in_proj.bias.copy_(ref.in_proj_bias[:C])
+        ours.kv_proj.bias.copy_(ref.in_proj_bias[C:])
+        ours.out_proj.load_state_dict(ref.out_proj.state_dict())
+    x, memory = torch.randn(B, T, C), torch.randn(B, 11, 19)
+    kpm = padding([11, 4, 9], 11)
+    want, _ = ref(x, memory, memory, key_padding_mask=kpm)
+    torch.testing.assert_close(ours(x, memory, key_padding_mask=kpm)[0], want, atol=1e-5, rtol=1e-5)
+    cache = KVCache.of_memory(ours, memory)  # projected once, as a decoder's cross-attention
+    torch.testing.assert_close(ours(x, cache=cache)[0], ours(x, memory)[0])
+    with pytest.raises(ValueError, match="attends only to a memory"):
+        ours(x)
+
+
 def test_weights_sum_to_one_and_ignore_padding():
     ours, _ = copied_pair("math")
     x = torch.randn(B, T, C)

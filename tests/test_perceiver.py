@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from attnlab.models import Perceiver
 from attnlab.models.vision.perceiver import fourier_features
-from attnlab.nn import KVCache
 from conftest import QUIET, VISION_NETS, needs_shared, read_metrics, run_dirs, run_main
 from test_classification import write_quadrant_idx
 
@@ -87,14 +86,16 @@ def test_the_output_does_not_depend_on_the_order_of_the_pixels():
     assert not torch.allclose(latents, net.encode(pixels_moved)[0], atol=1e-3)
 
 
-def test_folded_input_projection_equals_projecting_twice():
+def test_the_inputs_are_projected_once_for_the_repeats_that_share_a_cross_attention():
     torch.manual_seed(0)
-    block = Perceiver(**TINY).cross_first
-    torch.nn.init.normal_(block.attn.in_proj.bias)
-    inputs = torch.randn(2, 50, 19)
-    folded = block.memory(inputs)
-    twice = KVCache.of_memory(block.attn, block.input_proj(block.norm_inputs(inputs)))
-    assert torch.allclose(folded.k, twice.k, atol=1e-5) and torch.allclose(folded.v, twice.v, atol=1e-5)
+    net = Perceiver(**TINY)
+    inputs = net.byte_array(torch.randn(2, 1, 28, 28))
+    calls = []
+    net.cross.attn.kv_proj.register_forward_hook(lambda *_: calls.append(1))
+    net.encode(inputs)
+    assert len(calls) == 1 and net.repeats > 2
+    # keys and values straight from the byte array's channels: one linear map of C' inputs
+    assert net.cross_first.attn.kv_proj.in_features == inputs.size(-1)
 
 
 def test_loss_falls_on_a_real_batch():
@@ -166,7 +167,7 @@ def quadrant_scenes(n: int, seed: int, side: int = 8) -> list[dict[str, torch.Te
 
 def test_multilabel_classification_learns_which_quadrants_are_bright():
     """``model.multilabel``: binary cross-entropy per class on dict batches (the scenes' layout);
-    over 40 steps the validation loss falls and accuracy, F1 and exact match rise."""
+    over 80 steps the validation loss falls and accuracy, F1 and exact match rise."""
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -176,7 +177,7 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
     net = Perceiver(**{**TINY, "num_classes": 4, "img_size": 8, "n_latents": 4})
     task = ImageClassificationTask(
         net,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3),
         weight_decay=0.0,
         plot_images=0,
         multilabel=True,
@@ -184,7 +185,7 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
     train = DataLoader(quadrant_scenes(320, 0), batch_size=32, shuffle=True)
     val = DataLoader(quadrant_scenes(64, 1), batch_size=32)
     trainer = L.Trainer(
-        max_steps=40,
+        max_steps=80,
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,

@@ -180,6 +180,9 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights (training only).
         bias: whether the projections have biases.
         impl: "auto", "sdpa" or "math" (see module docstring).
+        kv_dim: width of a cross-attention memory other than ``dim`` (``nn.MultiheadAttention``'s
+            kdim/vdim): ``in_proj`` then makes the queries alone and ``kv_proj`` (kv_dim -> 2 dim)
+            the keys and values; such a layer attends only to a memory.
     """
 
     def __init__(
@@ -189,14 +192,22 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         impl: AttentionImpl = "auto",
+        kv_dim: int | None = None,
     ) -> None:
         super().__init__()
         if n_head <= 0 or dim <= 0 or dim % n_head != 0:
             raise ConfigError(f"dim ({dim}) must be a positive multiple of n_head ({n_head})")
         if impl not in ("auto", "sdpa", "math"):
             raise ConfigError(f"attention impl must be 'auto', 'sdpa' or 'math', got {impl!r}")
+        if kv_dim is not None and kv_dim <= 0:
+            raise ConfigError(f"kv_dim must be positive, got {kv_dim}")
         self.dim, self.n_head, self.dropout, self.impl = dim, n_head, dropout, impl
-        self.in_proj = nn.Linear(dim, 3 * dim, bias=bias)
+        if kv_dim is None:
+            self.in_proj = nn.Linear(dim, 3 * dim, bias=bias)
+            self.kv_proj = None
+        else:
+            self.in_proj = nn.Linear(dim, dim, bias=bias)
+            self.kv_proj = nn.Linear(kv_dim, 2 * dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -209,7 +220,12 @@ class MultiHeadAttention(nn.Module):
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values (B, H, S, D) of ``memory`` (B, S, C)."""
-        k, v = F.linear(memory, *self._slice(self.dim, 3 * self.dim)).split(self.dim, dim=-1)
+        kv = (
+            self.kv_proj(memory)
+            if self.kv_proj is not None
+            else F.linear(memory, *self._slice(self.dim, 3 * self.dim))
+        )
+        k, v = kv.split(self.dim, dim=-1)
         return self._split_heads(k), self._split_heads(v)
 
     def _qkv(
@@ -223,6 +239,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and cache.static:  # cross-attention to a memory projected once
             return self._split_heads(F.linear(x, *self._slice(0, self.dim))), cache.k, cache.v
         if memory is None:  # self-attention: one matmul for q, k and v
+            if self.kv_proj is not None:
+                raise ValueError("an attention layer with its own kv_dim attends only to a memory")
             q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.dim, dim=-1))
             if positions is not None:  # RoPE: turned at their positions, keys before the cache
                 pos = torch.arange(start, start + x.size(1), device=x.device)

@@ -14,7 +14,6 @@ import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from timm.layers import DropPath
 from torch import Tensor, nn
 
@@ -55,9 +54,10 @@ class CrossAttentionBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.norm_inputs = nn.LayerNorm(in_dim)
-        self.input_proj = nn.Linear(in_dim, dim)  # the byte array's C' channels -> D
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, n_head, dropout=attn_dropout, impl=attn_impl)
+        # keys and values straight from the byte array's C' channels, as the paper projects them:
+        # one linear map, not two in a row (whose product learns slowly from a small init)
+        self.attn = MultiHeadAttention(dim, n_head, dropout=attn_dropout, impl=attn_impl, kv_dim=in_dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, mlp_dim)
         self.drop = Dropout(dropout)
@@ -65,20 +65,8 @@ class CrossAttentionBlock(nn.Module):
 
     def memory(self, inputs: Tensor) -> KVCache:
         """The keys and values (B, heads, M, D / heads) of a byte array (B, M, C'), made once for
-        every repeat that shares this block.
-
-        They are ``KVCache.of_memory(attn, input_proj(norm_inputs(inputs)))`` with the two linear
-        maps folded into one from the C' input channels, as the paper projects them: each of the
-        M inputs costs C' x 2D multiply-adds instead of C' x D + D x 2D.
-        """
-        d = self.attn.dim
-        w_kv, b_kv = self.attn.in_proj.weight[d:], self.attn.in_proj.bias[d:]  # (2D, D), (2D,)
-        w = w_kv @ self.input_proj.weight  # (2D, C')
-        b = w_kv @ self.input_proj.bias + b_kv
-        k, v = F.linear(self.norm_inputs(inputs), w, b).split(d, dim=-1)  # (B, M, D) each
-        return KVCache(
-            *(t.unflatten(-1, (self.attn.n_head, -1)).transpose(1, 2) for t in (k, v)), static=True
-        )
+        every repeat that shares this block."""
+        return KVCache.of_memory(self.attn, self.norm_inputs(inputs))
 
     def forward(
         self, latents: Tensor, memory: KVCache, need_weights: bool = False
@@ -98,7 +86,7 @@ class Perceiver(nn.Module):
         img_size: from the data: the side the Fourier bands are made for (their top frequency is
             its Nyquist frequency, img_size / 2); images of other sizes run through the same weights.
         n_latents: rows of the latent array (N).
-        dim: width of the latents (D); the inputs are projected to it.
+        dim: width of the latents (D); the cross-attention projects the inputs to its keys and values.
         depth: latent self-attention blocks after each cross-attention.
         repeats: cross-attention + latent tower passes; every pass after the first reuses the
             same weights (the first cross-attention has its own), so parameters do not grow.
