@@ -1,8 +1,8 @@
-"""Data parallelism: token-budget batches sharded over processes, and `trainer=ddp_cpu` end to end."""
+"""Data parallelism: token-budget batches sharded over processes, and a multirun under
+`trainer=ddp_cpu` (whole two-process runs of each family are in test_scaleout.py)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,9 +19,8 @@ from attnlab.cli.common import compose_train
 from attnlab.data.batching import RepeatedBatch, TokenBatchSampler
 from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
 from attnlab.errors import DataError
-from conftest import VISION_NETS, assert_ok, read_metrics, run_cli, run_dirs, tiny, write_idx_dataset
+from conftest import assert_ok, read_metrics, run_cli, tiny
 from test_debug_matrix import tiny_overrides
-from test_translation import fake_multi30k
 
 LENGTHS = [(i * 7919) % 40 + 1 for i in range(500)]  # 1..40 tokens, every length many times
 
@@ -233,238 +232,11 @@ def test_bleu_of_shards_merged_is_the_bleu_of_the_whole():
     assert float(halves[0].compute()) == pytest.approx(float(whole.compute()), abs=1e-6)
 
 
-# -- trainer=ddp_cpu end to end (two gloo processes) -----------------------------------------------
-QUIET = [
-    "logger=csv",
-    "extras.print_config=false",
-    "~callbacks.rich_progress_bar",
-    "~callbacks.model_summary",
-]
-# GPT, 30 steps of a global batch of 32 windows, validated every 10 steps on 512 windows
+# -- trainer=ddp_cpu end to end: whole runs of each family in test_scaleout.py ---------------------
 GPT = [
     *tiny("trainer.max_steps=30", "model.optimizer.lr=3e-3", "model.scheduler.warmup_steps=5"),
     "logger=csv",
 ]
-# the synthetic translation task, 30 steps of 512 target tokens, validated every 10 steps
-NMT = [
-    "experiment=nmt_synthetic",
-    *QUIET,
-    "data.synthetic_size=600",
-    "data.eval_max_tokens=512",
-    "model.net.dim=32",
-    "model.net.mlp_ratio=2.0",
-    "model.net.enc_depth=1",
-    "model.net.dec_depth=1",
-    "model.scheduler.warmup_steps=5",
-    "model.beam_size=2",
-    "model.plot_sentences=1",
-    "trainer.max_steps=30",
-    "trainer.val_check_interval=10",
-    "trainer.check_val_every_n_epoch=null",
-]
-TINY_TRANSFORMER = [
-    "model.net.dim=32",
-    "model.net.n_head=2",
-    "model.net.mlp_ratio=2.0",
-    "model.net.enc_depth=1",
-    "model.net.dec_depth=1",
-    "model.compile_loss=false",
-]
-TINY_SEQ2SEQ = [
-    "model.net.dim=16",
-    "model.net.enc_hidden=16",
-    "model.net.dec_hidden=32",
-    "model.net.attn_dim=16",
-]
-MULTI30K = {
-    "nmt_transformer_multi30k": TINY_TRANSFORMER,
-    "nmt_bahdanau_multi30k": TINY_SEQ2SEQ,
-    "nmt_luong_multi30k": TINY_SEQ2SEQ,
-}
-
-# every command-line run of this file, by name (= its task_name): two processes, and one process
-# with the same global batch (twice the per-process batch) to compare with
-RUNS = {
-    "nmt_two": [*NMT, "trainer=ddp_cpu", "data.max_tokens=256"],  # then tested again by one process
-    "gpt_two": [*GPT, "trainer=ddp_cpu", "data.batch_size=16", "data.val_batches=32"],
-    **{
-        name: [
-            f"experiment={name}",
-            "trainer=ddp_cpu",
-            *QUIET,
-            *model,
-            "data.vocab_size=100",
-            "data.max_tokens=256",
-            "trainer.max_steps=6",
-            "trainer.val_check_interval=3",
-            "trainer.check_val_every_n_epoch=null",
-            "model.beam_size=2",
-            "model.plot_sentences=1",
-            "trainer.num_sanity_val_steps=1",
-        ]
-        for name, model in MULTI30K.items()
-    },
-    # a ViT on fake Fashion-MNIST files: samplers from Lightning, metrics and the confusion matrix synced
-    "vit_two": [
-        "experiment=vit_fashion_mnist",
-        "trainer=ddp_cpu",
-        *QUIET,
-        *VISION_NETS["vit"],
-        "model.plot_images=2",
-        "data.batch_size=8",
-        "data.val_size=10",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        "trainer.num_sanity_val_steps=1",
-    ],
-    # Show, Attend and Tell on scenes of fake IDX images: 12 validation and 12 test scenes shared
-    # out by the 2 processes, captions gathered for BLEU/CIDEr, counts synced
-    "sat_two": [
-        "experiment=sat_scenes",
-        "trainer=ddp_cpu",
-        *QUIET,
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        "trainer.num_sanity_val_steps=1",
-    ],
-    "gpt_one": [*GPT, "data.batch_size=32", "data.val_batches=16"],
-    "nmt_one": [*NMT, "data.max_tokens=512"],
-}
-
-
-def uses(*names: str):
-    """Declares the runs a test reads (see ``runs``)."""
-
-    def mark(test):
-        test.runs = names
-        return test
-
-    return mark
-
-
-def launch(name: str, cwd: Path) -> Path:
-    args = [*RUNS[name], f"task_name={name}"]
-    if name in MULTI30K:  # 300 / 20 / 20 pairs of the synthetic language pair
-        args += [f"data.data_dir={fake_multi30k(cwd / 'multi30k')}", f"data.cache_dir={cwd}"]
-    if name == "sat_two":
-        args += tiny_overrides("sat_scenes", cwd)
-    if name == "vit_two":  # 60 training and 20 test images
-        args += [f"data.data_dir={write_idx_dataset(cwd / 'fashion_mnist')}"]
-    assert_ok(run_cli("train", args, cwd))
-    if name == "nmt_two":  # its best checkpoint, tested by one process
-        (best,) = (run_dirs(cwd, name)[0] / "checkpoints").glob("step_*.ckpt")
-        assert_ok(run_cli("eval", [f"ckpt_path={best}"], cwd))
-    return cwd
-
-
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """The runs the selected tests use, started together, two at a time; ``runs(name)`` waits for
-    one and gives its directory. Most of a run's minute here goes to importing torch and Lightning
-    in one process while the other waits (the second process starts after the first's setup), so
-    two runs at once keep both cores busy: this file's runs take about half the time in a row."""
-    wanted: set[str] = set()
-    for item in request.session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        wanted.update(getattr(getattr(item, "function", None), "runs", ()))
-        wanted.update(v for v in params.values() if isinstance(v, str) and v in RUNS)
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {
-        name: pool.submit(launch, name, tmp_path_factory.mktemp(name)) for name in RUNS if name in wanted
-    }
-    try:
-        yield lambda name: futures[name].result()
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-def finished_run(cwd: Path, task_name: str) -> tuple[Path, dict[str, list[tuple[int, float]]]]:
-    (run_dir,) = run_dirs(cwd, task_name)
-    return run_dir, read_metrics(run_dir)
-
-
-def check_translations(run_dir: Path, metrics: dict, refs: list[str]) -> list[str]:
-    """test_translations.txt holds one line per test sentence, and test/bleu scores all of them."""
-    hyps = (run_dir / "test_translations.txt").read_text(encoding="utf-8").split("\n")
-    assert hyps[-1] == "" and len(hyps[:-1]) == len(refs)
-    bleu = SacreBLEUScore()
-    bleu.update(hyps[:-1], [[r] for r in refs])
-    assert metrics["test/bleu"][-1][1] == pytest.approx(100 * float(bleu.compute()), abs=1e-3)
-    return hyps[:-1]
-
-
-@pytest.mark.slow
-@uses("gpt_two")
-def test_ddp_cpu_trains_gpt(runs):
-    _, m = finished_run(runs("gpt_two"), "gpt_two")
-    assert len(m["val/loss"]) == 3 and m["train/loss"]
-    assert "test/loss" in m and "test/ppl" in m
-
-
-@pytest.mark.slow
-@uses("nmt_two")
-def test_ddp_cpu_trains_and_tests_synthetic_translation(runs):
-    cwd = runs("nmt_two")
-    run_dir, m = finished_run(cwd, "nmt_two")
-    assert len(m["val/loss"]) == 3 and "test/loss" in m
-    refs = synthetic_pairs(60, seed=2)[1]
-    hyps = check_translations(run_dir, m, refs)
-    assert list((run_dir / "alignments").glob("*.png"))  # drawn by process 0, from gathered outputs
-    # one process testing the same checkpoint gets the same figures and translations: each of the
-    # two processes scored its half of the test set, and every sentence was counted once
-    eval_dir, e = finished_run(cwd, "eval")
-    for key in ("test/loss", "test/bleu"):
-        assert m[key][-1][1] == pytest.approx(e[key][-1][1], abs=1e-4), key
-    assert check_translations(eval_dir, e, refs) == hyps
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("experiment", list(MULTI30K))
-def test_ddp_cpu_trains_the_multi30k_experiments(runs, experiment):
-    run_dir, m = finished_run(runs(experiment), experiment)
-    assert m["val/loss"] and "test/loss" in m and "test/bleu" in m
-    check_translations(run_dir, m, synthetic_pairs(20, 2)[1])
-
-
-@pytest.mark.slow
-@uses("vit_two")
-def test_ddp_cpu_trains_and_tests_a_vision_transformer(runs):
-    run_dir, m = finished_run(runs("vit_two"), "vit_two")
-    assert len(m["val/acc"]) == 2 and "test/acc_top5" in m
-    matrix = (run_dir / "confusion_matrix.csv").read_text().splitlines()[1:]
-    assert sum(int(v) for row in matrix for v in row.split(",")[1:]) == 20  # every test image, once
-    assert len(list((run_dir / "attention").glob("*.png"))) == 2  # drawn by process 0
-
-
-@pytest.mark.slow
-@uses("sat_two")
-def test_ddp_cpu_trains_and_tests_show_attend_and_tell(runs):
-    run_dir, m = finished_run(runs("sat_two"), "sat_two")
-    assert len(m["val/loss"]) == 2 and len(m["val/cider"]) == 2
-    for key in ("test/loss", "test/bleu4", "test/cider", "test/exact_match", "test/grounding"):
-        assert key in m, key
-    captions = (run_dir / "test_captions.txt").read_text(encoding="utf-8").split("\n")
-    assert len(captions) == 12 + 1  # every test scene once, gathered from both processes
-    assert len(list((run_dir / "caption_attention").glob("*.png"))) == 2  # drawn by process 0
-
-
-@pytest.mark.slow
-@uses("gpt_one", "gpt_two", "nmt_one", "nmt_two")
-def test_two_processes_follow_one_process_with_the_same_global_batch(runs):
-    """Two processes with half the batch each (GPT: 16 windows, not 32; translation: 256 tokens,
-    not 512) train like one process with the whole batch: the same validation loss at each of the
-    3 validations, within 0.1. They start from the same weights but see different batches (and GPT
-    validates on different windows), so the curves agree only as far as that noise lets them. The
-    noise, measured here over seeds 1337 (the test's), 1 and 2, while the loss falls from 4.6 to
-    3.4: largest |one - two| of GPT 0.061 (seed 1337: 0.014, 0.061, 0.055), of translation
-    0.045 (seed 1337: 0.036, 0.034, 0.045)."""
-    for name in ("gpt", "nmt"):
-        one = finished_run(runs(f"{name}_one"), f"{name}_one")[1]["val/loss"]
-        two = finished_run(runs(f"{name}_two"), f"{name}_two")[1]["val/loss"]
-        assert [s for s, _ in one] == [s for s, _ in two] and len(one) == 3
-        assert one[-1][1] < one[0][1] - 0.3  # a curve, not a plateau
-        gaps = [abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True)]
-        assert max(gaps) < 0.1, (name, one, two)
 
 
 @pytest.mark.slow

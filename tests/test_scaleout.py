@@ -1,4 +1,5 @@
-"""Every experiment under ``trainer=ddp_cpu`` and ``trainer=fsdp2`` (2 CPU processes), and each
+"""Every experiment under ``trainer=ddp_cpu`` and ``trainer=fsdp2`` (2 CPU processes), whole
+``ddp_cpu`` runs of each family checked for what two processes must not get wrong, and each
 architecture trained by 2 processes on halves of the same global batches as one process.
 
 All the two-process work runs in one launch of ``scaleout_worker.py`` (an interpreter start per
@@ -19,13 +20,27 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torchmetrics.text import SacreBLEUScore
 
 from attnlab.cli.common import compose_train
+from attnlab.data.text.translation import synthetic_pairs
 from attnlab.data.vision.datasets import IDX_DATASETS
 from attnlab.utils.config import fill_missing
-from conftest import QUIET, ROOT, assert_ok, cli_env, read_metrics, run_cli
+from conftest import (
+    QUIET,
+    ROOT,
+    VISION_NETS,
+    assert_ok,
+    cli_env,
+    read_metrics,
+    run_cli,
+    run_dirs,
+    tiny,
+    write_idx_dataset,
+)
 from scaleout_worker import evaluate_fixed, fit_fixed
 from test_debug_matrix import EXPERIMENTS, tiny_overrides
+from test_translation import fake_multi30k
 
 STRATEGIES = ("ddp_cpu", "fsdp2")
 
@@ -89,6 +104,110 @@ def pictures(experiment: str) -> list[str]:
     if experiment.startswith("gpt"):  # gpt_ and gpt2_
         return []
     return ["model.plot_images=2"]
+
+
+# Whole runs under trainer=ddp_cpu, longer than the fast configurations: validated and tested
+# more than once, with their pictures and their files of outputs gathered from both processes.
+VALIDATE_EVERY_3 = ["trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null"]
+# the synthetic translation task, 30 steps of 512 target tokens (256 per process), validated every 10
+NMT = [
+    "experiment=nmt_synthetic",
+    "data.synthetic_size=600",
+    "data.eval_max_tokens=512",
+    "data.max_tokens=256",
+    "model.net.dim=32",
+    "model.net.mlp_ratio=2.0",
+    "model.net.enc_depth=1",
+    "model.net.dec_depth=1",
+    "model.scheduler.warmup_steps=5",
+    "model.beam_size=2",
+    "model.plot_sentences=1",
+    "trainer.max_steps=30",
+    "trainer.val_check_interval=10",
+    "trainer.check_val_every_n_epoch=null",
+]
+TINY_TRANSFORMER = [
+    "model.net.dim=32",
+    "model.net.n_head=2",
+    "model.net.mlp_ratio=2.0",
+    "model.net.enc_depth=1",
+    "model.net.dec_depth=1",
+    "model.compile_loss=false",
+]
+TINY_SEQ2SEQ = [
+    "model.net.dim=16",
+    "model.net.enc_hidden=16",
+    "model.net.dec_hidden=32",
+    "model.net.attn_dim=16",
+]
+MULTI30K = {
+    "nmt_transformer_multi30k": TINY_TRANSFORMER,
+    "nmt_bahdanau_multi30k": TINY_SEQ2SEQ,
+    "nmt_luong_multi30k": TINY_SEQ2SEQ,
+}
+
+
+def whole_runs(tmp: Path) -> dict[str, list[str]]:
+    """The whole ``ddp_cpu`` runs, by task name, with the files their data needs written under ``tmp``."""
+    multi30k = fake_multi30k(tmp / "multi30k")  # 300 / 20 / 20 pairs of the synthetic language pair
+    runs = {
+        "nmt_two": NMT,
+        # GPT, 30 steps of a global batch of 32 windows, validated every 10 steps on 512 windows
+        "gpt_two": tiny(
+            "trainer.max_steps=30",
+            "model.optimizer.lr=3e-3",
+            "model.scheduler.warmup_steps=5",
+            "data.batch_size=16",
+            "data.val_batches=32",
+        ),
+        **{
+            name: [
+                f"experiment={name}",
+                *model,
+                f"data.data_dir={multi30k}",
+                f"data.cache_dir={tmp}",
+                "data.vocab_size=100",
+                "data.max_tokens=256",
+                "model.beam_size=2",
+                "model.plot_sentences=1",
+                "trainer.max_steps=6",
+                *VALIDATE_EVERY_3,
+            ]
+            for name, model in MULTI30K.items()
+        },
+        # a ViT on 60 training and 20 test images: samplers from Lightning, metrics and the
+        # confusion matrix synced
+        "vit_two": [
+            "experiment=vit_fashion_mnist",
+            *VISION_NETS["vit"],
+            f"data.data_dir={write_idx_dataset(tmp / 'fashion_mnist')}",
+            "model.plot_images=2",
+            "data.batch_size=8",
+            "data.val_size=10",
+            "trainer.max_steps=6",
+            *VALIDATE_EVERY_3,
+        ],
+        # Show, Attend and Tell on scenes of fake IDX images: 12 validation and 12 test scenes
+        # shared out by the 2 processes, captions gathered for BLEU/CIDEr, counts synced
+        "sat_two": [
+            "experiment=sat_scenes",
+            *tiny_overrides("sat_scenes", tmp / "sat_two"),
+            "trainer.max_steps=6",
+            *VALIDATE_EVERY_3,
+        ],
+    }
+    return {
+        name: [
+            *overrides,
+            "trainer=ddp_cpu",
+            *(o for o in QUIET if o not in overrides),  # tiny() has some of them: a key is deleted once
+            "trainer.num_sanity_val_steps=1",
+            f"task_name={name}",
+            f"paths.root_dir={tmp}",
+            f"paths.output_dir={tmp / name}",
+        ]
+        for name, overrides in runs.items()
+    }
 
 
 def save_fixed_batches(arch: str, tmp: Path) -> Path:
@@ -172,6 +291,7 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
         f"paths.output_dir={tmp / 'vit_sharded_resumed'}",
         f"ckpt_path={step_2}",
     ]
+    runs.update(whole_runs(tmp))
     # every process's random draws in training (dropout, augmentation): their own stream each
     runs["gpt_pydoc_char-ddp_cpu"].append("+callbacks.draws._target_=scaleout_worker.RandomDraws")
     files = {arch: save_fixed_batches(arch, tmp) for arch in ARCHS}
@@ -210,6 +330,77 @@ def test_every_experiment_runs_its_fast_configuration_in_two_processes(two_proce
     assert any(k.startswith(stage) for k in metrics), metrics
     if experiment.startswith(DRAWN) and experiment not in UNDRAWN:
         assert list((tmp / f"{experiment}-{strategy}").rglob("*.png")), "no picture drawn"
+
+
+def check_translations(run_dir: Path, metrics: dict, refs: list[str]) -> list[str]:
+    """test_translations.txt holds one line per test sentence, and test/bleu scores all of them."""
+    hyps = (run_dir / "test_translations.txt").read_text(encoding="utf-8").split("\n")
+    assert hyps[-1] == "" and len(hyps[:-1]) == len(refs)
+    bleu = SacreBLEUScore()
+    bleu.update(hyps[:-1], [[r] for r in refs])
+    assert metrics["test/bleu"][-1][1] == pytest.approx(100 * float(bleu.compute()), abs=1e-3)
+    return hyps[:-1]
+
+
+@pytest.mark.slow
+def test_ddp_cpu_trains_gpt(two_processes):
+    m = read_metrics(two_processes[2] / "gpt_two")
+    assert len(m["val/loss"]) == 3 and m["train/loss"]
+    assert m["val/loss"][-1][1] < m["val/loss"][0][1] - 0.3  # a curve, not a plateau
+    assert "test/loss" in m and "test/ppl" in m
+
+
+@pytest.mark.slow
+def test_ddp_cpu_trains_and_tests_synthetic_translation(two_processes):
+    tmp = two_processes[2]
+    run_dir = tmp / "nmt_two"
+    m = read_metrics(run_dir)
+    assert len(m["val/loss"]) == 3 and m["val/loss"][-1][1] < m["val/loss"][0][1] - 0.3
+    refs = synthetic_pairs(60, seed=2)[1]
+    hyps = check_translations(run_dir, m, refs)
+    assert list((run_dir / "alignments").glob("*.png"))  # drawn by process 0, from gathered outputs
+    # one process testing the best checkpoint gets the same figures and translations: each of the
+    # two processes scored its half of the test set, and every sentence was counted once
+    (best,) = (run_dir / "checkpoints").glob("step_*.ckpt")
+    cwd = tmp / "nmt_eval"
+    cwd.mkdir()
+    assert_ok(run_cli("eval", [f"ckpt_path={best}"], cwd))
+    (eval_dir,) = run_dirs(cwd, "eval")
+    e = read_metrics(eval_dir)
+    for key in ("test/loss", "test/bleu"):
+        assert m[key][-1][1] == pytest.approx(e[key][-1][1], abs=1e-4), key
+    assert check_translations(eval_dir, e, refs) == hyps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", list(MULTI30K))
+def test_ddp_cpu_trains_the_multi30k_experiments(two_processes, experiment):
+    run_dir = two_processes[2] / experiment
+    m = read_metrics(run_dir)
+    assert len(m["val/loss"]) == 2 and "test/loss" in m and "test/bleu" in m
+    check_translations(run_dir, m, synthetic_pairs(20, 2)[1])
+
+
+@pytest.mark.slow
+def test_ddp_cpu_trains_and_tests_a_vision_transformer(two_processes):
+    run_dir = two_processes[2] / "vit_two"
+    m = read_metrics(run_dir)
+    assert len(m["val/acc"]) == 2 and "test/acc_top5" in m
+    matrix = (run_dir / "confusion_matrix.csv").read_text().splitlines()[1:]
+    assert sum(int(v) for row in matrix for v in row.split(",")[1:]) == 20  # every test image, once
+    assert len(list((run_dir / "attention").glob("*.png"))) == 2  # drawn by process 0
+
+
+@pytest.mark.slow
+def test_ddp_cpu_trains_and_tests_show_attend_and_tell(two_processes):
+    run_dir = two_processes[2] / "sat_two"
+    m = read_metrics(run_dir)
+    assert len(m["val/loss"]) == 2 and len(m["val/cider"]) == 2
+    for key in ("test/loss", "test/bleu4", "test/cider", "test/exact_match", "test/grounding"):
+        assert key in m, key
+    captions = (run_dir / "test_captions.txt").read_text(encoding="utf-8").split("\n")
+    assert len(captions) == 12 + 1  # every test scene once, gathered from both processes
+    assert len(list((run_dir / "caption_attention").glob("*.png"))) == 2  # drawn by process 0
 
 
 # Same global batches, same starting weights, AdamW: one process and two agree step by step.
