@@ -367,7 +367,7 @@ NMT_TINY = [
 
 @pytest.fixture(scope="module")
 def nmt_run(tmp_path_factory) -> Path:
-    """The synthetic translation experiment, trained to convergence (about 40 s)."""
+    """The synthetic translation experiment as users run it, trained to convergence (400 steps)."""
     cwd = tmp_path_factory.mktemp("nmt")
     assert_ok(run_cli("train", NMT_TINY, cwd))
     (run_dir,) = run_dirs(cwd, "nmt_synthetic")
@@ -440,7 +440,7 @@ def test_bahdanau_learns_the_synthetic_task(tmp_path):
         "model.net.dropout=0.0",
         "model.optimizer.lr=3e-3",
         "model.scheduler.warmup_steps=20",
-        "trainer.max_steps=350",
+        "trainer.max_steps=260",  # val BLEU 98.7 at step 221 and 99.7 at 258 (test 99.6)
         "task_name=bahdanau",
         "model.compile_loss=true",
     ]  # the compiled training loss learns as the eager one
