@@ -17,10 +17,10 @@ from conftest import QUIET, assert_ok, flamingo_overrides, read_metrics, run_cli
 BOS, EOS, VOCAB = 1, 2, 24
 
 
-def tiny_flamingo(cross_every: int = 1, seed: int = 0) -> Flamingo:
+def tiny_flamingo(cross_every: int = 1, seed: int = 0, positions: str = "learned") -> Flamingo:
     torch.manual_seed(seed)
     vision = partial(VisionTransformer, num_classes=0, patch_size=4, dim=32, depth=2, n_head=2)
-    lm = partial(GPT, max_len=48, depth=4, n_head=2, dim=32)
+    lm = partial(GPT, max_len=48, depth=4, n_head=2, dim=32, positions=positions)
     return Flamingo(
         vision, lm, VOCAB, 16, 1, n_latents=4, resampler_depth=2, n_head=2, cross_every=cross_every
     )
@@ -42,9 +42,10 @@ def captions(b: int, t: int, seed: int = 1) -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("cross_every", [1, 2])
-def test_closed_gates_give_the_frozen_lms_logits_exactly(cross_every: int):
-    net = tiny_flamingo(cross_every)
+@pytest.mark.parametrize(("cross_every", "positions"), [(1, "learned"), (2, "learned"), (1, "none")])
+def test_closed_gates_give_the_frozen_lms_logits_exactly(cross_every: int, positions: str):
+    """With a NoPE LM too, whose start token opens the sequence and sees no image."""
+    net = tiny_flamingo(cross_every, positions=positions)
     with torch.no_grad():  # every new weight but the gates moved: the gates alone close the path
         for p in [*net.resampler.parameters(), *net.xattn.parameters()]:
             if p.numel() > 1:
@@ -95,8 +96,9 @@ def test_a_token_sees_only_the_last_image_before_it():
         net(images[:, :1], tokens)
 
 
-def test_decoding_step_by_step_equals_teacher_forcing():
-    net = open_gates(tiny_flamingo(cross_every=2)).eval()
+@pytest.mark.parametrize("positions", ["learned", "none"])
+def test_decoding_step_by_step_equals_teacher_forcing(positions: str):
+    net = open_gates(tiny_flamingo(cross_every=2, positions=positions)).eval()
     images, tokens = torch.randn(3, 1, 16, 16), captions(3, 8)
     tokens[:, 6:] = BOS  # one image per row: every token sees it, a later BOS too (padding)
     with torch.no_grad():

@@ -263,6 +263,18 @@ def test_sinusoidal_positions_do_not_drown_the_tokens():
     assert GPT(65, max_len=64, depth=1, n_head=2, dim=128).embed.scale == 1.0  # learned: nanoGPT's
 
 
+@pytest.mark.parametrize("attention", ["full", "linear"])
+def test_nope_tells_positions_apart_by_its_start_token(attention: str):
+    """One token repeated: with no positions every place sees the same keys and values, so only
+    the start token that opens the sequence can make the places differ."""
+    gpt = tiny_gpt("none", attention)
+    logits = gpt(torch.full((1, 12), 7))
+    assert (logits[0, 1:] - logits[0, :-1]).abs().amax(-1).min() > 1e-4  # every place its own
+    gpt.start_token = None
+    flat = gpt(torch.full((1, 12), 7))
+    torch.testing.assert_close(flat[0, 1:], flat[0, :-1].clone())  # without it, all alike
+
+
 def test_learned_positions_refuse_inputs_past_their_table():
     with pytest.raises(ConfigError, match="17 tokens exceeds the 16 learned positions"):
         tiny_gpt("learned", "full", max_len=16)(torch.zeros(1, 17, dtype=torch.long))

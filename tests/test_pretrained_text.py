@@ -249,6 +249,7 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
             f"transformer.wte.weight is ({vocab}, 16) but the model's embed.tokens.weight is ({vocab}, 32)",
         ),
         ([f"model.init_from={pickle_dir}", *GPT_SIZES], "a pickle that holds more than tensors"),
+        ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.net.positions=rope"], "GPT-2 has learned"),
         ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.freeze=[embedding]"], "'embedding' names no"),
         (
             [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.lr_decay=1.5"],
@@ -259,6 +260,17 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
         proc = run_cli("train", [*base, *overrides], tmp_path)
         assert_user_error(proc, needle)
         assert len([line for line in proc.stdout.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize("kw", [{"positions": "none"}, {"positions": "t5"}, {"attention": "sliding"}])
+def test_a_gpt_that_is_not_gpt2s_layout_is_not_exported_as_gpt2(kw: dict, tmp_path):
+    from attnlab.errors import CheckpointError
+    from attnlab.models import GPT
+    from attnlab.models.pretrained import export_pretrained
+
+    net = GPT(40, max_len=16, depth=1, n_head=2, dim=16, **kw)
+    with pytest.raises(CheckpointError, match="attnlab-export: GPT-2 has learned positions and full"):
+        export_pretrained(net, tmp_path / "out", {})
 
 
 def test_export_refuses_a_folder_that_holds_files(tmp_path):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import DataError
@@ -242,7 +243,9 @@ class Flamingo(nn.Module):
         lm = self.lm
         key_image = torch.arange(n_images * self.n_latents, device=tokens.device) // self.n_latents
         visible = key_image == image[..., None]  # (B, T, N * L)
-        x = lm.embed(tokens, state.caches[0].seen if state else 0)  # (B, T, D)
+        x = lm.embed_input(tokens, state.caches[0].seen if state else 0)  # (B, T, D)
+        n_start = x.size(1) - tokens.size(1)  # a NoPE GPT's start token, which sees no image
+        visible = F.pad(visible, (0, 0, n_start, 0))
         weights, j = [], 0
         for i, block in enumerate(lm.blocks):
             if j < len(self.xattn_at) and self.xattn_at[j] == i:
@@ -252,7 +255,7 @@ class Flamingo(nn.Module):
                 j += 1
             cache = state.caches[i] if state else None
             x, _ = block(x, causal=True, cache=cache, positions=lm.positions)
-        return lm.embed.unembed(lm.norm(x)), torch.stack(weights).mean(0)
+        return lm.logits(x, tokens.size(1)), torch.stack(weights).mean(0)[:, n_start:]
 
     def image_of_tokens(self, tokens: Tensor, n_images: int, first: Tensor | None = None) -> Tensor:
         """The image each token (B, T) sees: markers counted up to it, minus one, after ``first``

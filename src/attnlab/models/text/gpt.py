@@ -153,7 +153,13 @@ class GPT(nn.Module):
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim, bias=bias)
+        # NoPE: a window cut mid-text gives the causal mask nothing to count from, so a learned
+        # start token (the BOS that NoPE studies' sequences begin with) opens each sequence; the
+        # share of attention it draws falls with the position, which later layers can read
+        self.start_token = nn.Parameter(torch.zeros(dim)) if positions == "none" else None
         self.apply(self._init_weights)
+        if self.start_token is not None:
+            nn.init.normal_(self.start_token, mean=0.0, std=0.02)
         # GPT-2: scale the residual projections by 1/sqrt(2 * depth)
         for name, p in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight")):
@@ -175,17 +181,30 @@ class GPT(nn.Module):
         """One empty cache per block, of the kind its attention decodes with (KV or state)."""
         return [block.attn.new_cache() for block in self.blocks]
 
+    def embed_input(self, idx: Tensor, offset: int = 0) -> Tensor:
+        """Token ids (B, T) that follow ``offset`` earlier positions -> the blocks' input (B, T, C),
+        led by the start token, (B, 1 + T, C), where a sequence begins (offset 0) and the model
+        has one (positions "none")."""
+        x = self.embed(idx, offset)
+        if self.start_token is not None and offset == 0:
+            x = torch.cat([self.start_token.expand(x.size(0), 1, -1), x], dim=1)
+        return x
+
+    def logits(self, x: Tensor, n: int) -> Tensor:
+        """The blocks' output (B, T', C) -> logits (B, n, vocab_size) of its last ``n`` positions
+        (the start token's predicts nothing)."""
+        return self.embed.unembed(self.norm(x[:, x.size(1) - n :]))
+
     def forward(self, idx: Tensor, caches: list[Cache] | None = None) -> Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
 
         With ``caches`` (one per block, ``new_caches``), ``idx`` holds only the new positions,
         which follow the cached ones; their keys and values (or state) go into the caches.
         """
-        offset = caches[0].seen if caches else 0
-        x = self.embed(idx, offset)  # (B, T, C)
+        x = self.embed_input(idx, caches[0].seen if caches else 0)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x, _ = block(x, causal=True, cache=caches[i] if caches else None, positions=self.positions)
-        return self.embed.unembed(self.norm(x))
+        return self.logits(x, idx.size(1))
 
     @torch.no_grad()
     def generate(
@@ -205,7 +224,7 @@ class GPT(nn.Module):
         """
         caches: list[Cache] | None = None
         for _ in range(max_new_tokens):
-            if caches is not None and caches[0].seen < self.max_len:
+            if caches is not None and caches[0].seen - (self.start_token is not None) < self.max_len:
                 logits = self(idx[:, -1:], caches)
             else:
                 caches = self.new_caches() if use_cache else None

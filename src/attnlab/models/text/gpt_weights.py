@@ -26,6 +26,7 @@ from attnlab.models.hf_files import (
     write_folder,
 )
 from attnlab.models.text.hf_tokenizer import write_tokenizer
+from attnlab.nn import LearnedPositions, MultiHeadAttention
 
 # GPT-2's names (after "transformer."), ours, and whether GPT-2 stores the weight transposed
 _NAMES = (
@@ -97,8 +98,20 @@ def _act(net: nn.Module) -> str:
     return "gelu_tanh" if act.approximate == "tanh" else "gelu"
 
 
+def _require_gpt2_layout(net: nn.Module, field: str) -> None:
+    """GPT-2 is learned positions and full attention; a GPT with other positions or another
+    pattern has no GPT-2 counterpart."""
+    learned = isinstance(net.embed.positions, LearnedPositions) and net.positions is None
+    if not learned or type(net.blocks[0].attn) is not MultiHeadAttention:
+        raise CheckpointError(
+            f"{field}: GPT-2 has learned positions and full attention; this GPT has other "
+            "positions or attention (model.net.positions=learned, model.net.attention=full)"
+        )
+
+
 def load(net: nn.Module, source: Path) -> None:
     """A transformers GPT-2 folder (or weights file) into ``net``."""
+    _require_gpt2_layout(net, f"model.init_from={source}")
     config = read_config(source)
     require_architecture(config, source, ("gpt2",), "GPT")
     wanted = _ACTIVATIONS.get(config.get("activation_function", "gelu_new"), "another activation")
@@ -124,6 +137,7 @@ def load(net: nn.Module, source: Path) -> None:
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
     """``net`` as a ``GPT2LMHeadModel`` folder: config.json, model.safetensors, the tokenizer."""
+    _require_gpt2_layout(net, "attnlab-export")
     config = {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
