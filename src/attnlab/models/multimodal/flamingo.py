@@ -243,7 +243,7 @@ class Flamingo(nn.Module):
         lm = self.lm
         key_image = torch.arange(n_images * self.n_latents, device=tokens.device) // self.n_latents
         visible = key_image == image[..., None]  # (B, T, N * L)
-        x = lm.embed_input(tokens, state.caches[0].seen if state else 0)  # (B, T, D)
+        x = lm.embed_input(tokens, state.caches[0].seen if state else 0)  # (B, T or 1 + T, D)
         n_start = x.size(1) - tokens.size(1)  # a NoPE GPT's start token, which sees no image
         visible = F.pad(visible, (0, 0, n_start, 0))
         weights, j = [], 0

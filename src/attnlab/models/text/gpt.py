@@ -79,7 +79,7 @@ class GPT(nn.Module):
         act: the MLP's activation: "gelu" (nanoGPT), "gelu_tanh" (GPT-2's approximation, for
             its weights) or "quick_gelu".
         positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
-            attention alone tells a token how many came before it).
+            attention tells a token how many came before it, counted from a learned start token).
         attention: "full", "sliding" (the last ``window`` tokens), "global_local" (those and the
             first ``n_global``) or "linear" (a kernel's features, a recurrent state).
         window: keys each token sees under sliding and global_local attention, itself included.
@@ -201,7 +201,7 @@ class GPT(nn.Module):
         With ``caches`` (one per block, ``new_caches``), ``idx`` holds only the new positions,
         which follow the cached ones; their keys and values (or state) go into the caches.
         """
-        x = self.embed_input(idx, caches[0].seen if caches else 0)  # (B, T, C)
+        x = self.embed_input(idx, caches[0].seen if caches else 0)  # (B, T or 1 + T, C)
         for i, block in enumerate(self.blocks):
             x, _ = block(x, causal=True, cache=caches[i] if caches else None, positions=self.positions)
         return self.logits(x, idx.size(1))
