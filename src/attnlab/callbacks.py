@@ -293,12 +293,18 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
     would test the raw weights. Outside fit the checkpoint's ``state_dict`` (the average) is kept.
     """
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
+    @staticmethod
+    def refuse_sharding(trainer: L.Trainer) -> None:
+        """Called before fit starts the other processes, so the refusal is said once."""
+        averaging = any(isinstance(c, pl_callbacks.WeightAveraging) for c in trainer.callbacks)
+        if averaging and isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
             raise ConfigError(
                 "callbacks.ema: weight averaging keeps a full copy of the model, which sharded training "
                 "(trainer=fsdp, fsdp2) does not allow; drop it with ~callbacks.ema"
             )
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.refuse_sharding(trainer)
         super().setup(trainer, pl_module, stage)
 
     def on_load_checkpoint(

@@ -106,6 +106,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
     import torch
 
+    from attnlab.callbacks import WeightAveraging
     from attnlab.utils.checkpoint import AtomicCheckpointIO, check_fits
     from attnlab.utils.cpu import tune_cpu_for_training
     from attnlab.utils.distributed import relaunch_this_multirun_job
@@ -145,6 +146,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer: L.Trainer = instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
     )
+    WeightAveraging.refuse_sharding(trainer)
     for lg in loggers:
         lg.log_hyperparams({**container(cfg), "machine": machine})
 
