@@ -425,3 +425,12 @@ def test_one_reader_for_every_converters_weights_files(tmp_path):
             source.mkdir()
         with pytest.raises(CheckpointError, match=re.escape(needle)):
             read_weights(source, ("open_clip_model.safetensors",))
+
+
+def test_a_net_with_no_counterpart_is_refused_before_anything_is_written(tmp_path):
+    from attnlab.models import Perceiver
+
+    net = Perceiver(num_classes=2, img_size=8, in_chans=1, n_latents=2, dim=8, depth=1, n_head=1, n_bands=1)
+    with pytest.raises(CheckpointError, match="a Perceiver has no counterpart in another library"):
+        export_pretrained(net, tmp_path / "out", {})
+    assert not (tmp_path / "out").exists()

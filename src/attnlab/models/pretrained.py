@@ -53,7 +53,8 @@ def load_pretrained(net: nn.Module, source: str | Path) -> nn.Module:
 
 def export_pretrained(net: nn.Module, out_dir: str | Path, artifacts: dict) -> Path:
     """``net`` written in its counterpart library's format under ``out_dir``."""
+    convert = converter(net, "attnlab-export")  # refuses a net with no counterpart before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    converter(net, "attnlab-export").export(net, out, artifacts)
+    convert.export(net, out, artifacts)
     return out
