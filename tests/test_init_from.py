@@ -81,3 +81,32 @@ def test_a_body_tensor_that_does_not_fit_is_refused_by_name(tmp_path):
         match=r"init_from\) does not match.*pos_embed: checkpoint \(1, 17, 24\) vs model \(1, 17, 48",
     ):
         load_initial_weights(VisionTransformer(**VIT, num_classes=10), path)
+
+
+def test_a_clips_image_tower_fills_a_classifier_whose_head_starts_fresh(tmp_path, caplog):
+    """A CLIP run's net holds the image tower under ``image.``: a ViT classifier of its shape takes
+    that part (the text tower and projections left out) and starts its head fresh."""
+    from attnlab.models import CLIP, TextTransformer
+
+    torch.manual_seed(0)
+    clip = CLIP(
+        VisionTransformer(**VIT, num_classes=0),
+        TextTransformer(vocab_size=20, max_len=8, dim=16, depth=1, n_head=2),
+        16,
+    )
+    path = tmp_path / "clip.ckpt"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in clip.state_dict().items()}}, path)
+    torch.manual_seed(1)
+    net = VisionTransformer(**VIT, num_classes=3)
+    head = net.head.weight.clone()
+    with caplog.at_level(logging.INFO):
+        load_initial_weights(net, str(path))
+    assert f"the net is {path}'s image" in caplog.text and "has no head.weight, head.bias" in caplog.text
+    assert torch.equal(net.head.weight, head)
+    tower = clip.image.state_dict()
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in tower.items())
+    # a tower of another width: refused, its tensors named
+    with pytest.raises(
+        CheckpointError, match=r"init_from\) does not match.*cls_token: checkpoint \(1, 1, 48\)"
+    ):
+        load_initial_weights(VisionTransformer(**{**VIT, "dim": 24, "n_head": 2}, num_classes=3), str(path))

@@ -44,9 +44,11 @@ def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
     """``model.init_from``: copy the weights ``spec`` names into ``net``.
 
     One of our runs' checkpoints gives its whole net, or only its encoder where the heads differ
-    (a pre-trained BERT into a classifier). A head of another size (another number of classes)
-    starts fresh, with a notice, and a head the net has none of is left out (a classifier's
-    trunk as a backbone); any other tensor that does not fit is refused, named. Another
+    (a pre-trained BERT into a classifier), or the part of it that the net is (a CLIP's image
+    tower into a classifier or a Flamingo: ``part_prefix``). A head of another size (another
+    number of classes) or one the source has none of starts fresh, with a notice, and a head the
+    net has none of is left out (a classifier's trunk as a backbone); any other tensor that does
+    not fit is refused, named. Another
     library's saved model goes through its converter (``attnlab.models.pretrained``). A mapping
     ``{part: spec}`` fills each named part of the net (``{vision: vit_scenes, lm: gpt_...}``, a
     Flamingo's) from its own source, as above.
@@ -74,17 +76,38 @@ def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
     if state.keys() != net.state_dict().keys() and isinstance(getattr(net, "encoder", None), nn.Module):
         state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
         target = net.encoder
+    elif prefix := part_prefix(state, net):
+        log.info("model.init_from: the net is %s's %s (the rest of that net left out)", path, prefix[:-1])
+        state = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
     own = target.state_dict()
     fresh = [k for k, v in state.items() if k.startswith("head") and k in own and v.shape != own[k].shape]
     if fresh:
         log.info("model.init_from: %s differ in size from %s's: they start fresh", ", ".join(fresh), path)
         state.update({k: own[k] for k in fresh})
+    if missing := [k for k in own if k.startswith("head") and k not in state]:
+        log.info("model.init_from: %s has no %s: they start fresh", path, ", ".join(missing))
+        state.update({k: own[k] for k in missing})
     if headless := [k for k in state if k.startswith("head") and k not in own]:
         log.info("model.init_from: %s of %s left out (the net has no head)", ", ".join(headless), path)
         state = {k: v for k, v in state.items() if k not in headless}
     check_fits(target, state, f"{path} (model.init_from)")
     target.load_state_dict(state)
     log.info("%s weights loaded from %s", "all" if target is net else "encoder", path)
+
+
+def part_prefix(state: Mapping[str, torch.Tensor], net: nn.Module) -> str:
+    """The prefix (``image.``) under which a saved net holds every tensor of ``net`` but its head,
+    when ``net`` is a part of it (a CLIP's image tower for a classifier or a Flamingo's encoder);
+    "" when ``state`` holds them at the top or nowhere."""
+    body = [k for k in net.state_dict() if not k.startswith("head")]
+    if not body or all(k in state for k in body):
+        return ""
+    for key in state:
+        if key.endswith(f".{body[0]}"):
+            prefix = key[: -len(body[0])]
+            if all(prefix + k in state for k in body):
+                return prefix
+    return ""
 
 
 class Task(L.LightningModule):
