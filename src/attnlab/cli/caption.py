@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, progress, quote_free_text, trained_net
+from attnlab.cli.common import config_dir, exit_on_user_error, image_batches, quote_free_text, trained_net
 from attnlab.errors import ConfigError
 
 log = logging.getLogger("attnlab.caption")
@@ -20,32 +20,23 @@ def caption(cfg: DictConfig) -> list[tuple[Path, str]]:
     """(image, caption) of every image ``image=`` names; the attention pictures written."""
     need = "attnlab-caption needs a captioning model"
     with trained_net(cfg, "CaptioningTask", need) as (run, net, device):
-        import torch
-
         from attnlab.data.vision.classification import normalize
         from attnlab.inference.captioning import caption_batch
-        from attnlab.inference.classification import image_files, load_image
 
         task_cfg, tok = run.config.model, run.tokenizer
         beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
         if beam < 1:
             raise ConfigError(f"beam_size must be >= 1, got {beam}")
-        folder = Path(str(cfg.image)).expanduser()
-        files = image_files(folder)
         results = []
-        with progress(len(files), "captioning", show=folder.is_dir()) as advance:
-            for start in range(0, len(files), cfg.batch_size):
-                chunk = files[start : start + cfg.batch_size]
-                raw = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-                images = normalize(raw, run.artifacts["mean"], run.artifacts["std"])
-                out = caption_batch(
-                    net, images, tok.bos_id, tok.eos_id, task_cfg.max_len, beam, task_cfg.length_penalty
-                )
-                for path, image, (ids, attn) in zip(chunk, raw, out, strict=True):
-                    results.append((path, tok.decode(ids)))
-                    if cfg.attention_dir is not None:
-                        draw(path, image, [tok.decode([t]) or "?" for t in ids], attn, net.grid, cfg)
-                advance(len(chunk))
+        for chunk, raw in image_batches(cfg, run.artifacts, device, "captioning"):
+            images = normalize(raw, run.artifacts["mean"], run.artifacts["std"])
+            out = caption_batch(
+                net, images, tok.bos_id, tok.eos_id, task_cfg.max_len, beam, task_cfg.length_penalty
+            )
+            for path, image, (ids, attn) in zip(chunk, raw, out, strict=True):
+                results.append((path, tok.decode(ids)))
+                if cfg.attention_dir is not None:
+                    draw(path, image, [tok.decode([t]) or "?" for t in ids], attn, net.grid, cfg)
         return results
 
 

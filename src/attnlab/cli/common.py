@@ -265,3 +265,22 @@ def progress(total: int, description: str, show: bool = True) -> Iterator[Callab
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def image_batches(
+    cfg: DictConfig, artifacts: dict[str, Any], device: Any, description: str
+) -> Iterator[tuple[list[Path], torch.Tensor]]:
+    """The images ``image=`` names (a file, or every image in a folder, with a progress bar) in
+    batches of ``cfg.batch_size``: their paths and uint8 images (B, C, H, W) on ``device``, each
+    converted to the run's channels and size (``artifacts``, as its data made them)."""
+    import torch
+
+    from attnlab.inference.classification import image_files, load_image
+
+    folder = Path(str(cfg.image)).expanduser()
+    files = image_files(folder)
+    with progress(len(files), description, show=folder.is_dir()) as advance:
+        for start in range(0, len(files), cfg.batch_size):
+            chunk = files[start : start + cfg.batch_size]
+            yield chunk, torch.stack([load_image(f, artifacts) for f in chunk]).to(device)
+            advance(len(chunk))

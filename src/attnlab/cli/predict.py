@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from attnlab.cli.common import (
     config_dir,
     exit_on_user_error,
-    progress,
+    image_batches,
     quote_free_text,
     trained_net,
 )
@@ -23,19 +23,11 @@ def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
         raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
     need = "attnlab-predict needs an image classifier"
     with trained_net(cfg, "ImageClassificationTask", need) as (run, net, device):
-        import torch
+        from attnlab.inference.classification import classify
 
-        from attnlab.inference.classification import classify, image_files, load_image
-
-        folder = Path(str(cfg.image)).expanduser()
-        files = image_files(folder)
         results = []
-        with progress(len(files), "predicting", show=folder.is_dir()) as advance:
-            for start in range(0, len(files), cfg.batch_size):
-                chunk = files[start : start + cfg.batch_size]
-                images = torch.stack([load_image(f, run.artifacts) for f in chunk]).to(device)
-                results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
-                advance(len(chunk))
+        for chunk, images in image_batches(cfg, run.artifacts, device, "predicting"):
+            results += zip(chunk, classify(net, images, run.artifacts, cfg.top_k), strict=True)
         return results
 
 

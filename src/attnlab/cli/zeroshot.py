@@ -17,8 +17,8 @@ from attnlab.cli.common import (
     check_device,
     config_dir,
     exit_on_user_error,
+    image_batches,
     inference_device,
-    progress,
     quote_free_text,
     resolve_checkpoint,
 )
@@ -77,28 +77,18 @@ def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, An
 
 def label_images(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     """Per image file, the labels with their probabilities, most likely first."""
-    import torch
-
     from attnlab.data.vision.classification import normalize
-    from attnlab.inference.classification import image_files, load_image
     from attnlab.inference.zeroshot import class_embeddings, parse_labels, zeroshot_probs
 
     labels = parse_labels(cfg.labels)
     net, tokenizer, artifacts, templates = load_clip(cfg)
-    folder = Path(str(cfg.image)).expanduser()
-    files = image_files(folder)
     classifier = class_embeddings(net, tokenizer, artifacts["context_length"], labels, templates)
     device = next(net.parameters()).device
     results = []
-    with progress(len(files), "labelling", show=folder.is_dir()) as advance:
-        for start in range(0, len(files), cfg.batch_size):
-            chunk = files[start : start + cfg.batch_size]
-            images = torch.stack([load_image(f, artifacts) for f in chunk]).to(device)
-            images = normalize(images, artifacts["mean"], artifacts["std"])
-            probs = zeroshot_probs(net, images, classifier)
-            for path, row in zip(chunk, probs.tolist(), strict=True):
-                results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
-            advance(len(chunk))
+    for chunk, images in image_batches(cfg, artifacts, device, "labelling"):
+        probs = zeroshot_probs(net, normalize(images, artifacts["mean"], artifacts["std"]), classifier)
+        for path, row in zip(chunk, probs.tolist(), strict=True):
+            results.append((path, sorted(zip(labels, row, strict=True), key=lambda x: -x[1])))
     return results
 
 
