@@ -48,10 +48,9 @@ def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
     tower into a classifier or a Flamingo: ``part_prefix``). A head of another size (another
     number of classes) or one the source has none of starts fresh, with a notice, and a head the
     net has none of is left out (a classifier's trunk as a backbone); any other tensor that does
-    not fit is refused, named. Another
-    library's saved model goes through its converter (``attnlab.models.pretrained``). A mapping
-    ``{part: spec}`` fills each named part of the net (``{vision: vit_scenes, lm: gpt_...}``, a
-    Flamingo's) from its own source, as above.
+    not fit is refused, named. Another library's saved model goes through its converter
+    (``attnlab.models.pretrained``). A mapping ``{part: spec}`` fills each named part of the net
+    (``{vision: vit_scenes, lm: gpt_...}``, a Flamingo's) from its own source, as above.
     """
     if isinstance(spec, Mapping):
         for part, source in spec.items():
