@@ -253,3 +253,30 @@ def test_the_recipe_trains_the_parts_then_the_captioner_from_them(tmp_path):
     assert flamingo.artifacts["tokenizer"] == gpt.artifacts["tokenizer"]
     metrics = read_metrics(run_dirs(tmp_path, "flamingo_scenes")[0])
     assert {"val/cider", "val/exact_match", "val/grounding", "test/bleu4"} <= metrics.keys()
+
+
+@pytest.mark.parametrize("source", ["clip", "show_attend_tell"])
+def test_the_vision_part_comes_from_a_clip_or_a_vit_captioners_run(source, tmp_path):
+    """``model.init_from={vision: <run>}`` where the ViT is a part of that run's net: a CLIP's
+    image tower (``image.``) or a Show, Attend and Tell's ViT encoder (``encoder.vit.``)."""
+    from attnlab.models import CLIP, ShowAttendTell, TextTransformer
+    from attnlab.tasks.base import load_initial_weights
+
+    vit = dict(num_classes=0, img_size=16, in_chans=1, patch_size=4, dim=32, depth=2, n_head=2, stem="conv")
+    torch.manual_seed(5)
+    if source == "clip":
+        saved = CLIP(
+            VisionTransformer(**vit), TextTransformer(vocab_size=VOCAB, max_len=8, dim=16, depth=1, n_head=2)
+        )
+        tower = saved.image
+    else:
+        saved = ShowAttendTell(VOCAB, 16, 1, encoder="vit", enc_dim=32, enc_depth=2, patch_size=4, n_head=2)
+        tower = saved.encoder.vit
+    torch.save({"state_dict": {f"net.{k}": v for k, v in saved.state_dict().items()}}, tmp_path / "run.ckpt")
+    vision = partial(VisionTransformer, **{k: v for k, v in vit.items() if k not in ("img_size", "in_chans")})
+    lm = partial(GPT, max_len=48, depth=2, n_head=2, dim=32)
+    net = Flamingo(vision, lm, VOCAB, 16, 1, n_latents=4, resampler_depth=1, n_head=2)
+    load_initial_weights(net, {"vision": str(tmp_path / "run.ckpt")})
+    theirs = tower.state_dict()
+    assert net.vision.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(net.vision.state_dict()[k], v) for k, v in theirs.items())
