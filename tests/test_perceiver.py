@@ -71,6 +71,28 @@ def test_fourier_features_hand_computed_and_as_the_papers_code():
     assert torch.allclose(fourier_features(28, 28, 8, (14.0, 14.0)), reference, atol=1e-5)
 
 
+def test_each_element_holds_the_neighbourhood_of_its_pixel():
+    """neighbourhood=3: the element of pixel (i, j) holds the 3 x 3 pixels around it, channel by
+    channel, row by row, zeros past the border, then the same position features; even sides refused."""
+    from attnlab.errors import ConfigError
+
+    torch.manual_seed(0)
+    images = torch.randn(2, 2, 6, 5)
+    net = Perceiver(**{**TINY, "in_chans": 2, "img_size": 6}, neighbourhood=3)
+    inputs = net.byte_array(images)
+    assert inputs.shape == (2, 6 * 5, 2 * 9 + 2 + 4 * 4)
+    padded = F.pad(images, (1, 1, 1, 1))
+    for i, j in [(0, 0), (2, 3), (5, 4)]:
+        around = padded[:, :, i : i + 3, j : j + 3].flatten(1)  # (B, C * 9)
+        assert torch.equal(inputs[:, i * 5 + j, :18], around)
+    alone = Perceiver(**{**TINY, "in_chans": 2, "img_size": 6}).byte_array(images)
+    assert torch.equal(inputs[..., 18:], alone[..., 2:])  # the same position features
+    assert torch.equal(inputs[..., [4, 13]], alone[..., :2])  # each channel's centre: the pixel
+    assert net(images).shape == (2, 10)
+    with pytest.raises(ConfigError, match="model.net.neighbourhood must be odd"):
+        Perceiver(**TINY, neighbourhood=2)
+
+
 def test_the_output_does_not_depend_on_the_order_of_the_pixels():
     """Shuffling the pixels together with their position features changes nothing: the Perceiver
     sees a set, whose positions travel in the features."""

@@ -1,9 +1,10 @@
 """The Perceiver (Jaegle et al. 2021): a small latent array attends to a large input.
 
-Every pixel is an input element: its values with Fourier features of its position (the "byte
-array", M = H * W rows). A learned latent array (N x D, N << M) cross-attends to it, then a tower
-of latent self-attention blocks refines the latents; the cross-attention and the tower repeat, with
-their weights shared across repeats (the first cross-attention has its own, as in the paper). Only
+Every pixel is an input element: its values (or those of the k x k pixels around it, as Perceiver
+IO's optical flow reads them) with Fourier features of its position (the "byte array", M = H * W
+rows). A learned latent array (N x D, N << M) cross-attends to it, then a tower of latent
+self-attention blocks refines the latents; the cross-attention and the tower repeat, with their
+weights shared across repeats (the first cross-attention has its own, as in the paper). Only
 the cross-attention sees all M inputs, at a cost linear in M; the tower's cost depends on N alone,
 so one set of weights runs on any image size. The head reads the mean of the latents.
 """
@@ -14,6 +15,7 @@ import math
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from timm.layers import DropPath
 from torch import Tensor, nn
 
@@ -93,6 +95,9 @@ class Perceiver(nn.Module):
         n_head: heads of the latent self-attention; cross_heads: of the cross-attention (the
             paper's is 1).
         n_bands: Fourier frequency bands per coordinate (K): 2 + 4K position features per pixel.
+        neighbourhood: the side k (odd) of the pixels each element holds, centred on its own (zeros
+            past the border): 1 is the pixel alone (the paper's); 3 lets the keys and values,
+            linear in the element, see edges and strokes (Perceiver IO's input for optical flow).
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on each residual branch; attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last latent block (linear from 0).
@@ -111,6 +116,7 @@ class Perceiver(nn.Module):
         n_head: int = 4,
         cross_heads: int = 1,
         n_bands: int = 8,
+        neighbourhood: int = 1,
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
@@ -130,7 +136,12 @@ class Perceiver(nn.Module):
             n_head=n_head,
             cross_heads=cross_heads,
             n_bands=n_bands,
+            neighbourhood=neighbourhood,
         )
+        if neighbourhood % 2 == 0:
+            raise ConfigError(
+                f"model.net.neighbourhood must be odd (centred on its pixel), got {neighbourhood}"
+            )
         if img_size < 2:
             raise ConfigError(
                 f"model.net.img_size must be at least 2 (a Nyquist frequency >= 1), got {img_size}"
@@ -138,13 +149,13 @@ class Perceiver(nn.Module):
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
-        self.n_bands, self.repeats = n_bands, repeats
+        self.n_bands, self.repeats, self.neighbourhood = n_bands, repeats, neighbourhood
         mlp_dim = int(dim * mlp_ratio)
         self.latents = nn.Parameter(torch.zeros(n_latents, dim))
         rates = iter(drop_path_rates(drop_path, depth + 1))
         cross = partial(
             CrossAttentionBlock,
-            in_chans + 2 + 4 * n_bands,  # each pixel's values and position features
+            in_chans * neighbourhood**2 + 2 + 4 * n_bands,  # each element's pixels and position features
             dim,
             cross_heads,
             mlp_dim,
@@ -176,11 +187,14 @@ class Perceiver(nn.Module):
         return {"latents"}
 
     def byte_array(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, H * W, C + 2 + 4K): each pixel's values and its position features."""
+        """(B, C, H, W) images -> (B, H * W, C k^2 + 2 + 4K): the values of each pixel's k x k
+        neighbourhood (channel-major) and its position features."""
         b, _, h, w = images.shape
         nyquist = (self.img_size / 2, self.img_size / 2)
         pos = fourier_features(h, w, self.n_bands, nyquist, images.device).to(images.dtype)
-        pixels = images.flatten(2).transpose(1, 2)  # (B, M, C), row-major as the positions
+        k = self.neighbourhood
+        pixels = F.unfold(images, k, padding=k // 2) if k > 1 else images.flatten(2)  # (B, C k^2, M)
+        pixels = pixels.transpose(1, 2)  # (B, M, C k^2), row-major as the positions
         return torch.cat([pixels, pos.expand(b, -1, -1)], dim=-1)
 
     def encode(self, inputs: Tensor, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
