@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.models import GPT, VisionTransformer
 from attnlab.models.multimodal.flamingo import Flamingo, few_shot_prompt
 from conftest import QUIET, assert_ok, flamingo_overrides, read_metrics, run_cli, run_dirs, write_idx_dataset
@@ -17,12 +17,22 @@ from conftest import QUIET, assert_ok, flamingo_overrides, read_metrics, run_cli
 BOS, EOS, VOCAB = 1, 2, 24
 
 
+def tiny_parts(positions: str = "learned") -> tuple[partial, partial]:
+    vision = partial(VisionTransformer, num_classes=0, patch_size=4, dim=32, depth=2, n_head=2)
+    return vision, partial(GPT, max_len=48, depth=4, n_head=2, dim=32, positions=positions)
+
+
 def tiny_flamingo(cross_every: int = 1, seed: int = 0, positions: str = "learned") -> Flamingo:
     torch.manual_seed(seed)
-    vision = partial(VisionTransformer, num_classes=0, patch_size=4, dim=32, depth=2, n_head=2)
-    lm = partial(GPT, max_len=48, depth=4, n_head=2, dim=32, positions=positions)
     return Flamingo(
-        vision, lm, VOCAB, 16, 1, n_latents=4, resampler_depth=2, n_head=2, cross_every=cross_every
+        *tiny_parts(positions),
+        VOCAB,
+        16,
+        1,
+        n_latents=4,
+        resampler_depth=2,
+        n_head=2,
+        cross_every=cross_every,
     )
 
 
@@ -73,6 +83,23 @@ def test_only_the_new_layers_learn_and_the_frozen_parts_stay_in_eval_mode():
     total = sum(p.numel() for p in net.parameters())
     assert trained == sum(p.numel() for p in net.parameters() if p.requires_grad)
     print(f"tiny Flamingo: {trained} of {total} parameters trained ({trained / total:.1%})")
+
+
+def test_the_resampler_knows_where_each_patch_is():
+    """Without the places' features the resampler would pool a bag of patches, the same in any
+    order, and no caption could say which item is left of which."""
+    resampler = tiny_flamingo().resampler.eval()
+    features = torch.randn(2, 16, 32)  # 4 x 4 patches
+    swapped = features[:, torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        latents, _ = resampler(features)
+        assert not torch.allclose(resampler(swapped)[0], latents, atol=1e-3)
+        resampler.places.zero_()  # the places gone: the order no longer matters
+        assert torch.allclose(resampler(swapped)[0], resampler(features)[0], atol=1e-5)
+    with pytest.raises(DataError, match="built for 16 patches per image, got 9"):
+        resampler(features[:, :9])
+    with pytest.raises(ConfigError, match="model.net.place_bands"):
+        Flamingo(*tiny_parts(), VOCAB, 16, 1, place_bands=0)
 
 
 def test_a_token_sees_only_the_last_image_before_it():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.models import Perceiver
-from attnlab.models.vision.perceiver import fourier_features
+from attnlab.nn import fourier_features
 from conftest import QUIET, VISION_NETS, needs_shared, read_metrics, run_dirs, run_main
 from test_classification import write_quadrant_idx
 

@@ -17,6 +17,7 @@ from attnlab.nn.embedding import (
     Stem,
     TokenEmbedding,
     conv_bn_relu,
+    fourier_features,
     patch_embedding,
 )
 from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
@@ -54,6 +55,7 @@ __all__ = [
     "byte_dropout",
     "causal_mask",
     "conv_bn_relu",
+    "fourier_features",
     "patch_embedding",
     "scaled_dot_product_attention",
 ]

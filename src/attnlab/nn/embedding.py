@@ -25,6 +25,21 @@ def sinusoids(pos: Tensor, dim: int) -> Tensor:
     return pe
 
 
+def fourier_features(h: int, w: int, n_bands: int, max_freq: tuple[float, float], device=None) -> Tensor:
+    """Position features (H * W, 2 + 4 * n_bands) of an H x W grid, row-major, as the Perceiver's code
+    (Jaegle et al. 2021).
+
+    Each pixel's coordinates x_d (d = row, column) run linearly over [-1, 1]; the features are
+    [x_1, x_2, sin(pi f_k x_d) for d, k, cos(pi f_k x_d) for d, k], the frequencies f_k spaced
+    linearly from 1 to ``max_freq[d]`` (the Nyquist frequency of the resolution the bands are for).
+    """
+    axes = [torch.linspace(-1.0, 1.0, n, device=device) for n in (h, w)]
+    pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(h * w, 2)  # (M, 2)
+    freqs = torch.stack([torch.linspace(1.0, f, n_bands, device=device) for f in max_freq])  # (2, K)
+    angles = math.pi * (pos[:, :, None] * freqs).reshape(h * w, 2 * n_bands)  # (M, 2K)
+    return torch.cat([pos, angles.sin(), angles.cos()], dim=-1)
+
+
 class SinusoidalPositions(nn.Module):
     """Fixed sin/cos position encodings (Vaswani et al. 2017), kept for the first ``max_len``
     positions and computed for any position past them (a model may be run on longer inputs than it

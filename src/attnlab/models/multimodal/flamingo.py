@@ -1,8 +1,9 @@
 """Flamingo (Alayrac et al. 2022): a frozen vision encoder and a frozen language model joined by
 a Perceiver Resampler and gated cross-attention layers, the only parts trained.
 
-- ``PerceiverResampler``: a few learned latents attend to [image features; latents], so every
-  image reaches the language model as ``n_latents`` vectors whatever its number of patches.
+- ``PerceiverResampler``: a few learned latents attend to [image features with their places;
+  latents], so every image reaches the language model as ``n_latents`` vectors whatever its
+  number of patches.
 - ``GatedCrossAttentionBlock``: text tokens attend to the latents, then an MLP; each branch is
   added through ``tanh(gate)`` with the gate at 0, so at initialisation the block is the identity
   and the frozen LM's predictions are untouched (exactly: ``x + 0 * y`` is ``x``).
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from attnlab.errors import DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.vit import VisionTransformer
-from attnlab.nn import MLP, KVCache, MultiHeadAttention
+from attnlab.nn import MLP, KVCache, MultiHeadAttention, fourier_features
 from attnlab.utils.checks import check_positive, check_positive_number
 
 log = logging.getLogger(__name__)
@@ -64,32 +65,45 @@ class ResamplerLayer(nn.Module):
 
 
 class PerceiverResampler(nn.Module):
-    """Image features (B, S, in_dim) -> ``n_latents`` vectors (B, L, dim).
+    """Image features (B, S, in_dim) on a grid of S = grid x grid patches -> ``n_latents``
+    vectors (B, L, dim).
 
-    The features are projected to ``dim``; learned latents then attend to [features; latents]
-    in ``depth`` layers (attention + MLP, pre-LN residuals) and leave through a LayerNorm.
+    Each feature, with Fourier features of its patch's place (as the Perceiver reads pixels), is
+    projected to ``dim``; learned latents then attend to [features; latents] in ``depth`` layers
+    (attention + MLP, pre-LN residuals) and leave through a LayerNorm. The places are given, not
+    left to the encoder: a frozen encoder trained to say what an image holds keeps where only in
+    part, and captions that say "left of" need it.
 
     Args:
         in_dim: width of the vision encoder's features.
         dim: width of the latents (the language model's, whose cross-attention reads them).
+        grid: patches per side of the feature grid (row-major, as a ViT's patch tokens).
         depth: number of layers.
         n_head: attention heads; must divide ``dim``.
         n_latents: number of latents (the paper's 64).
         mlp_ratio: MLP hidden width over ``dim``.
+        n_bands: Fourier frequency bands per coordinate of the places (2 + 4 * n_bands features),
+            up to the grid's Nyquist frequency.
     """
 
     def __init__(
         self,
         in_dim: int,
         dim: int,
+        grid: int,
         depth: int = 2,
         n_head: int = 4,
         n_latents: int = 16,
         mlp_ratio: float = 2.0,
+        n_bands: int = 4,
     ) -> None:
         super().__init__()
-        check_positive("model.net", in_dim=in_dim, resampler_depth=depth, n_latents=n_latents)
-        self.proj = nn.Linear(in_dim, dim)
+        check_positive(
+            "model.net", in_dim=in_dim, resampler_depth=depth, n_latents=n_latents, place_bands=n_bands
+        )
+        places = fourier_features(grid, grid, n_bands, (grid / 2, grid / 2))  # (S, 2 + 4 * n_bands)
+        self.register_buffer("places", places, persistent=False)
+        self.proj = nn.Linear(in_dim + places.size(1), dim)
         self.latents = nn.Parameter(torch.randn(n_latents, dim) * 0.02)
         self.layers = nn.ModuleList(ResamplerLayer(dim, n_head, mlp_ratio) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
@@ -98,7 +112,12 @@ class PerceiverResampler(nn.Module):
         """features (B, S, in_dim) -> latents (B, L, dim) and, with ``need_weights``, where each
         latent looks among the S features (B, L, S): every layer's attention to the features,
         renormalised to sum to 1 (the rest went to the latents), averaged over heads and layers."""
-        media = self.proj(features)
+        if features.size(1) != len(self.places):
+            raise DataError(
+                f"the resampler was built for {len(self.places)} patches per image, got {features.size(1)}"
+            )
+        places = self.places.to(features.dtype).expand(features.size(0), -1, -1)
+        media = self.proj(torch.cat([features, places], dim=-1))  # (B, S, dim)
         x = self.latents.expand(features.size(0), -1, -1)
         maps = []
         for layer in self.layers:
@@ -174,6 +193,7 @@ class Flamingo(nn.Module):
         resampler_depth: layers of the resampler.
         n_head: attention heads of the resampler and the gated blocks; must divide the GPT's width.
         mlp_ratio: MLP hidden width over the width, in the resampler and the gated blocks.
+        place_bands: Fourier bands per coordinate of each patch's place, given to the resampler.
         cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
         image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
     """
@@ -189,6 +209,7 @@ class Flamingo(nn.Module):
         resampler_depth: int = 2,
         n_head: int = 4,
         mlp_ratio: float = 2.0,
+        place_bands: int = 4,
         cross_every: int = 1,
         image_token: int = 1,
     ) -> None:
@@ -200,12 +221,12 @@ class Flamingo(nn.Module):
         self.lm = lm.eval().requires_grad_(False)
         self.image_token, self.n_latents = image_token, n_latents
         dim = lm.norm.normalized_shape[0]
+        grid = vision.patch_embed.grid_size
         self.resampler = PerceiverResampler(
-            vision.num_features, dim, resampler_depth, n_head, n_latents, mlp_ratio
+            vision.num_features, dim, grid, resampler_depth, n_head, n_latents, mlp_ratio, place_bands
         )
         self.xattn_at = list(range(0, len(lm.blocks), cross_every))  # GPT blocks with one before them
         self.xattn = nn.ModuleList(GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in self.xattn_at)
-        grid = vision.patch_embed.grid_size
         self.grid = (grid, grid)
         trained = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())

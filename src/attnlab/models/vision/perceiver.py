@@ -11,7 +11,6 @@ so one set of weights runs on any image size. The head reads the mean of the lat
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -21,23 +20,9 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock
+from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, fourier_features
 from attnlab.nn.attention import AttentionImpl
 from attnlab.utils.checks import check_positive, check_positive_number, check_probability
-
-
-def fourier_features(h: int, w: int, n_bands: int, max_freq: tuple[float, float], device=None) -> Tensor:
-    """Position features (H * W, 2 + 4 * n_bands) of an H x W grid, row-major, as the paper's code.
-
-    Each pixel's coordinates x_d (d = row, column) run linearly over [-1, 1]; the features are
-    [x_1, x_2, sin(pi f_k x_d) for d, k, cos(pi f_k x_d) for d, k], the frequencies f_k spaced
-    linearly from 1 to ``max_freq[d]`` (the Nyquist frequency of the resolution the bands are for).
-    """
-    axes = [torch.linspace(-1.0, 1.0, n, device=device) for n in (h, w)]
-    pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(h * w, 2)  # (M, 2)
-    freqs = torch.stack([torch.linspace(1.0, f, n_bands, device=device) for f in max_freq])  # (2, K)
-    angles = math.pi * (pos[:, :, None] * freqs).reshape(h * w, 2 * n_bands)  # (M, 2K)
-    return torch.cat([pos, angles.sin(), angles.cos()], dim=-1)
 
 
 class CrossAttentionBlock(nn.Module):
