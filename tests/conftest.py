@@ -321,7 +321,8 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
             "data.canvas=64",
             "data.batch_size=4",
         ]
-        return [f"data.data_dir={data}", *scenes, *VISION_NETS["perceiver"]]
+        kind = "vit" if experiment.startswith("vit_") else "perceiver"
+        return [f"data.data_dir={data}", *scenes, *VISION_NETS[kind]]
     if "cifar" in experiment:
         data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
     else:
@@ -470,11 +471,9 @@ def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
 
 
 # The Flamingo recipe at a tiny size: the captioner's parts as their own experiments would make
-# them (vit_scenes, gpt_scene_captions), and the resampler and gated blocks
+# them (convnet_scenes, gpt_scene_captions), and the resampler and gated blocks
 FLAMINGO_TINY = [
-    "model.net.vision.dim=16",
-    "model.net.vision.depth=1",
-    "model.net.vision.n_head=2",
+    "model.net.vision.widths=[4,8,8,8]",
     "model.net.lm.dim=32",
     "model.net.lm.depth=2",
     "model.net.lm.n_head=2",
@@ -486,12 +485,12 @@ FLAMINGO_TINY = [
     "model.max_len=16",
     "model.plot_images=1",
 ]
-FLAMINGO_RECIPE = ("vit_scenes", "gpt_scene_captions", "flamingo_scenes")
+FLAMINGO_RECIPE = ("convnet_scenes", "gpt_scene_captions", "flamingo_scenes")
 
 
 def flamingo_overrides(experiment: str, tmp: Path, init_from: bool = False) -> list[str]:
     """The Flamingo recipe's experiments, tiny, on 48 training scenes and 12 each for validation
-    and test made of fake IDX images: its ViT, its GPT (on their captions) and the captioner, whose
+    and test made of fake IDX images: its convnet, its GPT (on their captions) and the captioner, whose
     frozen parts are random unless ``init_from`` (then the newest runs of the other two)."""
     scenes = [
         f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
@@ -508,8 +507,8 @@ def flamingo_overrides(experiment: str, tmp: Path, init_from: bool = False) -> l
             "data.val_batches=2",
         ]
     scenes.append("data.batch_size=8")
-    if experiment == "vit_scenes":
-        return [*scenes, "model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.plot_images=0"]
+    if experiment == "convnet_scenes":
+        return [*scenes, "model.net.widths=[4,8,8,8]"]
     return [*scenes, *FLAMINGO_TINY, *([] if init_from else ["model.init_from=null"])]
 
 

@@ -44,7 +44,7 @@ def composed(*overrides: str, tmp: Path):
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiments_build_their_model_and_data(experiment, tmp_path):
-    flamingo = experiment in FLAMINGO_RECIPE  # its ViT, its GPT, the captioner
+    flamingo = experiment in FLAMINGO_RECIPE  # its convnet, its GPT, the captioner
     text = experiment.startswith(("nmt_", "gpt_", "gpt2_")) and not flamingo
     bert, clip = experiment.startswith("bert_"), experiment.startswith("clip_")
     captioning = experiment.startswith("sat_") or experiment == "flamingo_scenes"
@@ -88,7 +88,7 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
         logits, attn = task.net(batch["image"], batch["tokens"])
         b, t = batch["tokens"].shape
         assert logits.shape == (b, t, dm.tokenizer.vocab_size) and attn.shape[:2] == (b, t)
-    elif experiment in ("vit_scenes", "perceiver_scenes"):  # multi-label
+    elif experiment in ("convnet_scenes", "vit_scenes", "perceiver_scenes"):  # multi-label
         batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
         assert task.net(batch["image"]).shape == batch["target"].shape
     else:
@@ -129,7 +129,7 @@ def built(node) -> nn.Module:
 
 
 # gpt2: a text net; the captioners: tests/test_captioning.py, tests/test_flamingo.py
-CAPTIONERS = ("show_attend_tell", "flamingo")
+CAPTIONERS = ("show_attend_tell", "flamingo", "flamingo_vit")
 
 
 @pytest.mark.parametrize("preset", [p for p in options("model/net") if p not in ("gpt2", *CAPTIONERS)])

@@ -179,6 +179,10 @@ def test_convnet_keeps_resolution_in_its_first_stage():
     assert net(x).shape == (2, 10)
     with pytest.raises(ConfigError, match=r"widths\[1\] must be a positive integer"):
         ConvNet(num_classes=10, img_size=28, in_chans=1, widths=(8, 0))
+    headless = ConvNet(num_classes=0, img_size=28, in_chans=1, widths=(8, 16, 32)).eval()
+    assert headless(x).shape == (2, 32) and not any(k.startswith("head") for k in headless.state_dict())
+    with pytest.raises(ConfigError, match=r"model.net.num_classes must be >= 0 \(0: no head\), got -1"):
+        ConvNet(num_classes=-1, img_size=28, in_chans=1)
 
 
 def test_window_partition_round_trip():

@@ -7,9 +7,10 @@ a Perceiver Resampler and gated cross-attention layers, the only parts trained.
 - ``GatedCrossAttentionBlock``: text tokens attend to the latents, then an MLP; each branch is
   added through ``tanh(gate)`` with the gate at 0, so at initialisation the block is the identity
   and the frozen LM's predictions are untouched (exactly: ``x + 0 * y`` is ``x``).
-- ``Flamingo``: our ``VisionTransformer`` (its patch tokens) and ``GPT``, frozen and kept in eval
-  mode, with a gated block before every ``cross_every``-th GPT block. Their weights come from
-  runs of their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
+- ``Flamingo``: a vision encoder (our ``ConvNet``, the cells of its last map, as the paper's NFNet;
+  or our ``VisionTransformer``, its patch tokens) and our ``GPT``, frozen and kept in eval mode,
+  with a gated block before every ``cross_every``-th GPT block. Their weights come from runs of
+  their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
 
 Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
 ``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
@@ -28,6 +29,7 @@ averaged over heads and layers.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,11 +39,14 @@ from torch import Tensor, nn
 
 from attnlab.errors import DataError
 from attnlab.models.text.gpt import GPT, Cache
+from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.vit import VisionTransformer
 from attnlab.nn import MLP, KVCache, MultiHeadAttention, fourier_features
 from attnlab.utils.checks import check_positive, check_positive_number
 
 log = logging.getLogger(__name__)
+
+VisionEncoder = ConvNet | VisionTransformer  # what the resampler can read (``Flamingo.features``)
 
 
 class ResamplerLayer(nn.Module):
@@ -65,8 +70,8 @@ class ResamplerLayer(nn.Module):
 
 
 class PerceiverResampler(nn.Module):
-    """Image features (B, S, in_dim) on a grid of S = grid x grid patches -> ``n_latents``
-    vectors (B, L, dim).
+    """Image features (B, S, in_dim) on a grid of S = grid x grid cells or patches ->
+    ``n_latents`` vectors (B, L, dim).
 
     Each feature, with Fourier features of its patch's place (as the Perceiver reads pixels), is
     projected to ``dim``; learned latents then attend to [features; latents] in ``depth`` layers
@@ -77,7 +82,7 @@ class PerceiverResampler(nn.Module):
     Args:
         in_dim: width of the vision encoder's features.
         dim: width of the latents (the language model's, whose cross-attention reads them).
-        grid: patches per side of the feature grid (row-major, as a ViT's patch tokens).
+        grid: positions per side of the feature grid (row-major: a ViT's patch tokens, a convnet's cells).
         depth: number of layers.
         n_head: attention heads; must divide ``dim``.
         n_latents: number of latents (the paper's 64).
@@ -180,13 +185,13 @@ class FlamingoState:
 
 
 class Flamingo(nn.Module):
-    """A frozen ``VisionTransformer`` and a frozen ``GPT`` joined by a trained Perceiver
-    Resampler and gated cross-attention blocks.
+    """A frozen vision encoder and a frozen ``GPT`` joined by a trained Perceiver Resampler and
+    gated cross-attention blocks.
 
     Args:
         vision: builds the vision encoder from ``img_size`` and ``in_chans`` (a partial
-            ``VisionTransformer``); its patch tokens (``forward_features`` without the prefix
-            tokens) are what the resampler reads.
+            ``ConvNet`` or ``VisionTransformer``); what its ``forward_features`` gives is what the
+            resampler reads: a convnet's last map, cell by cell, or a ViT's patch tokens.
         lm: builds the language model from ``vocab_size`` (a partial ``GPT``).
         vocab_size, img_size, in_chans: the data's (filled in from it), which the parts are built for.
         n_latents: latents per image.
@@ -200,7 +205,7 @@ class Flamingo(nn.Module):
 
     def __init__(
         self,
-        vision: Callable[..., VisionTransformer],
+        vision: Callable[..., VisionEncoder],
         lm: Callable[..., GPT],
         vocab_size: int,
         img_size: int,
@@ -221,7 +226,8 @@ class Flamingo(nn.Module):
         self.lm = lm.eval().requires_grad_(False)
         self.image_token, self.n_latents = image_token, n_latents
         dim = lm.norm.normalized_shape[0]
-        grid = vision.patch_embed.grid_size
+        with torch.no_grad():  # the encoder's grid of features, read off a blank image
+            grid = math.isqrt(self.features(torch.zeros(1, in_chans, img_size, img_size)).size(1))
         self.resampler = PerceiverResampler(
             vision.num_features, dim, grid, resampler_depth, n_head, n_latents, mlp_ratio, place_bands
         )
@@ -239,12 +245,19 @@ class Flamingo(nn.Module):
         self.lm.eval()
         return self
 
+    def features(self, images: Tensor) -> Tensor:
+        """images (B, C, H, W) -> the frozen encoder's features (B, S, Dv), row-major: a ViT's
+        patch tokens (its prefix tokens left out) or the cells of a convnet's last map."""
+        x = self.vision.forward_features(images)
+        if x.dim() == 4:  # a convnet's map (B, Dv, h, w)
+            return x.flatten(2).transpose(1, 2)
+        return x[:, self.vision.num_prefix_tokens :]
+
     def encode(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """images (B, N, C, H, W) -> latents (B, N * L, D) and where they look (B, N, L, S)."""
         b, n = images.shape[:2]
         with torch.no_grad():
-            features = self.vision.forward_features(images.flatten(0, 1))  # (B * N, P + S, Dv)
-        features = features[:, self.vision.num_prefix_tokens :]  # the patches
+            features = self.features(images.flatten(0, 1))  # (B * N, S, Dv)
         latents, patch_attn = self.resampler(features, need_weights=True)
         return latents.reshape(b, -1, latents.size(-1)), patch_attn.unflatten(0, (b, n))
 

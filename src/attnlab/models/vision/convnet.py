@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, conv_bn_relu
-from attnlab.utils.checks import check_positive, check_probability
+from attnlab.utils.checks import check_positive, check_probability, is_int
 
 
 class ConvNet(nn.Module):
@@ -21,7 +22,8 @@ class ConvNet(nn.Module):
     pooling and a linear head.
 
     Args:
-        num_classes, img_size, in_chans: from the data when left ``???``.
+        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``: no
+            head (``forward`` returns the pooled features).
         widths: channels of each stage (each stage after the first halves the resolution).
         dropout: before the head.
     """
@@ -35,7 +37,9 @@ class ConvNet(nn.Module):
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        check_positive("model.net", num_classes=num_classes, img_size=img_size, in_chans=in_chans)
+        check_positive("model.net", img_size=img_size, in_chans=in_chans)
+        if not is_int(num_classes) or num_classes < 0:
+            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes!r}")
         check_positive("model.net", **{f"widths[{i}]": w for i, w in enumerate(widths)})
         check_probability("model.net", dropout=dropout)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
@@ -47,7 +51,7 @@ class ConvNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.head_drop = Dropout(dropout)
         self.num_features = chans  # what forward_head(pre_logits=True) returns, as in timm
-        self.head = nn.Linear(chans, num_classes)
+        self.head = nn.Linear(chans, num_classes) if num_classes else nn.Identity()
 
     def forward_features(self, images: Tensor) -> Tensor:
         # channels-last is the layout oneDNN's CPU convolutions are fastest in
