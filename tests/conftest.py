@@ -311,6 +311,7 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     import timm
     import torch
 
+    kind = next(k for k in ("swin", "convnet", "vit", "deit", "perceiver") if k in experiment)
     if "scenes" in experiment:  # scenes of 2 fake images each: 32 to train on, 8 each to evaluate
         data = write_idx_dataset(tmp / "idx")
         scenes = [
@@ -321,7 +322,6 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
             "data.canvas=64",
             "data.batch_size=4",
         ]
-        kind = "vit" if experiment.startswith("vit_") else "perceiver"
         return [f"data.data_dir={data}", *scenes, *VISION_NETS[kind]]
     if "cifar" in experiment:
         data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
@@ -330,7 +330,6 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
     batch = 4 if "cifar" in experiment else 8
     out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
-    kind = next(k for k in ("swin", "convnet", "vit", "deit", "perceiver") if k in experiment)
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
         # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)

@@ -35,6 +35,12 @@ def check_positive_number(where: str, **values: Any) -> None:
             raise ConfigError(f"{where}.{name} must be a number > 0, got {value!r}")
 
 
+def check_num_classes(num_classes: Any) -> None:
+    """``model.net.num_classes`` must be an integer >= 0 (0: a headless net, its features out)."""
+    if not is_int(num_classes) or num_classes < 0:
+        raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes!r}")
+
+
 def check_probability(where: str, **values: Any) -> None:
     """Each value must be in [0, 1) (dropout rates, label smoothing)."""
     for name, value in values.items():

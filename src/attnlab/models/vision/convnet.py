@@ -12,9 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, conv_bn_relu
-from attnlab.utils.checks import check_positive, check_probability, is_int
+from attnlab.utils.checks import check_num_classes, check_positive, check_probability
 
 
 class ConvNet(nn.Module):
@@ -38,8 +37,7 @@ class ConvNet(nn.Module):
     ) -> None:
         super().__init__()
         check_positive("model.net", img_size=img_size, in_chans=in_chans)
-        if not is_int(num_classes) or num_classes < 0:
-            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes!r}")
+        check_num_classes(num_classes)
         check_positive("model.net", **{f"widths[{i}]": w for i, w in enumerate(widths)})
         check_probability("model.net", dropout=dropout)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans

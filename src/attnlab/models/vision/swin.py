@@ -19,7 +19,7 @@ from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.window_attention import WindowAttention, window_reverse
-from attnlab.utils.checks import check_positive, check_positive_number, check_probability
+from attnlab.utils.checks import check_num_classes, check_positive, check_positive_number, check_probability
 
 
 class PatchMerging(nn.Module):
@@ -121,8 +121,7 @@ def check_swin_args(
         **{f"depths[{i}]": d for i, d in enumerate(depths)},
         **{f"n_head[{i}]": h for i, h in enumerate(n_head)},
     )
-    if num_classes < 0:
-        raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
+    check_num_classes(num_classes)
     if len(depths) != len(n_head):
         raise ConfigError(
             f"model.net.depths ({len(depths)} stages) and model.net.n_head "

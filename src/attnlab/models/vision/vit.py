@@ -18,7 +18,13 @@ from attnlab.errors import ConfigError
 from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
-from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
+from attnlab.utils.checks import (
+    check_choice,
+    check_num_classes,
+    check_positive,
+    check_positive_number,
+    check_probability,
+)
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -85,8 +91,7 @@ class VisionTransformer(nn.Module):
             depth=depth,
             n_head=n_head,
         )
-        if num_classes < 0:
-            raise ConfigError(f"model.net.num_classes must be >= 0 (0: no head), got {num_classes}")
+        check_num_classes(num_classes)
         check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
         check_positive_number("model.net", mlp_ratio=mlp_ratio, norm_eps=norm_eps)
         check_choice("model.net", "global_pool", global_pool, ("token", "avg"))
