@@ -31,7 +31,9 @@ def tiny_parts(positions: str = "learned") -> tuple[partial, partial]:
     return vision, partial(GPT, max_len=48, depth=4, n_head=2, dim=32, positions=positions)
 
 
-def tiny_flamingo(cross_every: int = 1, seed: int = 0, positions: str = "learned") -> Flamingo:
+def tiny_flamingo(
+    cross_every: int = 1, seed: int = 0, positions: str = "learned", region_latents: bool = False
+) -> Flamingo:
     torch.manual_seed(seed)
     return Flamingo(
         *tiny_parts(positions),
@@ -42,6 +44,7 @@ def tiny_flamingo(cross_every: int = 1, seed: int = 0, positions: str = "learned
         resampler_depth=2,
         n_head=2,
         cross_every=cross_every,
+        region_latents=region_latents,
     )
 
 
@@ -109,6 +112,27 @@ def test_the_resampler_knows_where_each_patch_is():
         resampler(features[:, :9])
     with pytest.raises(ConfigError, match="model.net.place_bands"):
         Flamingo(*tiny_parts(), VOCAB, 16, 1, place_bands=0)
+
+
+def test_region_latents_start_from_the_mean_of_their_region():
+    """4 latents over a 4 x 4 grid: latent 1 (top right) starts at its learned vector plus the mean
+    of the 2 x 2 patches at rows 0-1, columns 2-3, so it holds what is there and where."""
+    resampler = tiny_flamingo(region_latents=True).resampler.eval()
+    features = torch.randn(2, 16, 32)
+    start = {}
+    resampler.layers[0].register_forward_pre_hook(lambda _, args: start.update(x=args[0]))
+    with torch.no_grad():
+        resampler(features)
+        media = resampler.proj(torch.cat([features, resampler.places.expand(2, -1, -1)], -1))
+    top_right = media.unflatten(1, (4, 4))[:, :2, 2:].mean((1, 2))  # (B, dim)
+    assert torch.allclose(start["x"][:, 1], resampler.latents[1] + top_right, atol=1e-6)
+    with torch.no_grad():  # the plain resampler starts every image from the same latents
+        plain = tiny_flamingo().resampler.eval()
+        plain.layers[0].register_forward_pre_hook(lambda _, args: start.update(x=args[0]))
+        plain(features)
+    assert torch.equal(start["x"][0], start["x"][1])
+    with pytest.raises(ConfigError, match="model.net.n_latents=5: region_latents needs a square"):
+        Flamingo(*tiny_parts(), VOCAB, 16, 1, n_latents=5, region_latents=True)
 
 
 def test_a_token_sees_only_the_last_image_before_it():

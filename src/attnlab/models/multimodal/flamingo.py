@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.vit import VisionTransformer
@@ -77,7 +77,9 @@ class PerceiverResampler(nn.Module):
     projected to ``dim``; learned latents then attend to [features; latents] in ``depth`` layers
     (attention + MLP, pre-LN residuals) and leave through a LayerNorm. The places are given, not
     left to the encoder: a frozen encoder trained to say what an image holds keeps where only in
-    part, and captions that say "left of" need it.
+    part, and captions that say "left of" need it. With ``region_latents`` each latent starts at
+    its learned vector plus the mean of one region of the grid (a departure from the paper): latents
+    that are the same queries for every image pool parts of several items and lose which is where.
 
     Args:
         in_dim: width of the vision encoder's features.
@@ -89,6 +91,8 @@ class PerceiverResampler(nn.Module):
         mlp_ratio: MLP hidden width over ``dim``.
         n_bands: Fourier frequency bands per coordinate of the places (2 + 4 * n_bands features),
             up to the grid's Nyquist frequency.
+        region_latents: start latent i at its learned vector plus the mean of region i of an
+            r x r split of the grid (row-major; ``n_latents`` = r * r).
     """
 
     def __init__(
@@ -101,17 +105,29 @@ class PerceiverResampler(nn.Module):
         n_latents: int = 16,
         mlp_ratio: float = 2.0,
         n_bands: int = 4,
+        region_latents: bool = False,
     ) -> None:
         super().__init__()
         check_positive(
             "model.net", in_dim=in_dim, resampler_depth=depth, n_latents=n_latents, place_bands=n_bands
         )
+        if region_latents and math.isqrt(n_latents) ** 2 != n_latents:
+            raise ConfigError(
+                f"model.net.n_latents={n_latents}: region_latents needs a square (one latent per region)"
+            )
+        self.grid, self.region_latents = grid, region_latents
         places = fourier_features(grid, grid, n_bands, (grid / 2, grid / 2))  # (S, 2 + 4 * n_bands)
         self.register_buffer("places", places, persistent=False)
         self.proj = nn.Linear(in_dim + places.size(1), dim)
         self.latents = nn.Parameter(torch.randn(n_latents, dim) * 0.02)
         self.layers = nn.ModuleList(ResamplerLayer(dim, n_head, mlp_ratio) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
+
+    def region_means(self, media: Tensor) -> Tensor:
+        """media (B, S, dim) on the grid -> the mean of each of r x r regions (B, r * r, dim),
+        row-major, r * r the number of latents."""
+        cells = media.transpose(1, 2).unflatten(2, (self.grid, self.grid))  # (B, dim, grid, grid)
+        return F.adaptive_avg_pool2d(cells, math.isqrt(len(self.latents))).flatten(2).transpose(1, 2)
 
     def forward(self, features: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """features (B, S, in_dim) -> latents (B, L, dim) and, with ``need_weights``, where each
@@ -124,6 +140,8 @@ class PerceiverResampler(nn.Module):
         places = self.places.to(features.dtype).expand(features.size(0), -1, -1)
         media = self.proj(torch.cat([features, places], dim=-1))  # (B, S, dim)
         x = self.latents.expand(features.size(0), -1, -1)
+        if self.region_latents:
+            x = x + self.region_means(media)
         maps = []
         for layer in self.layers:
             x, weights = layer(x, media, need_weights)
@@ -201,6 +219,8 @@ class Flamingo(nn.Module):
         place_bands: Fourier bands per coordinate of each patch's place, given to the resampler.
         cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
         image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
+        region_latents: each latent starts from the mean of its region of the features
+            (``PerceiverResampler``).
     """
 
     def __init__(
@@ -217,6 +237,7 @@ class Flamingo(nn.Module):
         place_bands: int = 4,
         cross_every: int = 1,
         image_token: int = 1,
+        region_latents: bool = False,
     ) -> None:
         super().__init__()
         check_positive("model.net", cross_every=cross_every)
@@ -229,7 +250,15 @@ class Flamingo(nn.Module):
         with torch.no_grad():  # the encoder's grid of features, read off a blank image
             grid = math.isqrt(self.features(torch.zeros(1, in_chans, img_size, img_size)).size(1))
         self.resampler = PerceiverResampler(
-            vision.num_features, dim, grid, resampler_depth, n_head, n_latents, mlp_ratio, place_bands
+            vision.num_features,
+            dim,
+            grid,
+            resampler_depth,
+            n_head,
+            n_latents,
+            mlp_ratio,
+            place_bands,
+            region_latents,
         )
         self.xattn_at = list(range(0, len(lm.blocks), cross_every))  # GPT blocks with one before them
         self.xattn = nn.ModuleList(GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in self.xattn_at)
