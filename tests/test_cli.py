@@ -66,6 +66,17 @@ def test_checkpoint_loads_with_weights_only_and_carries_the_run(trained: Path):
     assert meta["wandb_run_id"] in next((trained / "wandb").glob("offline-run-*")).name
 
 
+def test_last_checkpoint_holds_the_last_step_when_the_best_is_older(tmp_path: Path):
+    """last.ckpt follows every validation and the end of training, not only a new best: here the
+    best (the highest val/loss) is the first validation's, at step 10 of 25."""
+    overrides = ["task_name=tiny", "callbacks.model_checkpoint.mode=max", "trainer.max_steps=25"]
+    assert_ok(run_cli("train", tiny(*overrides), tmp_path))
+    (run,) = run_dirs(tmp_path, "tiny")
+    best = [p.name for p in (run / "checkpoints").glob("step_*.ckpt")]
+    assert best == ["step_000010.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 25
+
+
 def test_generate_from_checkpoint(trained: Path):
     ckpt = trained / "checkpoints" / "last.ckpt"
     args = [f"ckpt_path={ckpt}", "prompt=The", "max_new_tokens=30", "seed=1", "top_k=10"]

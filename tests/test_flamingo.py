@@ -32,7 +32,7 @@ def tiny_parts(positions: str = "learned") -> tuple[partial, partial]:
 
 
 def tiny_flamingo(
-    cross_every: int = 1, seed: int = 0, positions: str = "learned", region_latents: bool = False
+    cross_every: int = 1, seed: int = 0, positions: str = "learned", **kwargs: object
 ) -> Flamingo:
     torch.manual_seed(seed)
     return Flamingo(
@@ -44,7 +44,7 @@ def tiny_flamingo(
         resampler_depth=2,
         n_head=2,
         cross_every=cross_every,
-        region_latents=region_latents,
+        **kwargs,
     )
 
 
@@ -133,6 +133,33 @@ def test_region_latents_start_from_the_mean_of_their_region():
     assert torch.equal(start["x"][0], start["x"][1])
     with pytest.raises(ConfigError, match="model.net.n_latents=5: region_latents needs a square"):
         Flamingo(*tiny_parts(), VOCAB, 16, 1, n_latents=5, region_latents=True)
+
+
+def test_the_feature_cache_encodes_each_image_once_and_changes_nothing():
+    """With ``feature_cache`` an image's frozen features are computed on its first pass and read
+    back after: the same logits as encoding it every time, the encoder shown only new images, at
+    most ``feature_cache`` images kept, none after new weights are loaded."""
+    cached, plain = open_gates(tiny_flamingo(feature_cache=6)).eval(), open_gates(tiny_flamingo()).eval()
+    encoded = []
+    features = cached.features
+    cached.features = lambda images: encoded.append(len(images)) or features(images)
+    images, tokens = torch.randn(4, 1, 16, 16), captions(4, 6)
+    with torch.no_grad():
+        first = cached(images, tokens)[0]
+        again = cached(images[[2, 0]], tokens[[2, 0]])[0]  # both seen: no encoding
+        mixed = cached(torch.cat([images[1:2], images[1:2] + 1, images[:1] - 1]), tokens[:3])[0]
+        expected = plain(torch.cat([images[1:2], images[1:2] + 1, images[:1] - 1]), tokens[:3])[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # features of another dtype: their own entries
+            half = cached(images[:1], tokens[:1])[0]
+    assert encoded == [4, 2, 1]
+    assert torch.equal(first, plain(images, tokens)[0].detach())
+    assert torch.equal(again, first[[2, 0]]) and torch.equal(mixed, expected)
+    assert len(cached.feature_cache.store) == 6 and half.dtype == torch.bfloat16
+    cached.load_state_dict(cached.state_dict())
+    assert not cached.feature_cache.store
+    assert not any("cache" in name for name in cached.state_dict())
+    with pytest.raises(ConfigError, match="model.net.feature_cache must be >= 0"):
+        tiny_flamingo(feature_cache=-1)
 
 
 def test_a_token_sees_only_the_last_image_before_it():

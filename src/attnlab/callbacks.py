@@ -137,6 +137,27 @@ class ReleaseFreedMemory(L.Callback):
         release_freed_memory()
 
 
+class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
+    """Lightning's, with ``last.ckpt`` written after every validation and at the end of training.
+
+    Lightning 2.6 writes ``last.ckpt`` only when it also writes a best checkpoint, so after a
+    validation that is not the best it still holds an older step: resuming from it loses the
+    steps since, and the run's last weights are never saved.
+    """
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._save_last_if_behind(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_last_if_behind(trainer)
+
+    def _save_last_if_behind(self, trainer: L.Trainer) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):  # skips a step saved
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 class StepProgressBar(pl_callbacks.RichProgressBar):
     """Lightning's rich progress bar, counting a step recipe's optimizer steps: ``step n/max_steps``
     with the time left, where Lightning counts the batches of an epoch that never ends

@@ -11,6 +11,7 @@ a Perceiver Resampler and gated cross-attention layers, the only parts trained.
   or our ``VisionTransformer``, its patch tokens) and our ``GPT``, frozen and kept in eval mode,
   with a gated block before every ``cross_every``-th GPT block. Their weights come from runs of
   their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
+- ``FeatureCache``: the frozen encoder's features of each image, kept after its first pass.
 
 Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
 ``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
@@ -28,6 +29,7 @@ averaged over heads and layers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -190,6 +192,41 @@ class GatedCrossAttentionBlock(nn.Module):
         return x + self.mlp_gate.tanh() * self.mlp(self.norm2(x)), weights
 
 
+class FeatureCache:
+    """The frozen encoder's features of images seen before: a frozen encoder in eval mode gives an
+    image the same features every epoch, so each image's are computed once (the encoder's forward
+    is most of a training step's time on a CPU). Keyed by the image's bytes and the autocast
+    dtype they were computed in; holds at most ``size`` images (0: off). Not part of the model's
+    state: ``clear`` it when the encoder's weights change.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.store: dict[tuple[str, bytes], Tensor] = {}
+
+    def __call__(self, images: Tensor, encode: Callable[[Tensor], Tensor]) -> Tensor:
+        """images (B, C, H, W) -> encode(images) (B, ...), the images seen before from the store."""
+        if not self.size:
+            return encode(images)
+        device = images.device.type
+        context = str(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        keys = [
+            (context, hashlib.blake2b(image.view(torch.uint8).numpy(), digest_size=16).digest())
+            for image in images.detach().cpu().contiguous()
+        ]
+        missing = [i for i, key in enumerate(keys) if key not in self.store]
+        fresh = dict(zip((keys[i] for i in missing), encode(images[missing]), strict=True)) if missing else {}
+        out = torch.stack([self.store[key] if key in self.store else fresh[key] for key in keys])
+        for key, row in fresh.items():
+            if len(self.store) >= self.size:
+                break
+            self.store[key] = row
+        return out
+
+    def clear(self) -> None:
+        self.store.clear()
+
+
 @dataclass
 class FlamingoState:
     """What decoding keeps between steps: the frozen GPT's caches, each gated block's projection
@@ -221,6 +258,8 @@ class Flamingo(nn.Module):
         image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
         region_latents: each latent starts from the mean of its region of the features
             (``PerceiverResampler``).
+        feature_cache: images whose frozen features are kept after their first pass
+            (``FeatureCache``; 0: none, each image is encoded every time).
     """
 
     def __init__(
@@ -238,13 +277,18 @@ class Flamingo(nn.Module):
         cross_every: int = 1,
         image_token: int = 1,
         region_latents: bool = False,
+        feature_cache: int = 0,
     ) -> None:
         super().__init__()
         check_positive("model.net", cross_every=cross_every)
+        if feature_cache < 0:
+            raise ConfigError(f"model.net.feature_cache must be >= 0 (0: off), got {feature_cache}")
         check_positive_number("model.net", mlp_ratio=mlp_ratio)
         vision, lm = vision(img_size=img_size, in_chans=in_chans), lm(vocab_size=vocab_size)
         self.vision = vision.eval().requires_grad_(False)
         self.lm = lm.eval().requires_grad_(False)
+        self.feature_cache = FeatureCache(feature_cache)
+        self.register_load_state_dict_post_hook(Flamingo._forget_features)
         self.image_token, self.n_latents = image_token, n_latents
         dim = lm.norm.normalized_shape[0]
         with torch.no_grad():  # the encoder's grid of features, read off a blank image
@@ -267,6 +311,11 @@ class Flamingo(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         log.info("Flamingo: %d of %d parameters trained (%.1f%%)", trained, total, 100 * trained / total)
 
+    @staticmethod
+    def _forget_features(net: Flamingo, _: object) -> None:
+        """After new weights are loaded: the cached features are the old encoder's."""
+        net.feature_cache.clear()
+
     def train(self, mode: bool = True) -> Flamingo:
         """The frozen encoder and LM stay in eval mode (no dropout) while the new layers train."""
         super().train(mode)
@@ -286,7 +335,7 @@ class Flamingo(nn.Module):
         """images (B, N, C, H, W) -> latents (B, N * L, D) and where they look (B, N, L, S)."""
         b, n = images.shape[:2]
         with torch.no_grad():
-            features = self.features(images.flatten(0, 1))  # (B * N, S, Dv)
+            features = self.feature_cache(images.flatten(0, 1), self.features)  # (B * N, S, Dv)
         latents, patch_attn = self.resampler(features, need_weights=True)
         return latents.reshape(b, -1, latents.size(-1)), patch_attn.unflatten(0, (b, n))
 
