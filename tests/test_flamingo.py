@@ -157,6 +157,10 @@ def test_the_feature_cache_encodes_each_image_once_and_changes_nothing():
     assert len(cached.feature_cache.store) == 6 and half.dtype == torch.bfloat16
     cached.load_state_dict(cached.state_dict())
     assert not cached.feature_cache.store
+    with torch.inference_mode():  # cached by a validation, then trained on
+        cached(images, tokens)
+    cached.train()(images, tokens)[0].sum().backward()
+    assert cached.resampler.proj.weight.grad is not None
     assert not any("cache" in name for name in cached.state_dict())
     with pytest.raises(ConfigError, match="model.net.feature_cache must be >= 0"):
         tiny_flamingo(feature_cache=-1)
