@@ -160,3 +160,158 @@ def test_an_empty_checkpoint_file_says_so(tmp_path):
     (tmp_path / "zero.ckpt").touch()
     with pytest.raises(CheckpointError, match=r"zero.ckpt is empty \(0 bytes\)"):
         load_checkpoint(tmp_path / "zero.ckpt")
+
+
+# ---- a checkpoint's own config names the code ---------------------------------------------------
+
+# what a planted config may name, each passing Hydra's own blocklist: a pickle beside the checkpoint
+# loaded with weights_only=False, a file written or copied anywhere
+ATTACKS = {
+    "torch.load": lambda tmp: {
+        "_target_": "torch.load",
+        "f": str(tmp / "payload.pkl"),
+        "weights_only": False,
+    },
+    "builtins.open": lambda tmp: {"_target_": "builtins.open", "file": str(tmp / MARKER), "mode": "w"},
+    "shutil.copy": lambda tmp: {
+        "_target_": "shutil.copy",
+        "src": str(tmp / "payload.pkl"),
+        "dst": str(tmp / MARKER),
+    },
+    # the same function reached through an attnlab module's import of torch
+    "attnlab.utils.checkpoint.torch.load": lambda tmp: {
+        "_target_": "attnlab.utils.checkpoint.torch.load",
+        "f": str(tmp / "payload.pkl"),
+        "weights_only": False,
+    },
+}
+
+# the task each inference entry point serves: the planted run claims it, so it gets past the check
+# of the recorded task to where the net would be built
+TASK_OF = {
+    "eval": "LanguageModelTask",
+    "export": "LanguageModelTask",
+    "generate": "LanguageModelTask",
+    "translate": "TranslationTask",
+    "predict": "ImageClassificationTask",
+    "fill-mask": "MaskedLMTask",
+    "classify": "TextClassificationTask",
+    "caption": "CaptioningTask",
+    "zeroshot": "ContrastiveTask",
+}
+
+
+def plant_config_checkpoint(path: Path, task: str, attack: dict) -> Path:
+    """A checkpoint that loads safely (plain tensors and strings) but whose saved config builds
+    ``attack`` as the net's dropout: Hydra would call it while rebuilding the net."""
+    import yaml
+
+    config = {
+        "model": {
+            "_target_": f"attnlab.tasks.{task}",
+            "net": {"_target_": "attnlab.models.GPT", "vocab_size": 8, "dropout": attack},
+        },
+        "data": {"_target_": "attnlab.data.TextDataModule"},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {}, "attnlab": {"config": yaml.safe_dump(config), "artifacts": {}}}, path)
+    return path
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_no_entry_point_builds_what_a_checkpoint_config_names(attack, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "payload.pkl").write_bytes(pickle.dumps(Payload(tmp_path / MARKER)))
+    image = blank_image(tmp_path / "shoe.png")
+    extra = {
+        "generate": ["prompt=a"],
+        "translate": ["text=Hallo"],
+        "predict": [f"image={image}"],
+        "fill-mask": ["text=a [MASK] ."],
+        "classify": ["text=good"],
+        "caption": [f"image={image}"],
+        "zeroshot": [f"image={image}", "labels=a,b"],
+        "export": [f"out={tmp_path / 'exported'}"],
+    }
+    for module, task in TASK_OF.items():
+        ckpt = plant_config_checkpoint(
+            tmp_path / module / "run/checkpoints/last.ckpt", task, ATTACKS[attack](tmp_path)
+        )
+        status, out = run_main(module, [f"ckpt_path={ckpt}", *extra.get(module, [])])
+        assert not (tmp_path / MARKER).exists(), f"{module}: the planted {attack} ran"
+        assert status == 2, f"{module}: exit {status}\n{out[-3000:]}"
+        line = f"model.net.dropout._target_='{attack}' in {ckpt} is not allowed"
+        assert line in out and "Traceback" not in out, f"{module}:\n{out[-3000:]}"
+    assert not (tmp_path / "exported").exists()
+
+
+def test_a_deit_teacher_is_not_built_from_what_its_config_names(tmp_path, monkeypatch):
+    from attnlab.errors import ConfigError
+    from attnlab.tasks.distillation import load_teacher
+
+    (tmp_path / "payload.pkl").write_bytes(pickle.dumps(Payload(tmp_path / MARKER)))
+    ckpt = plant_config_checkpoint(
+        tmp_path / "t.ckpt", "ImageClassificationTask", ATTACKS["torch.load"](tmp_path)
+    )
+    with pytest.raises(
+        ConfigError, match=r"model\.net\.dropout\._target_='torch.load' in .*t.ckpt is not allowed"
+    ):
+        load_teacher(ckpt_path=str(ckpt), log_dir=str(tmp_path))
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_every_recipe_target_is_allowed():
+    """The allow-list takes every ``_target_`` the shipped configs name, so a checkpoint of any
+    recipe (and a sweep over it) rebuilds; a new config naming something else fails here first."""
+    import yaml
+
+    from attnlab.utils.targets import is_allowed, targets
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    found = {
+        t
+        for path in conf.rglob("*.yaml")
+        for _, t in targets(yaml.safe_load(path.read_text(encoding="utf-8")) or {}, "")
+        if isinstance(t, str)
+    }
+    assert len(found) > 40
+    assert not [t for t in sorted(found) if not is_allowed(t)]
+
+
+def test_the_allow_list_refuses_code_by_any_name():
+    from attnlab.utils.targets import is_allowed
+
+    refused = [
+        "os.system",
+        "subprocess.run",
+        "numpy.save",
+        "torch.serialization.load",
+        "torch.nn.modules.module.torch.load",  # torch.nn's own import of torch
+        "attnlab.data.text.shards.SplitWriter",  # an attnlab class that writes files, not a net
+        "attnlab.utils.checkpoint.Path",  # a class imported into an attnlab module
+        "hydra.utils.instantiate",
+        "lightning.pytorch.Trainer.fit",
+    ]
+    assert [t for t in refused if is_allowed(t)] == []
+    assert all(
+        map(is_allowed, ["torch.optim.AdamW", "timm.layers.Mlp", "torch.nn.GELU", "attnlab.models.GPT"])
+    )
+
+
+def test_a_sweep_folder_whose_overrides_name_code_is_refused(tmp_path, monkeypatch):
+    """``attnlab-sweep resume=`` builds trials from the overrides the sweep folder saved."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "payload.pkl").write_bytes(pickle.dumps(Payload(tmp_path / MARKER)))
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    attack = f"model.net.dropout={{_target_:torch.load,f:'{tmp_path / 'payload.pkl'}',weights_only:false}}"
+    OmegaConf.save({"overrides": ["hparams_search=gpt_optuna", attack]}, sweep / "sweep.yaml")
+    status, out = run_main("sweep", [f"resume={sweep}"])
+    assert not (tmp_path / MARKER).exists()
+    assert (
+        status == 2
+        and f"model.net.dropout._target_='torch.load' in {sweep / 'sweep.yaml'} is not allowed" in out
+    ), out
+    assert "Traceback" not in out

@@ -49,7 +49,7 @@ def documents(tmp: Path, name: str = "docs", **kwargs) -> DocumentShards:
     write_documents(tmp / "corpus")
     options = {"vocab_size": 100, "val_docs": 10, "test_docs": 10, "shard_tokens": 2000, "progress": False}
     prepare_documents([str(tmp / "corpus" / "*.txt")], tmp / name, **{**options, **kwargs})
-    return DocumentShards(tmp / name, verify=True)
+    return DocumentShards(tmp / name)
 
 
 def in_memory(paths: list[Path], tokenizer: WordPieceTokenizer) -> list:
@@ -148,7 +148,7 @@ def test_pair_shards_hold_the_pairs_of_any_source_format(tmp_path):
     for kind, path in sources.items():
         prepare_pairs([str(path)], tmp_path / kind, "de", "en", block_pairs=64, **PAIRS)
     de, en = synthetic_pairs(400, 0)
-    shards = PairShards(tmp_path / "tsv", verify=True)
+    shards = PairShards(tmp_path / "tsv")
     tok = shards.tokenizer()
     assert len(shards.train) > 1 and int(shards.ends[-1]) == 350
     assert [shards.sentence("de", i) for i in range(350)] == tok.encode_batch(de[50:])

@@ -162,15 +162,16 @@ def test_a_vit_run_exports_to_timm_with_the_cli(tmp_path):
 @pytest.mark.slow
 def test_a_clip_run_exports_to_open_clip_with_the_cli(tmp_path):
     """open_clip's image tower (patch stem without bias); our caption tokenizer, fitted on the run's
-    captions, has no open_clip counterpart: the folder holds the weights, and captions are encoded
-    with the run's tokenizer (its ids, its end-of-text pooled as open_clip's ``eos``)."""
+    captions, has no open_clip counterpart: the folder holds it as tokenizer.json for attnlab, and
+    captions are encoded with it (its ids, its end-of-text pooled as open_clip's ``eos``)."""
     overrides = [
         *clip_overrides("clip_pairs", tmp_path),
         "model.net.image.stem=patch",
         "+model.net.image.patch_bias=false",
     ]
     ours, out = train_and_export(tmp_path, "clip_pairs", overrides)
-    assert not (out / "tokenizer.json").exists()
+    again = init_artifacts(str(out), "attnlab.tasks.ContrastiveTask")["tokenizer"]
+    assert again == ours.artifacts["tokenizer"]
     model = open_clip.create_model(f"local-dir:{out}").eval()
     net = ours.net()
     images = torch.randn(2, 3, 16, 16)
@@ -204,3 +205,22 @@ def test_a_clip_with_open_clips_tokenizer_exports_its_end_of_text_id(tmp_path):
         torch.testing.assert_close(
             model.encode_text(tokens, normalize=True), net.encode_text(tokens), atol=1e-5, rtol=0
         )
+
+
+def test_zeroshot_init_from_names_its_own_key(tmp_path):
+    """A planted pickle in the folder is refused naming ``init_from=`` (zero-shot's key), not
+    training's ``model.init_from=``; nothing in it runs."""
+    import pickle
+
+    from attnlab.cli.zeroshot import open_clip_folder
+    from attnlab.errors import CheckpointError
+    from test_pretrained_vision import Planted
+
+    folder = tmp_path / "open_clip"
+    write_open_clip(folder)
+    (folder / "open_clip_model.safetensors").unlink()
+    (folder / "open_clip_pytorch_model.bin").write_bytes(pickle.dumps({"weights": Planted()}))
+    with pytest.raises(CheckpointError) as refused:
+        open_clip_folder(folder)
+    message = str(refused.value)
+    assert message.startswith(f"init_from={folder}") and "a pickle that holds more than tensors" in message

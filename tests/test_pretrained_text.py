@@ -354,3 +354,22 @@ def test_a_head_of_another_size_starts_fresh_with_a_notice(bert_dir, caplog):
     assert torch.equal(net.head.weight, head)
     hf = BertModel.from_pretrained(bert_dir)
     assert torch.equal(net.encoder.embed.tokens.tokens.weight, hf.embeddings.word_embeddings.weight)
+
+
+def test_an_empty_folder_or_one_without_weights_says_so(tmp_path):
+    """Not what a config.json that is not there would lack ("activation_function is 'gelu_new'")."""
+    from attnlab.errors import CheckpointError
+    from attnlab.models import GPT, Bert
+    from attnlab.models.pretrained import load_pretrained
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tokenizer_only").mkdir()
+    (tmp_path / "tokenizer_only" / "tokenizer.json").write_text("{}")
+    for net in (
+        GPT(40, max_len=16, depth=1, n_head=2, dim=16),
+        Bert(vocab_size=40, dim=16, depth=1, n_head=2),
+    ):
+        with pytest.raises(CheckpointError, match=r"empty: an empty folder \(no weights, no config\)$"):
+            load_pretrained(net, tmp_path / "empty")
+        with pytest.raises(CheckpointError, match="tokenizer_only: no weights in it"):
+            load_pretrained(net, tmp_path / "tokenizer_only")

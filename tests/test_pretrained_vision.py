@@ -434,3 +434,20 @@ def test_a_net_with_no_counterpart_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(CheckpointError, match="a Perceiver has no counterpart in another library"):
         export_pretrained(net, tmp_path / "out", {})
     assert not (tmp_path / "out").exists()
+
+
+def test_a_timm_folder_has_no_tokenizer_to_warn_about(tmp_path, caplog):
+    """An image classifier takes no text: no "has no tokenizer files" notice (a CLIP still gets it)."""
+    from attnlab.utils.checkpoint import init_artifacts
+
+    folder = saved(timm_reference("vit"), tmp_path / "timm")
+    with caplog.at_level(logging.WARNING):
+        assert init_artifacts(str(folder), "attnlab.tasks.ImageClassificationTask") == {}
+    assert "tokenizer" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        init_artifacts(str(folder), "attnlab.tasks.ContrastiveTask")
+    assert "has no tokenizer files" in caplog.text
+    (tmp_path / "empty").mkdir()
+    for net in (ours("vit"), our_clip()):
+        with pytest.raises(CheckpointError, match=r"an empty folder \(no weights, no config\)"):
+            load_pretrained(net, tmp_path / "empty")

@@ -259,7 +259,8 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         "captions.csv": lambda p: write_pairs(p.parent, n=24).rename(p),
         "Flickr8k.token.txt": lambda p: write_flickr8k(p.parent, images="Flicker8k_Dataset"),
         "captions_train2017.json": lambda p: write_coco(p.parent, images_dir="train2017"),
-        "corpus.txt": lambda p: p.write_text(python_docs()),
+        # twice the docs: byte-level BPE leaves training tokens after the default held-out splits
+        "corpus.txt": lambda p: p.write_text(python_docs() * 2),
         "documents.txt": lambda p: p.write_text(python_docs()[:100_000]),  # paragraphs: documents
         "pairs.tsv": lambda p: write_tsv(p),
         "corpus/train": lambda p: write_aligned(p),

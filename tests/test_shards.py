@@ -36,7 +36,7 @@ def corpus(tmp: Path, parts: int = 3) -> list[str]:
 def make(tmp: Path, name: str = "shards", **kwargs) -> TokenShards:
     options = {"val_tokens": 3000, "test_tokens": 2000, "shard_tokens": 20_000, "progress": False}
     prepare(corpus(tmp), tmp / name, **{**options, **kwargs})
-    return TokenShards(tmp / name, verify=True)
+    return TokenShards(tmp / name)
 
 
 def test_shards_hold_the_corpus_tokens_in_order_split_as_asked(tmp_path):

@@ -137,6 +137,58 @@ class ReleaseFreedMemory(L.Callback):
         release_freed_memory()
 
 
+class FiniteLoss(L.Callback):
+    """Stop a run whose training loss turns NaN or infinite, in one line, before a checkpoint can
+    hold the weights that produced it: the checkpoints written before are the last good ones.
+
+    On the CPU every step's loss is read (reading it costs nothing there). On an accelerator,
+    reading it would wait for the device every step, so the first bad step and its loss are kept
+    on the device and read at the logging interval, before each validation and before any
+    checkpoint is written. All processes stop together (a decision shared by the ranks).
+    """
+
+    def __init__(self) -> None:
+        self.first_bad: torch.Tensor | None = None  # on an accelerator: (step, loss), step -1 if none
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):  # a step the task skipped
+            return
+        loss = loss.detach().float().reshape(-1)[:1]
+        bad = ~torch.isfinite(loss)
+        step = torch.full_like(loss, trainer.global_step)
+        here = torch.cat([torch.where(bad, step, -1.0), loss])
+        if self.first_bad is None or self.first_bad.device != loss.device:
+            self.first_bad = here
+        else:
+            self.first_bad = torch.where(self.first_bad[:1] < 0, here, self.first_bad)
+        every = trainer.log_every_n_steps or 1
+        if self.read_every_step(loss) or trainer.global_step % every == 0:
+            self.check(trainer)
+
+    def read_every_step(self, loss: torch.Tensor) -> bool:
+        return loss.device.type == "cpu"
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: L.Trainer) -> None:
+        """Raise if the loss was not finite on any step of any process so far."""
+        step, value = self.first_bad.tolist() if self.first_bad is not None else (-1.0, 0.0)
+        if not trainer.strategy.reduce_boolean_decision(step >= 0, all=False):
+            return
+        what = f"{value} at step {int(step)}" if step >= 0 else f"not finite by step {trainer.global_step}"
+        raise ConfigError(
+            f"train/loss is {what}: the training diverged; lower model.optimizer.lr (or set "
+            "trainer.gradient_clip_val), or check the data; the checkpoints written before are kept"
+        )
+
+
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     """Lightning's, with ``last.ckpt`` written after every validation and at the end of training.
 

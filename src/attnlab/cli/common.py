@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, open_dict
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from attnlab.errors import AttnlabError, ConfigError, DataError
 
@@ -40,15 +40,16 @@ def config_dir() -> str:
     raise RuntimeError(f"attnlab: no conf/ directory found near {here}")
 
 
-def compose_config(name: str, overrides: list[str]) -> DictConfig:
+def compose_config(name: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
     """The config ``conf/<name>.yaml`` composed with ``overrides``, as its entry point would
-    compose it; an override Hydra refuses is a one-line ``ConfigError``."""
+    compose it (``with_hydra``: the ``hydra`` node too); an override Hydra refuses is a one-line
+    ``ConfigError``."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         try:
-            return compose(config_name=name, overrides=overrides)
+            return compose(config_name=name, overrides=overrides, return_hydra_config=with_hydra)
         except HydraException as e:
             raise ConfigError(str(e).splitlines()[0]) from None
 
@@ -67,12 +68,45 @@ def user_error(e: BaseException) -> AttnlabError | None:
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, AttnlabError):
-            return e
+            return unwrap_worker_error(e)
         if isinstance(e, MissingMandatoryValue):  # a ``???`` in the config that nobody set
             return ConfigError(f"{e.full_key} is required: give {e.full_key}=... on the command line")
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def unwrap_worker_error(err: AttnlabError) -> AttnlabError:
+    """``err`` as raised, where torch re-raised it from a loader worker (or the pin-memory thread).
+
+    torch rebuilds such an error as its type around the worker's whole traceback ("Caught
+    DataError in DataLoader worker process 1.\nOriginal Traceback ..."); the line the error
+    carries is that traceback's last, "attnlab.errors.DataError: <line>".
+    """
+    text = str(err)
+    if not text.startswith(f"Caught {type(err).__name__} ") or "\nOriginal Traceback" not in text:
+        return err
+    prefix = f"{type(err).__module__}.{type(err).__qualname__}: "
+    for line in reversed(text.splitlines()):
+        if line.startswith(prefix):
+            return type(err)(line.removeprefix(prefix))
+    return err
+
+
+def own_run_folder(cfg: DictConfig) -> Path | None:
+    """The run folder Hydra made for this command (``paths.output_dir``), for
+    ``exit_on_user_error`` to discard; ``None`` where it is not inside ``paths.log_dir``
+    (``hydra.run.dir=.``: a folder of the user's, never removed)."""
+    try:
+        out, logs = Path(cfg.paths.output_dir).resolve(), Path(cfg.paths.log_dir).resolve()
+    except OmegaConfBaseException:  # an interpolation error: the command reports it
+        return None
+    return out if out != logs and out.is_relative_to(logs) else None
+
+
+# what a refused run leaves that records only how it was asked for: Hydra's copy of the config,
+# attnlab-train's config.yaml and machine.yaml (with its log, ``*.log``)
+RUN_RECORDS = (".hydra", "config.yaml", "machine.yaml")
 
 
 @contextmanager
@@ -81,8 +115,9 @@ def exit_on_user_error(discard: Path | None = None, console: bool = False) -> It
 
     ``console``: print the line to stderr instead of logging it (the entry points that do not run
     under Hydra); a Hydra entry point logs it, or prints it where its logging is off.
-    ``discard``: a folder made only for this command's results (``attnlab-eval``'s run folder),
-    removed after an input error if it holds nothing but Hydra's copy of the config and the log.
+    ``discard``: a folder made only for this command's results (``attnlab-eval``'s and
+    ``attnlab-train``'s run folder), removed after an input error if it holds nothing the run
+    made but records of its config (``run_record``): never one with checkpoints or CSV logs.
     """
     try:
         yield
@@ -94,10 +129,17 @@ def exit_on_user_error(discard: Path | None = None, console: bool = False) -> It
             print(f"error: {err}", file=sys.stderr)
         else:
             log.error("error: %s", err)
-        if discard is not None and discard.is_dir():
-            if all(p.name == ".hydra" or p.suffix == ".log" for p in discard.iterdir()):
-                shutil.rmtree(discard)
+        if discard is not None and discard.is_dir() and all(map(run_record, discard.iterdir())):
+            shutil.rmtree(discard)
         sys.exit(2)
+
+
+def run_record(path: Path) -> bool:
+    """Whether ``path`` in a refused run's folder only records how the run was asked for (or is an
+    empty folder a logger made, ``csv/x3/``): nothing a discarded run loses."""
+    if path.name in RUN_RECORDS or (path.suffix == ".log" and path.is_file()):
+        return True
+    return path.is_dir() and not path.is_symlink() and not any(p.is_file() for p in path.rglob("*"))
 
 
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:

@@ -12,7 +12,14 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import build_trainer, config_dir, exit_on_user_error, resolve_checkpoint
+from attnlab.cli.common import (
+    build_trainer,
+    config_dir,
+    exit_on_user_error,
+    own_run_folder,
+    resolve_checkpoint,
+)
+from attnlab.errors import ConfigError
 from attnlab.utils.config import check_config
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ log = logging.getLogger("attnlab.eval")
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg, imports=False)  # before torch loads: a wrong trainer value is one quick line
+    lengths = length_multiples(cfg.get("lengths"))
     resolve_checkpoint(cfg)  # and so is a checkpoint that is not there
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities import rank_zero_only
@@ -35,8 +43,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     log.info("evaluating %s", run.path)
     data_cfg = OmegaConf.merge(run.config.data, cfg.get("data") or {})
     out = Path(cfg.paths.output_dir)
-    if cfg.get("lengths"):
-        metrics = test_at_lengths(cfg, run, data_cfg, out)
+    if lengths:
+        metrics = test_at_lengths(cfg, run, data_cfg, out, lengths)
     else:
         trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[])
         metrics = test(trainer, run, data_cfg)
@@ -58,21 +66,35 @@ def test(trainer: L.Trainer, run: TrainedRun, data_cfg: DictConfig) -> dict[str,
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
-def test_at_lengths(cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path) -> dict[str, float]:
-    """A language model tested with windows of each multiple in ``cfg.lengths`` of the length it
-    was trained on (``data.block_size``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
+def length_multiples(value: object) -> list[int]:
+    """``lengths=`` as a list of positive integers (``lengths=3``: ``[3]``; unset: ``[]``)."""
+    from omegaconf import ListConfig
+
+    if value is None:
+        return []
+    given = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
+    if not given or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in given):
+        raise ConfigError(
+            "lengths must be a list of positive integers (multiples of a language model's "
+            f"data.block_size), e.g. lengths=[1,2,4], got {value}"
+        )
+    return given
+
+
+def test_at_lengths(
+    cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path, lengths: list[int]
+) -> dict[str, float]:
+    """A language model tested with windows of each multiple in ``lengths`` of the length it was
+    trained on (``data.block_size``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
     extrapolation study). A length the model cannot take (learned positions past their table) is
     skipped, saying why; if it can take none, that is the error."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from attnlab.errors import ConfigError
-
     base = data_cfg.get("block_size")
-    lengths = list(cfg.lengths)
-    if base is None or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in lengths):
+    if base is None:
         raise ConfigError(
-            "lengths must be positive integers (multiples of a language model's data.block_size), "
-            f"got {lengths}"
+            f"lengths needs a language model: {run.path}'s data ({data_cfg.get('_target_')}) has no "
+            "data.block_size to multiply; leave lengths out"
         )
     metrics, skipped = {}, []
     for m in lengths:
@@ -133,7 +155,7 @@ def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="eval")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error(discard=Path(cfg.paths.output_dir)):
+    with exit_on_user_error(discard=own_run_folder(cfg)):
         evaluate(cfg)
 
 

@@ -1,8 +1,16 @@
 """``attnlab-export ckpt_path=... out=<folder>``: a trained run in its counterpart library's
-format (transformers, timm, open_clip: ``attnlab.models.pretrained``), or ``format=onnx``."""
+format (transformers, timm, open_clip: ``attnlab.models.pretrained``), or ``format=onnx``.
+
+The export is written into ``<out>.partial`` and moved into place once complete (as
+``attnlab-prepare`` does): a killed run leaves only that folder, which the next one clears; a
+failed or refused one leaves nothing. ``overwrite=true`` replaces an earlier export only then."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import hydra
@@ -12,17 +20,105 @@ from attnlab.cli.common import config_dir, exit_on_user_error, resolve_checkpoin
 from attnlab.errors import ConfigError, DataError
 
 FORMATS = ("native", "onnx")
+# every file an export writes (transformers, timm, open_clip, ONNX): overwrite=true replaces a
+# folder holding only these, never one holding anything else (a user's files would go with it)
+EXPORT_FILES = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "open_clip_config.json",
+    "open_clip_model.safetensors",
+    "model.onnx",
+    "model.onnx.data",
+    "attnlab.json",
+}
 
 
 def check_out(cfg: DictConfig) -> Path:
-    """``out=`` as a folder to write, refused (before torch loads) when it holds files and
-    ``overwrite`` is not set: an earlier export is never replaced by accident."""
+    """``out=`` as a folder to write, refused (before torch loads) when it is a symlink, holds
+    one, or holds files and ``overwrite`` is not set (an earlier export is never replaced by
+    accident, and with ``overwrite`` only an earlier export is)."""
     if cfg.format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
-    out = Path(str(cfg.out)).expanduser()
-    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not cfg.overwrite):
-        raise DataError(f"out={out} exists and is not an empty folder (set overwrite=true to write into it)")
+    # absolute without following links: a symlinked out= is refused, not resolved
+    out = Path(os.path.abspath(Path(str(cfg.out)).expanduser()))
+    if not out.name:
+        raise ConfigError(f"out={cfg.out}: not a folder an export can be written to")
+    if out.is_symlink():
+        raise DataError(f"out={out} is a symlink (to {os.readlink(out)}); give a real folder to export into")
+    if out.exists() and not out.is_dir():
+        raise DataError(f"out={out} exists and is not an empty folder (give a new or empty folder)")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    for entry in entries:
+        if entry.is_symlink():
+            raise DataError(
+                f"out={out} holds a symlink, {entry.name} -> {os.readlink(entry)} (an export writes only "
+                "real files: remove it)"
+            )
+    if foreign := [e.name for e in entries if e.name not in EXPORT_FILES or not e.is_file()]:
+        raise DataError(
+            f"out={out} exists and is not an empty folder: it holds {foreign[0]}, which no export "
+            "writes (give a new or empty folder; overwrite=true replaces only an earlier export)"
+        )
+    if entries and not cfg.overwrite:
+        raise DataError(f"out={out} exists and is not an empty folder (set overwrite=true to replace it)")
     return out
+
+
+def partial_of(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def start_partial(out: Path) -> Path:
+    """A clean ``<out>.partial`` (what a killed export left there removed; a link is unlinked,
+    never followed)."""
+    partial = partial_of(out)
+    if partial.is_symlink() or partial.is_file():
+        partial.unlink()
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish(partial: Path, out: Path) -> None:
+    """The complete export moved into place; an earlier one (checked by ``check_out``) is set
+    aside first and removed only once the new one is there."""
+    old = out.with_name(out.name + ".partial.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.is_dir() and any(out.iterdir()):
+        os.replace(out, old)
+    elif out.is_dir():
+        out.rmdir()
+    try:
+        os.replace(partial, out)
+    except OSError:
+        if old.is_dir() and not out.exists():
+            os.replace(old, out)  # the earlier export back where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """``<out>.partial`` to write into, published at the end; on any failure removed, and a write
+    that fails (an unwritable folder, a full disk) one line naming ``out``."""
+    from safetensors import SafetensorError
+
+    partial = partial_of(out)
+    try:
+        partial = start_partial(out)
+        yield partial
+        publish(partial, out)
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"out={out}: cannot write the export ({reason}); nothing was exported") from e
+    finally:
+        with suppress(OSError):
+            if partial.is_symlink():
+                partial.unlink()
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def export(cfg: DictConfig) -> Path:
@@ -35,14 +131,15 @@ def export(cfg: DictConfig) -> Path:
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     task, _ = model_names(run.config.model)
     net = run.net()
-    if cfg.format == "onnx":
-        from attnlab.inference.export import export_onnx
+    with staged(out) as partial:
+        if cfg.format == "onnx":
+            from attnlab.inference.export import export_onnx
 
-        export_onnx(net, task, run.artifacts, out)
-    else:
-        from attnlab.models.pretrained import export_pretrained
+            export_onnx(net, task, run.artifacts, partial)
+        else:
+            from attnlab.models.pretrained import export_pretrained
 
-        export_pretrained(net, out, run.artifacts)
+            export_pretrained(net, partial, run.artifacts)
     return out
 
 

@@ -26,7 +26,10 @@ WordPiece): the first --val-docs documents, then --test-docs. --mode translation
 key.jpg + key.cls (images) or key.jpg + key.txt (pairs) in tar files of --shard-records records;
 --val-size training records are carved out (seeded) to validate; test/ (or --test-file) is the
 test split. Every folder gets a manifest.json (the tokenizer, counts, sha256 of each file, the
-sources). An interrupted prepare leaves only <out>.partial, which the next one removes.
+sources). A prepare writes into <out>.partial, moved into place at the end: a failed one removes
+it, a killed one leaves it for the next to remove; a second prepare into an --out being written is
+refused. --vocab-size is at most 1048576; a vocabulary raised to hold the special tokens and the
+alphabet is noted.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from attnlab.cli.common import exit_on_user_error
 
@@ -51,6 +55,8 @@ for mode in ("lm", "bert", "translation"):
     MODE_OPTIONS[mode] = {**MODE_OPTIONS[mode], **TEXT_OPTIONS}
 VOCAB_SIZE = {"lm": 1024, "bert": 8000, "translation": 8000}
 UNITS = {"lm": "tokens", "bert": "documents", "translation": "pairs"}
+# attnlab.data.text.shards.MAX_VOCAB_SIZE, restated: this module imports no torch (a test checks both)
+MAX_VOCAB_SIZE = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +107,7 @@ def mode_options(args: argparse.Namespace) -> dict:
             modes = " or ".join(m for m, options in MODE_OPTIONS.items() if name in options)
             raise ConfigError(f"--{name.replace('_', '-')} is for --mode {modes}, not --mode {args.mode}")
     out = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in ours.items()}
+    check_text_options(args, out)
     for name in ("src_lang", "tgt_lang"):
         if name in out and out[name] is None:
             raise ConfigError(f"--mode translation needs --{name.replace('_', '-')} (e.g. de, en)")
@@ -108,6 +115,30 @@ def mode_options(args: argparse.Namespace) -> dict:
         what = "folder (train/<class>/...)" if args.mode == "images" else "CSV or JSONL file"
         raise ConfigError(f"--mode {args.mode} takes one {what}, not {len(args.inputs)} inputs")
     return out
+
+
+def check_text_options(args: argparse.Namespace, options: dict) -> None:
+    """The text modes' counts, checked before anything is read (what argparse's ``int`` lets by)."""
+    from attnlab.errors import ConfigError
+
+    if "workers" in options and options["workers"] < 1:
+        raise ConfigError(f"--workers must be a positive integer (tokenising processes), got {args.workers}")
+    if args.vocab_size is None:
+        return
+    if options.get("tokenizer") == "char":
+        raise ConfigError("--vocab-size is for --tokenizer bpe: a char vocabulary is the corpus's characters")
+    if not 1 <= args.vocab_size <= MAX_VOCAB_SIZE:
+        raise ConfigError(f"--vocab-size must be from 1 to {MAX_VOCAB_SIZE}, got {args.vocab_size}")
+
+
+def vocabulary_note(asked: int, manifest: dict) -> str | None:
+    """A line when the trainer made the vocabulary larger than ``--vocab-size``."""
+    if manifest["vocab_size"] <= asked:
+        return None
+    return (
+        f"note: the vocabulary holds {manifest['vocab_size']} entries, not --vocab-size {asked}: "
+        "raised to hold the special tokens and the alphabet (every byte or character) before any merge"
+    )
 
 
 def prepare_text(args: argparse.Namespace, options: dict) -> str:
@@ -132,6 +163,8 @@ def prepare_text(args: argparse.Namespace, options: dict) -> str:
         counts = {"train": sum(x["pairs"] for x in splits["train"]), "val": splits["val"]["pairs"]}
         counts["test"] = splits["test"]["pairs"]
     seconds = time.perf_counter() - t0
+    if options.get("tokenizer") != "char" and (note := vocabulary_note(options["vocab_size"], manifest)):
+        print(note, file=sys.stderr)
     size = sum(s["bytes"] for s in manifest["sources"])
     return (
         f"{args.out}: {counts['train']} train / {counts['val']} val / {counts['test']} test "
@@ -141,11 +174,13 @@ def prepare_text(args: argparse.Namespace, options: dict) -> str:
 
 
 def prepare_images(args: argparse.Namespace, options: dict) -> str:
+    from attnlab.data.text.shards import writing
     from attnlab.data.vision import shards
 
     t0 = time.perf_counter()
     write = shards.prepare_images if args.mode == "images" else shards.prepare_pairs
-    manifest = write(args.inputs[0], args.out, **options)
+    with writing(Path(args.out)):  # one prepare at a time into --out; a failed one leaves nothing
+        manifest = write(args.inputs[0], args.out, **options)
     seconds = time.perf_counter() - t0
     counts = {s: sum(e["count"] for e in entries) for s, entries in manifest["splits"].items()}
     size = sum(e["bytes"] for entries in manifest["splits"].values() for e in entries)

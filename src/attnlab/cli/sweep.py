@@ -18,11 +18,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import compose_train, exit_on_user_error, quote_free_text
+from attnlab.cli.common import compose_config, compose_train, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
 from attnlab.sweep import open_study, override_value, run_sweep, search_space
 from attnlab.utils.checks import is_int
 from attnlab.utils.config import constructor_errors, refuse_renamed_overrides
+from attnlab.utils.targets import check_targets
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 
@@ -50,6 +51,8 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
         if not (sweep_dir / SAVED).is_file():
             raise ConfigError(f"resume={sweep_dir}: no {SAVED} there (not a directory attnlab-sweep made)")
         overrides = list(OmegaConf.load(sweep_dir / SAVED).overrides)
+        # the saved overrides are input, not code: each trial would build what they name
+        check_targets(compose_config("train", overrides, with_hydra=True), str(sweep_dir / SAVED))
         return compose_train(overrides), overrides, sweep_dir
     args = quote_search_spaces(args)
     cfg = compose_train(args)

@@ -14,7 +14,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error
+from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder
 from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.config import (
@@ -218,11 +218,19 @@ def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
 
 
 def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any]:
-    """The config's callbacks and those every run has: metadata in each checkpoint, resumable
-    random streams, freed memory returned; a sweep trial's pruning report."""
-    from attnlab.callbacks import ReleaseFreedMemory, ResumableRandomness, RunMetadata, TrialPruning
+    """The config's callbacks and those every run has: a stop at a non-finite loss, metadata in
+    each checkpoint, resumable random streams, freed memory returned; a sweep trial's pruning
+    report."""
+    from attnlab.callbacks import (
+        FiniteLoss,
+        ReleaseFreedMemory,
+        ResumableRandomness,
+        RunMetadata,
+        TrialPruning,
+    )
 
     callbacks = instantiate_group(cfg, "callbacks")
+    callbacks.append(FiniteLoss())
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     callbacks.append(ResumableRandomness(cfg.get("seed")))
     callbacks.append(ReleaseFreedMemory())
@@ -351,7 +359,8 @@ def main() -> float | None:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    with exit_on_user_error():
+    # rank 0 decides about the run folder it shares with the other ranks
+    with exit_on_user_error(discard=own_run_folder(cfg) if trainer_rank_zero() else None):
         try:
             metrics = train(cfg)
         except Exception as e:

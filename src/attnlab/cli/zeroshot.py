@@ -22,7 +22,7 @@ from attnlab.cli.common import (
     quote_free_text,
     resolve_checkpoint,
 )
-from attnlab.errors import CheckpointError, ConfigError
+from attnlab.errors import CheckpointError, ConfigError, DataError
 
 # torch and the model load after the options and the checkpoint's path are checked (quick errors)
 if TYPE_CHECKING:
@@ -66,8 +66,11 @@ def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, An
 
     if not folder.is_dir():
         raise ConfigError(f"init_from={folder}: not a folder (expected one open_clip saved)")
-    net, artifacts = clip_from_open_clip(folder), preprocess(folder)
-    tokenizer = import_tokenizer(folder)
+    try:
+        net, artifacts = clip_from_open_clip(folder), preprocess(folder)
+        tokenizer = import_tokenizer(folder)
+    except (CheckpointError, DataError) as e:  # the converters name training's key; this one's is init_from
+        raise type(e)(str(e).replace("model.init_from=", "init_from=")) from e
     if not isinstance(tokenizer, CaptionTokenizer):
         raise CheckpointError(
             f"init_from={folder}: no CLIP tokenizer in it (tokenizer.json, or vocab.json + merges.txt)"

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def image_files(path: Path) -> list[Path]:
     """``path`` itself, or the images in the folder ``path`` (sorted)."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         if not files:
             raise DataError(f"image={path}: a folder without images ({', '.join(sorted(IMAGE_SUFFIXES))})")
         return files

@@ -15,6 +15,7 @@ from attnlab.errors import CheckpointError
 from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task
 from attnlab.utils.config import translate_renamed
 from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
+from attnlab.utils.targets import check_targets
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class TrainedRun:
         if names:
             require_task(meta, self.path, names, need)
         self.config: DictConfig = OmegaConf.create(meta["config"])
+        # the saved config is input, not code: nothing in it is built unless attnlab allows it
+        check_targets(self.config, str(self.path))
         # a run saved before the hyper-parameters got one vocabulary (issue 28) names them the old
         # way; its weights are named as now, so the renamed config builds the same model
         if self.config.get("model") is not None and (

@@ -15,10 +15,14 @@ from attnlab.errors import ConfigError, DataError
 
 
 def parse_labels(labels: str | None) -> list[str]:
-    """``labels="t-shirt,sneaker,bag"`` -> the class names, refusing an empty list."""
+    """``labels="t-shirt,sneaker,bag"`` -> the class names, refusing an empty list and a label
+    given twice (it would be scored twice, splitting its probability)."""
     names = [s.strip() for s in str(labels or "").split(",") if s.strip()]
     if not names:
         raise ConfigError('labels: an empty label list; give the classes, e.g. labels="t-shirt,sneaker,bag"')
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(f"labels: {', '.join(map(repr, twice))} given more than once; give each label once")
     return names
 
 

@@ -47,6 +47,8 @@ def load_pretrained(net: nn.Module, source: str | Path) -> nn.Module:
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"model.init_from={source}: no such file or directory")
+    if path.is_dir() and not any(path.iterdir()):
+        raise CheckpointError(f"model.init_from={source}: an empty folder (no weights, no config)")
     converter(net, "model.init_from").load(net, path)
     return net
 

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.errors import CheckpointError, ConfigError
 from attnlab.nn import TransformerBlock
 from attnlab.tasks.optim import build_optimizers, clip_gradients
 from attnlab.tasks.optim import freeze as freeze_parameters
@@ -67,6 +67,7 @@ def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
         from attnlab.models.pretrained import load_pretrained
 
         load_pretrained(net, spec)
+        refuse_non_finite(net, spec)
         return
     path = resolve_pretrained(spec, Path("logs"))
     saved = load_checkpoint(path)["state_dict"]
@@ -91,7 +92,19 @@ def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
         state = {k: v for k, v in state.items() if k not in headless}
     check_fits(target, state, f"{path} (model.init_from)")
     target.load_state_dict(state)
+    refuse_non_finite(target, path)
     log.info("%s weights loaded from %s", "all" if target is net else "encoder", path)
+
+
+def refuse_non_finite(net: nn.Module, source: str | Path) -> None:
+    """Weights with a NaN or an infinity would train on a NaN loss: refused, naming the source and
+    the first such tensor (one pass over the weights, once, at load)."""
+    for name, tensor in net.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"model.init_from={source}: {name} holds NaN or infinite values; these weights "
+                "cannot be trained from"
+            )
 
 
 def part_prefix(state: Mapping[str, torch.Tensor], net: nn.Module) -> str:

@@ -274,7 +274,10 @@ def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]
 
     tokenizer = import_tokenizer(Path(path))
     if tokenizer is None:
-        log.warning("model.init_from=%s has no tokenizer files: the data fits a tokenizer of its own", path)
+        if not target.endswith(".ImageClassificationTask"):  # an image classifier has no text
+            log.warning(
+                "model.init_from=%s has no tokenizer files: the data fits a tokenizer of its own", path
+            )
         return {}
     log.info("model.init_from=%s: its %s tokenizer (%d tokens)", path, tokenizer.kind, tokenizer.vocab_size)
     return {"tokenizer": tokenizer.to_json()}

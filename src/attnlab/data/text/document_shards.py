@@ -34,7 +34,11 @@ from attnlab.data.text.shards import (
     _progress,
     check_file,
     check_free,
+    check_vocab_size,
     file_sha256,
+    manifest_file,
+    manifest_vocab,
+    prepares,
     publish,
     read_manifest,
     source_files,
@@ -42,6 +46,7 @@ from attnlab.data.text.shards import (
     text_chunks,
     token_dtype,
     tokenizer_sha256,
+    verify_file,
 )
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
@@ -54,6 +59,7 @@ PARTS = ("tokens", "sentences", "documents")  # the files of a shard, by suffix
 
 def fit_wordpiece(files: Sequence[Path], vocab_size: int, sample_bytes: int) -> WordPieceTokenizer:
     """WordPiece trained on the sentences of the first ``sample_bytes`` of the corpus."""
+    check_vocab_size(vocab_size)
     lines, size = [], 0
     for text, n in text_chunks(files, 1 << 22):
         lines += [s for line in text.splitlines() if (s := line.strip())]
@@ -195,6 +201,7 @@ class DocumentRouter:
         self.writers[split].write(ids, lengths)
 
 
+@prepares
 def prepare_documents(
     inputs: Sequence[str],
     out_dir: str | os.PathLike,
@@ -265,6 +272,7 @@ class DocumentShard:
     tokens: int
     sentences: int
     documents: int
+    sha256: dict[str, str]
 
     def path(self, part: str) -> Path:
         return self.folder / f"{self.name}.{part}"
@@ -272,39 +280,54 @@ class DocumentShard:
 
 class DocumentShards:
     """A folder from ``prepare_documents``: its tokenizer and each split's shards, checked against
-    the manifest (sizes always, sha256 with ``verify``)."""
+    the manifest: at opening, the files inside the folder and of their sizes; the first time this
+    process reads a shard (``verify``), their sha256 and the token ids against the vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         manifest = read_manifest(self.folder, "documents")
         try:
             self.dtype = np.dtype(manifest["dtype"])
+            if self.dtype not in (np.uint16, np.uint32):
+                raise ValueError(f"dtype {manifest['dtype']!r}, not uint16 or uint32")
             self.tokenizer_json: str = manifest["tokenizer"]
             entries = manifest["splits"]
-            self.splits = {
-                s: [
-                    DocumentShard(
-                        self.folder, e["name"], int(e["tokens"]), int(e["sentences"]), int(e["documents"])
-                    )
-                    for e in entries[s]
-                ]
-                for s in SPLITS
-            }
-        except (ValueError, KeyError, TypeError) as e:
+            self.splits = {s: [self._shard(s, i, e) for i, e in enumerate(entries[s])] for s in SPLITS}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(
                 f"{self.folder / 'manifest.json'}: not a readable manifest ({type(e).__name__}: {e})"
             ) from None
+        self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
+        self.verified: set[str] = set()  # shards whose files this process checked
         for split in SPLITS:
-            for shard, entry in zip(self.splits[split], entries[split], strict=True):
-                sizes = {
-                    "tokens": (shard.tokens * self.dtype.itemsize, f"{shard.tokens} tokens of {self.dtype}"),
-                    "sentences": ((shard.sentences + 1) * 8, f"{shard.sentences} sentence offsets"),
-                    "documents": ((shard.documents + 1) * 8, f"{shard.documents} document offsets"),
-                }
-                for part, (size, what) in sizes.items():
-                    check_file(shard.path(part), size, what, entry["sha256"][part] if verify else None)
+            for shard in self.splits[split]:
+                for part, (size, what) in self._sizes(shard).items():
+                    check_file(shard.path(part), size, what)
                 if shard.documents == 0:
                     raise DataError(f"{shard.path('documents')}: an empty shard (no documents)")
+
+    def _shard(self, split: str, i: int, e: dict[str, Any]) -> DocumentShard:
+        for part in PARTS:  # each of its files inside the folder
+            manifest_file(self.folder, f"{e['name']}.{part}", f"splits.{split}[{i}].name")
+        sha256 = {part: e["sha256"][part] for part in PARTS}
+        counts = (int(e["tokens"]), int(e["sentences"]), int(e["documents"]))
+        return DocumentShard(self.folder, e["name"], *counts, sha256)
+
+    def _sizes(self, shard: DocumentShard) -> dict[str, tuple[int, str]]:
+        return {
+            "tokens": (shard.tokens * self.dtype.itemsize, f"{shard.tokens} tokens of {self.dtype}"),
+            "sentences": ((shard.sentences + 1) * 8, f"{shard.sentences} sentence offsets"),
+            "documents": ((shard.documents + 1) * 8, f"{shard.documents} document offsets"),
+        }
+
+    def verify(self, shard: DocumentShard) -> None:
+        """Check the files of ``shard`` (sha256; ids in the vocabulary) unless this process did."""
+        if shard.name in self.verified:
+            return
+        for part in PARTS:
+            dtype = self.dtype if part == "tokens" else None
+            verify_file(shard.path(part), shard.sha256[part], dtype, self.vocab_size)
+        self.verified.add(shard.name)
 
     def tokenizer(self) -> WordPieceTokenizer:
         return tokenizer_from_json(self.tokenizer_json)
@@ -314,6 +337,7 @@ class DocumentShards:
 
     def read(self, shard: DocumentShard, first: int, n: int) -> list[Document]:
         """Documents ``first .. first + n - 1`` of a shard."""
+        self.verify(shard)  # a set lookup once checked
         docs = np.fromfile(shard.path("documents"), dtype=np.int64, count=n + 1, offset=8 * first)
         sents = np.fromfile(
             shard.path("sentences"), dtype=np.int64, count=docs[-1] - docs[0] + 1, offset=8 * docs[0]
@@ -340,6 +364,8 @@ class ShardDocuments(Sequence):
 
     def __init__(self, shards: DocumentShards) -> None:
         self.shards, self.parts = shards, shards.splits["train"]
+        for shard in self.parts:  # here, before the loader's workers start: each checks none again
+            shards.verify(shard)
         self.ends = np.cumsum([s.documents for s in self.parts])
 
     def __len__(self) -> int:

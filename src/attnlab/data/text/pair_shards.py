@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,17 @@ from attnlab.data.text.shards import (
     _progress,
     check_file,
     check_free,
+    check_vocab_size,
     file_sha256,
+    manifest_file,
+    manifest_vocab,
+    prepares,
     publish,
     read_manifest,
     start_partial,
     token_dtype,
     tokenizer_sha256,
+    verify_file,
 )
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
@@ -88,16 +93,15 @@ def jsonl_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[Pair, int]]:
 def aligned_pairs(src_path: Path, tgt_path: Path) -> Iterator[tuple[Pair, int]]:
     """Line ``i`` of one file with line ``i`` of the other; files of different line counts are
     refused, naming both and their counts (counted to the end of the longer)."""
-    a, b = lines(src_path), lines(tgt_path)
-    n = 0
-    for (_, size_a, x), (_, size_b, y) in zip(a, b, strict=False):
-        n += 1
-        yield (x, y), size_a + size_b
-    rest_a, rest_b = sum(1 for _ in a), sum(1 for _ in b)
-    if rest_a or rest_b:
+    n_a = n_b = 0
+    for a, b in zip_longest(lines(src_path), lines(tgt_path)):  # zip would drop a line of the longer
+        n_a, n_b = n_a + (a is not None), n_b + (b is not None)
+        if a is not None and b is not None:
+            yield (a[2], b[2]), a[1] + b[1]
+    if n_a != n_b:
         raise DataError(
-            f"parallel files differ in length: {src_path} has {n + rest_a} lines, {tgt_path} has "
-            f"{n + rest_b}; line i of one must translate line i of the other"
+            f"parallel files differ in length: {src_path} has {n_a} lines, {tgt_path} has "
+            f"{n_b}; line i of one must translate line i of the other"
         )
 
 
@@ -198,6 +202,7 @@ class PairWriter:
 
 def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_bytes: int) -> SubwordTokenizer:
     """The joint BPE of both languages, trained on the first ``sample_bytes`` of training pairs."""
+    check_vocab_size(vocab_size)
     sentences, size = [], 0
     for (x, y), n in pairs:
         sentences += [x, y]
@@ -207,6 +212,7 @@ def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_byt
     return SubwordTokenizer.fit(sentences, vocab_size)
 
 
+@prepares
 def prepare_pairs(
     inputs: Sequence[str],
     out_dir: str | os.PathLike,
@@ -317,73 +323,102 @@ class PairShard:
     name: str
     pairs: int
     tokens: dict[str, int]
+    sha256: dict[str, str]
 
     def path(self, lang: str, part: str) -> Path:
         return self.folder / f"{self.name}.{lang}.{part}"
 
 
 class PairShards:
-    """A folder from ``prepare_pairs``: its languages, tokenizer, training shards (checked against
-    the manifest: sizes always, sha256 with ``verify``) and held-out text."""
+    """A folder from ``prepare_pairs``: its languages, tokenizer, training shards and held-out
+    text, checked against the manifest: at opening, every file inside the folder and of its size;
+    the first time this process reads a file (``verify``), its sha256 and the token ids against
+    the vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         manifest = read_manifest(self.folder, "pairs")
         try:
             self.langs: tuple[str, str] = tuple(manifest["langs"])
             self.dtype = np.dtype(manifest["dtype"])
+            if self.dtype not in (np.uint16, np.uint32):
+                raise ValueError(f"dtype {manifest['dtype']!r}, not uint16 or uint32")
             self.tokenizer_json: str = manifest["tokenizer"]
             entries = manifest["splits"]["train"]
-            self.train = [PairShard(self.folder, e["name"], int(e["pairs"]), e["tokens"]) for e in entries]
+            self.train = [self._shard(i, e) for i, e in enumerate(entries)]
             self.held_out = {s: manifest["splits"][s] for s in HELD_OUT}
-        except (ValueError, KeyError, TypeError) as e:
+            self.text_sha256 = {
+                (s, lang): self.held_out[s]["sha256"][lang] for s in HELD_OUT for lang in self.langs
+            }
+            for s, lang in self.text_sha256:
+                manifest_file(self.folder, f"{s}.{lang}", f"langs ({lang!r})")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(
                 f"{self.folder / 'manifest.json'}: not a readable manifest ({type(e).__name__}: {e})"
             ) from None
-        for shard, entry in zip(self.train, entries, strict=True):
+        self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
+        self.verified: set[Path] = set()  # files whose sha256 (and ids) this process checked
+        for shard in self.train:
             if shard.pairs == 0:
                 raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
             for lang in self.langs:
                 n = int(shard.tokens[lang])
-                sha = entry["sha256"] if verify else {}
+                check_file(shard.path(lang, "tokens"), n * self.dtype.itemsize, f"{n} tokens of {self.dtype}")
                 check_file(
-                    shard.path(lang, "tokens"),
-                    n * self.dtype.itemsize,
-                    f"{n} tokens of {self.dtype}",
-                    sha.get(f"{lang}.tokens"),
-                )
-                check_file(
-                    shard.path(lang, "offsets"),
-                    (shard.pairs + 1) * 8,
-                    f"{shard.pairs} sentence offsets",
-                    sha.get(f"{lang}.offsets"),
+                    shard.path(lang, "offsets"), (shard.pairs + 1) * 8, f"{shard.pairs} sentence offsets"
                 )
         for split, entry in self.held_out.items():
             for lang in self.langs:
-                sha = entry["sha256"][lang] if verify else None
                 what = f"{entry['pairs']} lines of text"
-                check_file(self.folder / f"{split}.{lang}", int(entry["bytes"][lang]), what, sha)
+                check_file(self.folder / f"{split}.{lang}", int(entry["bytes"][lang]), what)
         self.ends = np.cumsum([s.pairs for s in self.train])
+
+    def _shard(self, i: int, e: dict[str, Any]) -> PairShard:
+        parts = [f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets")]
+        for part in parts:  # each of its files inside the folder
+            manifest_file(self.folder, f"{e['name']}.{part}", f"splits.train[{i}].name")
+        sha256 = {part: e["sha256"][part] for part in parts}
+        return PairShard(self.folder, e["name"], int(e["pairs"]), e["tokens"], sha256)
+
+    def _verify(self, path: Path, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
+        """Check a file (sha256; with ``ids``, its token ids) unless this process did."""
+        if path in self.verified:
+            return path.read_bytes() if keep else b""
+        data = verify_file(path, sha256, self.dtype if ids else None, self.vocab_size, keep)
+        self.verified.add(path)
+        return data
+
+    def verify(self, lang: str) -> None:
+        """Check the training shards of one language (before the loader's workers start, so that
+        none of them checks again)."""
+        for shard in self.train:
+            self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
+            self._verify(shard.path(lang, "offsets"), shard.sha256[f"{lang}.offsets"])
 
     def tokenizer(self) -> SubwordTokenizer:
         return tokenizer_from_json(self.tokenizer_json)
 
     def text_files(self, split: str, src: str, tgt: str) -> tuple[Path, Path]:
+        """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
+        for lang in (src, tgt):
+            self._verify(self.folder / f"{split}.{lang}", self.text_sha256[split, lang])
         return self.folder / f"{split}.{src}", self.folder / f"{split}.{tgt}"
 
     def lengths(self, lang: str) -> np.ndarray:
         """Each training sentence's length in tokens, in ``lang`` (int32, one per pair)."""
-        return np.concatenate(
-            [
-                np.diff(np.fromfile(s.path(lang, "offsets"), dtype=np.int64)).astype(np.int32)
-                for s in self.train
-            ]
-        )
+        offsets = [
+            np.frombuffer(
+                self._verify(s.path(lang, "offsets"), s.sha256[f"{lang}.offsets"], keep=True), np.int64
+            )
+            for s in self.train
+        ]
+        return np.concatenate([np.diff(o).astype(np.int32) for o in offsets])
 
     def sentence(self, lang: str, i: int) -> list[int]:
         """Training sentence ``i`` (over all shards) in ``lang``."""
         k = int(np.searchsorted(self.ends, i, side="right"))
         shard, j = self.train[k], i - (int(self.ends[k - 1]) if k else 0)
+        self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
         a, b = np.fromfile(shard.path(lang, "offsets"), dtype=np.int64, count=2, offset=8 * j)
         return np.fromfile(
             shard.path(lang, "tokens"), dtype=self.dtype, count=b - a, offset=a * self.dtype.itemsize
@@ -396,6 +431,7 @@ class ShardSide(Sequence):
 
     def __init__(self, shards: PairShards, lang: str, keep: np.ndarray) -> None:
         self.shards, self.lang, self.keep = shards, lang, keep
+        shards.verify(lang)
 
     def __len__(self) -> int:
         return len(self.keep)

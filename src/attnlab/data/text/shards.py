@@ -12,12 +12,15 @@ page cache.
 from __future__ import annotations
 
 import codecs
+import errno
+import functools
 import glob
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
@@ -96,6 +99,7 @@ def fit_tokenizer(files: Sequence[Path], kind: str, vocab_size: int, sample_byte
             chars.update(text)
         return CharTokenizer("".join(sorted(chars)))
     if kind == "bpe":
+        check_vocab_size(vocab_size)
         sample, size = [], 0
         for text, n in text_chunks(files, 1 << 22):
             sample.append(text)
@@ -132,6 +136,21 @@ class ChunkEncoder:
 
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+# Four times the largest vocabularies in use; the trainers allocate for the size asked before they
+# read any text (a billion: a 70 GB allocation, and the process aborts).
+MAX_VOCAB_SIZE = 1 << 20
+
+
+def check_vocab_size(vocab_size: int, name: str = "vocab_size") -> None:
+    """A vocabulary size a tokenizer can be trained to (``name``: what the user called it)."""
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or not 1 <= vocab_size <= MAX_VOCAB_SIZE
+    ):
+        raise ConfigError(f"{name} must be an integer from 1 to {MAX_VOCAB_SIZE}, got {vocab_size!r}")
 
 
 def file_sha256(path: Path) -> str:
@@ -173,9 +192,107 @@ class SplitWriter:
             self.file.close()
             self.file = None
             shard = self.shards[-1]
-            shard["sha256"] = file_sha256(self.folder / shard["file"])
+            path = self.folder / shard["file"]
+            check_written(path, shard["tokens"] * np.dtype(self.dtype).itemsize)
+            shard["sha256"] = file_sha256(path)
 
 
+def check_written(path: Path, size: int) -> None:
+    """``path`` holds the ``size`` bytes written to it: numpy's ``tofile`` can lose a short write
+    to a full disk without an error."""
+    if (found := path.stat().st_size) != size:
+        raise OSError(errno.ENOSPC, f"{found} of {size} bytes written", str(path))
+
+
+def prepares(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """``fn(inputs, out_dir, ...)`` run while it holds ``out_dir`` (see ``writing``)."""
+
+    @functools.wraps(fn)
+    def run(inputs: Sequence[str], out_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        with writing(Path(out_dir)):
+            return fn(inputs, out_dir, *args, **kwargs)
+
+    return run
+
+
+@contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Held while a prepare writes ``out``: another prepare into the same folder is refused in one
+    line, and whatever ends this one early (an error, a full disk, Ctrl-C) removes its
+    ``<out>.partial``; a failure to write is one ``DataError`` naming the file."""
+    with _lock(out):
+        try:
+            yield
+        except BaseException as e:
+            shutil.rmtree(_beside(out, ".partial"), ignore_errors=True)
+            if isinstance(e, OSError):
+                raise DataError(_write_error(e, out)) from None
+            raise
+
+
+def _write_error(e: OSError, out: Path) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) or e.errno is None:  # numpy's short write has none
+        what = f" {e.filename}" if e.filename else ""
+        return (
+            f"{out}: could not write{what} ({e.strerror or e}); is the disk full? Nothing was kept: "
+            "free some space or choose another --out"
+        )
+    return f"{e.filename or out}: {e.strerror or e}"
+
+
+@contextmanager
+def _lock(out: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<out>.lock`` (the kernel releases it when its holder dies, so a
+    killed prepare blocks no one), removed by its holder at the end."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one prepare at a time is up to the user
+        yield
+        return
+    path = _beside(out, ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DataError(
+                    f"{out}: another attnlab-prepare is writing it; wait for its end or choose another --out"
+                ) from None
+            if _same_file(fd, path):  # not the file of a holder that removed it as we opened it
+                break
+            os.close(fd)
+    except OSError as e:
+        why = (
+            f"{e.filename} is not a folder"
+            if isinstance(e, FileExistsError | NotADirectoryError)
+            else e.strerror
+        )
+        raise DataError(f"{out}: cannot write there ({why}); choose another --out") from None
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes: a waiting opener retries (_same_file)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _beside(out: Path, suffix: str) -> Path:
+    """``<out><suffix>`` in ``out``'s parent (``out`` made absolute where it has no name: ``.``)."""
+    if out.name in ("", ".", ".."):
+        out = out.resolve()
+    return out.with_name(out.name + suffix)
+
+
+@prepares
 def prepare(
     inputs: Sequence[str],
     out_dir: str | os.PathLike,
@@ -195,6 +312,7 @@ def prepare(
     (held out from the start: a stream's length is not known before its end); the rest trains.
     Everything is written to ``<out_dir>.partial`` and moved into place with its manifest at the
     end, so an interrupted prepare leaves no half-written shards behind: the next one starts clean.
+    A prepare that fails removes it; another prepare into ``out_dir`` meanwhile is refused.
     """
     out = Path(out_dir)
     check_free(out)
@@ -224,6 +342,7 @@ def prepare(
             writers["train"].write(ids)
     for w in writers.values():
         w.close()
+    check_trains(inputs, {s: sum(x["tokens"] for x in writers[s].shards) for s in SPLITS})
     manifest = {
         "version": 1,
         "kind": "tokens",
@@ -238,6 +357,18 @@ def prepare(
     return manifest
 
 
+def check_trains(inputs: Sequence[str], tokens: dict[str, int]) -> None:
+    """Refuse shards with nothing to train on: an empty corpus, or one the held-out splits took."""
+    if tokens["train"]:
+        return
+    if not sum(tokens.values()):
+        raise DataError(f"{', '.join(inputs)}: no text (0 tokens); nothing to prepare")
+    raise DataError(
+        f"{', '.join(inputs)}: {sum(tokens.values())} tokens, none left for training after "
+        f"{tokens['val']} validation and {tokens['test']} test tokens; lower --val-tokens / --test-tokens"
+    )
+
+
 def check_free(out: Path) -> None:
     """``out`` may become a prepared folder: absent, or an empty folder."""
     if (out / MANIFEST).exists():
@@ -249,7 +380,7 @@ def check_free(out: Path) -> None:
 def start_partial(out: Path) -> Path:
     """A clean ``<out>.partial`` folder (what an interrupted prepare left there removed), which
     ``publish`` moves into place once everything is written."""
-    partial = out.with_name(out.name + ".partial")
+    partial = _beside(out, ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
@@ -296,7 +427,62 @@ def check_file(path: Path, size: int, what: str, sha256: str | None = None) -> N
             f"{path}: {found} bytes, but the manifest says {what} ({size} bytes); truncated or replaced?"
         )
     if sha256 is not None and file_sha256(path) != sha256:
-        raise DataError(f"{path}: its sha256 differs from the manifest's; corrupt or replaced")
+        raise DataError(f"{path}: {SHA256_DIFFERS}")
+
+
+SHA256_DIFFERS = "its sha256 differs from the manifest's; corrupt or changed since it was prepared"
+
+
+def manifest_file(folder: Path, name: Any, entry: str) -> Path:
+    """``folder / name`` for a file the manifest of ``folder`` lists (``entry``: where in it),
+    refused unless it stays inside ``folder``: an absolute path, a ``..`` or a link out of the
+    folder would have training read any file of the machine."""
+    path = folder / str(name)
+    try:
+        inside = isinstance(name, str) and path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+        inside = False
+    if not inside:
+        raise DataError(
+            f"{folder / MANIFEST}: {entry} names {str(name)!r}, which leads outside {folder}; "
+            "a manifest may name only files in its own folder (no absolute path, '..' or link out)"
+        )
+    return path
+
+
+def manifest_vocab(folder: Path, tokenizer_json: Any) -> int:
+    """The vocabulary size of the tokenizer a manifest holds: every token id must be below it."""
+    try:
+        return tokenizer_from_json(tokenizer_json).vocab_size
+    except Exception as e:  # noqa: BLE001 (json, KeyError, the tokenizers library's own errors)
+        raise DataError(
+            f"{folder / MANIFEST}: not a readable manifest (its tokenizer: {type(e).__name__}: {e})"
+        ) from None
+
+
+def verify_file(
+    path: Path, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
+) -> bytes:
+    """One pass over a file a manifest lists: its sha256 must be the manifest's and, when it holds
+    token ids (``dtype``), each id must be below ``vocab`` (an id past the embedding table would
+    end training in an ``IndexError``). Returns the bytes with ``keep`` (a small file read whole)."""
+    top, h, kept = -1, hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while block := f.read(-1 if keep else 1 << 24):
+            h.update(block)
+            if dtype is not None:
+                ids = np.frombuffer(block, dtype=dtype, count=len(block) // dtype.itemsize)
+                top = max(top, int(ids.max())) if len(ids) else top
+            if keep:
+                kept.append(block)
+    if h.hexdigest() != sha256:
+        raise DataError(f"{path}: {SHA256_DIFFERS}")
+    if dtype is not None and top >= vocab:
+        raise DataError(
+            f"{path}: token id {top} is outside the vocabulary of {vocab} (ids 0..{vocab - 1}) of "
+            "the manifest's tokenizer; corrupt, or prepared with another tokenizer"
+        )
+    return b"".join(kept)
 
 
 MODES = {"tokens": "lm", "documents": "bert", "pairs": "translation"}  # manifest kind -> prepare mode
@@ -314,6 +500,8 @@ class _pool:
     with the tokenizers library's own threads off in them, as it asks after a fork."""
 
     def __init__(self, workers: int) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be a positive integer, got {workers!r}")
         self.workers, self.pool = workers, None
 
     def __enter__(self):
@@ -371,32 +559,54 @@ class _progress:
 class Shard:
     path: Path
     tokens: int
+    sha256: str
 
 
 class TokenShards:
-    """A prepared folder: its tokenizer and each split's shards, checked against the manifest."""
+    """A prepared folder: its tokenizer and each split's shards, checked against the manifest: at
+    opening each file it names is inside the folder and of the size it says; the first time this
+    process reads a shard (``verify``, at most once each), its sha256 and that every id is in the
+    vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         manifest = read_manifest(self.folder, "tokens")
         try:
             self.dtype = np.dtype(manifest["dtype"])
+            if self.dtype not in (np.uint16, np.uint32):
+                raise ValueError(f"dtype {manifest['dtype']!r}, not uint16 or uint32")
             self.tokenizer_json: str = manifest["tokenizer"]
             self.tokenizer_sha256: str = manifest["tokenizer_sha256"]
             entries = manifest["splits"]
             self.splits = {
-                s: [Shard(self.folder / e["file"], int(e["tokens"])) for e in entries[s]] for s in SPLITS
+                s: [
+                    Shard(
+                        manifest_file(self.folder, e["file"], f"splits.{s}[{i}].file"),
+                        int(e["tokens"]),
+                        e["sha256"],
+                    )
+                    for i, e in enumerate(entries[s])
+                ]
+                for s in SPLITS
             }
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+        self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
+        self.verified: set[Path] = set()  # shards whose sha256 and ids this process checked
         for split in SPLITS:
-            for shard, entry in zip(self.splits[split], entries[split], strict=True):
-                self._check(shard, entry.get("sha256") if verify else None)
+            for shard in self.splits[split]:
+                what = f"{shard.tokens} tokens of {self.dtype}"
+                check_file(shard.path, shard.tokens * self.dtype.itemsize, what)
 
-    def _check(self, shard: Shard, sha256: str | None) -> None:
-        what = f"{shard.tokens} tokens of {self.dtype}"
-        check_file(shard.path, shard.tokens * self.dtype.itemsize, what, sha256)
+    def verify(self, shard: Shard, keep: bool = False) -> bytes:
+        """Check ``shard`` (sha256, ids) unless this process did; with ``keep``, its bytes (read
+        in the same pass: the whole of a small split costs one read)."""
+        if shard.path in self.verified:
+            return shard.path.read_bytes() if keep else b""
+        data = verify_file(shard.path, shard.sha256, self.dtype, self.vocab_size, keep)
+        self.verified.add(shard.path)
+        return data
 
     def tokenizer(self) -> Tokenizer:
         return tokenizer_from_json(self.tokenizer_json)
@@ -405,11 +615,12 @@ class TokenShards:
         return sum(s.tokens for s in self.splits[split])
 
     def read(self, shard: Shard, start: int, n: int) -> np.ndarray:
+        self.verify(shard)  # a set lookup once checked
         return np.fromfile(shard.path, dtype=self.dtype, count=n, offset=start * self.dtype.itemsize)
 
     def read_split(self, split: str) -> Tensor:
         """A whole (small) split in memory: validation and test."""
-        parts = [self.read(s, 0, s.tokens) for s in self.splits[split]]
+        parts = [np.frombuffer(self.verify(s, keep=True), dtype=self.dtype) for s in self.splits[split]]
         return (
             torch.from_numpy(np.concatenate(parts).astype(np.int64))
             if parts
@@ -431,6 +642,8 @@ class ShardWindows(IterableDataset):
                 f"{shards.folder}: no training shard holds more than data.block_size + 1 = "
                 f"{block_size + 1} tokens"
             )
+        for shard in self.usable:  # here, before the loader's workers start: each checks none again
+            shards.verify(shard)
         self.weights = torch.tensor([float(s.tokens - block_size - 1) for s in self.usable])
         self.start = 0
 

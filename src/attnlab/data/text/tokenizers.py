@@ -297,7 +297,8 @@ def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | Captio
     tok.no_padding()
     tok.no_truncation()
     kind = type(tok.model).__name__
-    if kind == "BPE" and tok.model.end_of_word_suffix == "</w>":
+    # CLIP's, or ours fitted on a CLIP run's captions (its <sot>), as attnlab-export writes it
+    if kind == "BPE" and (tok.model.end_of_word_suffix == "</w>" or tok.token_to_id("<sot>") is not None):
         return CaptionTokenizer(tok)
     if kind == "BPE":
         return BPETokenizer(tok)

@@ -204,7 +204,9 @@ def scan_image_folder(root: str | None) -> tuple[dict[str, tuple[list[Path], lis
     def split(folder: Path) -> tuple[list[Path], list[int]]:
         files, labels = [], []
         for label, name in enumerate(classes):
-            found = sorted(f for f in (folder / name).glob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+            # a folder named like an image (x.png/) is not one: left out
+            images = (folder / name).glob("*")
+            found = sorted(f for f in images if f.suffix.lower() in IMAGE_SUFFIXES and not f.is_dir())
             if not found and folder == train_dir:
                 raise DataError(
                     f"{folder / name}: a class folder without images (a class that cannot be "

@@ -344,10 +344,13 @@ class ImageFilesDataModule(DataModule):
         classes = len(self.classes)
 
         def decode(record: Record, where: str, seed: int | None = None) -> tuple[Tensor, int]:
+            if "cls" not in record:
+                raise DataError(f"{where}: no class index (.cls)")
             try:
                 label = int(record["cls"])
-            except (KeyError, ValueError):
-                raise DataError(f"{where}: no class index (.cls)") from None
+            except ValueError:
+                held = record["cls"][:40].decode("utf-8", "replace").strip()
+                raise DataError(f"{where}: .cls holds {held!r}, not a class index") from None
             if not 0 <= label < classes:
                 raise DataError(f"{where}: class {label} outside 0..{classes - 1}")
             img = decode_image(image_bytes(record), where, "RGB")

@@ -11,6 +11,7 @@ tar iterators, so any shard open_clip or img2dataset writes in this layout reads
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from attnlab.data import sampling
 from attnlab.data.sampling import example_seed
-from attnlab.data.text.shards import file_sha256
+from attnlab.data.text.shards import SHA256_DIFFERS, file_sha256, manifest_file
 from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
 ON_BAD_RECORD = ("error", "skip")
 
 Record = dict[str, Any]  # webdataset's sample: {"__key__": ..., "jpg": bytes, "cls": bytes, ...}
+Item = tuple[Path, dict[str, bytes] | DataError]  # an image file's record, or why it cannot be read
+
+# Every tar header the same whatever the machine, user and time (webdataset's TarWriter stamps the
+# time of writing and its own user names): the same tree prepares to the same bytes.
+TAR_HEADER = {"user": "", "group": "", "mode": 0o444, "mtime": 0}
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -70,7 +76,7 @@ def check_out(out_dir: str | os.PathLike) -> Path:
 
 
 def write_shards(
-    splits: dict[str, Iterable[tuple[Path, dict[str, bytes]]]],
+    splits: dict[str, Iterable[Item]],
     out_dir: str | os.PathLike,
     meta: dict[str, Any],
     shard_records: int = 10_000,
@@ -78,8 +84,10 @@ def write_shards(
 ) -> dict[str, Any]:
     """Write each split's ``(image file, {ext: bytes})`` items into tar shards of at most
     ``shard_records`` records in ``out_dir``, with a manifest (``meta`` plus the shards); return it.
+    The tar headers are fixed (``TAR_HEADER``), so the same items give the same bytes.
 
-    Images that do not decode are refused, or skipped and counted with ``on_bad_record=skip``.
+    Images that cannot be read (an item's ``DataError``) or do not decode are refused, or skipped
+    and counted with ``on_bad_record=skip``.
     Everything goes into ``<out_dir>.partial``, moved into place with its manifest at the end: an
     interrupted write leaves no half-written shard where a reader would take it for whole."""
     import webdataset as wds
@@ -97,26 +105,30 @@ def write_shards(
     key = 0
     for split, items in splits.items():
         writer, shard = None, None
-        for path, fields in items:
-            try:
-                check_image(fields[image_ext(path)], str(path))
-            except DataError as e:
-                if on_bad_record == "error":
-                    raise DataError(f"{e}; set --on-bad-record skip to leave such images out") from None
-                log.warning("%s: skipped", e)
-                skipped.append(str(path))
-                continue
-            if writer is None or shard["count"] == shard_records:
-                if writer is not None:
-                    writer.close()
-                shard = {"file": f"{split}-{len(entries[split]):06d}.tar", "count": 0}
-                entries[split].append(shard)
-                writer = wds.TarWriter(str(partial / shard["file"]))
-            writer.write({"__key__": f"{key:09d}", **fields})
-            shard["count"] += 1
-            key += 1
-        if writer is not None:
-            writer.close()
+        try:
+            for path, fields in items:
+                try:
+                    if isinstance(fields, DataError):
+                        raise fields
+                    check_image(fields[image_ext(path)], str(path))
+                except DataError as e:
+                    if on_bad_record == "error":
+                        raise DataError(f"{e}; set --on-bad-record skip to leave such images out") from None
+                    log.warning("%s: skipped", e)
+                    skipped.append(str(path))
+                    continue
+                if writer is None or shard["count"] == shard_records:
+                    if writer is not None:
+                        writer.close()
+                    shard = {"file": f"{split}-{len(entries[split]):06d}.tar", "count": 0}
+                    entries[split].append(shard)
+                    writer = wds.TarWriter(str(partial / shard["file"]), **TAR_HEADER)
+                writer.write({"__key__": f"{key:09d}", **fields})
+                shard["count"] += 1
+                key += 1
+        finally:  # on an error too: a writer left open is flushed into its closed file at exit
+            if writer is not None:
+                writer.close()
         for shard in entries[split]:
             shard["bytes"] = (partial / shard["file"]).stat().st_size
             shard["sha256"] = file_sha256(partial / shard["file"])
@@ -128,19 +140,32 @@ def write_shards(
     return manifest
 
 
-def image_folder_items(files: list[Path], labels: list[int]) -> Iterator[tuple[Path, dict[str, bytes]]]:
+def read_image_file(path: Path) -> bytes | DataError:
+    """The bytes of a listed image file, or the one line that says why there are none (returned,
+    not raised: the writer refuses it or, with ``on_bad_record=skip``, goes on without it)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return DataError(f"{path}: no such file (listed, but missing)")
+    except IsADirectoryError:
+        return DataError(f"{path}: a folder, not an image file")
+    except OSError as e:
+        return DataError(f"{path}: cannot be read ({e.strerror or e})")
+
+
+def image_folder_items(files: list[Path], labels: list[int]) -> Iterator[Item]:
     for path, label in zip(files, labels, strict=True):
-        yield path, {image_ext(path): path.read_bytes(), "cls": str(label).encode()}
+        data = read_image_file(path)
+        yield (
+            path,
+            data if isinstance(data, DataError) else {image_ext(path): data, "cls": str(label).encode()},
+        )
 
 
-def caption_items(files: list[Path], captions: list[str]) -> Iterator[tuple[Path, dict[str, bytes]]]:
+def caption_items(files: list[Path], captions: list[str]) -> Iterator[Item]:
     for path, text in zip(files, captions, strict=True):
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            data = b""  # refused or skipped by the image check, naming the file
-            log.debug("%s: %s", path, e)
-        yield path, {image_ext(path): data, "txt": text.encode()}
+        data = read_image_file(path)
+        yield path, data if isinstance(data, DataError) else {image_ext(path): data, "txt": text.encode()}
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -150,13 +175,15 @@ def caption_items(files: list[Path], captions: list[str]) -> Iterator[tuple[Path
 class Shard:
     path: Path
     count: int
+    sha256: str | None = None  # None: not checked (a shard no manifest lists)
 
 
 class ImageShards:
     """A prepared folder: its manifest (kind, classes) and each split's shards, checked for presence
-    and size (``verify``: their sha256 too)."""
+    and size here, inside the folder; their sha256 as they are first read (``read_shard``,
+    ``ShardRecords``)."""
 
-    def __init__(self, folder: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         if not path.is_file():
@@ -168,10 +195,17 @@ class ImageShards:
             self.kind: str = self.manifest["kind"]
             entries = self.manifest["splits"]
             self.splits = {
-                s: [Shard(self.folder / e["file"], int(e["count"])) for e in entries.get(s, [])]
+                s: [
+                    Shard(
+                        manifest_file(self.folder, e["file"], f"splits.{s}[{i}].file"),
+                        int(e["count"]),
+                        str(e["sha256"]),
+                    )
+                    for i, e in enumerate(entries.get(s, []))
+                ]
                 for s in SPLITS
             }
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
         for split in SPLITS:
             for shard, entry in zip(self.splits[split], entries.get(split, []), strict=True):
@@ -181,10 +215,6 @@ class ImageShards:
                     raise DataError(
                         f"{shard.path}: {shard.path.stat().st_size} bytes, but the manifest says "
                         f"{entry['bytes']}; truncated or replaced?"
-                    )
-                if verify and file_sha256(shard.path) != entry["sha256"]:
-                    raise DataError(
-                        f"{shard.path}: its sha256 differs from the manifest's; corrupt or replaced"
                     )
 
     @property
@@ -215,26 +245,65 @@ class BadRecords:
         log.warning("%s: skipped (%d so far in this process)", message, self.skipped)
 
 
-def read_shard(shard: Shard, skip: int, bad: BadRecords) -> Iterator[Record]:
-    """The records of one shard after the first ``skip`` (read past, not decoded), through
-    webdataset's tar iterators. A shard that breaks off or holds fewer records than its manifest
-    says is reported (``bad``) once, naming the last record read."""
+class Hashed:
+    """A file read through, its bytes hashed as they pass: a shard's sha256 from the read that
+    training makes anyway, not a second pass over it."""
+
+    def __init__(self, f: io.BufferedReader) -> None:
+        self.f, self.h = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.h.update(data)
+        return data
+
+    def finish(self, shard: Shard) -> None:
+        """Hash the rest of the file; ``DataError`` unless it is the manifest's sha256."""
+        while self.read(1 << 22):
+            pass
+        if self.h.hexdigest() != shard.sha256:
+            raise DataError(f"{shard.path}: {SHA256_DIFFERS}")
+
+    def __str__(self) -> str:  # webdataset names the stream in its errors
+        return str(self.f)
+
+
+def read_shard(
+    shard: Shard, skip: int, bad: BadRecords, stop: int | None = None, verified: set[Path] | None = None
+) -> Iterator[Record]:
+    """The records of one shard after the first ``skip`` (read past, not decoded) up to the
+    ``stop``-th, through webdataset's tar iterators. A shard that breaks off or holds fewer records
+    than its manifest says is reported (``bad``) once, naming the last record read.
+
+    With ``verified`` (the shards this process has checked), a shard not in it is hashed as it
+    is read (read to its end past ``stop``, unparsed) and a sha256 other than the manifest's
+    raises ``DataError`` whatever ``bad`` says: the shard changed since it was written."""
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
-    seen, last, error = 0, None, None
+    seen, last, error, stopped = 0, None, None, False
 
     def handler(exn: Exception) -> bool:
         nonlocal error
         error = exn
         return False  # a tar stream cannot be picked up after a broken record: stop this shard
 
-    with open(shard.path, "rb") as f:
+    check = verified is not None and shard.sha256 is not None and shard.path not in verified
+    with open(shard.path, "rb") as raw:
+        f = Hashed(raw) if check else raw
         files = tar_file_expander([{"url": str(shard.path), "stream": f}], handler=handler)
         for record in group_by_keys(files, handler=handler):
             seen += 1
             last = record["__key__"]
+            if stop is not None and seen > stop:
+                stopped = True
+                break
             if seen > skip:
                 yield record
+        if check:
+            f.finish(shard)
+            verified.add(shard.path)
+    if stopped:
+        return
     if error is not None or seen < shard.count:
         where = f"after record {last}" if last else "at its start"
         why = f"({type(error).__name__}: {error.args[0] if error.args else ''})" if error else ""
@@ -288,6 +357,7 @@ class ShardStream(IterableDataset):
         self.shards, self.batch_size, self.decode, self.collate = shards, batch_size, decode, collate
         self.seed, self.lanes, self.rank, self.world = seed, max(1, lanes), rank, world
         self.shuffle_batches, self.bad = shuffle_batches, BadRecords(on_bad_record)
+        self.verified: set[Path] = set()  # shards this process (worker) has hashed
         self.records = sum(s.count for s in shards)
         self.per_lane = self.records // (batch_size * self.world * self.lanes)
         self.start = 0
@@ -310,10 +380,8 @@ class ShardStream(IterableDataset):
         for shard in self.epoch_order(epoch):
             if offset + shard.count > lo and offset < hi:
                 skip = max(0, lo - offset)
-                for i, record in enumerate(read_shard(shard, skip, self.bad), offset + skip):
-                    if i >= hi:
-                        break
-                    yield i, record
+                records = read_shard(shard, skip, self.bad, hi - offset, self.verified)
+                yield from enumerate(records, offset + skip)
             offset += shard.count
             if offset >= hi:
                 return
@@ -396,16 +464,25 @@ class ShardRecords(Dataset):
             self.index += self._scan(shard)
 
     def _scan(self, shard: Shard) -> list[tuple[Path, str, dict[str, tuple[int, int]]]]:
+        """The records' offsets, read as a stream (the data read past, not sought over) so that the
+        same pass hashes the shard: ``DataError`` unless its sha256 is the manifest's."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
-        try:
-            with tarfile.open(shard.path) as tar:
-                for member in tar:
-                    if member.isreg() and "." in member.name:
-                        key, ext = member.name.split(".", 1)
-                        out.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
-        except (tarfile.TarError, OSError) as e:
+        broken = None
+        with open(shard.path, "rb") as raw:
+            f = Hashed(raw)
+            try:
+                with tarfile.open(fileobj=f, mode="r|") as tar:
+                    for member in tar:
+                        if member.isreg() and "." in member.name:
+                            key, ext = member.name.split(".", 1)
+                            out.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
+            except (tarfile.TarError, OSError) as e:
+                broken = e
+            if shard.sha256 is not None:  # a changed shard says so before how it broke
+                f.finish(shard)
+        if broken is not None:
             self.bad(
-                f"{shard.path}: not a readable tar file ({e}), {len(out)} of {shard.count} records found"
+                f"{shard.path}: not a readable tar file ({broken}), {len(out)} of {shard.count} records found"
             )
         if len(out) < shard.count:
             self.bad(f"{shard.path}: {len(out)} of {shard.count} records found")

@@ -385,20 +385,45 @@ def caption_vocab(artifacts: dict) -> dict[str, int]:
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
     """``net`` as ``open_clip.push_to_hf_hub`` saves a model: ``open_clip_config.json``
-    (``model_cfg``, ``preprocess_cfg`` with the data's normalisation) and
-    ``open_clip_model.safetensors``; ``open_clip.create_model("local-dir:<out_dir>")`` loads it."""
+    (``model_cfg``, ``preprocess_cfg`` with the normalisation the run's data used) and
+    ``open_clip_model.safetensors``, with the run's caption tokenizer as ``tokenizer.json`` (which
+    ``model.init_from`` and ``attnlab-zeroshot init_from`` read back);
+    ``open_clip.create_model("local-dir:<out_dir>")`` loads it."""
     from safetensors.torch import save_file
 
     config: dict[str, Any] = {"model_cfg": model_config(net, artifacts)}
     if "mean" in artifacts and "std" in artifacts:
         config["preprocess_cfg"] = {"mean": list(artifacts["mean"]), "std": list(artifacts["std"])}
     save_file(state_dict_to_open_clip(net), str(out_dir / "open_clip_model.safetensors"))
-    (out_dir / CONFIG).write_text(json.dumps(config, indent=2))
-    if CLIP_EOT in caption_vocab(artifacts):
+    (out_dir / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_caption_tokenizer(artifacts, out_dir)
+    pre = config.get("preprocess_cfg")
+    log.info(
+        "%s: preprocess_cfg holds %s, the normalisation these weights were last trained with",
+        out_dir,
+        f"the run's data's mean {pre['mean']} and std {pre['std']}" if pre else "none (open_clip: OpenAI's)",
+    )
+
+
+def write_caption_tokenizer(artifacts: dict, out_dir: Path) -> None:
+    """The run's caption tokenizer as ``tokenizer.json`` (HF ``tokenizers``) beside the weights.
+    OpenAI CLIP's (a CLIP fine-tuned from an open_clip folder) is open_clip's own; one fitted on
+    the run's captions has no open_clip counterpart (its ``get_tokenizer`` gives OpenAI's ids):
+    only attnlab reads it back, as a notice says."""
+    vocab = caption_vocab(artifacts)
+    if not vocab:
+        log.warning("%s: the run has no caption tokenizer: the weights are exported without one", out_dir)
+        return
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_str(json.loads(artifacts["tokenizer"])["tokenizer"]).save(str(out_dir / "tokenizer.json"))
+    if CLIP_EOT in vocab:
         log.info("%s: the captions' tokenizer is OpenAI CLIP's, open_clip's own (get_tokenizer)", out_dir)
     else:
         log.warning(
-            "%s: the run's caption tokenizer (fitted on its captions) has no open_clip counterpart "
-            "and is left out; encode captions with the run's tokenizer (attnlab's ids)",
+            "%s: the run's caption tokenizer (fitted on its captions, %d tokens) is written as "
+            "tokenizer.json for attnlab (model.init_from, attnlab-zeroshot init_from); open_clip's "
+            "get_tokenizer does not read it: encode captions with it, not with open_clip's",
             out_dir,
+            len(vocab),
         )

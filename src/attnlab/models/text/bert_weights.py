@@ -23,6 +23,7 @@ from attnlab.models.hf_files import (
     read_weights,
     require_architecture,
     require_value,
+    weights_file,
     write_folder,
 )
 from attnlab.models.text.hf_tokenizer import write_tokenizer
@@ -171,6 +172,7 @@ def state_to_hf(net: nn.Module) -> dict[str, Tensor]:
 def load(net: nn.Module, source: Path) -> None:
     """A transformers BERT folder (or weights file) into ``net``: the encoder tensor for tensor,
     the heads where the file has them at our size (else fresh, with a notice)."""
+    weights_file(source)  # a folder without weights says so before what its config lacks
     config = read_config(source)
     require_architecture(config, source, ("bert",), type(net).__name__)
     require_value(config, source, "hidden_act", "gelu", "our BERT uses the exact GELU ('gelu')")

@@ -4,7 +4,8 @@ The layouts are the same network: GPT-2 keeps its linear layers as ``Conv1D`` (w
 (in, out), ours (out, in): transposed), packs q, k, v into one ``c_attn`` as ours packs them into
 ``in_proj``, and ties its output layer to the token table as ours does. Our GPT is GPT-2 with
 ``bias: true`` and ``act: gelu_tanh`` (``conf/model/net/gpt2.yaml``); any of ours exports (a GPT without
-biases has them zero, an exact GELU is transformers' ``gelu``).
+biases has them zero, an exact GELU is transformers' ``gelu``) and comes back in (a GPT without
+biases takes a file whose biases are all zero).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from attnlab.models.hf_files import (
     read_weights,
     require_architecture,
     require_value,
+    weights_file,
     write_folder,
 )
 from attnlab.models.text.hf_tokenizer import write_tokenizer
@@ -112,6 +114,7 @@ def _require_gpt2_layout(net: nn.Module, field: str) -> None:
 def load(net: nn.Module, source: Path) -> None:
     """A transformers GPT-2 folder (or weights file) into ``net``."""
     _require_gpt2_layout(net, f"model.init_from={source}")
+    weights_file(source)  # a folder without weights says so before what its config lacks
     config = read_config(source)
     require_architecture(config, source, ("gpt2",), "GPT")
     wanted = _ACTIVATIONS.get(config.get("activation_function", "gelu_new"), "another activation")
@@ -127,12 +130,20 @@ def load(net: nn.Module, source: Path) -> None:
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         require_value(config, source, key, False, "our GPT's attention does not do that")
     mapped = state_from_hf(read_weights(source))
-    if net.norm.bias is None and "norm.bias" in mapped:
-        raise CheckpointError(
-            f"model.init_from={source}: GPT-2 has biases; set model.net.bias=true "
-            "(conf/model/net/gpt2.yaml is GPT-2)"
-        )
+    if net.norm.bias is None:
+        _require_zero_biases(mapped, source)
     load_mapped(net, mapped, source)
+
+
+def _require_zero_biases(mapped: Mapped, source: Path) -> None:
+    """A GPT without biases takes a GPT-2 whose biases are all zero (what ``export`` writes for
+    one: the same layers); GPT-2's own are refused, naming the first that is not zero."""
+    for ours, (theirs, value) in mapped.items():
+        if ours.endswith(".bias") and bool(value.any()):
+            raise CheckpointError(
+                f"model.init_from={source}: GPT-2 has biases ({theirs} is not zero); set "
+                "model.net.bias=true (conf/model/net/gpt2.yaml is GPT-2)"
+            )
 
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
