@@ -260,9 +260,19 @@ def test_a_refused_run_folder_is_removed_only_when_it_holds_no_result(tmp_path, 
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("x")
     (run / "csv" / "x3").mkdir(parents=True)  # an empty folder a logger made
+    (run / "csv" / "hparams.yaml").write_text("x")  # what a logger records before the first step
     if left:
         (run / left).parent.mkdir(parents=True, exist_ok=True)
         (run / left).write_text("results")
     with pytest.raises(SystemExit) as info, exit_on_user_error(discard=run, console=True):
         raise ConfigError("refused")
     assert info.value.code == 2 and run.exists() != removed
+
+
+def test_an_undecodable_image_is_named_without_pil_s_in_memory_file():
+    """PIL names an image decoded from bytes by its ``<_io.BytesIO object at 0x...>``: left out."""
+    from attnlab.data.vision.shards import check_image
+
+    with pytest.raises(DataError) as info:
+        check_image(b"hello", "train/dog/fake.jpg")
+    assert str(info.value) == "train/dog/fake.jpg: not a readable image (cannot identify image file)"

@@ -135,11 +135,16 @@ def exit_on_user_error(discard: Path | None = None, console: bool = False) -> It
 
 
 def run_record(path: Path) -> bool:
-    """Whether ``path`` in a refused run's folder only records how the run was asked for (or is an
-    empty folder a logger made, ``csv/x3/``): nothing a discarded run loses."""
+    """Whether ``path`` in a refused run's folder only records how the run was asked for (or is a
+    folder a logger made holding at most the hyper-parameters, ``csv/hparams.yaml``, ``csv/x3/``):
+    nothing a discarded run loses."""
     if path.name in RUN_RECORDS or (path.suffix == ".log" and path.is_file()):
         return True
-    return path.is_dir() and not path.is_symlink() and not any(p.is_file() for p in path.rglob("*"))
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and all(p.name == "hparams.yaml" for p in path.rglob("*") if p.is_file() or p.is_symlink())
+    )
 
 
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:

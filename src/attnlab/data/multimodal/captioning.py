@@ -20,6 +20,7 @@ from attnlab.data.multimodal.image_text import ImageTextDataModule, square
 from attnlab.data.sampling import Key
 from attnlab.data.text.tokenizers import WordTokenizer
 from attnlab.data.vision.classification import channel_stats, normalize
+from attnlab.data.vision.datasets import unreadable_image
 from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class CaptionExamples(Dataset):
             with Image.open(self.paths[i]) as im:
                 image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
         except (OSError, UnidentifiedImageError, ValueError) as e:
-            raise DataError(f"{self.paths[i]}: not a readable image ({e})") from None
+            raise unreadable_image(self.paths[i], e) from None
         return square(image, self.img_size), self.captions[i], i
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,13 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
+def unreadable_image(where: str | Path, e: Exception) -> DataError:
+    """The one line for an image PIL cannot decode, without the in-memory file's address PIL puts
+    in its message (``cannot identify image file <_io.BytesIO object at 0x...>``)."""
+    reason = re.sub(r" <_io\.\w+ object at 0x[0-9a-f]+>", "", str(e)) or type(e).__name__
+    return DataError(f"{where}: not a readable image ({reason})")
+
+
 def read_image(path: Path, channels: int | None = None) -> Tensor:
     """One image file -> (C, H, W) uint8; converted to ``channels`` (1: grayscale, 3: RGB) when given."""
     try:
@@ -164,7 +172,7 @@ def read_image(path: Path, channels: int | None = None) -> Tensor:
             mode = {1: "L", 3: "RGB"}.get(channels or 0, "RGB" if img.mode not in ("L", "I;16") else "L")
             array = np.asarray(img.convert(mode))
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable image ({e})") from e
+        raise unreadable_image(path, e) from e
     return torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
 
 

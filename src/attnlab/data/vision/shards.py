@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from attnlab.data import sampling
 from attnlab.data.sampling import example_seed
 from attnlab.data.text.shards import SHA256_DIFFERS, file_sha256, manifest_file
+from attnlab.data.vision.datasets import unreadable_image
 from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def check_image(data: bytes, where: str) -> None:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{where}: not a readable image ({e})") from None
+        raise unreadable_image(where, e) from None
 
 
 def check_out(out_dir: str | os.PathLike) -> Path:
@@ -320,7 +321,7 @@ def decode_image(data: bytes | None, where: str, mode: str | None) -> Image.Imag
             im.load()
             return im.convert(mode) if mode else im.copy()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{where}: not a readable image ({e})") from None
+        raise unreadable_image(where, e) from None
 
 
 class ShardStream(IterableDataset):
