@@ -297,3 +297,69 @@ def test_the_table_follows_the_terminal_width(sweep, monkeypatch):
         monkeypatch.setenv("COLUMNS", str(columns))
         widest[columns] = max(len(line) for line in compare(parse_args([str(sweep)])).splitlines())
     assert widest[40] <= 40 < widest[200]
+
+
+# ---- an attnlab-sweep study shared by many machines: every trial with the machine it ran on -------
+
+
+def shared_study(url: str, reached: Path) -> None:
+    """A study as drivers on two machines leave it: trial 0 ran here (its folder is ``reached``),
+    1 elsewhere, 2 elsewhere until its driver died (failed as stale, run again as 3, here)."""
+    import optuna
+
+    from attnlab.study import open_storage
+    from attnlab.sweep import open_study
+
+    study = open_study(None, "minimize", storage=open_storage(url), study_name="gpt")
+    study.set_metric_names(["val/loss_best"])
+    space = {"model.optimizer.lr": optuna.distributions.CategoricalDistribution([0.1, 0.2, 0.3])}
+    where = [("alpha", reached), ("beta", Path("/elsewhere/1")), ("beta", Path("/elsewhere/2"))]
+    for (host, run_dir), value, lr in zip(where, (0.5, 0.7, None), (0.1, 0.2, 0.3), strict=True):
+        study.enqueue_trial({"model.optimizer.lr": lr})
+        trial = study.ask(space)
+        trial.set_user_attr("host", host)
+        trial.set_user_attr("run_dir", str(run_dir))
+        study.tell(trial, value, state=None if value else optuna.trial.TrialState.FAIL)
+    stale = study.trials[2]
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=stale.params,
+            distributions=stale.distributions,
+            value=0.6,
+            user_attrs={"host": "alpha", "run_dir": "/gone/3", "rerun_of": 2},
+            system_attrs={"failed_trial": 2, "retry_history": [2]},
+        )
+    )
+    (reached / "csv").mkdir(parents=True)
+    (reached / "config.yaml").write_text(yaml.safe_dump({"model": {"optimizer": {"lr": 0.1}}, "seed": 1}))
+    (reached / "csv" / "metrics.csv").write_text("step,val/loss_best\n10,0.9\n20,0.5\n")
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_study_url_lists_every_trial_with_the_machine_it_ran_on(kind, tmp_path):
+    url = f"journal:{tmp_path / 'gpt.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 'optuna.db'}"
+    shared_study(url, tmp_path / "alpha" / "0")
+    out = compare(parse_args([url, "--format", "csv", "--no-group"]))
+    header, *rows = out.strip().splitlines()
+    assert header == "model.optimizer.lr,state,trial,host,runs,val/loss_best"
+    assert rows[0].endswith(",complete,0,alpha,1,0.5")  # from its run folder's log, reached here
+    assert rows[1].endswith(",complete,1,beta,1,0.7")  # from the study: its folder is elsewhere
+    assert rows[2].endswith(",interrupted,2,beta,1,-") and rows[3].endswith(",complete,3,alpha,1,0.6")
+    # with a folder of runs beside it
+    other = write_run(tmp_path / "runs", "x", 0.3, 1, [1.0], acc=0.5)
+    assert len(compare(parse_args([url, str(other), "--format", "csv"])).strip().splitlines()) == 6
+
+
+def test_a_study_url_that_cannot_be_read_is_one_line(tmp_path, capsys):
+    url = f"journal:{tmp_path / 'gpt.log'}"
+    shared_study(url, tmp_path / "alpha" / "0")
+    for args, needle in [
+        ([url, "--study", "bert"], "--study bert: no such study in journal:"),
+        ([f"journal:{tmp_path / 'none.log'}"], f"journal:{tmp_path / 'none.log'}: no such file"),
+        (
+            ["postgresql://me:pw@127.0.0.1:1/optuna"],
+            "postgresql+psycopg2://me:***@127.0.0.1:1/optuna: cannot open",
+        ),
+    ]:
+        status, out, err = compare_main(args, capsys)
+        assert status == 2 and needle in err and err.count("\n") == 1, err

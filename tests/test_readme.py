@@ -22,6 +22,7 @@ Which lines run otherwise, and why, is said at ``test_readme_command``.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import tomllib
@@ -479,6 +480,9 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
         )
         cwd = workspaces.sweep(above)[2]
         status, out = run_in(cwd, "sweep", concrete(cmd, cwd))
+    elif cmd.entry == "sweep" and (why := sweep_needs(cmd)):
+        compose_sweep(cmd)
+        pytest.skip(f"{cmd.text}: {why}; its config was composed and checked")
     elif cmd.entry == "sweep":
         status, out, cwd = workspaces.sweep(cmd)
         assert "failed:" not in out, out[-3000:]  # its trial trained (a failed trial does not fail a sweep)
@@ -488,6 +492,8 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
         images = any(f"--mode {m}" in " ".join(cmd.args) for m in ("images", "pairs"))
         tiny = ["--val-size", "4"] if images else []  # of 24 images
         status, out = run_in(cwd, "prepare", [*cmd.args, *tiny])
+    elif cmd.entry == "compare" and any(a.startswith("postgresql") for a in cmd.args):
+        pytest.skip(f"{cmd.text}: needs the PostgreSQL server it names (tests/test_compare.py reads studies)")
     elif cmd.entry == "compare":
         cwd = workspaces.compare()
         status, out = run_in(cwd, "compare", concrete(cmd, cwd))
@@ -504,6 +510,33 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
             assert (cwd / value).is_file(), out[-3000:]
     if "--out" in cmd.args:
         assert (cwd / cmd.args[cmd.args.index("--out") + 1]).exists(), out[-3000:]  # a file or a folder
+
+
+def sweep_needs(cmd: Command) -> str | None:
+    """What a sweep line needs that this machine lacks: GPUs, more cores than it has, a database
+    server or a shared filesystem it names (tests/test_sweep_parallel.py and
+    tests/test_sweep_storage.py run those paths on a real PostgreSQL server and a journal file)."""
+    import torch
+
+    storage = cmd.value("sweep.storage") or ""
+    if storage.startswith("postgresql"):
+        return "needs the PostgreSQL server it names"
+    if storage.startswith("journal:/"):
+        return "needs the shared filesystem it names"
+    on_cpu = not torch.cuda.is_available() or cmd.value("trainer.accelerator") == "cpu"
+    devices = int(cmd.value("sweep.n_jobs") or 1) * int(cmd.value("sweep.devices_per_trial") or 1)
+    if on_cpu and (cmd.value("trainer") in ("gpu", "ddp") or devices > len(os.sched_getaffinity(0))):
+        return f"needs {devices} GPUs"
+    return None
+
+
+def compose_sweep(cmd: Command) -> None:
+    """A sweep line's config, composed as ``attnlab-sweep`` would, its sweep settings checked."""
+    from attnlab.cli.common import compose_train
+    from attnlab.cli.sweep import quote_search_spaces, sweep_parts
+
+    cfg = compose_train(quote_search_spaces(list(cmd.args)))
+    sweep_parts(cfg.sweep)
 
 
 def compose_and_check(cmd: Command, tmp: Path) -> None:

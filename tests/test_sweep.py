@@ -76,7 +76,7 @@ def test_trials_run_train_with_the_sampled_values_in_their_own_directory(tmp_pat
         "data.name='it\\'s'",
     ]
     assert cmd[7] == f"hydra.run.dir='{tmp_path / '3'}'"
-    assert cmd[8] == "sweep_trial={storage:'sqlite:////x/optuna.db',number:3}"
+    assert cmd[8] == "sweep_trial={storage:'sqlite:////x/optuna.db',number:3,study:'sweep'}"
 
 
 def test_sweep_errors_name_what_is_wrong(tmp_path):
@@ -114,33 +114,39 @@ def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, need
 
 
 def test_each_finished_trial_says_the_best_so_far(tmp_path, monkeypatch):
-    """The driver's line per trial, with trials that return preset values instead of training
+    """The driver's line per trial, with trials that log preset values instead of training
     (the real sweep's lines are checked by the slow resume test)."""
     import attnlab.sweep as sweep_module
 
-    values = iter([2.0, 1.5, None, 1.8])
+    values = {0.1: "2.0", 0.2: "1.5", 0.3: None, 0.4: "1.8"}  # None: the run fails
 
-    def preset(space, overrides, sweep_dir, metric):
-        def run(trial: optuna.Trial) -> float:
-            trial.suggest_float("lr", 0.0, 1.0)
-            value = next(values)
-            if value is None:
-                sweep_module.fail(trial, "exit status 2: error: boom")
-            return value
+    def command(overrides, params, run_dir, storage, number, study_name):
+        value = values[params["lr"]]
+        log = f"step,val/loss\n1,{value}\n"
+        code = (
+            f"import pathlib; d = pathlib.Path({str(run_dir)!r}) / 'csv'; d.mkdir(); "
+            f"(d / 'metrics.csv').write_text({log!r})"
+            if value
+            else "import sys; sys.exit('error: boom')"
+        )
+        return [sys.executable, "-c", code]
 
-        return run
-
-    monkeypatch.setattr(sweep_module, "objective", preset)
+    monkeypatch.setattr(sweep_module, "trial_command", command)
     lines: list[str] = []
-    study = open_study(tmp_path, "minimize")
-    run_sweep(study, {"lr": FloatDistribution(0.0, 1.0)}, [], tmp_path, "val/loss", 4, echo=lines.append)
+    space = {"lr": CategoricalDistribution([0.1, 0.2, 0.3, 0.4])}
+    study = open_study(tmp_path, "minimize", optuna.samplers.BruteForceSampler())
+    study.enqueue_trial({"lr": 0.1})  # in this order
+    study.enqueue_trial({"lr": 0.2})
+    study.enqueue_trial({"lr": 0.3})
+    run_sweep(study, space, [], tmp_path, "val/loss", 4, echo=lines.append)
     assert [line.split("; ")[0] for line in lines] == [
         "trial 1/4 done: val/loss 2.0000 (best so far 2.0000, trial 0)",
         "trial 2/4 done: val/loss 1.5000 (best so far 1.5000, trial 1)",
-        "trial 3/4 done: failed: exit status 2: error: boom (best so far 1.5000, trial 1)",
+        "trial 3/4 done: failed: exit status 1: error: boom (best so far 1.5000, trial 1)",
         "trial 4/4 done: val/loss 1.8000 (best so far 1.5000, trial 1)",
     ]
-    assert lines[0].split("; ")[1].startswith("trial 0: lr=")
+    assert lines[0].split("; ")[1].startswith("trial 0: lr=0.1 (")
+    assert all(t.user_attrs["host"] and t.user_attrs["run_dir"] for t in study.trials)  # where each ran
 
 
 @pytest.mark.slow

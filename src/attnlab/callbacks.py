@@ -21,7 +21,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from attnlab import __version__
 from attnlab.errors import ConfigError
-from attnlab.study import STUDY, trial_id
+from attnlab.study import STUDY, open_storage, trial_id
 from attnlab.utils.cpu import release_freed_memory
 from attnlab.utils.memory import peak_memory_mb, reset_peak_memory
 
@@ -396,9 +396,18 @@ class TrialPruning(L.Callback):
     so that every rank stops together.
     """
 
-    def __init__(self, storage: str, number: int, monitor: str, pruner: optuna.pruners.BasePruner) -> None:
+    def __init__(
+        self,
+        storage: str,
+        number: int,
+        monitor: str,
+        pruner: optuna.pruners.BasePruner,
+        study_name: str | None = None,
+    ) -> None:
         # the pruner is not stored with the study: each trial builds the sweep's own from its config
-        study = optuna.load_study(study_name=STUDY, storage=storage, pruner=pruner)
+        study = optuna.load_study(
+            study_name=study_name or STUDY, storage=open_storage(storage), pruner=pruner
+        )
         self.trial = optuna.trial.Trial(study, trial_id(study, number))
         self.monitor = monitor
 
@@ -414,3 +423,77 @@ class TrialPruning(L.Callback):
                 self.trial.set_user_attr("pruned_at_step", trainer.global_step)
         if trainer.strategy.broadcast(prune):
             raise optuna.TrialPruned(f"pruned at step {trainer.global_step} ({self.monitor} {value})")
+
+
+class SubmititRequeue(L.Callback):
+    """A job of Hydra's submitit launcher, sent submitit's signal (USR2, ``signal_delay_s`` before
+    its time limit, or at a preemption), writes ``last.ckpt`` and is requeued by submitit's own
+    handler; the requeued job resumes from that file (``attnlab.cli.train``).
+
+    The signal is taken at the end of the next optimizer step, by every process together: taken
+    where it lands, mid-step, the weights would be saved half-updated, and one DDP process saving
+    alone would leave the others waiting. The job leaves as the step after begins, once the step's
+    metrics are logged (and a validation due there has run), so its log holds every row up to
+    the checkpoint and none after.
+    """
+
+    def __init__(self, last: Any) -> None:
+        import signal
+
+        from submitit import JobEnvironment
+
+        self.last = last
+        self.signum = getattr(signal, f"SIG{JobEnvironment.USR_SIG}")
+        self.submitit_handler: Any = None
+        self.sigterm_handler: Any = None
+        self.received = self.saved = False
+        self.step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import signal
+
+        self.sigterm_handler = signal.getsignal(signal.SIGTERM)  # submitit's, before Lightning's
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import signal
+
+        # after Lightning registered its handlers; its teardown puts submitit's back
+        self.submitit_handler = signal.getsignal(self.signum)
+        signal.signal(self.signum, self.receive)
+        # SIGTERM, which SLURM sends with a preemption, stays submitit's (ignored): Lightning's would
+        # end the job at its next step, not requeued, before submitit's signal is acted on
+        if callable(self.sigterm_handler):
+            signal.signal(signal.SIGTERM, self.sigterm_handler)
+
+    def receive(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.saved:
+            self.requeue()
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:  # gradients still accumulating: no step taken
+            return
+        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            log.info("submitit's signal: last.ckpt at step %d, then the job is requeued", trainer.global_step)
+            trainer.save_checkpoint(self.last)
+            self.saved = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import signal
+
+        signal.signal(self.signum, self.submitit_handler)  # from here on, submitit's own handler
+        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            if not self.saved:  # the signal came after the last step: the weights as they end
+                trainer.save_checkpoint(self.last)
+            self.requeue()
+
+    def requeue(self) -> None:
+        import signal
+
+        signal.signal(self.signum, self.submitit_handler)
+        if callable(self.submitit_handler):
+            self.submitit_handler(self.signum, None)  # process 0: requeue the job and exit
+        raise SystemExit(0)  # the other processes: the requeued job starts them again

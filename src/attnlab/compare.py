@@ -3,7 +3,10 @@ between them, runs that differ only by seed grouped as mean ± std, and metric c
 
 A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
 writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
-directory holds many (``multiruns/<time>/<n>/``). An offline W&B run with no CSV log beside it
+directory holds many (``multiruns/<time>/<n>/``). An ``attnlab-sweep`` study's storage
+(``postgresql://...``, ``journal:<file>``, ``sqlite:///<file>``) gives every trial of it, from
+whichever machine ran it: its run folder where this machine reaches it, else its values and
+result as the study holds them (``study_runs``). An offline W&B run with no CSV log beside it
 (``offline-run-*/run-*.wandb``, a run of another tool) is read through W&B's own command line,
 ``wandb leet inspect --json``, which prints the records of its ``.wandb`` log as JSON.
 """
@@ -26,13 +29,30 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from attnlab.errors import DataError
-from attnlab.study import load_trials
+from attnlab.errors import ConfigError, DataError
+from attnlab.study import is_study_url, load_trials, normalize_url, open_storage, shown
 
 # config keys that say where or how a run was logged, not what was trained
-IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.", "sweep_trial.", "sweep.dir")
+IGNORED_PREFIXES = (
+    "paths.",
+    "hydra.",
+    "logger.",
+    "extras.",
+    "callbacks.",
+    "sweep_trial.",
+    "sweep.dir",
+    "sweep.executor.",
+    "sweep.resources.",
+)
 IGNORED_KEYS = {
     "ckpt_path",
+    "sweep.n_jobs",
+    "sweep.devices_per_trial",
+    "sweep.storage",
+    "sweep.study_name",
+    "sweep.heartbeat_interval",
+    "sweep.grace_period",
+    "sweep.workers",
     "tags",
     "train",
     "test",
@@ -45,6 +65,7 @@ IGNORED_KEYS = {
     "model.net.plot_dir",
 }
 SEED = "seed"
+HOST = "host"  # the machine a sweep trial ran on: a column wherever trials are listed
 # where `wandb leet inspect` cannot read an offline W&B run (an older wandb, a damaged file)
 WANDB_UNREAD = "upload it with `wandb sync <dir>` and compare on W&B, or log with logger=csv too"
 
@@ -198,8 +219,7 @@ def _read_elsewhere(wandb_dir: Path) -> bool:
     """An offline W&B run inside a run directory that also has its CSV log (read that instead),
     or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
     return any(
-        (p / "csv" / "metrics.csv").is_file() or (p.parent / "optuna.db").is_file()
-        for p in wandb_dir.parents[:3]
+        (p / "csv" / "metrics.csv").is_file() or bool(sweep_trials(p.parent)) for p in wandb_dir.parents[:3]
     )
 
 
@@ -223,6 +243,8 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
         states = sweep_states(run.path.parent)
         if run.path.name in states:
             run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
+            if host := sweep_hosts(run.path.parent).get(run.path.name):  # recorded since sweep.n_jobs
+                run.config[HOST] = host
     if not runs:
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
     return runs
@@ -277,21 +299,105 @@ def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
     ]
 
 
+def trial_state(t: Any, again: set[int]) -> str:
+    """How a trial ended: complete, pruned, fail, running, or interrupted: its sweep stopped
+    during it, or its driver died (run ``again``, or failed as stale: a trial that its driver
+    recorded starting, ``host``, and no error for; a driver records one for every failure)."""
+    if t.user_attrs.get("interrupted") or t.number in again:
+        return "interrupted"
+    if t.state.name == "FAIL" and HOST in t.user_attrs and "error" not in t.user_attrs:
+        return "interrupted"
+    return t.state.name.lower()
+
+
+def rerun_numbers(trials: list[Any]) -> set[int]:
+    """Trials whose values were queued again after their driver died (Optuna's retry callback)."""
+    return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+
+
 @functools.cache
 def sweep_states(sweep_dir: Path) -> dict[str, str]:
     """Trial number -> how it ended (complete, pruned, fail, interrupted, running) in an
     ``attnlab-sweep`` directory's study; empty for any other directory."""
-    return {
-        str(t.number): "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        for t in sweep_trials(sweep_dir)
-    }
+    trials = sweep_trials(sweep_dir)
+    again = rerun_numbers(trials)
+    return {str(t.number): trial_state(t, again) for t in trials}
+
+
+@functools.cache
+def sweep_hosts(sweep_dir: Path) -> dict[str, str]:
+    """Trial number -> the machine it ran on, as its driver recorded it."""
+    return {str(t.number): t.user_attrs[HOST] for t in sweep_trials(sweep_dir) if HOST in t.user_attrs}
 
 
 @functools.cache
 def sweep_trials(sweep_dir: Path) -> list[Any]:
     """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
-    none for any other directory."""
-    return load_trials(sweep_dir)
+    none for any other directory, nor where its shared study cannot be reached (said once)."""
+    try:
+        return load_trials(sweep_dir)
+    except ConfigError as e:
+        notice(f"{sweep_dir}: {e}: its trials are listed without how they ended")
+        return []
+
+
+def study_runs(url: str, study_name: str | None = None) -> tuple[list[Run], list[str]]:
+    """Every trial of the study (or every study) at ``url``, one run each, with the machine it
+    ran on: its run folder's logs where this machine reaches them, else the values and the
+    result the study holds; and the studies' metric names."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = normalize_url(url, key=None)
+    file = url.removeprefix("journal:").removeprefix("sqlite:///")
+    if file != url and not Path(file).is_file():
+        raise DataError(f"{shown(url)}: no such file")
+    storage = open_storage(url, key=None)
+    names = optuna.study.get_all_study_names(storage)
+    if study_name is not None and study_name not in names:
+        raise ConfigError(f"--study {study_name}: no such study in {shown(url)} (it has: {', '.join(names)})")
+    runs: list[Run] = []
+    metrics: list[str] = []
+    for name in [study_name] if study_name else names:
+        study = optuna.load_study(study_name=name, storage=storage)
+        metric = (study.metric_names or ["value"])[0]
+        metrics += [metric] if metric not in metrics else []
+        trials = [t for t in study.get_trials(deepcopy=False) if t.state.name != "WAITING"]
+        again = rerun_numbers(trials)
+        logged = {t.number: Path(t.user_attrs["run_dir"]) for t in trials if "run_dir" in t.user_attrs}
+        logged = {n: load_run(d) for n, d in logged.items() if (d / "csv" / "metrics.csv").is_file()}
+        sibling = next(iter(logged.values())).config if logged else {}  # what unreached trials share
+        for t in trials:
+            run = logged.get(t.number) or Run(
+                Path(t.user_attrs.get("run_dir", f"{name}/{t.number}")),
+                {**sibling, **t.params},
+                {metric: [(0, t.value)]} if t.value is not None else {},
+            )
+            run.config |= {"study": name} if len(names) > 1 and not study_name else {}
+            run.config |= {
+                "trial": t.number,
+                "state": trial_state(t, again),
+                HOST: t.user_attrs.get(HOST, "-"),
+            }
+            runs.append(run)
+    return runs, metrics
+
+
+def find_sources(sources: Iterable[str], study_name: str | None = None) -> tuple[list[Run], list[str]]:
+    """The runs of folders and study URLs given on the command line (``find_runs``,
+    ``study_runs``), and the metric names the studies optimised."""
+    sources = [str(s) for s in sources]
+    urls = [s for s in sources if is_study_url(s)]
+    paths = [Path(s) for s in sources if not is_study_url(s)]
+    runs = find_runs(paths) if paths else []
+    metrics: list[str] = []
+    for url in urls:
+        found, names = study_runs(url, study_name)
+        runs += found
+        metrics += [m for m in names if m not in metrics]
+    if urls and not runs:
+        raise DataError(f"no trials in {', '.join(map(shown, urls))}")
+    return runs, metrics
 
 
 def is_hyperparameter(key: str) -> bool:
@@ -300,9 +406,11 @@ def is_hyperparameter(key: str) -> bool:
 
 
 def varying_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values differ between the runs (where and how they logged left out)."""
-    keys = sorted({k for r in runs for k in r.config})
-    return [k for k in keys if is_hyperparameter(k) and len({repr(r.config.get(k)) for r in runs}) > 1]
+    """Config keys whose values differ between the runs (where and how they logged left out),
+    and last, the machine of sweep trials, which may all share it."""
+    keys = sorted({k for r in runs for k in r.config} - {HOST})
+    varying = [k for k in keys if is_hyperparameter(k) and len({repr(r.config.get(k)) for r in runs}) > 1]
+    return varying + ([HOST] if any(HOST in r.config for r in runs) else [])
 
 
 def default_metrics(runs: list[Run]) -> list[str]:

@@ -1,5 +1,6 @@
-"""``attnlab-compare <run or sweep dirs>...``: a table of the runs' metrics beside the
-hyperparameters that differ between them; runs differing only by seed grouped as mean ± std.
+"""``attnlab-compare <run or sweep dirs, study URLs>...``: a table of the runs' metrics beside the
+hyperparameters that differ between them; runs differing only by seed grouped as mean ± std; the
+trials of a sweep with the machine each ran on.
 
 examples:
     attnlab-compare logs/gpt_pydoc_char/multiruns/2026-11-25_10-00-00-000000
@@ -8,6 +9,8 @@ examples:
     attnlab-compare logs/... --plot val/loss --out val_loss.png
     attnlab-compare logs/gpt_long_context --plot cost/train_ms_per_token --x model.net.max_len
     attnlab-compare logs/gpt_positions --plot 'eval/test/ppl_x*'     # against each name's number
+    attnlab-compare postgresql://me@db/optuna --study gpt_pydoc_char     # every machine's trials
+    attnlab-compare journal:/shared/sweeps/gpt.log logs/gpt_pydoc_char/sweeps/<time>
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from attnlab.cli.common import exit_on_user_error
 from attnlab.compare import (
     Row,
     default_metrics,
-    find_runs,
+    find_sources,
     format_value,
     lower_is_better,
     plot_against,
@@ -41,7 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="attnlab-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("paths", nargs="+", type=Path, help="run directories, or folders holding runs (sweeps)")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        help="run directories, folders holding runs (sweeps), or an attnlab-sweep study's storage: "
+        "postgresql://USER@HOST/DB, journal:FILE, sqlite:///FILE (every trial, with the machine it ran on)",
+    )
+    p.add_argument("--study", help="with a study URL: this study only (default: every study there)")
     p.add_argument("--metrics", help="comma-separated metric names (default: the test metrics)")
     p.add_argument("--best", action="store_true", help="each metric's best value, not its last")
     p.add_argument("--sort", help="sort by this metric (best first)")
@@ -105,7 +114,8 @@ def render(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
 
 
 def compare(args: argparse.Namespace) -> str:
-    runs = [r for r in find_runs(args.paths) if matches(r.config, args.where)]
+    found, study_metrics = find_sources(args.paths, args.study)
+    runs = [r for r in found if matches(r.config, args.where)]
     if not runs:
         raise ConfigError(f"--where {' '.join(args.where)}: no run matches")
     if args.plot:
@@ -116,6 +126,8 @@ def compare(args: argparse.Namespace) -> str:
             out = plot_curves(runs, args.plot, out, not args.no_group)
         print(f"plot written to {out}", file=sys.stderr)
     metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
+    if not args.metrics:  # what the studies optimised, where a trial has it
+        metrics += [m for m in study_metrics if m not in metrics and any(m in r.curves for r in runs)]
     logged = sorted({m for r in runs for m in r.curves})
     for option, names in (("--sort", [args.sort] if args.sort else []), ("--metrics", metrics)):
         if unknown := [m for m in names if m not in logged]:

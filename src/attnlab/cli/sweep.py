@@ -1,17 +1,27 @@
 """``attnlab-sweep``: an Optuna sweep over ``attnlab-train`` runs, resumable.
 
     attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char      # a new sweep
+    attnlab-sweep hparams_search=gpt_optuna ... sweep.n_jobs=4             # 4 trials at once
+    attnlab-sweep hparams_search=gpt_optuna ... sweep.storage=postgresql://me@db/optuna  # on every machine
     attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>                 # go on after a stop
 
 The overrides compose exactly as for ``attnlab-train``; ``hparams_search/<name>`` adds the
-``sweep`` block (direction, n_trials, sampler, pruner, params). See ``attnlab.sweep``.
+``sweep`` block (direction, n_trials, sampler, pruner, params, n_jobs, storage). See
+``attnlab.sweep``.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import tempfile
+import uuid
+import warnings
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import optuna
 from hydra.errors import InstantiationException
@@ -20,7 +30,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import compose_config, compose_train, exit_on_user_error, quote_free_text
 from attnlab.errors import ConfigError
-from attnlab.sweep import open_study, override_value, run_sweep, search_space
+from attnlab.study import SHARED, normalize_url, open_storage, shown
+from attnlab.sweep import (
+    Slot,
+    check_same_search,
+    device_slots,
+    open_study,
+    override_value,
+    run_sweep,
+    search_space,
+    study_lock,
+    tally,
+)
 from attnlab.utils.checks import is_int
 from attnlab.utils.config import constructor_errors, refuse_renamed_overrides
 from attnlab.utils.targets import check_targets
@@ -31,19 +52,48 @@ SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 def sweep_dir_of(cfg: DictConfig) -> Path:
     if cfg.sweep.get("dir"):
         return Path(cfg.sweep.dir)
-    return Path(cfg.paths.log_dir) / cfg.task_name / "sweeps" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    name = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if cfg.sweep.get("storage"):  # drivers of one study start together, on machines sharing logs/
+        name += f"_{socket.gethostname()}_{os.getpid()}"
+    return Path(cfg.paths.log_dir) / cfg.task_name / "sweeps" / name
 
 
 def quote_search_spaces(args: list[str]) -> list[str]:
     """``sweep.params.<key>=choice(...)`` as a string: unquoted, Hydra reads a sweep expression
-    and refuses it outside ``--multirun``; the driver parses it itself (``search_space``)."""
+    and refuses it outside ``--multirun``; the driver parses it itself (``search_space``). The
+    same for ``sweep.storage``'s URL."""
     keys = tuple({a.partition("=")[0] for a in args if a.lstrip("+").startswith("sweep.params.")})
-    return quote_free_text(args, keys)
+    out = []
+    for arg in quote_free_text(args, keys):
+        # a database URL holds '=', '?', '@' (postgresql://me@/db?host=/run/pg), which Hydra would parse
+        key, _, value = arg.partition("=")
+        out += (
+            quote_free_text([arg], (key,))
+            if key.lstrip("+") == "sweep.storage" and value != "null"
+            else [arg]
+        )
+    return out
 
 
-def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
-    """The config, overrides and directory of the sweep to run: a new one, or the one ``resume=``
-    names."""
+@dataclass
+class Plan:
+    """What a sweep runs and where, every part checked before its folder is written."""
+
+    space: dict
+    fixed: list[str]
+    sampler: optuna.samplers.BaseSampler | None
+    pruner: optuna.pruners.BasePruner | None
+    slots: list[Slot]
+    url: str | None = None  # a shared study's storage (sweep.storage), normalised
+    study: optuna.Study | None = None  # the shared study, attached
+    driver: str = ""  # this driver's id in the shared study's trials (user attr "driver")
+    lock: Any = None  # the shared study's, which its drivers take turns on to ask for trials
+
+
+def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
+    """The config, overrides, directory and plan of the sweep to run: a new one, or the one
+    ``resume=`` names. A new sweep's folder is written only once its plan holds (the database
+    answers, the devices are there)."""
     if args and args[0].startswith("resume="):
         sweep_dir = Path(args[0].partition("=")[2])
         if len(args) > 1:
@@ -53,18 +103,63 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path]:
         overrides = list(OmegaConf.load(sweep_dir / SAVED).overrides)
         # the saved overrides are input, not code: each trial would build what they name
         check_targets(compose_config("train", overrides, with_hydra=True), str(sweep_dir / SAVED))
-        return compose_train(overrides), overrides, sweep_dir
+        cfg = compose_train(overrides)
+        # the study where this driver first attached (its URL made absolute then)
+        where = OmegaConf.load(sweep_dir / SHARED) if (sweep_dir / SHARED).is_file() else None
+        return cfg, overrides, sweep_dir, plan(cfg, where)
     args = quote_search_spaces(args)
     cfg = compose_train(args)
     if not cfg.get("sweep"):
         raise ConfigError("no sweep settings: add hparams_search=<name> (one of conf/hparams_search/)")
-    sweep_parts(cfg.sweep)  # a bad search space, sampler or pruner stops here, before the folder is made
+    p = plan(cfg)  # a bad search space, device count or database stops here, before the folder is made
     sweep_dir = sweep_dir_of(cfg)
     if (sweep_dir / SAVED).exists():
         raise ConfigError(f"sweep.dir={sweep_dir} already holds a sweep: continue it with resume={sweep_dir}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create({"overrides": args}), sweep_dir / SAVED)
-    return cfg, args, sweep_dir
+    if p.study is not None:
+        where = {"storage": p.url, "study_name": p.study.study_name, "driver": p.driver}
+        OmegaConf.save(OmegaConf.create(where), sweep_dir / SHARED)
+    return cfg, args, sweep_dir, p
+
+
+def positive(key: str, value: Any, none: bool = False) -> Any:
+    if (value is None and none) or (is_int(value) and value > 0):
+        return value
+    raise ConfigError(f"{key}: expected a positive int{' or null' if none else ''}, got {value!r}")
+
+
+def plan(cfg: DictConfig, where: DictConfig | None = None) -> Plan:
+    """The sweep's parts (``sweep_parts``), one device slot per trial run at once, and a shared
+    study attached (``sweep.storage``; ``where``: as a resumed driver first attached)."""
+    s = cfg.sweep
+    space, fixed, sampler, pruner = sweep_parts(s)
+    trainer = cfg.get("trainer") or {}
+    slots = device_slots(
+        s.get("n_jobs", 1),
+        s.get("devices_per_trial"),
+        trainer.get("accelerator", "auto"),
+        trainer.get("devices", 1),
+    )
+    url = where.storage if where else s.get("storage")
+    if not url:
+        check_workers(cfg, shared=False)
+        return Plan(space, fixed, sampler, pruner, slots)
+    url = normalize_url(url)
+    name = str(where.study_name if where else s.get("study_name") or cfg.task_name)
+    interval = positive("sweep.heartbeat_interval", s.get("heartbeat_interval", 60))
+    grace = positive("sweep.grace_period", s.get("grace_period"), none=True)
+    # a driver that dies mid-trial stops beating: whoever asks next fails that trial and runs its
+    # values again, once (Optuna's heartbeat and retry callback)
+    retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)
+    storage = open_storage(url, interval, grace, retry)
+    if sampler is not None:  # drivers started by one command would draw the same values
+        sampler.reseed_rng()
+    study = open_study(None, s.direction, sampler, pruner, storage, name)
+    check_same_search(study, space, cfg.optimized_metric, s.direction)
+    check_workers(cfg, shared=True)
+    driver = where.driver if where else uuid.uuid4().hex
+    return Plan(space, fixed, sampler, pruner, slots, url, study, driver, study_lock(url, storage, name))
 
 
 def sweep_parts(
@@ -90,21 +185,115 @@ def sweep_parts(
 
 
 def sweep(args: list[str]) -> None:
-    cfg, overrides, sweep_dir = start(args)
+    cfg, overrides, sweep_dir, p = start(args)
     s = cfg.sweep
-    space, fixed, sampler, pruner = sweep_parts(s)
-    study = open_study(sweep_dir, s.direction, sampler, pruner)
+    if s.get("workers"):
+        send_workers(cfg, overrides, sweep_dir, p)
+        return
+    study = p.study or open_study(sweep_dir, s.direction, p.sampler, p.pruner)
+    if p.study is None:
+        check_same_search(study, p.space, cfg.optimized_metric, s.direction)
     study.set_metric_names([cfg.optimized_metric])  # named so in optuna-dashboard
     goal = f"{s.direction} {cfg.optimized_metric}"
-    print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(space)}; {goal}")
+    print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(p.space)}; {goal}")
+    if p.study is not None:
+        done, running = tally(study.get_trials(deepcopy=False))
+        print(f"study {study.study_name} in {shown(p.url)}: {len(done)} finished, {len(running)} running")
+    if p.slots[0].label:
+        print(f"{len(p.slots)} at once, on {'; '.join(slot.label for slot in p.slots)}")
+    fixed = list(p.fixed)
     if "wandb" in (cfg.get("logger") or {}):  # on W&B, the trials of one sweep form one group
-        fixed.append(f"logger.wandb.group={override_value(f'{cfg.task_name}-sweep-{sweep_dir.name}')}")
-    run_sweep(study, space, overrides + fixed, sweep_dir, cfg.optimized_metric, s.n_trials)
+        group = f"{cfg.task_name}-sweep-{study.study_name if p.study else sweep_dir.name}"
+        fixed.append(f"logger.wandb.group={override_value(group)}")
+    driver = {"slots": p.slots}
+    if p.study is not None:
+        interval = s.get("heartbeat_interval", 60)
+        driver |= {"storage": p.url, "study_name": study.study_name, "shared": True, "driver": p.driver}
+        driver |= {"poll": min(interval, 10), "lock": p.lock}
+    run_sweep(study, p.space, overrides + fixed, sweep_dir, cfg.optimized_metric, s.n_trials, **driver)
     if any(t.value is not None for t in study.trials):
         best = study.best_trial
         print(f"best: trial {best.number}, {cfg.optimized_metric} {best.value:.4f}, {best.params}")
-    print(f"compare the trials: attnlab-compare {sweep_dir}")
-    print(f"dashboard: optuna-dashboard sqlite:///{(sweep_dir / 'optuna.db').resolve()}")
+    if p.study is None:
+        print(f"compare the trials: attnlab-compare {sweep_dir}")
+        print(f"dashboard: optuna-dashboard sqlite:///{(sweep_dir / 'optuna.db').resolve()}")
+    else:
+        print(f"compare the trials: attnlab-compare {sweep_dir} (this driver's), or {shown(p.url)} (all)")
+        target = p.url.removeprefix("journal:") if p.url.startswith("journal:") else shown(p.url)
+        print(f"dashboard: optuna-dashboard {target}")
+
+
+class DriverJob:
+    """One driver of a job array (``sweep.workers``): a sweep in its own folder attached to the
+    shared study; requeued (a time limit, a preemption), it resumes that folder."""
+
+    def __call__(self, args: list[str], sweep_dir: str) -> None:
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        folder = Path(sweep_dir)
+        sweep([f"resume={folder}"] if (folder / SAVED).is_file() else [*args, f"sweep.dir={folder}"])
+
+    def checkpoint(self, args: list[str], sweep_dir: str) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, args, sweep_dir)
+
+
+def executor_of(cfg: DictConfig, folder: Path | str) -> Any:
+    """The submitit executor of ``sweep.executor`` (a cluster: SLURM where sbatch runs, else
+    local processes) with ``sweep.resources`` for each driver's job; what submitit refuses (an
+    unknown cluster or parameter) is a ``ConfigError``."""
+    import submitit
+
+    s = cfg.sweep
+    options = OmegaConf.to_container(s.get("executor") or {}, resolve=True)
+    options.pop("folder", None)
+    resources = OmegaConf.to_container(s.get("resources") or {}, resolve=True)
+    try:
+        executor = submitit.AutoExecutor(folder=folder, **options)
+        parameters = {k: v for k, v in resources.items() if v is not None}
+        executor.update_parameters(**{"name": f"{cfg.task_name}-sweep", **parameters})
+    except (NameError, TypeError, ValueError) as e:
+        raise ConfigError(f"sweep.executor, sweep.resources: {str(e).strip().splitlines()[0]}") from None
+    return executor
+
+
+def check_workers(cfg: DictConfig, shared: bool) -> None:
+    """``sweep.workers``: a positive int, a shared study, and an executor submitit accepts."""
+    workers = cfg.sweep.get("workers")
+    if workers is None:
+        return
+    if not is_int(workers) or workers < 1:
+        raise ConfigError(
+            f"sweep.workers: expected a positive int (drivers to send) or null, got {workers!r}"
+        )
+    if not shared:
+        raise ConfigError("sweep.workers: the workers need a study they all reach: set sweep.storage")
+    with tempfile.TemporaryDirectory() as tmp:  # submitit makes its folder: not the sweep's yet
+        executor_of(cfg, tmp)
+
+
+def send_workers(cfg: DictConfig, overrides: list[str], sweep_dir: Path, p: Plan) -> None:
+    """``sweep.workers`` drivers of this sweep as one submitit job array (SLURM, or processes
+    here), each attached to the shared study; their folders are ``<sweep dir>/workers/<i>``."""
+    s = cfg.sweep
+    folder = (s.get("executor") or {}).get("folder") or sweep_dir / ".submitit" / "%j"
+    executor = executor_of(cfg, folder)
+    # the workers run the same sweep, without sending workers of their own
+    args = [a for a in overrides if not a.lstrip("+").startswith("sweep.workers=")] + ["sweep.workers=null"]
+    folders = [str(sweep_dir / "workers" / str(i)) for i in range(s.workers)]
+    jobs = executor.map_array(DriverJob(), [args] * s.workers, folders)
+    array, study = jobs[0].job_id.split("_")[0], f"study {p.study.study_name} in {shown(p.url)}"
+    print(f"sent {len(jobs)} sweep drivers ({executor.cluster} {array}) to {study}")
+    print(
+        f"their folders: {sweep_dir / 'workers'}/<i>; their output: {str(folder).replace('%j', '<job id>')}"
+    )
+    print(f"follow the study: attnlab-compare {shown(p.url)} --study {p.study.study_name}")
+    if executor.cluster in ("local", "debug"):  # the jobs are this machine's processes: wait for them
+        for job in jobs:
+            job.result()
+        done, _ = tally(p.study.get_trials(deepcopy=False))
+        print(f"the workers ended: {len(done)} trials finished in the study")
 
 
 USAGE = """usage: attnlab-sweep [OVERRIDE ...] | resume=SWEEP_DIR
@@ -113,10 +302,15 @@ An Optuna sweep over attnlab-train runs; every trial a run of its own, the study
 <sweep dir>/optuna.db, so a stopped sweep goes on where it was (finished trials stay).
 The overrides compose as for attnlab-train; hparams_search=<name> (conf/hparams_search/) adds
 the search: direction, n_trials, sampler, pruner and the space (sweep.params).
+sweep.n_jobs=N runs N trials at once, each on its own GPUs or CPU cores (sweep.devices_per_trial);
+sweep.storage=postgresql://... or journal:<file> puts the study where drivers on many machines
+attach to it by name (sweep.study_name) and share its sweep.n_trials.
 
 examples:
   attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char
   attnlab-sweep hparams_search=gpt_optuna sweep.n_trials=4 trainer.max_steps=500
+  attnlab-sweep hparams_search=gpt_optuna sweep.n_jobs=4 sweep.devices_per_trial=2 trainer=ddp
+  attnlab-sweep hparams_search=gpt_optuna sweep.storage=journal:/shared/gpt.log   # on each machine
   attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>
   attnlab-compare logs/gpt_pydoc_char/sweeps/<time>      # the trials side by side
 """
@@ -127,6 +321,8 @@ def main() -> None:
         print(USAGE, end="")
         return
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
+    # heartbeats and their retry callback are marked experimental by Optuna: said once, in the docs
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     with exit_on_user_error(console=True):
         sweep(sys.argv[1:])
 

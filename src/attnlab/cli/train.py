@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder
+from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder, user_error
 from attnlab.compare import flatten, is_hyperparameter
 from attnlab.errors import ConfigError, DataError
 from attnlab.utils.config import (
@@ -28,6 +31,14 @@ from attnlab.utils.config import (
     resolve,
     save_config,
 )
+from attnlab.utils.distributed import (
+    check_job_tasks,
+    check_launcher_overrides,
+    check_submitit_launcher,
+    export_local_ranks,
+    own_last_checkpoint,
+    submitit_executor,
+)
 from attnlab.utils.run_paths import resolve_ckpt_path
 
 # torch, Lightning and the models load in train(), after the config is checked: --help and a
@@ -38,10 +49,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("attnlab.train")
 
+# conf/hydra/launcher/submitit_*.yaml share the plugin's config names, so Hydra checks them against
+# its schema, and says so at every composition (deprecated since Hydra 1.1, still so in 1.3)
+warnings.filterwarnings(
+    "ignore", r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore", UserWarning
+)
+
 
 def trainer_rank_zero() -> bool:
-    """Rank 0 of a multi-process run (Lightning sets these before the ranks > 0 start)."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+    """Rank 0 of a multi-process run (Lightning sets these before the ranks > 0 start; srun, for a
+    SLURM job's tasks, SLURM_PROCID)."""
+    return all(int(os.environ.get(k, 0)) == 0 for k in ("LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
@@ -74,7 +92,9 @@ def name_wandb_run(cfg: DictConfig) -> None:
     the jobs of one multirun in a group of their own (``<task> multirun <time>``)."""
     wandb = cfg.logger.wandb
     given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    shown = [o for o in given if not o.startswith(("hydra.", "paths.", "experiment=", "logger", "~"))]
+    shown = [
+        o for o in given if not o.startswith(("hydra.", "paths.", "experiment=", "logger", "~", "ckpt_path="))
+    ]
     with open_dict(cfg):
         if wandb.get("name") is None:
             wandb.name = " ".join([cfg.task_name, *shown])
@@ -102,6 +122,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     resolve(cfg)
     check_config(cfg, imports=False)  # before torch loads: a wrong value is one quick line
     refuse_a_sweep(cfg)
+    check_job_tasks(cfg.trainer)
 
     import lightning as L
     import torch
@@ -109,7 +130,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from attnlab.callbacks import WeightAveraging
     from attnlab.utils.checkpoint import AtomicCheckpointIO, check_fits
     from attnlab.utils.cpu import tune_cpu_for_training
-    from attnlab.utils.distributed import relaunch_this_multirun_job
+    from attnlab.utils.distributed import cluster_plugins, relaunch_this_multirun_job
     from attnlab.utils.hardware import machine_info
     from attnlab.utils.wandb_mode import ensure_wandb_mode
 
@@ -120,6 +141,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
+    if submitit_executor() and (own := own_last_checkpoint(cfg)).is_file():
+        # a requeued job (its time limit, a preemption) resumes from its own last.ckpt, never the
+        # newest checkpoint of its task (Lightning #13773)
+        log.info("requeued: resuming from this job's own %s", own)
+        with open_dict(cfg):
+            cfg.ckpt_path = str(own)
 
     ckpt_path, ckpt, meta = checkpoint_to_resume(cfg, out)
     datamodule = build_datamodule(cfg, meta)
@@ -144,7 +171,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     loggers = setup_loggers(cfg, out)
     relaunch_this_multirun_job()
     trainer: L.Trainer = instantiate_trainer(
-        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
+        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO(), *cluster_plugins()]
     )
     WeightAveraging.refuse_sharding(trainer)
     for lg in loggers:
@@ -173,7 +200,36 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict |
         step = ckpt["global_step"]
         if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
             log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
+        if trainer_rank_zero() and ckpt_path.parent.parent.resolve() == out.resolve():
+            # the run's own checkpoint (a requeued job): what it logged after the checkpoint, it
+            # logs again
+            forget_rows_from(out / "csv" / "metrics.csv", step)
     return ckpt_path, ckpt, meta
+
+
+def forget_rows_from(metrics: Path, step: int) -> None:
+    """A CSV log without its rows of ``step`` on (and a last line cut mid-write), rewritten whole:
+    a run resumed from its own checkpoint logs those again, and each row stays in it once."""
+    import csv
+
+    if not metrics.is_file():
+        return
+    text = metrics.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    reader = csv.DictReader(lines)
+    rows = list(reader)
+    kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < step]
+    if len(kept) == len(rows) and "".join(lines) == text:
+        return
+    tmp = metrics.with_name(f".{metrics.name}.part")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=reader.fieldnames or [])
+        writer.writeheader()
+        writer.writerows(kept)
+    tmp.replace(metrics)
+    log.info("csv: %d rows logged from step %d on left to the resumed run", len(rows) - len(kept), step)
 
 
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
@@ -234,6 +290,10 @@ def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any
     callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
     callbacks.append(ResumableRandomness(cfg.get("seed")))
     callbacks.append(ReleaseFreedMemory())
+    if submitit_executor():  # a job of Hydra's submitit launcher: requeued at submitit's signal
+        from attnlab.callbacks import SubmititRequeue
+
+        callbacks.append(SubmititRequeue(own_last_checkpoint(cfg)))
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
         import optuna
 
@@ -244,6 +304,7 @@ def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any
                 cfg.sweep_trial.number,
                 cfg.optimized_metric,
                 instantiate(pruner) if pruner else optuna.pruners.NopPruner(),
+                cfg.sweep_trial.get("study"),  # the shared study's name (sweep.study_name)
             )
         )
     return callbacks
@@ -354,22 +415,52 @@ def main() -> float | None:
     composes the config (which would only say the key is not there), then train."""
     with exit_on_user_error(console=True):
         refuse_renamed_overrides(sys.argv[1:])
+        check_launcher_overrides(sys.argv[1:])
     return hydra_main()
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    # rank 0 decides about the run folder it shares with the other ranks
-    with exit_on_user_error(discard=own_run_folder(cfg) if trainer_rank_zero() else None):
-        try:
-            metrics = train(cfg)
-        except Exception as e:
-            if not pruned(e):
-                raise
-            log.info("%s", e)  # a sweep trial stopped early: the sweep records it
-            return None
+    export_local_ranks()  # a submitit_local job's processes: their ranks, before anything asks
+    try:
+        # rank 0 decides about the run folder it shares with the other ranks
+        with exit_on_user_error(discard=own_run_folder(cfg) if trainer_rank_zero() else None):
+            try:
+                metrics = train(cfg)
+            except Exception as e:
+                if not pruned(e):
+                    raise
+                log.info("%s", e)  # a sweep trial stopped early: the sweep records it
+                return None
+    except SystemExit as e:
+        # a submitit job's refused config (its line is in its log): the job's error, which Hydra's
+        # launcher carries back to the multirun, reported there in one line after the job's
+        # overrides (not submitit's "the job produced no output")
+        if submitit_executor() and e.code == 2 and (err := user_error(e.__context__)):
+            raise JobRefused(f"error: {err}") from None
+        raise
     name = cfg.get("optimized_metric")
     return metrics.get(name) if name else None
+
+
+class JobRefused(CompactHydraException):
+    """A submitit job's refused config, as the multirun's process reports it: its line only."""
+
+
+class SubmititChecks(Callback):
+    """``hydra/launcher=submitit_slurm`` or ``submitit_local`` (``conf/hydra/launcher/``): the job's
+    size and the launcher's options checked before Hydra sends any job; a refusal is one line and
+    exit status 2, the sweep folder made for it removed while still empty."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        folder = Path(str(config.hydra.sweep.dir))
+        with exit_on_user_error(console=True):
+            try:
+                check_submitit_launcher(config)
+            except ConfigError:
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+                raise
 
 
 if __name__ == "__main__":

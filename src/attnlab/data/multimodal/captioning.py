@@ -124,7 +124,8 @@ class CaptionsFolderDataModule(ImageTextDataModule):
     Args:
         captions_file: a Flickr8k-style token file or a COCO ``captions_*.json``.
         images_dir: where its images are (``null``: the captions file's folder).
-        shards_dir, fit_captions: a folder written by ``attnlab-prepare --mode pairs`` instead.
+        shards_dir, fit_captions: a folder written by ``attnlab-prepare --mode pairs`` instead (or
+            its ``s3://``, ``gs://`` or ``https://`` URL).
         img_size, in_chans: images are converted, their shorter side resized and the centre cropped.
         val_size, test_size: images held out of a captions file.
         batch_size, num_workers, seed: loaders.

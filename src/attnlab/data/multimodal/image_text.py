@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal import captions as cap
+from attnlab.data.remote import location
 from attnlab.data.sampling import Key, example_seed
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
@@ -140,7 +141,8 @@ class ImageTextDataModule(DataModule):
         data_dir, cache_dir, url: the IDX files (as ``ImageClassificationDataModule``).
         pairs_file, test_file: the "pairs" rows; test rows default to the validation split.
         image_key, caption_key: the columns (fields) of a pairs file.
-        shards_dir, fit_captions: the "shards" folder; how many captions fit the tokenizer.
+        shards_dir, fit_captions: the "shards" folder (or its ``s3://``, ``gs://`` or ``https://``
+            URL); how many captions fit the tokenizer.
         on_bad_record: "error" or "skip": listed images that are missing or unreadable, shard
             records that do not decode, shards that break off (one line naming the file and
             record; with "skip" a warning, counted, the rest trained on).
@@ -213,6 +215,8 @@ class ImageTextDataModule(DataModule):
             caption_key,
         )
         self.on_bad_record, self.img_size, self.in_chans = on_bad_record, img_size, in_chans
+        if shards_dir is not None:
+            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
         self.shards_dir, self.fit_captions, self.bad = shards_dir, fit_captions, BadRecords(on_bad_record)
         self.shards: ImageShards | None = None
         self.val_size, self.batch_size, self.context_length = val_size, batch_size, context_length

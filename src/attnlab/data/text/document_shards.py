@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from attnlab.data.remote import RemotePath, location, read_array
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.masked_lm import Document, make_pair, masked_batch
 from attnlab.data.text.shards import (
@@ -267,24 +268,25 @@ def prepare_documents(
 
 @dataclass(frozen=True)
 class DocumentShard:
-    folder: Path
+    folder: Path | RemotePath
     name: str
     tokens: int
     sentences: int
     documents: int
     sha256: dict[str, str]
 
-    def path(self, part: str) -> Path:
+    def path(self, part: str) -> Path | RemotePath:
         return self.folder / f"{self.name}.{part}"
 
 
 class DocumentShards:
-    """A folder from ``prepare_documents``: its tokenizer and each split's shards, checked against
-    the manifest: at opening, the files inside the folder and of their sizes; the first time this
-    process reads a shard (``verify``), their sha256 and the token ids against the vocabulary."""
+    """A folder from ``prepare_documents`` (local, or at an ``s3://``, ``gs://`` or ``https://``
+    URL): its tokenizer and each split's shards, checked against the manifest: at opening, the
+    files inside the folder and of their sizes; the first time this process reads a shard
+    (``verify``), their sha256 and the token ids against the vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        self.folder = location(folder)
         manifest = read_manifest(self.folder, "documents")
         try:
             self.dtype = np.dtype(manifest["dtype"])
@@ -338,15 +340,11 @@ class DocumentShards:
     def read(self, shard: DocumentShard, first: int, n: int) -> list[Document]:
         """Documents ``first .. first + n - 1`` of a shard."""
         self.verify(shard)  # a set lookup once checked
-        docs = np.fromfile(shard.path("documents"), dtype=np.int64, count=n + 1, offset=8 * first)
-        sents = np.fromfile(
-            shard.path("sentences"), dtype=np.int64, count=docs[-1] - docs[0] + 1, offset=8 * docs[0]
-        )
-        ids = np.fromfile(
-            shard.path("tokens"),
-            dtype=self.dtype,
-            count=sents[-1] - sents[0],
-            offset=self.dtype.itemsize * sents[0],
+        offsets = np.dtype(np.int64)
+        docs = read_array(shard.path("documents"), offsets, n + 1, 8 * first)
+        sents = read_array(shard.path("sentences"), offsets, int(docs[-1] - docs[0]) + 1, 8 * int(docs[0]))
+        ids = read_array(
+            shard.path("tokens"), self.dtype, int(sents[-1] - sents[0]), self.dtype.itemsize * int(sents[0])
         ).tolist()
         sents, docs = (sents - sents[0]).tolist(), (docs - docs[0]).tolist()
         return [

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from attnlab.data.base import DataModule
+from attnlab.data.remote import location
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.shards import ShardWindows, TokenShards
@@ -79,7 +80,8 @@ class TextDataModule(DataModule):
             ``test_dataloader``); ``None``: non-overlapping windows only.
         num_workers: DataLoader workers for the training stream.
         seed: seed of the training and validation batch streams.
-        shards_dir: a folder of token shards made by ``attnlab-prepare`` (a corpus of any size):
+        shards_dir: a folder of token shards made by ``attnlab-prepare`` (a corpus of any size;
+            a local path or an ``s3://``, ``gs://`` or ``https://`` URL, ranged reads):
             training windows are read from disk as they are drawn, validation and test are the
             shards' held-out splits, and the tokenizer is the one they were made with;
             ``corpus``, ``tokenizer`` and the fractions are then not used.
@@ -132,6 +134,8 @@ class TextDataModule(DataModule):
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.val_batches, self.test_stride = val_batches, test_stride
         self.num_workers, self.seed = num_workers, seed
+        if shards_dir is not None:
+            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
         self.shards_dir, self.shards = shards_dir, None
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
         self.train_tokens: Tensor | None = None

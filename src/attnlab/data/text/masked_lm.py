@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, TokenBatchSampler, pad
+from attnlab.data.remote import location
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -175,8 +176,9 @@ class MaskedLMDataModule(DataModule):
         num_workers: DataLoader workers.
         seed: of the validation split and its fixed masks (and of the training stream from shards).
         shards_dir: a folder of document shards made by ``attnlab-prepare --mode bert`` (a corpus
-            of any size): training pairs are built from documents read from disk as they are drawn
-            (``PairStream``), validation and test are the shards' held-out documents, and the
+            of any size; a local path or an ``s3://``, ``gs://`` or ``https://`` URL): training
+            pairs are built from documents read from disk as they are drawn (``PairStream``),
+            validation and test are the shards' held-out documents, and the
             tokenizer is the one they were made with; ``files``, ``vocab_size`` and the fractions
             are then not used.
     """
@@ -213,6 +215,8 @@ class MaskedLMDataModule(DataModule):
                 f"data.test_fraction ({test_fraction}) must be between 0 and 1"
             )
         self.files, self.data_dir, self.cache_dir = list(files or []), data_dir, cache_dir
+        if shards_dir is not None:
+            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
         self.shards_dir = shards_dir
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_docs_scored = mask_prob, val_docs

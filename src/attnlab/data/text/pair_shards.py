@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from attnlab.data.remote import RemotePath, location, read_array
 from attnlab.data.text.shards import (
     _pool,
     _progress,
@@ -319,24 +320,24 @@ def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance) -> Iterator[
 
 @dataclass(frozen=True)
 class PairShard:
-    folder: Path
+    folder: Path | RemotePath
     name: str
     pairs: int
     tokens: dict[str, int]
     sha256: dict[str, str]
 
-    def path(self, lang: str, part: str) -> Path:
+    def path(self, lang: str, part: str) -> Path | RemotePath:
         return self.folder / f"{self.name}.{lang}.{part}"
 
 
 class PairShards:
-    """A folder from ``prepare_pairs``: its languages, tokenizer, training shards and held-out
-    text, checked against the manifest: at opening, every file inside the folder and of its size;
-    the first time this process reads a file (``verify``), its sha256 and the token ids against
-    the vocabulary."""
+    """A folder from ``prepare_pairs`` (local, or at an ``s3://``, ``gs://`` or ``https://`` URL):
+    its languages, tokenizer, training shards and held-out text, checked against the manifest: at
+    opening, every file inside the folder and of its size; the first time this process reads a
+    file (``verify``), its sha256 and the token ids against the vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        self.folder = location(folder)
         manifest = read_manifest(self.folder, "pairs")
         try:
             self.langs: tuple[str, str] = tuple(manifest["langs"])
@@ -357,7 +358,7 @@ class PairShards:
                 f"{self.folder / 'manifest.json'}: not a readable manifest ({type(e).__name__}: {e})"
             ) from None
         self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
-        self.verified: set[Path] = set()  # files whose sha256 (and ids) this process checked
+        self.verified: set[Path | RemotePath] = set()  # files whose sha256 (and ids) this process checked
         for shard in self.train:
             if shard.pairs == 0:
                 raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
@@ -380,7 +381,7 @@ class PairShards:
         sha256 = {part: e["sha256"][part] for part in parts}
         return PairShard(self.folder, e["name"], int(e["pairs"]), e["tokens"], sha256)
 
-    def _verify(self, path: Path, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
+    def _verify(self, path: Path | RemotePath, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
         """Check a file (sha256; with ``ids``, its token ids) unless this process did."""
         if path in self.verified:
             return path.read_bytes() if keep else b""
@@ -398,7 +399,7 @@ class PairShards:
     def tokenizer(self) -> SubwordTokenizer:
         return tokenizer_from_json(self.tokenizer_json)
 
-    def text_files(self, split: str, src: str, tgt: str) -> tuple[Path, Path]:
+    def text_files(self, split: str, src: str, tgt: str) -> tuple[Path | RemotePath, Path | RemotePath]:
         """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
         for lang in (src, tgt):
             self._verify(self.folder / f"{split}.{lang}", self.text_sha256[split, lang])
@@ -419,10 +420,8 @@ class PairShards:
         k = int(np.searchsorted(self.ends, i, side="right"))
         shard, j = self.train[k], i - (int(self.ends[k - 1]) if k else 0)
         self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
-        a, b = np.fromfile(shard.path(lang, "offsets"), dtype=np.int64, count=2, offset=8 * j)
-        return np.fromfile(
-            shard.path(lang, "tokens"), dtype=self.dtype, count=b - a, offset=a * self.dtype.itemsize
-        ).tolist()
+        a, b = read_array(shard.path(lang, "offsets"), np.dtype(np.int64), 2, 8 * j).tolist()
+        return read_array(shard.path(lang, "tokens"), self.dtype, b - a, a * self.dtype.itemsize).tolist()
 
 
 class ShardSide(Sequence):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
+from attnlab.data.remote import RemotePath, file_size, location, read_array, read_arrays
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
@@ -398,13 +399,11 @@ def tokenizer_sha256(tokenizer_json: str) -> str:
     return hashlib.sha256(tokenizer_json.encode()).hexdigest()
 
 
-def read_manifest(folder: Path, kind: str) -> dict[str, Any]:
+def read_manifest(folder: Path | RemotePath, kind: str) -> dict[str, Any]:
     """The manifest of a prepared folder of ``kind`` ("tokens", "documents", "pairs")."""
     path = folder / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{folder}: no {MANIFEST}; prepare it with attnlab-prepare")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(manifest_text(folder, "attnlab-prepare"))
         found = manifest.get("kind", "tokens")  # version 1 token shards did not say
     except (ValueError, AttributeError) as e:
         raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
@@ -416,27 +415,48 @@ def read_manifest(folder: Path, kind: str) -> dict[str, Any]:
     return manifest
 
 
-def check_file(path: Path, size: int, what: str, sha256: str | None = None) -> None:
+def manifest_text(folder: Path | RemotePath, prepared_by: str) -> str:
+    """The text of ``folder``'s manifest (a remote folder's: its listing read too, so that each
+    shard's size comes from it); ``DataError`` if there is none."""
+    path = folder / MANIFEST
+    if file_size(path) is None:
+        copy = f", and copy the folder to {folder}" if isinstance(folder, RemotePath) else ""
+        raise DataError(f"{folder}: no {MANIFEST}; prepare it with {prepared_by}{copy}")
+    if isinstance(folder, RemotePath):
+        folder.list_folder()
+    return path.read_text()
+
+
+def check_file(path: Path | RemotePath, size: int, what: str, sha256: str | None = None) -> None:
     """A file a manifest lists: there, of the size it says (``what`` says in what units), and of
     its sha256 when given."""
-    if not path.is_file():
+    found = file_size(path)
+    if found is None:
         raise DataError(f"{path}: a shard the manifest lists is missing")
-    found = path.stat().st_size
     if found != size:
         raise DataError(
             f"{path}: {found} bytes, but the manifest says {what} ({size} bytes); truncated or replaced?"
         )
-    if sha256 is not None and file_sha256(path) != sha256:
-        raise DataError(f"{path}: {SHA256_DIFFERS}")
+    if sha256 is not None:
+        verify_file(path, sha256)
 
 
 SHA256_DIFFERS = "its sha256 differs from the manifest's; corrupt or changed since it was prepared"
 
 
-def manifest_file(folder: Path, name: Any, entry: str) -> Path:
+def manifest_file(folder: Path | RemotePath, name: Any, entry: str) -> Path | RemotePath:
     """``folder / name`` for a file the manifest of ``folder`` lists (``entry``: where in it),
     refused unless it stays inside ``folder``: an absolute path, a ``..`` or a link out of the
-    folder would have training read any file of the machine."""
+    folder would have training read any file of the machine (at a URL: only a plain relative name
+    under the folder's URL, no scheme, no ``..``, no absolute path)."""
+    if isinstance(folder, RemotePath):
+        if folder.inside(name):
+            return folder / name
+        raise DataError(
+            f"{folder / MANIFEST}: {entry} names {str(name)!r}, which leads outside {folder}; "
+            "a manifest may name only files under its own URL (a relative name: no scheme, "
+            "absolute path or '..')"
+        )
     path = folder / str(name)
     try:
         inside = isinstance(name, str) and path.resolve().is_relative_to(folder.resolve())
@@ -450,7 +470,7 @@ def manifest_file(folder: Path, name: Any, entry: str) -> Path:
     return path
 
 
-def manifest_vocab(folder: Path, tokenizer_json: Any) -> int:
+def manifest_vocab(folder: Path | RemotePath, tokenizer_json: Any) -> int:
     """The vocabulary size of the tokenizer a manifest holds: every token id must be below it."""
     try:
         return tokenizer_from_json(tokenizer_json).vocab_size
@@ -461,13 +481,18 @@ def manifest_vocab(folder: Path, tokenizer_json: Any) -> int:
 
 
 def verify_file(
-    path: Path, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
+    path: Path | RemotePath,
+    sha256: str,
+    dtype: np.dtype | None = None,
+    vocab: int = 0,
+    keep: bool = False,
 ) -> bytes:
-    """One pass over a file a manifest lists: its sha256 must be the manifest's and, when it holds
-    token ids (``dtype``), each id must be below ``vocab`` (an id past the embedding table would
-    end training in an ``IndexError``). Returns the bytes with ``keep`` (a small file read whole)."""
+    """One pass over a file a manifest lists (a remote one streamed once): its sha256 must be the
+    manifest's and, when it holds token ids (``dtype``), each id must be below ``vocab`` (an id
+    past the embedding table would end training in an ``IndexError``). Returns the bytes with
+    ``keep`` (a small file read whole)."""
     top, h, kept = -1, hashlib.sha256(), []
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while block := f.read(-1 if keep else 1 << 24):
             h.update(block)
             if dtype is not None:
@@ -557,19 +582,20 @@ class _progress:
 
 @dataclass(frozen=True)
 class Shard:
-    path: Path
+    path: Path | RemotePath
     tokens: int
     sha256: str
 
 
 class TokenShards:
-    """A prepared folder: its tokenizer and each split's shards, checked against the manifest: at
-    opening each file it names is inside the folder and of the size it says; the first time this
-    process reads a shard (``verify``, at most once each), its sha256 and that every id is in the
-    vocabulary."""
+    """A prepared folder (a local path, or an ``s3://``, ``gs://`` or ``https://`` URL: see
+    ``attnlab.data.remote``): its tokenizer and each split's shards, checked against the manifest:
+    at opening each file it names is inside the folder and of the size it says; the first time
+    this process reads a shard (``verify``, at most once each), its sha256 and that every id is in
+    the vocabulary."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        self.folder = location(folder)
         path = self.folder / MANIFEST
         manifest = read_manifest(self.folder, "tokens")
         try:
@@ -593,7 +619,7 @@ class TokenShards:
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
         self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
-        self.verified: set[Path] = set()  # shards whose sha256 and ids this process checked
+        self.verified: set[Path | RemotePath] = set()  # shards whose sha256 and ids this process checked
         for split in SPLITS:
             for shard in self.splits[split]:
                 what = f"{shard.tokens} tokens of {self.dtype}"
@@ -616,7 +642,14 @@ class TokenShards:
 
     def read(self, shard: Shard, start: int, n: int) -> np.ndarray:
         self.verify(shard)  # a set lookup once checked
-        return np.fromfile(shard.path, dtype=self.dtype, count=n, offset=start * self.dtype.itemsize)
+        return read_array(shard.path, self.dtype, n, start * self.dtype.itemsize)
+
+    def read_windows(self, windows: list[tuple[Shard, int]], n: int) -> list[np.ndarray]:
+        """``n`` tokens from each ``(shard, start)``: from object storage, one round trip for all."""
+        for shard, _ in windows:
+            self.verify(shard)
+        size = self.dtype.itemsize
+        return read_arrays([(shard.path, start * size, n) for shard, start in windows], self.dtype)
 
     def read_split(self, split: str) -> Tensor:
         """A whole (small) split in memory: validation and test."""
@@ -651,11 +684,11 @@ class ShardWindows(IterableDataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         which = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=g)
         fractions = torch.rand(self.batch_size, generator=g, dtype=torch.float64)
-        rows = []
-        for i, u in zip(which.tolist(), fractions.tolist(), strict=True):
-            shard = self.usable[i]
-            start = int(u * (shard.tokens - self.block_size - 1))
-            rows.append(self.shards.read(shard, start, self.block_size + 1))
+        picks = [self.usable[i] for i in which.tolist()]
+        starts = [
+            int(u * (s.tokens - self.block_size - 1)) for s, u in zip(picks, fractions.tolist(), strict=True)
+        ]
+        rows = self.shards.read_windows(list(zip(picks, starts, strict=True)), self.block_size + 1)
         chunk = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 

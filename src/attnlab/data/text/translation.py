@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
+from attnlab.data.remote import location
 from attnlab.data.text.pair_shards import PairShards, ShardSide
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 from attnlab.errors import ConfigError, DataError
@@ -155,8 +156,9 @@ class TranslationDataModule(DataModule):
         num_workers: DataLoader workers.
         seed: seed of the batch order.
         shards_dir: a folder of pair shards made by ``attnlab-prepare --mode translation`` (a
-            corpus of any size): training pairs are read from disk as batches need them, only
-            their lengths held in memory; validation and test are the folder's held-out text.
+            corpus of any size; a local path or an ``s3://``, ``gs://`` or ``https://`` URL):
+            training pairs are read from disk as batches need them, only their lengths held in
+            memory; validation and test are the folder's held-out text.
             ``src_lang``/``tgt_lang`` must be its two languages, in either order; ``corpus``,
             ``data_dir`` and ``vocab_size`` are then not used (the tokenizer is the folder's).
     """
@@ -204,6 +206,8 @@ class TranslationDataModule(DataModule):
         self.max_tokens, self.eval_max_tokens = max_tokens, eval_max_tokens
         self.max_len, self.synthetic_size = max_len, synthetic_size
         self.num_workers, self.seed = num_workers, seed
+        if shards_dir is not None:
+            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
         self.shards_dir = shards_dir
         self.tokenizer: SubwordTokenizer | None = None
         self.splits: dict[str, ParallelSplit] = {}

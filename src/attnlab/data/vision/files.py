@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from attnlab.data.base import DataModule
+from attnlab.data.remote import location
 from attnlab.data.sampling import Key, example_seed, seeded_globals
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize
 from attnlab.data.vision.datasets import scan_image_folder
@@ -166,7 +167,8 @@ class ImageFilesDataModule(DataModule):
 
     Sources: "folder" (``data_dir/train/<class>/<image>``, optional ``data_dir/test/...``; a
     seeded validation split of ``val_size`` images is carved from train, and the training order
-    is ``ResumableSampler``'s) or "shards" (``shards_dir``: tar shards written by
+    is ``ResumableSampler``'s) or "shards" (``shards_dir``, a folder or an ``s3://``, ``gs://`` or
+    ``https://`` URL: tar shards written by
     ``attnlab-prepare --mode images``, with their own val and test splits; training streams them,
     ``ShardStream``). Validation and test are exact under any number of ranks.
 
@@ -233,6 +235,8 @@ class ImageFilesDataModule(DataModule):
             raise ConfigError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
         if source == "shards" and shards_dir is None:
             raise ConfigError("data.shards_dir must name a folder written by attnlab-prepare --mode images")
+        if shards_dir is not None:
+            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
         self.source, self.data_dir, self.shards_dir, self.val_size = source, data_dir, shards_dir, val_size
         self.img_size, self.in_chans, self.batch_size = img_size, in_chans, batch_size
         self.scale, self.hflip, self.auto_augment = list(scale), hflip, auto_augment

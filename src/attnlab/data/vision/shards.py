@@ -29,8 +29,9 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from attnlab.data import sampling
+from attnlab.data.remote import RemotePath, file_size, location, read_ranges
 from attnlab.data.sampling import example_seed
-from attnlab.data.text.shards import SHA256_DIFFERS, file_sha256, manifest_file
+from attnlab.data.text.shards import SHA256_DIFFERS, file_sha256, manifest_file, manifest_text
 from attnlab.data.vision.datasets import unreadable_image
 from attnlab.errors import ConfigError, DataError
 
@@ -174,25 +175,21 @@ def caption_items(files: list[Path], captions: list[str]) -> Iterator[Item]:
 
 @dataclass(frozen=True)
 class Shard:
-    path: Path
+    path: Path | RemotePath
     count: int
     sha256: str | None = None  # None: not checked (a shard no manifest lists)
 
 
 class ImageShards:
-    """A prepared folder: its manifest (kind, classes) and each split's shards, checked for presence
-    and size here, inside the folder; their sha256 as they are first read (``read_shard``,
-    ``ShardRecords``)."""
+    """A prepared folder (local, or at an ``s3://``, ``gs://`` or ``https://`` URL): its manifest
+    (kind, classes) and each split's shards, checked for presence and size here, inside the folder;
+    their sha256 as they are first read (``read_shard``, ``ShardRecords``)."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        self.folder = location(folder)
         path = self.folder / MANIFEST
-        if not path.is_file():
-            raise DataError(
-                f"{self.folder}: no {MANIFEST}; prepare it with attnlab-prepare --mode images|pairs"
-            )
         try:
-            self.manifest = json.loads(path.read_text())
+            self.manifest = json.loads(manifest_text(self.folder, "attnlab-prepare --mode images|pairs"))
             self.kind: str = self.manifest["kind"]
             entries = self.manifest["splits"]
             self.splits = {
@@ -210,12 +207,13 @@ class ImageShards:
             raise DataError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
         for split in SPLITS:
             for shard, entry in zip(self.splits[split], entries.get(split, []), strict=True):
-                if not shard.path.is_file():
+                size = file_size(shard.path)
+                if size is None:
                     raise DataError(f"{shard.path}: a shard the manifest lists is missing")
-                if shard.path.stat().st_size != entry["bytes"]:
+                if size != entry["bytes"]:
                     raise DataError(
-                        f"{shard.path}: {shard.path.stat().st_size} bytes, but the manifest says "
-                        f"{entry['bytes']}; truncated or replaced?"
+                        f"{shard.path}: {size} bytes, but the manifest says {entry['bytes']}; "
+                        "truncated or replaced?"
                     )
 
     @property
@@ -250,7 +248,7 @@ class Hashed:
     """A file read through, its bytes hashed as they pass: a shard's sha256 from the read that
     training makes anyway, not a second pass over it."""
 
-    def __init__(self, f: io.BufferedReader) -> None:
+    def __init__(self, f: io.BufferedReader | Any) -> None:
         self.f, self.h = f, hashlib.sha256()
 
     def read(self, n: int = -1) -> bytes:
@@ -270,11 +268,16 @@ class Hashed:
 
 
 def read_shard(
-    shard: Shard, skip: int, bad: BadRecords, stop: int | None = None, verified: set[Path] | None = None
+    shard: Shard,
+    skip: int,
+    bad: BadRecords,
+    stop: int | None = None,
+    verified: set[Path | RemotePath] | None = None,
 ) -> Iterator[Record]:
     """The records of one shard after the first ``skip`` (read past, not decoded) up to the
-    ``stop``-th, through webdataset's tar iterators. A shard that breaks off or holds fewer records
-    than its manifest says is reported (``bad``) once, naming the last record read.
+    ``stop``-th, through webdataset's tar iterators (a remote shard streamed, read ahead). A shard
+    that breaks off or holds fewer records than its manifest says is reported (``bad``) once,
+    naming the last record read.
 
     With ``verified`` (the shards this process has checked), a shard not in it is hashed as it
     is read (read to its end past ``stop``, unparsed) and a sha256 other than the manifest's
@@ -289,7 +292,7 @@ def read_shard(
         return False  # a tar stream cannot be picked up after a broken record: stop this shard
 
     check = verified is not None and shard.sha256 is not None and shard.path not in verified
-    with open(shard.path, "rb") as raw:
+    with shard.path.open("rb") as raw:
         f = Hashed(raw) if check else raw
         files = tar_file_expander([{"url": str(shard.path), "stream": f}], handler=handler)
         for record in group_by_keys(files, handler=handler):
@@ -358,7 +361,7 @@ class ShardStream(IterableDataset):
         self.shards, self.batch_size, self.decode, self.collate = shards, batch_size, decode, collate
         self.seed, self.lanes, self.rank, self.world = seed, max(1, lanes), rank, world
         self.shuffle_batches, self.bad = shuffle_batches, BadRecords(on_bad_record)
-        self.verified: set[Path] = set()  # shards this process (worker) has hashed
+        self.verified: set[Path | RemotePath] = set()  # shards this process (worker) has hashed
         self.records = sum(s.count for s in shards)
         self.per_lane = self.records // (batch_size * self.world * self.lanes)
         self.start = 0
@@ -460,16 +463,16 @@ class ShardRecords(Dataset):
 
     def __init__(self, shards: list[Shard], decode: Callable[[Record, str], Any], bad: BadRecords) -> None:
         self.decode, self.bad = decode, bad
-        self.index: list[tuple[Path, str, dict[str, tuple[int, int]]]] = []
+        self.index: list[tuple[Path | RemotePath, str, dict[str, tuple[int, int]]]] = []
         for shard in shards:
             self.index += self._scan(shard)
 
-    def _scan(self, shard: Shard) -> list[tuple[Path, str, dict[str, tuple[int, int]]]]:
+    def _scan(self, shard: Shard) -> list[tuple[Path | RemotePath, str, dict[str, tuple[int, int]]]]:
         """The records' offsets, read as a stream (the data read past, not sought over) so that the
         same pass hashes the shard: ``DataError`` unless its sha256 is the manifest's."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
         broken = None
-        with open(shard.path, "rb") as raw:
+        with shard.path.open("rb") as raw:
             f = Hashed(raw)
             try:
                 with tarfile.open(fileobj=f, mode="r|") as tar:
@@ -495,10 +498,7 @@ class ShardRecords(Dataset):
     def record(self, i: int) -> Record:
         path, key, fields = self.index[i]
         record: Record = {"__key__": key, "__url__": str(path)}
-        with open(path, "rb") as f:
-            for ext, (offset, size) in fields.items():
-                f.seek(offset)
-                record[ext] = f.read(size)
+        record.update(zip(fields, read_ranges(path, list(fields.values())), strict=True))
         return record
 
     def __getitem__(self, i: int) -> Any:

@@ -1,0 +1,282 @@
+"""Shards read from object storage: a prepared folder given as an ``s3://``, ``gs://`` or
+``https://`` URL is read through fsspec (s3fs, gcsfs, aiohttp), as a local folder is read from disk.
+
+``location`` turns ``data.shards_dir`` into a ``Path`` or a ``RemotePath``; the shard readers use
+the few things of ``Path`` that both have (``/``, ``name``, ``open``, ``read_bytes``,
+``read_text``) and, for what a local file does with ``numpy.fromfile`` or a seek, the functions
+here (``file_size``, ``read_array``, ``read_arrays``, ``read_ranges``): a remote file answers
+with ranged GET requests.
+Credentials and the endpoint come from the environment each library reads (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``), or fsspec's own
+``FSSPEC_<PROTOCOL>_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``, ``FSSPEC_S3_ANON=true``).
+
+A filesystem object is made in the process that uses it (fsspec's async filesystems refuse to
+cross a fork, and the loader's workers are forked), from fsspec's instance cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from attnlab.errors import ConfigError, DataError
+
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# scheme -> (the package fsspec needs for it, the fsspec protocol)
+SCHEMES = {
+    "s3": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gs"),
+    "gcs": ("gcsfs", "gs"),
+    "http": ("aiohttp", "http"),
+    "https": ("aiohttp", "https"),
+}
+HINTS = {
+    "s3": (
+        "the endpoint (AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+        "or AWS_PROFILE)"
+    ),
+    "gs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS)",
+    "http": "the URL, and that the server is up and lets it be read",
+    "https": "the URL, and that the server is up and lets it be read",
+}
+# a streamed object is read ahead in blocks this large: a tar's headers come 512 bytes at a time,
+# each would otherwise be a request of its own
+STREAM_BLOCK = 8 << 20
+UNSAFE = re.compile(r"[?#\\\x00-\x1f]")  # would change the URL's query, fragment or path
+
+
+def is_url(value: Any) -> bool:
+    return isinstance(value, str) and URL.match(value) is not None
+
+
+def location(folder: str | os.PathLike | RemotePath, key: str | None = None) -> Path | RemotePath:
+    """A prepared folder: a local path, or a ``RemotePath`` for an ``s3://``, ``gs://`` or
+    ``https://`` URL (its package checked here: one line naming it if it is not installed);
+    ``key``: the config key that gave it, for the message."""
+    if isinstance(folder, Path | RemotePath):
+        return folder
+    if not is_url(folder):
+        return Path(folder)
+    given = f"{key}={folder}" if key else folder
+    scheme = URL.match(folder).group(1).lower()
+    if not folder[len(scheme) + 3 :].strip("/"):
+        raise ConfigError(f"{given}: names no bucket or host; give {scheme}://<bucket or host>/<folder>")
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"{given}: {scheme}:// is not a storage shards are read from; give a local folder or an "
+            "s3://, gs:// or https:// URL"
+        )
+    package = SCHEMES[scheme][0]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f"{given}: reading {scheme}:// URLs needs the {package} package, which is not installed "
+            f"(uv add {package}, or pip install {package})"
+        )
+    return RemotePath(folder)
+
+
+class RemotePath:
+    """A file or folder at a URL, with what the shard readers use of ``Path``."""
+
+    __slots__ = ("url", "protocol")
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.protocol = SCHEMES[URL.match(url).group(1).lower()][1]
+
+    # -- naming ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"RemotePath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return self.url < other.url
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(f"{self.url}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    def inside(self, name: Any) -> bool:
+        """``name`` is a plain relative name under this folder's URL: no scheme, no absolute path,
+        no ``..`` (nor ``.`` or an empty part), nothing that would change the URL's meaning."""
+        if not isinstance(name, str) or not name or is_url(name) or UNSAFE.search(name):
+            return False
+        return not name.startswith(("/", "~")) and all(p not in ("", ".", "..") for p in name.split("/"))
+
+    # -- reading --------------------------------------------------------------------------------
+    def fs(self):
+        import fsspec
+
+        return fsspec.filesystem(self.protocol)  # fsspec's cache: one per process and options
+
+    def _io(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)``; what the storage raises (s3fs, botocore, aiohttp each their own) is one
+        ``DataError`` naming the URL; a missing object stays ``FileNotFoundError``."""
+        try:
+            return fn(*args, **kwargs)
+        except DataError:
+            raise
+        except FileNotFoundError as e:
+            if no_bucket(e) or no_bucket(e.__cause__):
+                raise DataError(f"{self}: no such bucket ({first_line(e)}); check its name") from None
+            cause = e.__cause__  # fsspec's HTTP reads any failure as a missing file: say which
+            if self.protocol.startswith("http") and cause and getattr(cause, "status", None) != 404:
+                raise DataError(unreadable(self, cause)) from None
+            raise
+        except Exception as e:  # noqa: BLE001 (no common base class across the backends)
+            if no_bucket(e):
+                raise DataError(f"{self}: no such bucket ({first_line(e)}); check its name") from None
+            raise DataError(unreadable(self, e)) from None
+
+    def size(self) -> int | None:
+        """The object's size in bytes; ``None`` if there is none."""
+        try:
+            info = self._io(self.fs().info, self.url)
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        if info.get("size") is None:  # a server that sends no Content-Length
+            raise DataError(f"{self}: the server gives no size for it; serve it with its Content-Length")
+        return int(info["size"])
+
+    def is_file(self) -> bool:
+        return self.size() is not None
+
+    def stat(self) -> SimpleNamespace:
+        size = self.size()
+        if size is None:
+            raise DataError(f"{self}: no such object")
+        return SimpleNamespace(st_size=size)
+
+    def read_bytes(self) -> bytes:
+        return self._io(self.fs().cat_file, self.url)
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def read_range(self, start: int, n: int) -> bytes:
+        return self._io(self.fs().cat_file, self.url, start=start, end=start + n)
+
+    def open(self, mode: str = "rb") -> Stream:
+        """The object as a stream read ahead in ``STREAM_BLOCK`` pieces."""
+        if mode != "rb":
+            raise ValueError(f"remote shards are read only, not opened {mode!r}")
+        f = self._io(self.fs().open, self.url, "rb", block_size=STREAM_BLOCK, cache_type="readahead")
+        return Stream(self, f)
+
+    def list_folder(self) -> None:
+        """List the folder once (s3fs and gcsfs then answer each shard's size from that listing,
+        not a request each). Best effort: a store that allows reading but not listing (no
+        ``s3:ListBucket``) is read all the same, a request per shard."""
+        if self.protocol in ("s3", "gs"):
+            try:
+                self.fs().ls(self.url, detail=False)
+            except Exception:  # noqa: BLE001, S110 (any failure here shows again, named, on reading)
+                pass
+
+
+class Stream:
+    """An open remote object: ``read`` raises one ``DataError`` naming the URL."""
+
+    def __init__(self, path: RemotePath, f: Any) -> None:
+        self.path, self.f = path, f
+
+    def read(self, n: int = -1) -> bytes:
+        return self.path._io(self.f.read, n)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def no_bucket(e: BaseException | None) -> bool:
+    """``e`` says the bucket does not exist (s3fs raises it as one of several types)."""
+    if e is None:
+        return False
+    text = f"{type(e).__name__} {e}".lower()
+    return "nosuchbucket" in text or "bucket does not exist" in text
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def unreadable(path: RemotePath, e: BaseException) -> str:
+    return (
+        f"{path}: cannot be read ({type(e).__name__}: {first_line(e)}); check "
+        f"{HINTS.get(path.protocol, 'the URL')}"
+    )
+
+
+# ---- what a local file does with numpy or a seek ------------------------------------------------
+
+
+def file_size(path: Path | RemotePath) -> int | None:
+    """The size of a file a manifest lists; ``None`` if it is not there (or not a file)."""
+    if isinstance(path, RemotePath):
+        return path.size()
+    return path.stat().st_size if path.is_file() else None
+
+
+def read_array(path: Path | RemotePath, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+    """``count`` items of ``dtype`` from byte ``offset``: ``numpy.fromfile`` on a local file (the
+    page cache, no map), one ranged request on a remote one."""
+    if isinstance(path, RemotePath):
+        return np.frombuffer(path.read_range(offset, count * dtype.itemsize), dtype=dtype)
+    return np.fromfile(path, dtype=dtype, count=count, offset=offset)
+
+
+def read_arrays(windows: list[tuple[Path | RemotePath, int, int]], dtype: np.dtype) -> list[np.ndarray]:
+    """For each ``(file, offset, count)``, ``count`` items of ``dtype`` from byte ``offset``: remote
+    ones in one concurrent batch of ranged requests (a batch waits for one round trip, not one
+    per window)."""
+    if not windows or not isinstance(windows[0][0], RemotePath):  # the files of one folder
+        return [read_array(path, dtype, count, offset) for path, offset, count in windows]
+    first = windows[0][0]
+    urls = [str(path) for path, _, _ in windows]
+    starts = [offset for _, offset, _ in windows]
+    ends = [offset + count * dtype.itemsize for _, offset, count in windows]
+    data = first._io(first.fs().cat_ranges, urls, starts, ends, on_error="raise")
+    return [np.frombuffer(d, dtype=dtype) for d in data]
+
+
+def read_ranges(path: Path | RemotePath, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes at each ``(offset, size)`` of a file: one open and seeks, or the ranged requests
+    in one concurrent batch."""
+    if isinstance(path, RemotePath):
+        n = len(ranges)
+        starts, ends = [o for o, _ in ranges], [o + s for o, s in ranges]
+        return path._io(path.fs().cat_ranges, [path.url] * n, starts, ends, on_error="raise")
+    out = []
+    with open(path, "rb") as f:
+        for offset, size in ranges:
+            f.seek(offset)
+            out.append(f.read(size))
+    return out
