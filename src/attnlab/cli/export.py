@@ -67,21 +67,6 @@ def check_out(cfg: DictConfig) -> Path:
     return out
 
 
-def partial_of(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
-def start_partial(out: Path) -> Path:
-    """A clean ``<out>.partial`` (what a killed export left there removed; a link is unlinked,
-    never followed)."""
-    partial = partial_of(out)
-    if partial.is_symlink() or partial.is_file():
-        partial.unlink()
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
-
-
 def publish(partial: Path, out: Path) -> None:
     """The complete export moved into place; an earlier one (checked by ``check_out``) is set
     aside first and removed only once the new one is there."""
@@ -106,7 +91,9 @@ def staged(out: Path) -> Iterator[Path]:
     that fails (an unwritable folder, a full disk) one line naming ``out``."""
     from safetensors import SafetensorError
 
-    partial = partial_of(out)
+    from attnlab.data.text.shards import start_partial  # prepare's: the same folder, cleaned alike
+
+    partial = out.with_name(out.name + ".partial")
     try:
         partial = start_partial(out)
         yield partial

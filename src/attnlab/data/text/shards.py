@@ -379,9 +379,12 @@ def check_free(out: Path) -> None:
 
 
 def start_partial(out: Path) -> Path:
-    """A clean ``<out>.partial`` folder (what an interrupted prepare left there removed), which
-    ``publish`` moves into place once everything is written."""
+    """A clean ``<out>.partial`` folder (what an interrupted prepare or export left there removed;
+    a link is unlinked, never followed), which ``publish`` moves into place once everything is
+    written."""
     partial = _beside(out, ".partial")
+    if partial.is_symlink() or partial.is_file():
+        partial.unlink()
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
