@@ -137,7 +137,11 @@ CASES = [
     ),
     (GPT, "data.tokenizer=7", "data.tokenizer=7: expected a string (attnlab.data.TextDataModule tokenizer)"),
     (NMT, "data.corpus=7", "data.corpus=7: expected a string (attnlab.data.TranslationDataModule corpus)"),
-    (GPT, "model.net.attn_impl=fast", "model.net.attn_impl='fast': expected one of 'auto', 'sdpa', 'math'"),
+    (
+        GPT,
+        "model.net.attn_impl=fast",
+        "model.net.attn_impl='fast': expected one of 'auto', 'sdpa', 'flex', 'math'",
+    ),
     (GPT, "model.optimizer.betas=[0.9,x]", "model.optimizer.betas=[0.9, 'x']: expected a list of 2 floats"),
     (NMT, "model.weight_decay=x", "model.weight_decay='x': expected a float (attnlab.tasks.TranslationTask"),
     (GPT, "trainer.precision=bogus", "trainer.precision='bogus': expected one of 64, 32, 16,"),

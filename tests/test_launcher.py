@@ -153,7 +153,8 @@ def test_a_local_multirun_requeues_an_interrupted_job_which_ends_as_if_never_sto
     assert OmegaConf.load(other / "config.yaml").ckpt_path is None
     want, got = read_metrics(other), read_metrics(job)
     assert got.keys() == want.keys() and want["val/loss"][-1][0] == 99
-    for key in want:  # every row once, with the values of the run that was never stopped
+    for key in (k for k in want if not k.startswith("throughput/")):  # timings: another each run
+        # every row once, with the values of the run that was never stopped
         assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
         assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], rel=1e-5, abs=1e-6), key
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,6 +24,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from attnlab import __version__
 from attnlab.errors import ConfigError
 from attnlab.study import STUDY, open_storage, trial_id
+from attnlab.utils.checks import check_positive_number
 from attnlab.utils.cpu import release_freed_memory
 from attnlab.utils.memory import peak_memory_mb, reset_peak_memory
 
@@ -156,6 +159,12 @@ class FiniteLoss(L.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, torch.Tensor):  # a step the task skipped
             return
+        if self.read_every_step(loss):  # one float read, not the device-side bookkeeping below
+            if self.first_bad is None and not math.isfinite(value := float(loss.detach().reshape(-1)[0])):
+                self.first_bad = torch.tensor([float(trainer.global_step), value])
+            if self.first_bad is not None or trainer.world_size > 1:  # the ranks decide together
+                self.check(trainer)
+            return
         loss = loss.detach().float().reshape(-1)[:1]
         bad = ~torch.isfinite(loss)
         step = torch.full_like(loss, trainer.global_step)
@@ -164,8 +173,7 @@ class FiniteLoss(L.Callback):
             self.first_bad = here
         else:
             self.first_bad = torch.where(self.first_bad[:1] < 0, here, self.first_bad)
-        every = trainer.log_every_n_steps or 1
-        if self.read_every_step(loss) or trainer.global_step % every == 0:
+        if trainer.global_step % (trainer.log_every_n_steps or 1) == 0:
             self.check(trainer)
 
     def read_every_step(self, loss: torch.Tensor) -> bool:
@@ -214,7 +222,17 @@ class StepProgressBar(pl_callbacks.RichProgressBar):
     """Lightning's rich progress bar, counting a step recipe's optimizer steps: ``step n/max_steps``
     with the time left, where Lightning counts the batches of an epoch that never ends
     ("Epoch 0/-2"), starts again at 0 after a resume ("60/10") and counts every accumulated batch
-    ("40/20"). Recipes without ``max_steps`` keep Lightning's epoch bar."""
+    ("40/20"). Recipes without ``max_steps`` keep Lightning's epoch bar.
+
+    Drawn ``refresh_rate`` times a second (Lightning: 100), and the logged metrics it shows read
+    every ``metrics_every`` seconds, not after every batch: the drawing thread and the reading
+    took ~2% of a small GPT's step on a 2-core CPU, and on a GPU reading a metric waits for it.
+    """
+
+    def __init__(self, refresh_rate: int = 10, metrics_every: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(refresh_rate=refresh_rate, **kwargs)
+        self.metrics_every = metrics_every
+        self._metrics_due = 0.0
 
     def _by_steps(self) -> bool:
         return self.trainer.max_steps > 0
@@ -229,10 +247,11 @@ class StepProgressBar(pl_callbacks.RichProgressBar):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self.is_disabled and self.train_progress_bar_id is None:  # a resumed run, mid-epoch
             self._initialize_train_progress_bar_id()
-        batch_idx = args[-1]
+        if (now := time.monotonic()) >= self._metrics_due:
+            self._metrics_due = now + self.metrics_every
+            self._update_metrics(trainer, pl_module)
+        batch_idx = args[-1]  # the bar drawn at the next refresh (or now, in a notebook)
         self._update(self.train_progress_bar_id, trainer.global_step if self._by_steps() else batch_idx + 1)
-        self._update_metrics(trainer, pl_module)
-        self.refresh()
 
 
 class MetricsPrinter(L.Callback):
@@ -497,3 +516,124 @@ class SubmititRequeue(L.Callback):
         if callable(self.submitit_handler):
             self.submitit_handler(self.signum, None)  # process 0: requeue the job and exit
         raise SystemExit(0)  # the other processes: the requeued job starts them again
+
+
+class Throughput(L.Callback):
+    """Throughput, achieved model TFLOP/s and MFU of training, logged with the loss at every
+    logging interval (``trainer.log_every_n_steps``): in the progress bar, ``csv/metrics.csv``
+    and W&B.
+
+    - ``throughput/<items>_per_sec``: what the task counts (its ``items``: ``tokens`` for the text
+      families, ``images`` for the vision ones) per second, all processes together;
+    - ``throughput/tflops_per_sec``: model FLOPs per second and device: the net's own count
+      (``flops``, ``attnlab.nn.flops``: matmuls and attention, forward and backward; no
+      recomputation), which the task's ``step_work`` reads off each batch;
+    - ``throughput/mfu``: that over the device's peak (``attnlab.utils.hardware.peak_flops``: a
+      GPU's datasheet figure for the run's precision, or a CPU's matmul measured as the run
+      starts), which is written into ``machine.yaml`` and each checkpoint's machine record.
+
+    Each figure covers the optimizer steps since the one before; the run's first step (compiling,
+    warming up) and the time spent validating and checkpointing are left out. Lightning's
+    ``ThroughputMonitor`` waits for the GPU after every batch; here the clock is read, after
+    waiting for the device, only at the logging steps, where logging reads the loss anyway, and
+    the counts that depend on the data (masked, scored tokens) stay on the device until then.
+
+    Args:
+        peak_tflops: the peak to divide by, in TFLOP/s, instead of the table's or the measured one
+            (a GPU the table lacks).
+    """
+
+    def __init__(self, peak_tflops: float | None = None) -> None:
+        if peak_tflops is not None:
+            check_positive_number("callbacks.throughput", peak_tflops=peak_tflops)
+        self.peak_tflops = peak_tflops
+        self.peak: float | None = None
+        self.counting = True
+        self._t0: float | None = None
+        self._paused: float | None = None
+        self._step = -1
+        self._items: Any = 0
+        self._flops: Any = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from attnlab.utils.hardware import DTYPE_NAMES, compute_dtype, peak_flops
+
+        dtype = compute_dtype(trainer.precision)
+        if self.peak_tflops:
+            self.peak, source = self.peak_tflops * 1e12, f"peak_tflops={self.peak_tflops} (the config's)"
+        else:
+            self.peak, source = peak_flops(trainer.strategy.root_device, dtype)
+        log.info("MFU: model FLOPs over the peak of %s", source)
+        peak = round(self.peak / 1e12, 4) if self.peak else None
+        self.record(trainer, {"tflops": peak, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "source": source})
+
+    @staticmethod
+    def record(trainer: L.Trainer, peak: dict[str, Any]) -> None:
+        """The peak beside the machine it belongs to: in ``machine.yaml`` and the checkpoints' record."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, RunMetadata):
+                callback.machine["peak_flops"] = peak
+        path = Path(trainer.default_root_dir) / "machine.yaml"
+        if trainer.is_global_zero and path.is_file():
+            from omegaconf import OmegaConf
+
+            machine = OmegaConf.load(path)
+            machine.peak_flops = peak
+            path.write_text(OmegaConf.to_yaml(machine))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._paused, self._step = None, None, trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._paused is not None and self._t0 is not None:  # a validation since: not training time
+            self._t0 += time.perf_counter() - self._paused
+        self._paused = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.counting:
+            return
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        if self._t0 is None:  # the first step: compiling, warming up; the clock starts after it
+            if stepped:
+                self._sync(pl_module)
+                self._t0, self._items, self._flops = time.perf_counter(), 0, 0
+            return
+        try:
+            items, flops = pl_module.step_work(batch)
+        except AttributeError as e:  # a task or net of one's own that does not count them
+            log.warning("Throughput: no throughput or MFU logged: %s", e)
+            self.counting = False
+            return
+        self._items, self._flops = self._items + items, self._flops + flops.total
+        every = trainer.log_every_n_steps
+        if stepped and every and trainer.global_step % every == 0:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(pl_module)
+        now = time.perf_counter()
+        seconds, items, flops = now - self._t0, float(self._items), float(self._flops)
+        unit = getattr(pl_module, "items", "samples")
+        metrics = {
+            f"throughput/{unit}_per_sec": items / seconds * trainer.world_size,
+            "throughput/tflops_per_sec": flops / seconds / 1e12,
+        }
+        if self.peak:
+            metrics["throughput/mfu"] = flops / seconds / self.peak
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)
+        self._t0, self._items, self._flops = now, 0, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._t0 is not None and not trainer.sanity_checking:
+            self._sync(pl_module)
+            self._paused = time.perf_counter()
+
+    @staticmethod
+    def _sync(pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)

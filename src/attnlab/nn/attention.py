@@ -8,11 +8,17 @@ Mask convention, everywhere in attnlab:
   ``key_padding_mask``);
 - ``causal=True`` adds a bottom-right aligned causal mask (queries are the last T_q of T_k keys).
 
-Two interchangeable paths compute the same thing:
-- ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels);
+Three interchangeable paths compute the same thing (``impl``, a model's ``attn_impl``):
+- ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels; a bias reaches them as a float mask,
+  which the flash kernel does not take; on a CPU a causal ALiBi or T5 bias over a long sequence
+  goes to its flash kernel in pieces instead, ``nn/flash_pieces.py``);
+- ``flex``: FlexAttention (``nn/flex.py``): masks and biases as functions in one compiled kernel
+  that skips masked blocks: ALiBi, T5 and sliding windows stay fused; no attention dropout;
 - ``math``: an explicit matmul + softmax that can also return the attention weights (plots, tests).
-``impl="auto"`` picks ``math`` when the weights are wanted, and for bf16 on a CPU with native bf16
-(there the explicit path was faster; see ``benchmarks/attention_paths.py``), else ``sdpa``.
+``impl="auto"`` (``choose_impl``) picks, as ``benchmarks/attention_paths.py`` measured: ``math``
+when the weights are wanted (maps are drawn from it while training stays fused) and for bf16 on a
+CPU with native bf16; ``flex`` on a GPU for a bias or a sliding window (without dropout); else
+``sdpa``. On a CPU ``auto`` never picks ``flex``: PyTorch has no CPU kernel for its backward.
 
 Relative positions (``nn/positions.py``) come in through ``forward(positions=...)``: RoPE turns
 q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses keep
@@ -22,6 +28,7 @@ the projections and change which pairs are scored (``attend``) and how decoding 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal
 
@@ -30,10 +37,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
+from attnlab.nn.flash_pieces import BLOCK, flash_pieces, pieces_apply
+from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
 from attnlab.utils.hardware import native_bf16_cpu
 
-AttentionImpl = Literal["auto", "sdpa", "math"]
+AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
+IMPLS = ("auto", "sdpa", "flex", "math")
+
+log = logging.getLogger(__name__)
+_announced: set[tuple] = set()
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device | None = None) -> Tensor:
@@ -51,14 +64,37 @@ def _compute_dtype(q: Tensor) -> torch.dtype:
     return q.dtype
 
 
-def _use_math(q: Tensor, impl: AttentionImpl, need_weights: bool) -> bool:
-    if need_weights or impl == "math":
-        return True
-    if impl == "sdpa":
-        return False
-    # measured (benchmarks/attention_paths.py): under bf16 the explicit path is faster on CPUs
-    # with native bf16, and 3-4x slower on CPUs without it, where SDPA's kernels upcast
-    return q.device.type == "cpu" and _compute_dtype(q) == torch.bfloat16 and native_bf16_cpu()
+@torch.compiler.assume_constant_result
+def _native_bf16() -> bool:
+    """``native_bf16_cpu``, a constant to a compiled block: dynamo cannot trace the CPU probes,
+    and a graph break in every block would split the compiled code."""
+    return native_bf16_cpu()
+
+
+def choose_impl(impl: AttentionImpl, q: Tensor, need_weights: bool, fused_only: bool, dropout: bool) -> str:
+    """The path a call takes: ``impl`` itself unless "auto" (see the module docstring).
+
+    ``fused_only``: the call has a bias or a window that only FlexAttention keeps in a fused
+    kernel; ``dropout``: attention dropout is active (FlexAttention has none).
+    """
+    if need_weights:
+        return "math"
+    if impl != "auto":
+        return impl
+    if q.device.type == "cuda" and fused_only and not dropout:
+        choice = "flex"
+    elif q.device.type == "cpu" and _compute_dtype(q) == torch.bfloat16 and _native_bf16():
+        # measured: under bf16 the explicit path is faster on CPUs with native bf16, and 3-4x
+        # slower on CPUs without it, where SDPA's kernels upcast
+        choice = "math"
+    else:
+        choice = "sdpa"
+    key = (q.device.type, _compute_dtype(q), fused_only, dropout, choice)
+    if key not in _announced and not torch.compiler.is_compiling():
+        _announced.add(key)
+        kind = "a bias or window" if fused_only else "plain masks"
+        log.info(f"attention on {q.device.type} in {key[1]} with {kind}: attn_impl=auto takes {choice}")
+    return choice
 
 
 def _block(mask: Tensor | None, allowed: Tensor) -> Tensor:
@@ -95,8 +131,10 @@ def scaled_dot_product_attention(
     ``causal`` adds a bottom-right aligned causal mask. Returns the output (B, H, T_q, D) and,
     with ``need_weights``, the attention weights (B, H, T_q, T_k).
     """
+    if impl == "flex":
+        raise ValueError("flex attention needs positions and structure: call MultiHeadAttention.attend")
     t_q, t_k = q.size(-2), k.size(-2)
-    use_math = _use_math(q, impl, need_weights)
+    use_math = choose_impl(impl, q, need_weights, fused_only=False, dropout=dropout_p > 0) == "math"
     if not use_math and causal and mask is None and t_q == t_k:
         # the fused kernels have their own (faster) causal path
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
@@ -116,6 +154,16 @@ def scaled_dot_product_attention(
     if dropout_p > 0.0:
         att = F.dropout(att, p=dropout_p)
     return att @ v, weights
+
+
+def _in_pieces(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, positions: RelativePositions, dropout: float
+) -> bool:
+    """Whether a CPU's flash kernel takes this call in pieces (``nn/flash_pieces.py``): a causal
+    ALiBi or T5 bias over a whole sequence longer than a block, and nothing else."""
+    whole = q.size(-2) == k.size(-2) > BLOCK  # positions 0..T-1: no cache
+    plain = causal and mask is None and dropout == 0
+    return q.device.type == "cpu" and whole and plain and pieces_apply(positions)
 
 
 class KVCache:
@@ -179,7 +227,7 @@ class MultiHeadAttention(nn.Module):
         n_head: number of heads.
         dropout: dropout on the attention weights (training only).
         bias: whether the projections have biases.
-        impl: "auto", "sdpa" or "math" (see module docstring).
+        impl: "auto", "sdpa", "flex" or "math" (see module docstring); "flex" takes no dropout.
         kv_dim: width of a cross-attention memory other than ``dim`` (``nn.MultiheadAttention``'s
             kdim/vdim): ``in_proj`` then makes the queries alone and ``kv_proj`` (kv_dim -> 2 dim)
             the keys and values; such a layer attends only to a memory.
@@ -197,8 +245,12 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if n_head <= 0 or dim <= 0 or dim % n_head != 0:
             raise ConfigError(f"dim ({dim}) must be a positive multiple of n_head ({n_head})")
-        if impl not in ("auto", "sdpa", "math"):
-            raise ConfigError(f"attention impl must be 'auto', 'sdpa' or 'math', got {impl!r}")
+        if impl not in IMPLS:
+            raise ConfigError(f"attn_impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if impl == "flex" and dropout > 0:
+            raise ConfigError(
+                f"attn_impl=flex has no attention dropout: set it to 0 (got {dropout}) or use sdpa"
+            )
         if kv_dim is not None and kv_dim <= 0:
             raise ConfigError(f"kv_dim must be positive, got {kv_dim}")
         self.dim, self.n_head, self.dropout, self.impl = dim, n_head, dropout, impl
@@ -270,6 +322,14 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """(B, H, T_q, D) queries over (B, H, T_k, D) keys at positions ``q_pos`` (T_q,) and
         ``k_pos`` (T_k,): every pair scored (subclasses score fewer)."""
+        dropout = self.dropout if self.training else 0.0
+        fused_only = positions is not None and positions.adds_bias
+        impl = choose_impl(self.impl, q, need_weights, fused_only, dropout > 0)
+        if impl == "flex":
+            y = flex_attend(q, k, v, mask=mask, causal=causal, positions=positions, q_pos=q_pos, k_pos=k_pos)
+            return y, None
+        if impl == "sdpa" and fused_only and _in_pieces(q, k, mask, causal, positions, dropout):
+            return flash_pieces(q, k, v, positions), None
         bias = positions.bias(k_pos[None, :] - q_pos[:, None]) if positions is not None else None
         if bias is not None:  # (H, T_q, T_k)
             if causal:  # in the mask with the bias: the fused causal path takes no bias
@@ -281,9 +341,9 @@ class MultiHeadAttention(nn.Module):
             v,
             mask=mask,
             causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout,
             need_weights=need_weights,
-            impl=self.impl,
+            impl=impl,
         )
 
     def forward(

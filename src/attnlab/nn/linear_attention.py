@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
@@ -108,6 +109,12 @@ class LinearAttention(MultiHeadAttention):
     def new_cache(self) -> LinearAttentionState:
         return LinearAttentionState()
 
+    def attend_features(
+        self, q: Tensor, k: Tensor, v: Tensor, state: State | None = None
+    ) -> tuple[Tensor, State]:
+        """Causal linear attention of queries and keys through the feature map (B, H, T, E)."""
+        return causal_linear_attention(self.feature_map(q), self.feature_map(k), v, state)
+
     def forward(
         self,
         x: Tensor,
@@ -127,12 +134,17 @@ class LinearAttention(MultiHeadAttention):
         b, t, c = x.shape
         start = cache.seen if cache is not None else 0
         q, k, v = self._qkv(x, None, None, positions, start)  # (B, H, T, D); RoPE applied
-        q, k = self.feature_map(q), self.feature_map(k)
-        y, state = causal_linear_attention(q, k, v, cache.state if cache is not None else None)
+        if cache is None and torch.is_grad_enabled():
+            # training: the features and chunk sums are recomputed in the backward pass, not
+            # kept, so a layer holds less than full attention's fused kernel
+            y, state = checkpoint(self.attend_features, q, k, v, use_reentrant=False)
+        else:
+            y, state = self.attend_features(q, k, v, cache.state if cache is not None else None)
         if cache is not None:
             cache.state, cache.seen = state, cache.seen + t
         weights = None
         if need_weights and cache is None:
+            q, k = self.feature_map(q), self.feature_map(k)
             att = (q @ k.transpose(-1, -2)).tril()  # (B, H, T, T)
             weights = att / att.sum(-1, keepdim=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c)), weights

@@ -3,10 +3,11 @@ as in Longformer's and Mistral's sliding window, optionally plus the first ``n_g
 the sequence, which every token sees (Longformer's/BigBird's global tokens; in a causal model a
 global token's own row is already complete, as everything before it is global too).
 
-The cost grows linearly with the length: queries go in blocks of ``window``, and each block is
-scored against the keys of its own block and the one before (2 x window keys, plus the global
-ones), not against all T keys. A decoding step sees at most ``window`` cached keys: the cache
-forgets the others (``LocalKVCache``).
+The cost grows linearly with the length: through FlexAttention (``attn_impl: flex``, ``auto`` on a
+GPU) the window is a block mask whose empty blocks the kernel skips; otherwise queries go in blocks
+of ``window``, and each block is scored against the keys of its own block and the one before
+(2 x window keys, plus the global ones), not against all T keys. A decoding step sees at most
+``window`` cached keys: the cache forgets the others (``LocalKVCache``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from attnlab.nn.attention import (
     AttentionImpl,
     KVCache,
     MultiHeadAttention,
+    choose_impl,
     scaled_dot_product_attention,
     with_bias,
 )
+from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
 from attnlab.utils.checks import check_positive
 
@@ -83,6 +86,14 @@ class SlidingWindowAttention(MultiHeadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         if mask is not None or not causal:
             raise ValueError("local attention is causal self-attention: no other masks")
+        dropout = self.training and self.dropout > 0
+        if choose_impl(self.impl, q, need_weights, fused_only=True, dropout=dropout) == "flex":
+            # the window as a block mask: blocks outside it are skipped, nothing is copied
+            y = flex_attend(
+                q, k, v, mask=None, causal=True, positions=positions, q_pos=q_pos, k_pos=k_pos,
+                window=self.window, n_global=self.n_global,
+            )  # fmt: skip
+            return y, None
         t_q, t_k = q.size(-2), k.size(-2)
         if need_weights or t_q != t_k or t_k <= self.window:
             # every pair scored, those outside the window blocked: the weights as a (T_q, T_k)
@@ -114,10 +125,14 @@ class SlidingWindowAttention(MultiHeadAttention):
             g_allowed = q_pos - g_pos >= w  # (n, w, g): older than the window
             k_pos = torch.cat([g_pos.expand(n, 1, -1), k_pos], dim=-1)
             allowed = torch.cat([g_allowed.expand(n, w, -1), allowed], dim=-1)  # (n, w, g + 2w)
-        mask = allowed
+        mask = allowed.expand(h, -1, -1, -1)  # (H, n, w, K)
         bias = positions.bias((k_pos - q_pos).expand_as(allowed)) if positions is not None else None
         if bias is not None:  # (H, n, w, K)
-            mask = with_bias(allowed, bias)
+            mask = with_bias(mask, bias)
+        # blocks as heads of one 4-D call: the fused kernels take (B, heads, T, D) only, and keep
+        # no attention weights for the backward pass
+        qb, kb, vb = (z.reshape(b, h * n, z.size(-2), d) for z in (qb, kb, vb))
+        mask = mask.reshape(h * n, w, -1)
         dropout = self.dropout if self.training else 0.0
         y, _ = scaled_dot_product_attention(qb, kb, vb, mask=mask, dropout_p=dropout, impl=self.impl)
         return y.reshape(b, h, n * w, d)[:, :, :t]  # (B, H, T, D)

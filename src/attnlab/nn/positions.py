@@ -29,6 +29,8 @@ POSITIONS = get_args(Positions)
 class RelativePositions(nn.Module):
     """The two hooks an attention layer calls; each subclass overrides one."""
 
+    adds_bias = False  # whether ``bias`` adds to the scores (ALiBi, T5)
+
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
         """Queries or keys (B, H, T, D) at absolute positions ``pos`` (T,), position applied."""
         return x
@@ -86,6 +88,8 @@ class ALiBi(RelativePositions):
     distance to the key; no position is ever embedded, so nothing is out of range at any length.
     ``symmetric`` (encoders): ``-slope_h * |relative|`` on both sides."""
 
+    adds_bias = True
+
     def __init__(self, n_head: int, symmetric: bool = False) -> None:
         super().__init__()
         self.symmetric = symmetric
@@ -122,6 +126,8 @@ class T5RelativeBias(RelativePositions):
         causal: offsets into the future are never seen, so all buckets go to the past.
         num_buckets, max_distance: T5's 32 and 128.
     """
+
+    adds_bias = True
 
     def __init__(self, n_head: int, causal: bool, num_buckets: int = 32, max_distance: int = 128) -> None:
         super().__init__()

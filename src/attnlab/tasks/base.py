@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -38,6 +38,11 @@ ENTRY_POINTS = (
 
 
 log = logging.getLogger(__name__)
+
+# model.compile: what torch.compile compiles: nothing, the whole net, or each repeated block
+CompileScope = bool | Literal["regional"]
+# model.compile_mode: torch.compile's mode ("reduce-overhead": CUDA graphs, for small models on a GPU)
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 def load_initial_weights(net: nn.Module, spec: str | Mapping[str, str]) -> None:
@@ -122,6 +127,61 @@ def part_prefix(state: Mapping[str, torch.Tensor], net: nn.Module) -> str:
     return ""
 
 
+def repeated_blocks(net: nn.Module) -> list[nn.Module]:
+    """The blocks ``model.compile=regional`` compiles one by one: the items of each list of blocks
+    in ``net``, innermost lists only (a Swin stage's blocks, not its stages). A list of blocks is
+    an ``nn.ModuleList`` (ours) or an ``nn.Sequential`` named ``blocks`` (timm's) whose items are
+    modules of one class with parts of their own, other than ``nn.Sequential`` (a conv stem's
+    conv-norm-activation runs)."""
+    lists = [m for name, m in net.named_modules() if _lists_blocks(name, m)]
+    inner = [m for m in lists if not any(o is not m and any(o is x for x in m.modules()) for o in lists)]
+    return [block for blocks in inner for block in blocks]
+
+
+def _lists_blocks(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.Sequential):
+        if name.rsplit(".", 1)[-1] != "blocks" or len(module) < 2:
+            return False
+    elif not isinstance(module, nn.ModuleList) or not len(module):
+        return False
+    first = module[0]
+    return (
+        not isinstance(first, nn.Sequential)
+        and all(type(m) is type(first) for m in module)
+        and next(first.children(), None) is not None
+    )
+
+
+def check_compile(net: nn.Module, scope: Any, mode: Any) -> None:
+    """``model.compile`` and ``model.compile_mode``, refused in one line before anything runs."""
+    if not (isinstance(scope, bool) or scope == "regional"):
+        raise ConfigError(f"model.compile must be one of false, true, regional, got {scope!r}")
+    modes = get_args(CompileMode)
+    if mode not in modes:
+        raise ConfigError(f"model.compile_mode must be one of {', '.join(modes)}, got {mode!r}")
+    if mode != "default" and scope is False:
+        raise ConfigError(
+            f"model.compile_mode={mode} compiles nothing with model.compile=false: set true or regional"
+        )
+    if scope == "regional" and not repeated_blocks(net):
+        raise ConfigError(
+            f"model.compile=regional: {type(net).__name__} has no repeated blocks (a ModuleList of "
+            "blocks) to compile one by one; use model.compile=true"
+        )
+
+
+def compile_net(net: nn.Module, scope: CompileScope, mode: CompileMode = "default") -> int:
+    """Compile ``net`` in place, so its state dict keeps the eager names (no ``_orig_mod.``):
+    whole (``True``) or block by block (``"regional"``, PyTorch's regional compilation: every
+    block runs the same ``forward``, so dynamo compiles it once and each block reuses the code,
+    the cold start of one block instead of the whole net's). The number of modules compiled."""
+    options = {} if mode == "default" else {"mode": mode}
+    targets = repeated_blocks(net) if scope == "regional" else [net] if scope else []
+    for module in targets:
+        module.compile(**options)
+    return len(targets)
+
+
 class Task(L.LightningModule):
     """Base of the tasks: holds ``net`` and builds its optimizer (weight decay on matrices only).
 
@@ -130,7 +190,9 @@ class Task(L.LightningModule):
         optimizer: partial optimizer, called with parameter groups.
         scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
         weight_decay: applied to weight matrices and embeddings only (not biases or norms).
-        compile: ``torch.compile`` the net at setup.
+        compile: ``torch.compile`` at setup: ``False``; ``True``, the whole net; ``"regional"``,
+            each repeated block (``compile_net``), the same code for every block: a shorter cold
+            start. Either keeps the state dict's names.
         init_from: weights to start from: one of our runs' checkpoints (or the name of a task
             whose newest run's ``last.ckpt``), or another library's saved model (transformers,
             timm, open_clip: ``attnlab.models.pretrained``); or ``{part: one of those}`` for
@@ -138,6 +200,8 @@ class Task(L.LightningModule):
         lr_decay: layer-wise learning-rate decay for fine-tuning: each block ``lr_decay`` times the
             rate of the one above it, the head at the full rate (``tasks.optim.param_groups``).
         freeze: parameters never trained, as dotted prefixes of their names (``[embed, blocks.0]``).
+        compile_mode: ``torch.compile``'s mode; ``"reduce-overhead"`` replays CUDA graphs, which
+            cuts the launch cost of a small model's many short kernels on a GPU (none on a CPU).
     """
 
     def __init__(
@@ -146,22 +210,27 @@ class Task(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | dict[str, str] | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
         super().__init__()
+        check_compile(net, compile, compile_mode)
         self.net = net
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.weight_decay, self.compile_net, self.lr_decay = weight_decay, compile, lr_decay
+        self.compile_mode = compile_mode
         if init_from:
             load_initial_weights(net, init_from)
         freeze_parameters(net, list(freeze or []))
 
     def setup(self, stage: str) -> None:
-        if self.compile_net and stage == "fit":
-            self.net.compile()  # in place: state_dict keys keep their names
+        if self.compile_net and stage == "fit":  # in place: state_dict keys keep their names
+            n = compile_net(self.net, self.compile_net, self.compile_mode)
+            if self.compile_net == "regional":
+                log.info("model.compile=regional: %d blocks compiled one by one, alike ones sharing code", n)
 
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp2``, Lightning's ``ModelParallelStrategy``): every Transformer

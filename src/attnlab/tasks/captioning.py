@@ -20,8 +20,9 @@ from torchmetrics import MaxMetric, MeanMetric
 
 from attnlab.errors import ConfigError
 from attnlab.inference.captioning import caption_batch
+from attnlab.nn.flops import Count, Flops
 from attnlab.tasks import caption_metrics
-from attnlab.tasks.base import Task
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 from attnlab.utils.checks import check_positive
 from attnlab.utils.distributed import unsharded
 
@@ -53,7 +54,7 @@ class CaptioningTask(Task):
 
     Args:
         net: the captioner.
-        optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze: see ``Task``.
+        optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode: see ``Task``.
         attention_reg: weight of the doubly stochastic penalty (0: off).
         label_smoothing: of the training targets.
         beam_size: test-time beams (1: greedy); ``length_penalty`` is GNMT's alpha.
@@ -68,7 +69,7 @@ class CaptioningTask(Task):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | dict[str, str] | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
@@ -79,8 +80,11 @@ class CaptioningTask(Task):
         max_len: int = 32,
         plot_images: int = 2,
         plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         check_positive("model", beam_size=beam_size, max_len=max_len)
         if attention_reg < 0:
             raise ConfigError(f"model.attention_reg must be >= 0 (0: off), got {attention_reg}")
@@ -130,6 +134,12 @@ class CaptioningTask(Task):
                 self.log("train/attention_reg", reg)
         self.log_train_loss(loss, batch_size=target.size(0))
         return loss
+
+    items = "images"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: dict[str, Any]) -> tuple[Count, Flops]:
+        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``."""
+        return batch["image"].size(0), self.net.flops(batch["image"], batch["tokens"][:, :-1])
 
     def _evaluate(self, batch: dict[str, Any], stage: str, beam: int) -> None:
         logits, attn, target, scored = self._teacher_forced(batch)

@@ -22,7 +22,8 @@ from torchmetrics.classification import (
 )
 
 from attnlab.errors import ConfigError
-from attnlab.tasks.base import Task
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 from attnlab.tasks.distillation import HardDistillation
 from attnlab.utils.checks import check_probability
 
@@ -51,7 +52,7 @@ class ImageClassificationTask(Task):
 
     Args:
         net: the classifier (``VisionTransformer``, ``SwinTransformer``, ``TimmModel``, ...).
-        optimizer, scheduler, weight_decay, compile: see ``Task``.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
         label_smoothing: of the training targets.
         distillation: a ``HardDistillation`` (the net must have a distillation token).
         plot_images: validation images whose attention is drawn at each validation (nets with
@@ -67,7 +68,7 @@ class ImageClassificationTask(Task):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.05,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
@@ -76,8 +77,11 @@ class ImageClassificationTask(Task):
         plot_images: int = 4,
         plot_dir: str | None = None,
         multilabel: bool = False,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         check_probability("model", label_smoothing=label_smoothing)
         if distillation is not None:
             if multilabel:
@@ -141,6 +145,18 @@ class ImageClassificationTask(Task):
             loss = self.loss(self(images).float(), targets, self.label_smoothing)
         self.log_train_loss(loss)
         return loss
+
+    items = "images"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: Batch) -> tuple[Count, Flops]:
+        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``,
+        a distillation teacher's forward included."""
+        images, _ = images_and_targets(batch)
+        f = self.net.flops(images)
+        teacher = getattr(self.distillation, "teacher", None)
+        if hasattr(teacher, "flops"):  # forward only
+            f = f + teacher.flops(images, grad="none")
+        return images.size(0), f
 
     def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *metrics: Metric) -> Tensor:
         images, labels = images_and_targets(batch)

@@ -16,7 +16,8 @@ from torchmetrics import MaxMetric, MinMetric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
-from attnlab.tasks.base import Task
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 
 
 def gather_with_grad(x: Tensor) -> Tensor:
@@ -89,7 +90,7 @@ class ContrastiveTask(Task):
 
     Args:
         net: the ``CLIP``.
-        optimizer, scheduler, weight_decay, compile: see ``Task``.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
         plot_pairs: test pairs in the similarity picture (0: none).
         plot_dir: where the picture goes (also to W&B).
     """
@@ -100,14 +101,17 @@ class ContrastiveTask(Task):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.1,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
         plot_pairs: int = 8,
         plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
         self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
         self.val_acc_best.persistent(True)
@@ -126,6 +130,14 @@ class ContrastiveTask(Task):
         if every and (self.global_step + 1) % every == 0:
             self.log("train/logit_scale", self.net.scale())
         return loss
+
+    items = "images"  # what throughput counts (``attnlab.callbacks.Throughput``): image-caption pairs
+
+    def step_work(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Count, Flops]:
+        """The image-caption pairs and the model FLOPs (``attnlab.nn.flops``) of a training step
+        on ``batch``."""
+        images, tokens, _ = batch
+        return images.size(0), self.net.flops(images, tokens)
 
     # -- zero-shot ------------------------------------------------------------------------------
     def _zeroshot_classifier(self) -> Tensor | None:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MaxMetric, Metric, MinMetric
 
-from attnlab.tasks.base import Task
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 from attnlab.utils.distributed import unsharded
 
 Batch = dict[str, Tensor]
@@ -25,7 +25,7 @@ class EncoderTask(Task):
     "best" (``best``: (name, "min" | "max")); logged as ``<stage>/<name>`` and ``val/<name>_best``.
 
     Args:
-        net, optimizer, scheduler, weight_decay, compile: see ``Task``.
+        net, optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
         plot_sentences: validation examples whose attention is drawn after each validation.
         plot_dir: where the pictures go (also to W&B).
     """
@@ -38,14 +38,17 @@ class EncoderTask(Task):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None,
         weight_decay: float,
-        compile: bool,
+        compile: CompileScope,
         init_from: str | None,
         plot_sentences: int,
         plot_dir: str | None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})
         self.val_best = MinMetric() if self.best[1] == "min" else MaxMetric()

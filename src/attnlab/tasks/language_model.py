@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MinMetric
 
-from attnlab.tasks.base import Task
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 
 
 class LanguageModelTask(Task):
@@ -22,7 +23,7 @@ class LanguageModelTask(Task):
 
     Args:
         net: the language model (e.g. ``attnlab.models.GPT``).
-        optimizer, scheduler, weight_decay, compile: see ``Task``.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
     """
 
     def __init__(
@@ -31,12 +32,15 @@ class LanguageModelTask(Task):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.0,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
         self.val_loss_best = MinMetric()
@@ -56,6 +60,13 @@ class LanguageModelTask(Task):
         loss, _ = self._loss(batch)
         self.log_train_loss(loss)
         return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: tuple[Tensor, Tensor]) -> tuple[Count, Flops]:
+        """The tokens and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``."""
+        x, _ = batch
+        return x.numel(), self.net.flops(x)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, n = self._loss(batch)

@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope
 from attnlab.tasks.encoder import Batch, EncoderTask
 
 
@@ -24,7 +26,8 @@ class MaskedLMTask(EncoderTask):
 
     Args:
         net: a ``BertPreTraining``.
-        optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir: see ``EncoderTask``.
+        optimizer, scheduler, weight_decay, compile, compile_mode, plot_sentences, plot_dir: see
+            ``EncoderTask``.
     """
 
     best = ("loss", "min")
@@ -35,12 +38,13 @@ class MaskedLMTask(EncoderTask):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.01,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
         super().__init__(
             net,
@@ -53,6 +57,7 @@ class MaskedLMTask(EncoderTask):
             plot_dir,
             lr_decay,
             freeze,
+            compile_mode,
         )
 
     def make_metrics(self) -> dict[str, Metric]:
@@ -77,6 +82,15 @@ class MaskedLMTask(EncoderTask):
         loss = mlm_loss + nsp_loss
         self.log_train_loss(loss)
         return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: Batch) -> tuple[Count, Flops]:
+        """The tokens (padding left out) and the model FLOPs (``attnlab.nn.flops``) of a
+        training step on ``batch``."""
+        ids = batch["ids"]
+        flops = self.net.flops(ids, batch["segments"], batch["mlm_labels"] != -100)
+        return (ids != self.net.encoder.pad_id).sum(), flops
 
     def evaluate(self, batch: Batch, metrics: nn.ModuleDict) -> None:
         mlm_loss, nsp_loss, mlm_logits, targets, nsp_logits = self._forward(batch)

@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope
 from attnlab.tasks.encoder import Batch, EncoderTask
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,8 @@ class TextClassificationTask(EncoderTask):
     Args:
         net: a ``BertSequenceClassifier`` or ``BertTokenClassifier`` (anything with ``encoder``
             and ``num_classes``).
-        optimizer, scheduler, weight_decay, compile, plot_sentences, plot_dir: see ``EncoderTask``.
+        optimizer, scheduler, weight_decay, compile, compile_mode, plot_sentences, plot_dir: see
+            ``EncoderTask``.
         init_from: see ``Task``; a pre-training run's checkpoint gives its encoder (the head
             starts fresh) and, through the data, its tokenizer.
     """
@@ -41,12 +44,13 @@ class TextClassificationTask(EncoderTask):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         weight_decay: float = 0.01,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
     ) -> None:
         super().__init__(
             net,
@@ -59,6 +63,7 @@ class TextClassificationTask(EncoderTask):
             plot_dir,
             lr_decay,
             freeze,
+            compile_mode,
         )
 
     def make_metrics(self) -> dict[str, Metric]:
@@ -81,6 +86,14 @@ class TextClassificationTask(EncoderTask):
         loss, _, _ = self._step(batch)
         self.log_train_loss(loss)
         return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: Batch) -> tuple[Count, Flops]:
+        """The tokens (padding left out) and the model FLOPs (``attnlab.nn.flops``) of a
+        training step on ``batch``."""
+        ids = batch["ids"]
+        return (ids != self.net.encoder.pad_id).sum(), self.net.flops(ids, batch["segments"])
 
     def evaluate(self, batch: Batch, metrics: nn.ModuleDict) -> None:
         loss, logits, labels = self._step(batch)

@@ -15,7 +15,8 @@ from torchmetrics.text import SacreBLEUScore
 
 from attnlab.errors import ConfigError
 from attnlab.inference.decoding import translate_batch
-from attnlab.tasks.base import Task
+from attnlab.nn.flops import Count, Flops
+from attnlab.tasks.base import CompileMode, CompileScope, Task
 from attnlab.utils.distributed import unsharded
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class TranslationTask(Task):
 
     Args:
         net: the translation model.
-        optimizer, scheduler, weight_decay, compile: see ``Task``.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
         label_smoothing: for the training loss.
         beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
         max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
@@ -70,13 +71,16 @@ class TranslationTask(Task):
         val_bleu: bool = True,
         plot_sentences: int = 3,
         plot_dir: str | None = None,
-        compile: bool = False,
+        compile: CompileScope = False,
         init_from: str | None = None,
         lr_decay: float | None = None,
         freeze: list[str] | None = None,
         compile_loss: bool = False,
+        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze)
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
         self.compile_loss = compile_loss
         self._train_loss_fn = cross_entropy
         if not 0.0 <= label_smoothing < 1.0:
@@ -150,6 +154,15 @@ class TranslationTask(Task):
         loss, _ = self._nll(batch, self.label_smoothing, self._train_loss_fn)
         self.log_train_loss(loss, batch_size=batch["src"].size(0))
         return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.callbacks.Throughput``)
+
+    def step_work(self, batch: dict[str, Tensor]) -> tuple[Count, Flops]:
+        """The source and target tokens (padding left out) and the model FLOPs
+        (``attnlab.nn.flops``) of a training step on ``batch``."""
+        scored = batch["tgt_out"] != self.net.pad_id
+        tokens = (batch["src"] != self.net.pad_id).sum() + scored.sum()
+        return tokens, self.net.flops(batch["src"], batch["tgt_in"], scored)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         # a repeated batch only keeps the processes' step counts equal: computed, not counted

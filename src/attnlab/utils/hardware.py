@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
+import time
 from functools import cache
 from typing import Any
 
@@ -98,3 +100,91 @@ def resolve_precision(accelerator: str, precision: Any) -> str | Any:
             cpu_model(),
         )
     return precision
+
+
+# -- peak FLOP/s, the denominator of MFU ------------------------------------------------------------
+# Dense (no 2:4 sparsity) tensor-core TFLOP/s from NVIDIA's datasheets, by the device name CUDA
+# reports (lower case, first match); fp32 matmuls run as TF32 unless
+# torch.get_float32_matmul_precision() is "highest". Lightning's table (``get_available_flops``)
+# answers for the GPUs not here; it lists H200 and H100 NVL with sparsity, so they are here.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    r"h200 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    r"h200|gh200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    r"h100 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    r"h100 pcie": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    r"h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM (HBM3)
+    r"a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    r"l40s": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    r"l40\b": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    r"\bl4\b": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    r"\ba10\b": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    r"rtx 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},  # fp32 accumulate
+    r"v100.*pcie": {"fp16": 112.0, "fp32": 14.0},
+    r"v100": {"fp16": 125.0, "fp32": 15.7},  # SXM2
+    r"\bt4\b": {"fp16": 65.0, "fp32": 8.1},
+}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def compute_dtype(precision: Any) -> torch.dtype:
+    """The dtype matmuls run in under a Trainer's ``precision`` ("bf16-mixed", "32-true", ...)."""
+    name = str(precision)
+    if name.startswith("bf16"):
+        return torch.bfloat16
+    if name.startswith("16"):
+        return torch.float16
+    return torch.float64 if name.startswith("64") else torch.float32
+
+
+def gpu_peak_flops(
+    name: str, dtype: torch.dtype, device: torch.device | None = None
+) -> tuple[float | None, str]:
+    """Peak FLOP/s of the GPU called ``name`` (``device``: for Lightning's table, where attnlab's
+    lacks it) in ``dtype``, and where the figure comes from."""
+    kind = DTYPE_NAMES.get(dtype, str(dtype))
+    tf32 = kind == "fp32" and torch.get_float32_matmul_precision() != "highest"
+    for pattern, peaks in GPU_PEAK_TFLOPS.items():
+        if re.search(pattern, name.lower()):
+            if tf32 and "tf32" in peaks:  # GPUs before Ampere have no TF32: fp32 it is
+                kind = "tf32"
+            if kind not in peaks:
+                return None, f"{name}: no {kind} figure (no {kind} tensor cores)"
+            return peaks[kind] * 1e12, f"{name}: {peaks[kind]:g} TFLOP/s {kind} dense (datasheet)"
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    flops = get_available_flops(device or torch.device("cuda", torch.cuda.current_device()), dtype)
+    if flops is None:
+        return None, f"{name}: not in attnlab's or Lightning's table of GPUs"
+    return float(flops), f"{name}: {flops / 1e12:g} TFLOP/s {kind} (Lightning's table)"
+
+
+@cache
+def cpu_matmul_flops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
+    """FLOP/s of a square matmul on this CPU with ``threads`` threads, best of the repeats that fit
+    in ``seconds`` after one to warm up: 1024 x 1024 in fp32, 512 x 512 otherwise, as
+    ../shared/tools/machine_check.py measures it. Its own generator: the run's streams are untouched."""
+    n = 1024 if dtype == torch.float32 else 512
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    a @ b
+    best, end, repeats = float("inf"), time.perf_counter() + seconds, 0
+    while repeats < 2 or (time.perf_counter() < end and repeats < 50):
+        t0 = time.perf_counter()
+        a @ b
+        best, repeats = min(best, time.perf_counter() - t0), repeats + 1
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The peak matmul FLOP/s of ``device`` in ``dtype`` (MFU's denominator) and where it comes
+    from: a GPU's datasheet, or on a CPU a matmul measured here (once per process)."""
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, device)
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        flops = cpu_matmul_flops(dtype, threads)
+        n = 1024 if dtype == torch.float32 else 512
+        kind = DTYPE_NAMES.get(dtype, str(dtype))
+        what = f"a {n}x{n} {kind} matmul measured on {threads} threads"
+        return flops, f"{cpu_model()}: {flops / 1e9:.1f} GFLOP/s, {what}"
+    return None, f"no peak known for a {device.type} device"

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
+from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
+from attnlab.nn.flops import Flops
 from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 TextPool = Literal["last", "argmax"]
@@ -38,7 +39,7 @@ class TextTransformer(nn.Module):
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on the embeddings and each residual branch.
         pad_id: the padding token (captions are right-padded).
-        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         act: the MLPs' activation, "gelu" or "quick_gelu" (OpenAI's CLIP weights).
         pool: which token's state is the caption's feature: "last" (the last non-padding one)
             or "argmax" (the one of highest id: open_clip's, where end-of-text has the highest
@@ -115,6 +116,11 @@ class TextTransformer(nn.Module):
             last = (tokens != self.pad_id).sum(1).clamp(min=1) - 1  # (B,) the end-of-text position
         return x[torch.arange(x.size(0), device=x.device), last]
 
+    def flops(self, tokens: Tensor) -> Flops:
+        """Model FLOPs of a training step on ``tokens`` (B, T) (``attnlab.nn.flops``): the blocks
+        over the padded captions, the full T x T causal attention counted."""
+        return flops.blocks(self.blocks, *tokens.shape)
+
 
 class CLIP(nn.Module):
     """Two towers and their projections into an ``embed_dim`` space, and a learnable logit scale
@@ -153,3 +159,12 @@ class CLIP(nn.Module):
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Unit image features (B, E), unit text features (B, E) and the logit scale (a scalar)."""
         return self.encode_image(images), self.encode_text(tokens), self.scale()
+
+    def flops(self, images: Tensor, tokens: Tensor) -> Flops:
+        """Model FLOPs of a training step on B (image, caption) pairs (``attnlab.nn.flops``): the
+        two towers (the image tower's features, no head), the projections, and the loss's B x B
+        similarities (with DDP each process scores the whole gathered batch: a rounding error)."""
+        b = images.size(0)
+        image = self.image.flops(images, head=False) + flops.linear_layer(self.image_proj, b)
+        text = self.text.flops(tokens) + flops.linear_layer(self.text_proj, b)
+        return image + text + flops.product(1, b, self.embed_dim, b)

@@ -43,7 +43,8 @@ from attnlab.errors import ConfigError, DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.vit import VisionTransformer
-from attnlab.nn import MLP, KVCache, MultiHeadAttention, fourier_features
+from attnlab.nn import MLP, KVCache, MultiHeadAttention, flops, fourier_features
+from attnlab.nn.flops import Flops
 from attnlab.utils.checks import check_positive, check_positive_number
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,12 @@ class FeatureCache:
     def __init__(self, size: int) -> None:
         self.size = size
         self.store: dict[tuple[str, bytes], Tensor] = {}
+        self.misses = 0  # images the last call encoded (``Flamingo.flops`` counts their FLOPs)
 
     def __call__(self, images: Tensor, encode: Callable[[Tensor], Tensor]) -> Tensor:
         """images (B, C, H, W) -> encode(images) (B, ...), the images seen before from the store."""
         if not self.size:
+            self.misses = len(images)
             return encode(images)
         device = images.device.type
         context = str(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
@@ -215,6 +218,7 @@ class FeatureCache:
             for image in images.detach().cpu().contiguous()
         ]
         missing = [i for i, key in enumerate(keys) if key not in self.store]
+        self.misses = len(missing)
         fresh = dict(zip((keys[i] for i in missing), encode(images[missing]), strict=True)) if missing else {}
         out = torch.stack([self.store[key] if key in self.store else fresh[key] for key in keys])
         for key, row in fresh.items():
@@ -400,6 +404,30 @@ class Flamingo(nn.Module):
         image = self.image_of_tokens(tokens, images.size(1)) if interleaved else torch.zeros_like(tokens)
         logits, xattn = self._decode(tokens, image, images.size(1), latents=latents)
         return logits, self._on_patches(xattn, patch_attn)
+
+    def flops(self, images: Tensor, tokens: Tensor) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``) on images (B, C, H, W) or
+        (B, N, C, H, W) and tokens (B, T): the frozen encoder's forward (no gradient) on the
+        images it encoded (with a feature cache: those it did not hold on the last pass, so call
+        this after the step), the resampler (its first layer on the encoder's features: no input
+        gradient), the gated blocks, the frozen GPT passing gradients back to them (its layers'
+        backward 1x, its attention's 2x), and each word's attention over the patches (forward
+        only: trained through only by a captioning ``attention_reg``)."""
+        images = self._as_sequence(images)
+        (b, n), t = images.shape[:2], tokens.size(1)
+        s, latents, resampler = self.grid[0] * self.grid[1], n * self.n_latents, self.resampler
+        frames = images.flatten(0, 1)
+        encoded = self.feature_cache.misses if self.feature_cache.size else len(frames)
+        f = self.vision.flops(frames[:encoded], grad="none", head=False)
+        f = f + flops.linear_layer(resampler.proj, b * n * s, on_data=True)
+        for layer in resampler.layers:  # the latents attend to [features; latents]
+            f = f + flops.cross_attention(layer.attn, b * n, self.n_latents, s + self.n_latents)
+            f = f + flops.mlp(layer.mlp, b * n * self.n_latents)
+        t_in = t + (self.lm.start_token is not None)
+        for block in self.xattn:
+            f = f + flops.cross_attention(block.attn, b, t_in, latents) + flops.mlp(block.mlp, b * t_in)
+        f = f + self.lm.flops(tokens, grad="input")
+        return f + flops.product(b, t, latents, s, grad="none")
 
     def start(self, images: Tensor, prompt: Tensor | None = None) -> FlamingoState:
         """Encode the images (B, C, H, W) or (B, N, C, H, W) once; with a ``prompt`` (B, P) (a

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import Dropout
+from attnlab.nn import Dropout, flops
 from attnlab.nn.embedding import conv_bn_relu
+from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention
 from attnlab.utils.checks import check_choice, check_positive, check_probability
 
@@ -53,6 +54,9 @@ class ConvEncoder(nn.Module):
         x = self.stages(images.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
         return x.flatten(2).transpose(1, 2) + self.pos_embed  # (B, h * w, D), row-major
 
+    def flops(self, images: Tensor) -> Flops:
+        return flops.convs(self.stages, images.size(0), images.size(-1))[0]
+
 
 class ViTEncoder(nn.Module):
     """Our ViT, headless: its patch tokens after the last block (the [CLS] token left out)."""
@@ -69,6 +73,9 @@ class ViTEncoder(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.vit.forward_features(images)[:, self.vit.num_prefix_tokens :]  # (B, S, D)
+
+    def flops(self, images: Tensor) -> Flops:
+        return self.vit.flops(images, head=False)
 
 
 class ShowAttendTell(nn.Module):
@@ -170,6 +177,23 @@ class ShowAttendTell(nn.Module):
             attns.append(attn)
         # the output layer once over every step: one large matmul instead of T small ones
         return self.out(self.drop(torch.stack(outs, 1))), torch.stack(attns, 1)
+
+    def flops(self, images: Tensor, tokens: Tensor) -> Flops:
+        """Model FLOPs of a training step on ``images`` and caption ``tokens`` (B, T)
+        (``attnlab.nn.flops``): the encoder, the attention keys and first state, then per word
+        the attention over the S positions, the gate, the LSTM and the deep output; the output
+        layer over every word."""
+        b, t = tokens.shape
+        s = self.grid[0] * self.grid[1]
+        attn, cell = self.attn, self.cell
+        start = self.encoder.flops(images) + flops.linear_layer(attn.key_proj, b * s)
+        start = start + flops.linear_layer(self.init_h, b) + flops.linear_layer(self.init_c, b)
+        word = flops.linear_layer(attn.query_proj, b) + flops.linear_layer(attn.v, b * s)
+        word = word + flops.product(b, 1, s, attn.key_proj.in_features) + flops.linear_layer(self.f_beta, b)
+        word = word + flops.linear(b, cell.input_size, 4 * cell.hidden_size)
+        word = word + flops.linear(b, cell.hidden_size, 4 * cell.hidden_size)
+        word = word + flops.linear_layer(self.out_h, b) + flops.linear_layer(self.out_z, b)
+        return start + word * t + flops.linear_layer(self.out, b * t)
 
     def _step(self, e: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
         """One word from its input embedding (B, E): the deep output (B, E) before the output

@@ -14,8 +14,9 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock
+from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.flops import Flops
 from attnlab.nn.positions import relative_positions
 from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
@@ -71,7 +72,7 @@ class Bert(nn.Module):
         n_segments: segment ids (2: sentence A and B).
         dropout: on the embeddings and each residual branch.
         attn_dropout: on the attention weights.
-        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         positions: "learned" (BERT's), or relative ones inside the attention (docs/positions.md):
             "rope", "alibi" (symmetric: the distance either way) or "t5" (buckets both ways).
     """
@@ -148,6 +149,14 @@ class Bert(nn.Module):
         """States (B, T, C) -> the sentence vector (B, C): tanh(W h_[CLS] + b)."""
         return self.pooler(x[:, 0]).tanh()
 
+    def flops(self, ids: Tensor, segments: Tensor | None = None, pooled: bool = False) -> Flops:
+        """Model FLOPs of a training step of the encoder on ``ids`` (B, T) (``attnlab.nn.flops``):
+        its blocks over the padded length, padding included (it is computed, masked), and with
+        ``pooled`` the pooler on [CLS]."""
+        b, t = ids.shape
+        f = flops.blocks(self.blocks, b, t)
+        return f + flops.linear(b, self.dim, self.dim) if pooled else f
+
 
 class MaskedLMHead(nn.Module):
     """dense -> GELU -> LayerNorm -> logits through the (tied) token embedding, plus a bias."""
@@ -183,6 +192,15 @@ class BertPreTraining(nn.Module):
         h = x if masked is None else x[masked]
         return self.mlm(h, self.encoder.embed.tokens), self.nsp(self.encoder.pool(x))
 
+    def flops(self, ids: Tensor, segments: Tensor, masked: Tensor | None = None) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder, the MLM head at
+        the masked positions (their count stays on the device) and NSP on the pooled [CLS]."""
+        b, t = ids.shape
+        n = b * t if masked is None else masked.sum()
+        c, v = self.encoder.dim, self.encoder.vocab_size
+        mlm = flops.linear(n, c, c) + flops.linear(n, c, v)
+        return self.encoder.flops(ids, pooled=True) + mlm + flops.linear(b, c, 2)
+
 
 class BertClassifier(nn.Module):
     """The encoder, dropout and a linear layer to ``num_classes``; the subclasses say what it reads."""
@@ -204,6 +222,12 @@ class BertSequenceClassifier(BertClassifier):
         x, _ = self.encoder(ids, segments)
         return self.head(self.drop(self.encoder.pool(x)))
 
+    def flops(self, ids: Tensor, segments: Tensor | None = None) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder, pooler and head."""
+        return self.encoder.flops(ids, pooled=True) + flops.linear(
+            ids.size(0), self.encoder.dim, self.num_classes
+        )
+
 
 class BertTokenClassifier(BertClassifier):
     """A label per token (tagging, NER) from each token's state."""
@@ -212,3 +236,7 @@ class BertTokenClassifier(BertClassifier):
         """(B, T) ids -> logits (B, T, num_classes)."""
         x, _ = self.encoder(ids, segments)
         return self.head(self.drop(x))
+
+    def flops(self, ids: Tensor, segments: Tensor | None = None) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder and the head at every token."""
+        return self.encoder.flops(ids) + flops.linear(ids.numel(), self.encoder.dim, self.num_classes)

@@ -34,9 +34,11 @@ from attnlab.nn import (
     SinusoidalPositions,
     TokenEmbedding,
     TransformerBlock,
+    flops,
 )
 from attnlab.nn.attention import AttentionImpl, KVCache
 from attnlab.nn.blocks import Activation, activation
+from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
 from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
 from attnlab.nn.positions import Positions, relative_positions
@@ -75,7 +77,7 @@ class GPT(nn.Module):
         mlp_ratio: MLP hidden width over ``dim`` (GPT-2's 4).
         dropout: dropout on embeddings, attention weights and residual branches.
         bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
-        attn_impl: "auto", "sdpa" or "math" attention (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" attention (see ``attnlab.nn.attention``).
         act: the MLP's activation: "gelu" (nanoGPT), "gelu_tanh" (GPT-2's approximation, for
             its weights) or "quick_gelu".
         positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
@@ -205,6 +207,17 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, _ = block(x, causal=True, cache=caches[i] if caches else None, positions=self.positions)
         return self.logits(x, idx.size(1))
+
+    def flops(self, idx: Tensor, grad: Grad = "all") -> Flops:
+        """Model FLOPs of a training step on token ids ``idx`` (B, T) (``attnlab.nn.flops``): the
+        blocks over T tokens (1 + T with a start token), attention over the full T x T even
+        though causal (as PaLM and nanoGPT count it), and the tied output layer. ``grad="input"``:
+        frozen, gradients passing through (Flamingo's language model)."""
+        b, t = idx.shape
+        t_in = t + (self.start_token is not None)
+        return flops.blocks(self.blocks, b, t_in, grad) + flops.linear(
+            b * t, self.norm.normalized_shape[0], self.vocab_size, grad
+        )
 
     @torch.no_grad()
     def generate(

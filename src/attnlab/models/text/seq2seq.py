@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.errors import ConfigError
+from attnlab.nn import flops
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
 
 ATTENTION_TYPES = ("additive", "general", "dot")
@@ -185,6 +187,42 @@ class Seq2Seq(nn.Module):
             return self._run(src, tgt_in)[0]
         t = int(scored.sum(1).max())  # no steps over trailing padding: each one is a loop iteration
         return self._run(src, tgt_in[:, :t])[0][scored[:, :t]]
+
+    def flops(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder's RNN over the real
+        source tokens (packed: padding is skipped), the keys of the source once, then per target
+        step the attention over the padded source, the decoder cell and the read-out, and the
+        output layer; as many steps as the longest scored target (counts stay on the device)."""
+        (b, s), t = src.shape, tgt_in.size(1)
+        if scored is not None:
+            t = scored.sum(1).max()
+        return self._encoder_flops(src) + self._step_flops(b, s) * t + flops.linear_layer(self.out, b * t)
+
+    def _encoder_flops(self, src: Tensor) -> Flops:
+        rnn, (b, s) = self.encoder.rnn, src.shape
+        tokens, gates = (src != self.pad_id).sum(), rnn.weight_ih_l0.size(0)  # 3 H (GRU) or 4 H (LSTM)
+        f = flops.NONE
+        for layer in range(rnn.num_layers):
+            d_in = rnn.input_size if layer == 0 else 2 * rnn.hidden_size
+            both_directions = flops.linear(tokens, d_in, gates) + flops.linear(tokens, rnn.hidden_size, gates)
+            f = f + 2 * both_directions
+        f = f + flops.linear_layer(self.bridge, b)  # the decoder's first state
+        if isinstance(self.attn.key_proj, nn.Linear):  # U h (Bahdanau) or W h (Luong) of each position
+            f = f + flops.linear_layer(self.attn.key_proj, b * s)
+        return f
+
+    def _step_flops(self, b: int, s: int) -> Flops:
+        """One output step of ``b`` sentences over ``s`` source positions."""
+        cell = self.cell
+        if self.bahdanau:  # v^T tanh(W s + U h) at every position
+            scores = flops.linear_layer(self.attn.query_proj, b) + flops.linear_layer(self.attn.v, b * s)
+        else:  # (W h) . s at every position
+            scores = flops.product(b, s, cell.hidden_size, 1)
+        context = flops.product(b, 1, s, 2 * self.encoder.rnn.hidden_size)
+        recurrence = flops.linear(b, cell.input_size, cell.weight_ih.size(0)) + flops.linear(
+            b, cell.hidden_size, cell.weight_hh.size(0)
+        )
+        return scores + context + recurrence + flops.linear_layer(self.readout, b)
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
         """Attention weights (B, 1, T, S), for plots."""

@@ -22,8 +22,10 @@ from attnlab.nn import (
     SinusoidalPositions,
     TokenEmbedding,
     TransformerBlock,
+    flops,
 )
 from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.flops import Flops
 from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 
@@ -42,7 +44,7 @@ class Transformer(nn.Module):
         max_len: longest sequence the positions cover.
         share_embeddings: one embedding matrix for source and target (the output layer is always
             tied to the target embedding).
-        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
     """
 
     def __init__(
@@ -158,6 +160,19 @@ class Transformer(nn.Module):
         memory, src_pad = self.encode(src)
         x, _ = self.decode(tgt_in, memory, src_pad)
         return self.logits(x if scored is None else x[scored])
+
+    def flops(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Flops:
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder over the padded
+        source (B, S), the decoder over the padded target (B, T) with the full T x T causal
+        self-attention and T x S cross-attention, and the tied output layer at the scored
+        positions (their count stays on the device)."""
+        (b, s), t = src.shape, tgt_in.size(1)
+        n = b * t if scored is None else scored.sum()
+        return (
+            flops.blocks(self.encoder, b, s)
+            + flops.blocks(self.decoder, b, t, memory=s)
+            + flops.linear(n, self.dim, self.tgt_embed.weight.size(0))
+        )
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
         """Cross-attention weights (B, H, T, S) of every decoder layer, for plots."""

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from attnlab.nn import Dropout, conv_bn_relu
+from attnlab.nn import Dropout, conv_bn_relu, flops
+from attnlab.nn.flops import Flops, Grad
 from attnlab.utils.checks import check_num_classes, check_positive, check_probability
 
 
@@ -62,3 +63,13 @@ class ConvNet(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(images))
+
+    def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
+        convolutions (the first on the pixels: no input gradient) and the head unless
+        ``head=False``. ``grad="none"``: forward only (DeiT's teacher, Flamingo's encoder)."""
+        b = images.size(0)
+        f, _ = flops.convs(self.stages, b, images.size(-1), grad)
+        if head and isinstance(self.head, nn.Linear):
+            f = f + flops.linear_layer(self.head, b, grad)
+        return f

@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, fourier_features
+from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, flops, fourier_features
 from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.flops import Flops, Grad
 from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
@@ -86,7 +87,7 @@ class Perceiver(nn.Module):
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on each residual branch; attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last latent block (linear from 0).
-        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
     """
 
     def __init__(
@@ -211,6 +212,22 @@ class Perceiver(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(images))
+
+    def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): each
+        repeat's cross-attention of the N latents to the M = H W pixels (the keys and values of
+        the pixels projected once per cross-attention block, not per repeat), its MLP and the
+        latent tower; the head unless ``head=False``."""
+        b, m = images.size(0), images.size(-2) * images.size(-1)
+        n = self.latents.size(0)
+        f = flops.NONE
+        for r in range(self.repeats):
+            cross = self.cross_first if r == 0 else self.cross
+            if r <= 1:
+                f = f + flops.linear_layer(cross.attn.kv_proj, b * m, grad)
+            f = f + flops.cross_attention(cross.attn, b, n, m, grad, project_memory=False)
+            f = f + flops.mlp(cross.mlp, b * n, grad) + flops.blocks(self.blocks, b, n, grad)
+        return f + flops.linear_layer(self.head, b, grad) if head else f
 
     @torch.no_grad()
     def patch_attention(self, images: Tensor) -> dict[str, Tensor]:

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import Stem, TransformerBlock, patch_embedding
+from attnlab.nn import Stem, TransformerBlock, flops, patch_embedding
 from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.window_attention import WindowAttention, window_reverse
 from attnlab.utils.checks import check_num_classes, check_positive, check_positive_number, check_probability
 
@@ -227,6 +228,21 @@ class SwinTransformer(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(images))
+
+    def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
+        patch embedding (on the pixels: no input gradient), each stage's patch merging and
+        blocks (attention inside each window: window^2 x window^2 scores), the head unless
+        ``head=False``."""
+        b = images.size(0)
+        f, _ = flops.convs(self.patch_embed, b, self.img_size, grad)
+        for stage in self.layers:
+            if isinstance(stage.downsample, PatchMerging):
+                f = f + flops.linear_layer(stage.downsample.reduction, b * stage.size**2, grad)
+            f = f + flops.blocks(stage.blocks, b, stage.size**2, grad)
+        if head and isinstance(self.head, nn.Linear):
+            f = f + flops.linear_layer(self.head, b, grad)
+        return f
 
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:

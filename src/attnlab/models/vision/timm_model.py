@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import timm
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
+from attnlab.nn.flops import Flops, Grad
 
 
 class TimmModel(nn.Module):
@@ -30,6 +32,7 @@ class TimmModel(nn.Module):
             hint = f" (close: {', '.join(close)})" if close else " (timm.list_models() lists them)"
             raise ConfigError(f"model.net.name={name!r} is not a timm model{hint}")
         self.name, self.num_classes, self.img_size, self.in_chans = name, num_classes, img_size, in_chans
+        self._flops: dict[tuple, Flops] = {}  # measured per input shape (``flops``)
         args = {"num_classes": num_classes, "in_chans": in_chans, **(kwargs or {})}
         try:
             self.model = timm.create_model(name, pretrained=False, img_size=img_size, **args)
@@ -77,3 +80,30 @@ class TimmModel(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
+
+    def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
+        """Model FLOPs of a training step on ``images`` (B, C, H, W), measured rather than counted
+        (timm has too many architectures to count by hand): ``FlopCounterMode`` runs a copy of
+        the net on the meta device (no memory, no arithmetic), once per input shape."""
+        key = (tuple(images.shape), grad, head)
+        if key not in self._flops:
+            self._flops[key] = measure_on_meta(self, images.shape, grad, head)
+        return self._flops[key]
+
+
+def measure_on_meta(net: TimmModel, shape: torch.Size, grad: Grad, head: bool) -> Flops:
+    """``TimmModel.flops``: a forward (and backward unless ``grad="none"``) of a meta copy of ``net``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    trained = grad == "all"
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), trained) for p in net.parameters()}
+    memo |= {id(b): torch.empty_like(b, device="meta") for b in net.buffers()}
+    meta = copy.deepcopy(net, memo)
+    images = torch.empty(shape, device="meta", requires_grad=grad == "input")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.set_grad_enabled(grad != "none"):
+        out = meta(images) if head else meta.forward_head(meta.forward_features(images), pre_logits=True)
+        forward = counter.get_total_flops()
+        if grad != "none":
+            out.float().sum().backward()
+    return Flops(forward, counter.get_total_flops() - forward)

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ConfigError
-from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, patch_embedding
+from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, flops, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
+from attnlab.nn.flops import Flops, Grad
 from attnlab.utils.checks import (
     check_choice,
     check_num_classes,
@@ -46,7 +47,7 @@ class VisionTransformer(nn.Module):
         dropout: on the embeddings and each residual branch.
         attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last block (linear from 0).
-        attn_impl: "auto", "sdpa" or "math" (see ``attnlab.nn.attention``).
+        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
             convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
             or "conv_full" (the conv stem with a first convolution at full resolution).
@@ -159,6 +160,19 @@ class VisionTransformer(nn.Module):
     def forward(self, images: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(images))
 
+    def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
+        patch embedding (on the pixels: no input gradient), the blocks over the prefix tokens and
+        patches, the head(s) unless ``head=False`` (features only: CLIP's, Flamingo's encoder).
+        ``grad="none"``: forward only (a teacher)."""
+        b = images.size(0)
+        f, _ = flops.convs(self.patch_embed, b, self.img_size, grad)
+        f = f + flops.blocks(self.blocks, b, self.num_prefix_tokens + self.patch_embed.num_patches, grad)
+        return f + self.head_flops(b, grad) if head else f
+
+    def head_flops(self, b: int, grad: Grad = "all") -> Flops:
+        return flops.linear_layer(self.head, b, grad) if isinstance(self.head, nn.Linear) else flops.NONE
+
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:
         """Every block's attention weights (B, H, T, T), first block first."""
@@ -219,6 +233,9 @@ class DistilledVisionTransformer(VisionTransformer):
         if pre_logits:
             return (x[:, 0] + x[:, 1]) / 2
         return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
+
+    def head_flops(self, b: int, grad: Grad = "all") -> Flops:
+        return super().head_flops(b, grad) + flops.linear_layer(self.head_dist, b, grad)
 
 
 def init_linear(module: nn.Module) -> None:
