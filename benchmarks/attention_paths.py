@@ -24,6 +24,7 @@ import torch
 from attnlab.nn import MultiHeadAttention, SlidingWindowAttention, attention
 from attnlab.nn.attention import choose_impl
 from attnlab.nn.positions import relative_positions
+from attnlab.utils.cpu import tune_cpu_for_training
 from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 # name -> (layer, positions, causal, padded)
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--no-bf16", action="store_true", help="fp32 only")
     args = ap.parse_args()
+    tune_cpu_for_training()  # as attnlab-train runs: denormals flushed (ALiBi's far keys make them)
     cuda = args.device.startswith("cuda")
     machine = torch.cuda.get_device_name() if cuda else f"CPU {cpu_model()}, native bf16: {native_bf16_cpu()}"
     print(

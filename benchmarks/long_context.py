@@ -95,6 +95,9 @@ def run_variant(name: str, args: argparse.Namespace, out: mp.Queue) -> None:
     """Every length of one variant, in this (fresh) process, until one does not fit."""
     import torch
 
+    from attnlab.utils.cpu import tune_cpu_for_training
+
+    tune_cpu_for_training()  # as attnlab-train runs: denormals flushed (ALiBi's far keys make them)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     for length in args.lengths:
         try:
