@@ -157,14 +157,6 @@ def fresh() -> None:
         torch.cuda.empty_cache()
 
 
-def compile_blocks(net: nn.Module) -> None:
-    """Regional compilation (``model.compile=regional``): each block compiled in place; identical
-    blocks share one compiled graph, so compiling costs one block's time, not the whole model's."""
-    from attnlab.tasks.base import compile_net
-
-    compile_net(net, "regional")
-
-
 def autocast(setup: Setup) -> AbstractContextManager:
     if setup.precision != "bf16-mixed":
         return nullcontext()
@@ -177,7 +169,9 @@ def steps_per_s(net: nn.Module, x: Tensor, y: Tensor, setup: Setup, steps: int, 
     then ``steps`` timed together (one synchronisation at each end, as a training loop runs)."""
     net.to(setup.device).train()
     if setup.compile:
-        compile_blocks(net)
+        from attnlab.tasks.base import compile_net
+
+        compile_net(net, "regional")  # each block once; identical blocks share the code
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
 
     def step() -> None:

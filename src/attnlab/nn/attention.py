@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from attnlab.nn.positions import RelativePositions
 from attnlab.utils.hardware import native_bf16_cpu
 
 AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
-IMPLS = ("auto", "sdpa", "flex", "math")
+IMPLS = get_args(AttentionImpl)
 
 log = logging.getLogger(__name__)
 _announced: set[tuple] = set()

@@ -165,6 +165,8 @@ class FlashPieces(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dtensors = [torch.zeros_like(t) if t.requires_grad else None for t in tensors]
         grad_out = grad_out.contiguous()
+        # rowsum(dO * O), once for all pieces: only the bias gradients formed here need it
+        delta = (grad_out.float() * out.float()).sum(-1) if any(d is not None for d in dtensors) else None
         for p in ctx.pieces:
             qs, ks = slice(p.q0, p.q1), slice(p.k0, p.k1)
             mask = p.dense_mask(tensors)
@@ -176,20 +178,19 @@ class FlashPieces(torch.autograd.Function):
             dq[:, :, qs] += gq
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
-            delta = (g.float() * o.float()).sum(-1)  # (B, H, Q)
             if p.offsets is not None and dtensors[p.offsets] is not None:  # its scores again
                 scale = q.size(-1) ** -0.5
                 s = (q[:, :, qs].float() @ k[:, :, ks].float().transpose(-1, -2)) * scale + mask
                 prob = (s - piece_lse[..., None]).exp()  # (B, H, Q, K)
                 dp = g.float() @ v[:, :, ks].float().transpose(-1, -2)
-                ds = (prob * (dp - delta[..., None])).sum(0)  # (H, Q, K)
+                ds = (prob * (dp - delta[:, :, qs, None])).sum(0)  # (H, Q, K)
                 grad = torch.zeros(ds.size(0), dtensors[p.offsets].size(1) + 1, device=ds.device)
                 grad.index_add_(1, p.relative(q.device).flatten(), ds.flatten(1))
                 dtensors[p.offsets] += grad[:, :-1]  # the appended -inf has none
             if id(p) in ctx.kept:  # a constant's gradient: sum_i w_i (dO_i . o_i - delta_i)
                 o_piece, l_piece = ctx.kept[id(p)]
                 weight = (l_piece - lse[:, :, qs]).exp()
-                share = weight * ((g.float() * o_piece.float()).sum(-1) - delta)
+                share = weight * ((g.float() * o_piece.float()).sum(-1) - delta[:, :, qs])
                 dtensors[p.const] += share.sum(dim=(0, 2))
         return dq, dk, dv, None, *dtensors
 
