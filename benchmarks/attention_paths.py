@@ -21,11 +21,11 @@ import time
 
 import torch
 
+from attnlab.core.cpu import tune_cpu_for_training
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
 from attnlab.nn import MultiHeadAttention, SlidingWindowAttention, attention
 from attnlab.nn.attention import choose_impl
 from attnlab.nn.positions import relative_positions
-from attnlab.utils.cpu import tune_cpu_for_training
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 # name -> (layer, positions, causal, padded)
 VARIANTS = {

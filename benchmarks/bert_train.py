@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
 from attnlab.models import Bert, BertSequenceClassifier
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
 
 SHAPE = dict(dim=256, depth=4, n_head=4, mlp_ratio=4.0, max_len=128)
 VOCAB = 8000

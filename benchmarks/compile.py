@@ -78,9 +78,9 @@ def child(model: str, variant: str, steps: int, warmup: int, smoke: bool, precis
     from hydra.utils import instantiate
 
     from attnlab.cli.common import compose_train
-    from attnlab.utils.config import fill_missing
-    from attnlab.utils.cpu import tune_cpu_for_training
-    from attnlab.utils.hardware import resolve_precision
+    from attnlab.core.config import fill_missing
+    from attnlab.core.cpu import tune_cpu_for_training
+    from attnlab.core.hardware import resolve_precision
 
     torch.set_float32_matmul_precision("high")  # as attnlab-train
     tune_cpu_for_training()
@@ -188,7 +188,7 @@ def main() -> None:
 
     import torch
 
-    from attnlab.utils.hardware import cpu_model
+    from attnlab.core.hardware import cpu_model
 
     cuda = torch.cuda.is_available()
     variants = args.variants or DEFAULT_VARIANTS + (GPU_VARIANTS if cuda else [])

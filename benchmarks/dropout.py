@@ -17,8 +17,8 @@ import time
 import torch
 from torch import nn
 
+from attnlab.core.hardware import cpu_model
 from attnlab.nn.dropout import Dropout
-from attnlab.utils.hardware import cpu_model
 
 SHAPES = {"tokens (64, 32, 256)": (64, 32, 256), "MLP (64, 32, 1024)": (64, 32, 1024)}
 

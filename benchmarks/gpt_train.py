@@ -12,7 +12,7 @@ Side by side in one run, fp32 and bf16-mixed (where the machine multiplies bf16 
 All in one process set up as ``attnlab-train`` sets it (``tune_cpu_for_training``, fp32 matmul
 precision "high"). A step's time is the wall time of the steps after the warm-up over their
 number, the device waited for at both ends only, as in a run. ``--compile`` compiles the net alike
-in all three (``attnlab.tasks.base.compile_net``); ``--compile-mode reduce-overhead`` adds CUDA
+in all three (``attnlab.training.base.compile_net``); ``--compile-mode reduce-overhead`` adds CUDA
 graphs, which on a GPU cut a small model's launch cost. The goal: attnlab within 1.10x of the
 plain loop on a CPU, 1.03x on a GPU. Run it alone: a busy second core slows torch's two threads.
 
@@ -36,12 +36,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from attnlab.cli.common import compose_train
-from attnlab.tasks.base import compile_net
-from attnlab.tasks.optim import param_groups
-from attnlab.utils.config import fill_missing, instantiate_trainer
-from attnlab.utils.cpu import tune_cpu_for_training
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
-from attnlab.utils.wandb_mode import ensure_wandb_mode
+from attnlab.core.config import fill_missing, instantiate_trainer
+from attnlab.core.cpu import tune_cpu_for_training
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
+from attnlab.training.base import compile_net
+from attnlab.training.optim import param_groups
+from attnlab.training.wandb_mode import ensure_wandb_mode
 
 CUDA = torch.cuda.is_available()
 
@@ -99,7 +99,7 @@ def attnlab_ms(cfg: DictConfig, precision: str, steps: int, warmup: int, callbac
     """attnlab's step: the Trainer and the task with a CSV log; with ``callbacks``, the callbacks
     and loggers as ``attnlab-train`` builds them from ``cfg``."""
     from attnlab.cli.train import build_callbacks, setup_loggers
-    from attnlab.utils.hardware import machine_info
+    from attnlab.core.hardware import machine_info
 
     dm = datamodule(cfg)
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt_train, beside th
 from gpt_train import attnlab_ms, compose_experiment, plain_loop_ms  # noqa: E402
 
 from attnlab.cli.common import compose_train, config_dir  # noqa: E402
-from attnlab.utils.hardware import compute_dtype, cpu_model, native_bf16_cpu, peak_flops  # noqa: E402
+from attnlab.core.hardware import compute_dtype, cpu_model, native_bf16_cpu, peak_flops  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def steps_per_s(net: nn.Module, x: Tensor, y: Tensor, setup: Setup, steps: int, 
     then ``steps`` timed together (one synchronisation at each end, as a training loop runs)."""
     net.to(setup.device).train()
     if setup.compile:
-        from attnlab.tasks.base import compile_net
+        from attnlab.training.base import compile_net
 
         compile_net(net, "regional")  # each block once; identical blocks share the code
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)

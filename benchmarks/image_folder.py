@@ -148,8 +148,8 @@ def main() -> None:
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "fashion_mnist"))
     p.add_argument("--workdir", default="/tmp/attnlab-image-folder")
     args = p.parse_args()
+    from attnlab.core.hardware import cpu_model
     from attnlab.data.vision.shards import prepare_images
-    from attnlab.utils.hardware import cpu_model
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -48,8 +48,8 @@ def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, float
     """One variant at one length: ms per training step, peak MB, ms per generated token."""
     import torch
 
+    from attnlab.core.memory import peak_memory_mb, reset_peak_memory
     from attnlab.models import GPT
-    from attnlab.utils.memory import peak_memory_mb, reset_peak_memory
 
     torch.manual_seed(0)
     positions, attention, *feature_map = VARIANTS[name]
@@ -95,7 +95,7 @@ def run_variant(name: str, args: argparse.Namespace, out: mp.Queue) -> None:
     """Every length of one variant, in this (fresh) process, until one does not fit."""
     import torch
 
-    from attnlab.utils.cpu import tune_cpu_for_training
+    from attnlab.core.cpu import tune_cpu_for_training
 
     tune_cpu_for_training()  # as attnlab-train runs: denormals flushed (ALiBi's far keys make them)
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -129,7 +129,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
 
-    from attnlab.utils.hardware import cpu_model
+    from attnlab.core.hardware import cpu_model
 
     print(f"{args.device}, CPU {cpu_model()}; GPT dim {args.dim}, depth {args.depth}, batch {args.batch}")
     results: dict[tuple[str, int], dict[str, float] | None] = {}

@@ -24,7 +24,7 @@ import lightning as L
 
 from attnlab.cli.common import compose_train
 from attnlab.cli.train import train
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
 
 
 def rss_mb() -> float:

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
 from attnlab.models import Transformer
 from attnlab.nn import SinusoidalPositions
-from attnlab.tasks.translation import cross_entropy
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
+from attnlab.training.translation import cross_entropy
 
 SIZE = {"dim": 256, "n_head": 8, "depth": 3, "mlp_ratio": 4.0, "dropout": 0.1, "vocab": 8000}
 

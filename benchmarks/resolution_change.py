@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from attnlab.cli.common import compose_train
 from attnlab.cli.train import train
 from attnlab.inference.runs import TrainedRun
-from attnlab.models.pretrained import export_pretrained, load_pretrained
+from attnlab.weights.pretrained import export_pretrained, load_pretrained
 
 QUIET = [
     "extras.print_config=false",

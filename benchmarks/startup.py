@@ -16,7 +16,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from attnlab.utils.hardware import cpu_model
+from attnlab.core.hardware import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # a value of the wrong type for each script: refused by the config check before any work

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import optuna
 
-from attnlab.sweep import device_slots, usable_cores
-from attnlab.utils.hardware import cpu_model, gpu_names
+from attnlab.core.hardware import cpu_model, gpu_names
+from attnlab.experiments.sweep import device_slots, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

@@ -78,8 +78,8 @@ def main() -> None:
     if args.child:
         return child(args.child, args.shards, args.steps, args.warmup)
 
+    from attnlab.core.hardware import cpu_model
     from attnlab.data.text.shards import prepare
-    from attnlab.utils.hardware import cpu_model
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -103,8 +103,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the corpus and shards")
     args = parser.parse_args()
 
+    from attnlab.core.hardware import cpu_model
     from attnlab.data.text.pair_shards import prepare_pairs
-    from attnlab.utils.hardware import cpu_model
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from attnlab.cli.common import compose_train
-from attnlab.utils.hardware import cpu_model, native_bf16_cpu
+from attnlab.core.hardware import cpu_model, native_bf16_cpu
 
 
 def experiment_net(experiment: str) -> DictConfig:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.nn import KVCache, MultiHeadAttention, causal_mask, scaled_dot_product_attention
 
 B, T, C, H = 3, 7, 32, 4

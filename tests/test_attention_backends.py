@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.models import GPT, Bert, SwinTransformer
 from attnlab.nn import MultiHeadAttention, attention, flex
 from attnlab.nn.attention import choose_impl

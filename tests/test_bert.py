@@ -24,8 +24,8 @@ from attnlab.data.text.masked_lm import (
 )
 from attnlab.data.text.tokenizers import WordPieceTokenizer
 from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier
-from attnlab.models.text.bert_weights import load_hf_weights
-from attnlab.utils.checkpoint import load_checkpoint, metadata
+from attnlab.weights.bert import load_hf_weights
+from attnlab.weights.checkpoint import load_checkpoint, metadata
 from conftest import (
     BERT_TINY,
     CONLL_FIXTURE,

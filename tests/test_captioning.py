@@ -81,7 +81,7 @@ def test_word_attention_is_the_attention_of_step_by_step_decoding():
 
 def test_doubly_stochastic_penalty_on_a_constructed_map():
     """sum_s (1 - sum_t attn_ts)^2 over the caption's steps, averaged over captions."""
-    from attnlab.tasks.captioning import doubly_stochastic_penalty
+    from attnlab.training.captioning import doubly_stochastic_penalty
 
     attn = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]])
     every = torch.ones(2, 2, dtype=torch.bool)

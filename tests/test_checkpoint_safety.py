@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from attnlab.errors import CheckpointError
-from attnlab.utils.checkpoint import load_checkpoint
+from attnlab.core.errors import CheckpointError
+from attnlab.weights.checkpoint import load_checkpoint
 from conftest import blank_image, run_main, write_idx_dataset, write_sst2
 
 MARKER = "pwned"
@@ -103,7 +103,7 @@ def test_ckpt_path_last_refuses_a_planted_folder_under_logs(tmp_path, monkeypatc
     run = tmp_path / "logs/gpt_pydoc_char/runs/x"
     plant_folder(run / "checkpoints/last.ckpt", tmp_path / MARKER)
     # a planted run folder can claim any task: attnlab-generate takes the newest language-model run
-    (run / "config.yaml").write_text("model:\n  _target_: attnlab.tasks.LanguageModelTask\n")
+    (run / "config.yaml").write_text("model:\n  _target_: attnlab.training.LanguageModelTask\n")
     for module in ("train", "eval", "generate"):
         status, out = run_main(module, ["ckpt_path=last"])
         assert not (tmp_path / MARKER).exists(), f"{module} ckpt_path=last ran code"
@@ -179,8 +179,8 @@ ATTACKS = {
         "dst": str(tmp / MARKER),
     },
     # the same function reached through an attnlab module's import of torch
-    "attnlab.utils.checkpoint.torch.load": lambda tmp: {
-        "_target_": "attnlab.utils.checkpoint.torch.load",
+    "attnlab.weights.checkpoint.torch.load": lambda tmp: {
+        "_target_": "attnlab.weights.checkpoint.torch.load",
         "f": str(tmp / "payload.pkl"),
         "weights_only": False,
     },
@@ -208,7 +208,7 @@ def plant_config_checkpoint(path: Path, task: str, attack: dict) -> Path:
 
     config = {
         "model": {
-            "_target_": f"attnlab.tasks.{task}",
+            "_target_": f"attnlab.training.{task}",
             "net": {"_target_": "attnlab.models.GPT", "vocab_size": 8, "dropout": attack},
         },
         "data": {"_target_": "attnlab.data.TextDataModule"},
@@ -246,8 +246,8 @@ def test_no_entry_point_builds_what_a_checkpoint_config_names(attack, tmp_path, 
 
 
 def test_a_deit_teacher_is_not_built_from_what_its_config_names(tmp_path, monkeypatch):
-    from attnlab.errors import ConfigError
-    from attnlab.tasks.distillation import load_teacher
+    from attnlab.core.errors import ConfigError
+    from attnlab.training.distillation import load_teacher
 
     (tmp_path / "payload.pkl").write_bytes(pickle.dumps(Payload(tmp_path / MARKER)))
     ckpt = plant_config_checkpoint(
@@ -265,7 +265,7 @@ def test_every_recipe_target_is_allowed():
     recipe (and a sweep over it) rebuilds; a new config naming something else fails here first."""
     import yaml
 
-    from attnlab.utils.targets import is_allowed, targets
+    from attnlab.core.targets import is_allowed, targets
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     found = {
@@ -279,7 +279,7 @@ def test_every_recipe_target_is_allowed():
 
 
 def test_the_allow_list_refuses_code_by_any_name():
-    from attnlab.utils.targets import is_allowed
+    from attnlab.core.targets import is_allowed
 
     refused = [
         "os.system",
@@ -288,7 +288,7 @@ def test_the_allow_list_refuses_code_by_any_name():
         "torch.serialization.load",
         "torch.nn.modules.module.torch.load",  # torch.nn's own import of torch
         "attnlab.data.text.shards.SplitWriter",  # an attnlab class that writes files, not a net
-        "attnlab.utils.checkpoint.Path",  # a class imported into an attnlab module
+        "attnlab.weights.checkpoint.Path",  # a class imported into an attnlab module
         "hydra.utils.instantiate",
         "lightning.pytorch.Trainer.fit",
     ]

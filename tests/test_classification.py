@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.models import DistilledVisionTransformer, SwinTransformer, VisionTransformer
-from attnlab.tasks.distillation import HardDistillation
+from attnlab.training.distillation import HardDistillation
 from conftest import (
     QUIET,
     VISION_NETS,
@@ -240,7 +240,7 @@ def without_net_sizes(args: list[str]) -> list[str]:
 
 
 def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(tmp_path, monkeypatch):
-    from attnlab.tasks.distillation import load_teacher
+    from attnlab.training.distillation import load_teacher
 
     monkeypatch.chdir(tmp_path)
     data = write_image_folder(tmp_path / "pets", classes=("cat", "dog"))
@@ -270,8 +270,8 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
     assert load_teacher(run="teacher", log_dir=str(tmp_path / "logs")).num_classes == 2
     deit = [
         "model/net=deit_mini",
-        "+model.distillation._target_=attnlab.tasks.distillation.HardDistillation",
-        "+model.distillation.teacher._target_=attnlab.tasks.distillation.load_teacher",
+        "+model.distillation._target_=attnlab.training.distillation.HardDistillation",
+        "+model.distillation.teacher._target_=attnlab.training.distillation.load_teacher",
         "+model.distillation.teacher.run=teacher",
         f"+model.distillation.teacher.log_dir={tmp_path / 'logs'}",
         *VISION_NETS["vit"],  # again after model/net=deit_mini, which resets the sizes
@@ -317,7 +317,7 @@ def test_bad_model_sizes_are_one_line_errors(tmp_path, monkeypatch, overrides, n
 def test_timm_teacher_from_a_weights_file(tmp_path):
     import timm
 
-    from attnlab.tasks.distillation import load_teacher
+    from attnlab.training.distillation import load_teacher
 
     reference = timm.create_model("test_resnet", num_classes=10, in_chans=1).eval()
     torch.save(reference.state_dict(), tmp_path / "teacher.pth")
@@ -343,7 +343,7 @@ def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
 def test_ema_warm_up_follows_the_weights_early_and_settles_at_the_decay():
     from torch.optim.swa_utils import AveragedModel
 
-    from attnlab.callbacks import ema_with_warmup
+    from attnlab.training.callbacks import ema_with_warmup
 
     net = torch.nn.BatchNorm1d(1)  # a float weight and an integer buffer (num_batches_tracked)
     average = AveragedModel(net, multi_avg_fn=ema_with_warmup(0.998), use_buffers=True)

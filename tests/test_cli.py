@@ -438,9 +438,9 @@ def test_a_config_error_ends_before_torch_loads(script, args, needle, tmp_path):
 
 
 def test_the_sharded_checkpoint_marker_is_lightnings():
-    """``attnlab.utils.run_paths`` restates Lightning's file name to stay torch-free."""
+    """``attnlab.core.run_paths`` restates Lightning's file name to stay torch-free."""
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    from attnlab.utils.run_paths import SHARDED_METADATA
+    from attnlab.core.run_paths import SHARDED_METADATA
 
     assert SHARDED_METADATA == _METADATA_FILENAME

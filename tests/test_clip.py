@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from attnlab.models import CLIP, TextTransformer, VisionTransformer
-from attnlab.tasks.contrastive import clip_loss
+from attnlab.training.contrastive import clip_loss
 from conftest import write_pairs
 
 V, CTX, W = 20, 8, 16
@@ -89,7 +89,7 @@ def test_clip_features_are_unit_length_and_the_scale_starts_at_1_over_007_and_st
     with torch.no_grad():
         net.logit_scale.fill_(math.log(1000.0))
     assert net.scale().item() == pytest.approx(100.0, rel=1e-5)
-    from attnlab.tasks.optim import param_groups
+    from attnlab.training.optim import param_groups
 
     decay, no_decay = (set(map(id, g["params"])) for g in param_groups(net, 0.1))
     for name in ("logit_scale", "image.pos_embed", "text.embed.positions.emb.weight", "text.norm.weight"):
@@ -151,7 +151,7 @@ def test_ddp_gather_contrasts_the_global_batch_and_keeps_gradients():
 
 # -- metrics and zero-shot ------------------------------------------------------------------------
 def test_recall_counts_identical_captions_as_one_and_ranks_correctly():
-    from attnlab.tasks.contrastive import recall_at_k
+    from attnlab.training.contrastive import recall_at_k
 
     # 3 images, 2 distinct captions: images 0 and 1 share caption 0, image 2 has caption 1
     sim = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.3, 0.7]])
@@ -299,8 +299,8 @@ def test_pairs_files_load_resize_and_count_cut_captions(tmp_path, suffix, caplog
 
 
 def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp_path, caplog):
+    from attnlab.core.errors import ConfigError, DataError
     from attnlab.data import ImageTextDataModule
-    from attnlab.errors import ConfigError, DataError
     from attnlab.inference.zeroshot import parse_labels, read_templates
 
     path = write_pairs(tmp_path / "m", missing=2)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from attnlab.cli.compare import compare, main, parse_args
-from attnlab.compare import find_runs
+from attnlab.experiments.compare import find_runs
 
 
 def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
@@ -68,15 +68,15 @@ def test_one_row_per_run_sorting_and_filtering(sweep):
 
 
 def test_plot_overlays_every_run(sweep, tmp_path, monkeypatch):
-    import attnlab.plots
+    import attnlab.training.plots
 
-    figures, draw = [], attnlab.plots.curves_figure
+    figures, draw = [], attnlab.training.plots.curves_figure
 
     def kept(*args, **kwargs):  # the figure compare draws, kept to be looked at
         figures.append(draw(*args, **kwargs))
         return figures[-1]
 
-    monkeypatch.setattr(attnlab.plots, "curves_figure", kept)
+    monkeypatch.setattr(attnlab.training.plots, "curves_figure", kept)
     out = tmp_path / "loss.png"
     compare(parse_args([str(sweep), "--no-group", "--plot", "val/loss", "--out", str(out)]))
     assert out.read_bytes()[:4] == b"\x89PNG"
@@ -92,7 +92,7 @@ def test_plot_overlays_every_run(sweep, tmp_path, monkeypatch):
     assert {line.get_label(): list(line.get_ydata()) for line in lines} == expected and len(lines) == 6
     assert all(list(line.get_xdata()) == [10, 20, 30] for line in lines)
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(expected)
-    attnlab.plots.plt.close(fig)
+    attnlab.training.plots.plt.close(fig)
 
 
 def test_bad_paths_filters_and_metrics_are_clear_errors(sweep, tmp_path, capsys, caplog):
@@ -152,7 +152,7 @@ def test_a_sweep_trial_killed_before_its_csv_log_is_one_row_from_the_study(tmp_p
     import optuna
     import wandb
 
-    from attnlab.sweep import open_study
+    from attnlab.experiments.sweep import open_study
 
     sweep_dir = tmp_path / "sweep"
     study = open_study(sweep_dir, "minimize")
@@ -232,7 +232,7 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
     """``attnlab-train -m seed=1,2 lr=a,b``: every data config takes ``seed: ${seed}``, so the
     saved (resolved) configs differ in ``data.seed`` too; derived keys follow the key they come
     from, and the two seeds of each learning rate make one row and one band."""
-    import attnlab.plots
+    import attnlab.training.plots
     from conftest import run_main, tiny
 
     monkeypatch.chdir(tmp_path)
@@ -254,8 +254,10 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
     lines = table.strip().splitlines()
     assert lines[0].startswith("model.optimizer.lr,runs"), table  # no data.seed column
     assert sorted(line.split(",")[:2] for line in lines[1:]) == [["0.001", "2"], ["0.003", "2"]]
-    figures, draw = [], attnlab.plots.curves_figure
-    monkeypatch.setattr(attnlab.plots, "curves_figure", lambda *a: figures.append(draw(*a)) or figures[-1])
+    figures, draw = [], attnlab.training.plots.curves_figure
+    monkeypatch.setattr(
+        attnlab.training.plots, "curves_figure", lambda *a: figures.append(draw(*a)) or figures[-1]
+    )
     compare(parse_args([str(multirun), "--plot", "val/loss", "--out", str(tmp_path / "loss.png")]))
     (ax,) = figures[0].axes
     assert sorted(line.get_label() for line in ax.get_lines()) == ["lr=0.001 (2 seeds)", "lr=0.003 (2 seeds)"]
@@ -264,7 +266,7 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
         "lr=0.001 (2 seeds)",
         "lr=0.003 (2 seeds)",
     ]
-    attnlab.plots.plt.close(figures[0])
+    attnlab.training.plots.plt.close(figures[0])
 
 
 def test_runs_of_different_families_line_up_on_the_shared_names(tmp_path, monkeypatch):
@@ -307,8 +309,8 @@ def shared_study(url: str, reached: Path) -> None:
     1 elsewhere, 2 elsewhere until its driver died (failed as stale, run again as 3, here)."""
     import optuna
 
-    from attnlab.study import open_storage
-    from attnlab.sweep import open_study
+    from attnlab.experiments.study import open_storage
+    from attnlab.experiments.sweep import open_study
 
     study = open_study(None, "minimize", storage=open_storage(url), study_name="gpt")
     study.set_metric_names(["val/loss_best"])

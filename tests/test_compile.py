@@ -10,10 +10,10 @@ from hydra.utils import instantiate
 from torch import nn
 
 from attnlab.cli.common import compose_train
-from attnlab.errors import ConfigError
-from attnlab.tasks import LanguageModelTask
-from attnlab.tasks.base import repeated_blocks
-from attnlab.utils.config import check_config, fill_missing
+from attnlab.core.config import check_config, fill_missing
+from attnlab.core.errors import ConfigError
+from attnlab.training import LanguageModelTask
+from attnlab.training.base import repeated_blocks
 from conftest import VISION_NETS
 
 GPT = ["experiment=gpt_pydoc_char", "data.corpus=pydoc", "model.net.depth=2", "model.net.n_head=2"]

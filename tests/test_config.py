@@ -15,12 +15,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from attnlab.cli.common import config_dir
-from attnlab.errors import ConfigError
-from attnlab.tasks.schedules import WarmupCosine, WarmupInverseSqrt
-from attnlab.utils.checkpoint import metadata
-from attnlab.utils.config import check_types, fill_missing
-from attnlab.utils.cpu import keep_freed_memory, tune_cpu_for_training
-from attnlab.utils.wandb_mode import ensure_wandb_mode
+from attnlab.core.config import check_types, fill_missing
+from attnlab.core.cpu import keep_freed_memory, tune_cpu_for_training
+from attnlab.core.errors import ConfigError
+from attnlab.training.schedules import WarmupCosine, WarmupInverseSqrt
+from attnlab.training.wandb_mode import ensure_wandb_mode
+from attnlab.weights.checkpoint import metadata
 from conftest import (
     FLAMINGO_RECIPE,
     bert_overrides,
@@ -266,7 +266,7 @@ def test_checkpoints_from_before_artifacts_still_name_their_tokenizer(tmp_path):
 
 def test_weight_decay_skips_biases_norms_and_what_the_model_declares():
     from attnlab.models import Transformer
-    from attnlab.tasks.optim import param_groups
+    from attnlab.training.optim import param_groups
 
     net = nn.Module()
     net.net = Transformer(50, dim=16, n_head=2, enc_depth=1, dec_depth=1, mlp_ratio=2.0, positions="learned")

@@ -11,12 +11,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-import attnlab.utils.config as config_module
+import attnlab.core.config as config_module
 from attnlab.cli.common import config_dir
-from attnlab.errors import ConfigError
-from attnlab.tasks.optim import build_optimizers
-from attnlab.tasks.schedules import warmup_cosine, warmup_inverse_sqrt
-from attnlab.utils.config import (
+from attnlab.core.config import (
     _imported_signature,
     _source_signature,
     _type_hints,
@@ -25,6 +22,9 @@ from attnlab.utils.config import (
     describe,
     instantiate_trainer,
 )
+from attnlab.core.errors import ConfigError
+from attnlab.training.optim import build_optimizers
+from attnlab.training.schedules import warmup_cosine, warmup_inverse_sqrt
 from conftest import QUIET, run_cli, run_main, tiny
 
 if TYPE_CHECKING:  # as optuna and wandb import some of the types their hints name
@@ -110,12 +110,12 @@ CASES = [
     (
         GPT,
         "model.scheduler.warmup_steps=abc",
-        "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine",
+        "model.scheduler.warmup_steps='abc': expected an int (attnlab.training.schedules.warmup_cosine",
     ),
     (
         NMT,
         "model.scheduler.warmup_steps=abc",
-        "model.scheduler.warmup_steps='abc': expected an int (attnlab.tasks.schedules.warmup_cosine",
+        "model.scheduler.warmup_steps='abc': expected an int (attnlab.training.schedules.warmup_cosine",
     ),
     (GPT, "trainer.gradient_clip_val=abc", CLIP),
     (NMT, "trainer.gradient_clip_val=abc", CLIP),
@@ -143,7 +143,11 @@ CASES = [
         "model.net.attn_impl='fast': expected one of 'auto', 'sdpa', 'flex', 'math'",
     ),
     (GPT, "model.optimizer.betas=[0.9,x]", "model.optimizer.betas=[0.9, 'x']: expected a list of 2 floats"),
-    (NMT, "model.weight_decay=x", "model.weight_decay='x': expected a float (attnlab.tasks.TranslationTask"),
+    (
+        NMT,
+        "model.weight_decay=x",
+        "model.weight_decay='x': expected a float (attnlab.training.TranslationTask",
+    ),
     (GPT, "trainer.precision=bogus", "trainer.precision='bogus': expected one of 64, 32, 16,"),
     (
         GPT,
@@ -526,7 +530,7 @@ def test_the_data_keeps_its_own_block_size_and_context_length(monkeypatch):
 # CLIs read it) names the model's hyper-parameters the old way
 OLD_RUNS = {
     "gpt": (
-        "attnlab.tasks.LanguageModelTask",
+        "attnlab.training.LanguageModelTask",
         {
             "_target_": "attnlab.models.GPT",
             "vocab_size": 11,
@@ -538,7 +542,7 @@ OLD_RUNS = {
         {"vocab_size": 11, "max_len": 16, "depth": 2, "n_head": 2, "dim": 24},
     ),
     "transformer": (
-        "attnlab.tasks.TranslationTask",
+        "attnlab.training.TranslationTask",
         {
             "_target_": "attnlab.models.Transformer",
             "vocab_size": 11,

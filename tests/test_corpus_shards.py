@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.core.errors import DataError
 from attnlab.data import MaskedLMDataModule, TranslationDataModule
 from attnlab.data.batching import TokenBatchSampler
 from attnlab.data.text.document_shards import DocumentShards, PairStream, ShardDocuments, prepare_documents
@@ -21,7 +22,6 @@ from attnlab.data.text.pair_shards import PairShards, prepare_pairs
 from attnlab.data.text.shards import MANIFEST, prepare
 from attnlab.data.text.tokenizers import SubwordTokenizer, WordPieceTokenizer
 from attnlab.data.text.translation import synthetic_pairs
-from attnlab.errors import DataError
 from conftest import QUIET, assert_ok, read_metrics, run_cli
 from test_resume import train
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.core.errors import AttnlabError, ConfigError, DataError
 from attnlab.data import TextDataModule
 from attnlab.data.download import download, fetch
 from attnlab.data.text.language_modeling import RandomWindows
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from attnlab.errors import AttnlabError, ConfigError, DataError
 from conftest import needs_shared
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40).encode()

@@ -16,9 +16,9 @@ from torchmetrics.text import SacreBLEUScore
 from torchmetrics.utilities.data import dim_zero_sum
 
 from attnlab.cli.common import compose_train
+from attnlab.core.errors import DataError
 from attnlab.data.batching import RepeatedBatch, TokenBatchSampler
 from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
-from attnlab.errors import DataError
 from conftest import assert_ok, read_metrics, run_cli, tiny
 from test_debug_matrix import tiny_overrides
 

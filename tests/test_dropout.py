@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.nn import Dropout, byte_dropout
 
 

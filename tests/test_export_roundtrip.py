@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.tasks.base import load_initial_weights
-from attnlab.utils.checkpoint import init_artifacts
+from attnlab.training.base import load_initial_weights
+from attnlab.weights.checkpoint import init_artifacts
 from conftest import run_main
 
 
@@ -35,7 +35,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 def export_and_back(net: nn.Module, fresh: nn.Module, out: Path, artifacts: dict) -> nn.Module:
     """``net`` exported into ``out``, then ``out`` loaded into ``fresh`` as ``model.init_from``
     does (``fresh`` is the same config built with another seed: nothing matches by chance)."""
-    from attnlab.models.pretrained import export_pretrained
+    from attnlab.weights.pretrained import export_pretrained
 
     export_pretrained(net.eval(), out, artifacts)
     load_initial_weights(fresh, str(out))
@@ -53,9 +53,9 @@ def seeded(seed: int, build):
 def test_a_default_gpt_comes_back_from_its_export(tmp_path):
     """The default config's GPT (no biases, exact GELU) exports as GPT-2 with zero biases; a GPT
     of that config takes them back (GPT-2's own, non-zero, are still refused)."""
-    from attnlab.errors import CheckpointError
+    from attnlab.core.errors import CheckpointError
     from attnlab.models import GPT
-    from attnlab.models.pretrained import load_pretrained
+    from attnlab.weights.pretrained import load_pretrained
 
     def build():
         return GPT(40, max_len=16, depth=2, n_head=2, dim=16)
@@ -107,7 +107,7 @@ def test_a_bert_comes_back_from_its_export(kind, tmp_path):
         if isinstance(a, torch.Tensor):
             assert_same(b, a)
     again = tokenizer_from_json(
-        init_artifacts(str(tmp_path / "out"), "attnlab.tasks.MaskedLMTask")["tokenizer"]
+        init_artifacts(str(tmp_path / "out"), "attnlab.training.MaskedLMTask")["tokenizer"]
     )
     assert again.encode("the plot was good") == tokenizer.encode("the plot was good")
 
@@ -120,7 +120,7 @@ def test_a_vision_net_comes_back_from_its_export(family, tmp_path, caplog):
     artifacts = {"classes": list("abcdefghij"), "mean": [0.4] * 3, "std": [0.2] * 3}
     with caplog.at_level(logging.WARNING):
         back = export_and_back(net, seeded(1, lambda: ours(family)), tmp_path / "out", artifacts)
-        assert init_artifacts(str(tmp_path / "out"), "attnlab.tasks.ImageClassificationTask") == {}
+        assert init_artifacts(str(tmp_path / "out"), "attnlab.training.ImageClassificationTask") == {}
     assert "tokenizer" not in caplog.text  # an image classifier has no tokenizer to miss
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -165,7 +165,7 @@ def test_a_clip_from_scratch_comes_back_with_its_tokenizer(tmp_path, caplog, mon
     tokens, _ = tokenizer.encode_captions(["a red dot", "two green squares"], 16)
     assert_same_clip(net, back, tokens)
     again = tokenizer_from_json(
-        init_artifacts(str(tmp_path / "out"), "attnlab.tasks.ContrastiveTask")["tokenizer"]
+        init_artifacts(str(tmp_path / "out"), "attnlab.training.ContrastiveTask")["tokenizer"]
     )
     assert isinstance(again, CaptionTokenizer) and again.to_json() == tokenizer.to_json()
     (
@@ -194,11 +194,11 @@ def test_a_clip_from_an_open_clip_folder_comes_back_with_openai_s_tokenizer(tmp_
     normalisation it holds is the one its weights were last trained with, said in one notice."""
     from attnlab.cli.zeroshot import open_clip_folder
     from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-    from attnlab.models.multimodal.clip_weights import clip_from_open_clip
+    from attnlab.weights.clip import clip_from_open_clip
     from conftest import write_open_clip
 
     write_open_clip(tmp_path / "open_clip")
-    source = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
+    source = init_artifacts(str(tmp_path / "open_clip"), "attnlab.training.ContrastiveTask")
     net = clip_from_open_clip(tmp_path / "open_clip")
     artifacts = source | {"mean": [0.3] * 3, "std": [0.3] * 3, "context_length": 77}
     with caplog.at_level(logging.INFO):
@@ -207,7 +207,7 @@ def test_a_clip_from_an_open_clip_folder_comes_back_with_openai_s_tokenizer(tmp_
         )
     assert "open_clip's own (get_tokenizer)" in caplog.text and "preprocess_cfg holds" in caplog.text
     tokenizer = tokenizer_from_json(
-        init_artifacts(str(tmp_path / "out"), "attnlab.tasks.ContrastiveTask")["tokenizer"]
+        init_artifacts(str(tmp_path / "out"), "attnlab.training.ContrastiveTask")["tokenizer"]
     )
     assert isinstance(tokenizer, CaptionTokenizer) and tokenizer.vocab_size == 49408
     tokens, _ = tokenizer.encode_captions(["a photo of a dog", "two cats!"], 77)
@@ -237,7 +237,7 @@ def gpt_checkpoint(path: Path, **net: object) -> Path:
     from attnlab.models import GPT
 
     config = {
-        "model": {"_target_": "attnlab.tasks.LanguageModelTask", "net": GPT_NET | net},
+        "model": {"_target_": "attnlab.training.LanguageModelTask", "net": GPT_NET | net},
         "data": {"_target_": "attnlab.data.TextDataModule"},
     }
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_a_full_disk_or_an_unwritable_out_is_one_line_and_leaves_nothing(fmt, ck
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "earlier").iterdir())
     with monkeypatch.context() as m:
         if fmt == "native":
-            m.setattr("attnlab.models.hf_files.save_file", no_space)
+            m.setattr("attnlab.weights.hf_files.save_file", no_space)
         else:
             m.setattr(torch.onnx, "export", lambda *a, **k: FullDiskProgram())
         for out, extra in ((tmp_path / "new", []), (tmp_path / "earlier", ["overwrite=true"])):

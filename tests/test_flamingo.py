@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from attnlab.errors import ConfigError, DataError
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.models import GPT, ConvNet, VisionTransformer
 from attnlab.models.multimodal.flamingo import Flamingo, few_shot_prompt
 from conftest import (
@@ -242,8 +242,8 @@ def test_few_shot_prompt_then_decoding_equals_the_interleaved_sequence():
 def test_init_from_fills_each_part_from_its_own_run(tmp_path):
     """``model.init_from={vision: ..., lm: ...}``: the ViT from a classifier's run (its head left
     out: the Flamingo's ViT has none) and the GPT from a language model's run."""
-    from attnlab.errors import ConfigError
-    from attnlab.tasks.base import load_initial_weights
+    from attnlab.core.errors import ConfigError
+    from attnlab.training.base import load_initial_weights
 
     torch.manual_seed(3)
     classifier = VisionTransformer(
@@ -293,7 +293,7 @@ def test_a_convnet_encoder_is_read_cell_by_cell(tmp_path):
     """The paper's vision encoder is a convnet (NFNet): the resampler reads the cells of its last
     map, row-major, each at its place; its weights come from a classifier's run, head left out;
     with the gates at 0 the logits are still the frozen LM's."""
-    from attnlab.tasks.base import load_initial_weights
+    from attnlab.training.base import load_initial_weights
 
     torch.manual_seed(6)
     convnet = partial(ConvNet, widths=(4, 8, 8), dropout=0.0)
@@ -383,7 +383,7 @@ def test_the_vision_part_comes_from_a_clip_or_a_vit_captioners_run(source, tmp_p
     """``model.init_from={vision: <run>}`` where the ViT is a part of that run's net: a CLIP's
     image tower (``image.``) or a Show, Attend and Tell's ViT encoder (``encoder.vit.``)."""
     from attnlab.models import CLIP, ShowAttendTell, TextTransformer
-    from attnlab.tasks.base import load_initial_weights
+    from attnlab.training.base import load_initial_weights
 
     vit = dict(num_classes=0, img_size=16, in_chans=1, patch_size=4, dim=32, depth=2, n_head=2, stem="conv")
     torch.manual_seed(5)

@@ -40,7 +40,7 @@ from attnlab.models import (
     VisionTransformer,
 )
 from attnlab.nn import flops
-from attnlab.tasks import (
+from attnlab.training import (
     CaptioningTask,
     ContrastiveTask,
     ImageClassificationTask,
@@ -49,7 +49,7 @@ from attnlab.tasks import (
     TextClassificationTask,
     TranslationTask,
 )
-from attnlab.tasks.distillation import HardDistillation
+from attnlab.training.distillation import HardDistillation
 
 ADAMW = partial(torch.optim.AdamW, lr=1e-3)
 V, PAD = 40, 0

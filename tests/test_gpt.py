@@ -2,9 +2,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.core.errors import ConfigError
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.tokenizers import CharTokenizer
-from attnlab.errors import ConfigError
 from attnlab.models import GPT
 from attnlab.models.text.gpt import sample_next
 from attnlab.nn import KVCache

@@ -57,7 +57,7 @@ def test_every_architecture_trains_compiled_on_a_gpu(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["gpt", "deit", "bert"])
 def test_fsdp_trains_on_a_gpu(arch, tmp_path):
     """FSDP1 (``trainer=fsdp``) in one process, through its sharded clipping
-    (``attnlab.tasks.optim.clip_gradients``). More GPUs: ``scripts/torchrun.sh``, as a user would;
+    (``attnlab.training.optim.clip_gradients``). More GPUs: ``scripts/torchrun.sh``, as a user would;
     in this process Lightning would start the other ranks by re-running pytest."""
     ema = ["~callbacks.ema"] if arch == "deit" else []  # weight averaging is refused under FSDP
     train_on_gpu(ARCHS[arch][0], tmp_path, "trainer=fsdp", "trainer.devices=1", *ema)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+from attnlab.core.errors import DataError
 from attnlab.data.vision.shards import MANIFEST, ImageShards, ShardStream, prepare_images
-from attnlab.errors import DataError
 from conftest import (
     QUIET,
     VISION_NETS,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from attnlab.errors import CheckpointError
+from attnlab.core.errors import CheckpointError
 from attnlab.models import VisionTransformer
-from attnlab.tasks.base import load_initial_weights
-from attnlab.utils.checkpoint import load_checkpoint, metadata
+from attnlab.training.base import load_initial_weights
+from attnlab.weights.checkpoint import load_checkpoint, metadata
 from conftest import TINY, run_main
 
 VIT = dict(img_size=28, in_chans=1, patch_size=7, dim=48, depth=2, n_head=3)

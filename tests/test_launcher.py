@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from attnlab.cli.common import compose_config
 from attnlab.cli.train import forget_rows_from, trainer_rank_zero
-from attnlab.errors import ConfigError
-from attnlab.utils.distributed import check_job_tasks, cluster_plugins, export_local_ranks
+from attnlab.core.distributed import check_job_tasks, cluster_plugins, export_local_ranks
+from attnlab.core.errors import ConfigError
 from conftest import QUIET, assert_user_error, popen_cli, read_metrics, run_cli, tiny
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds a job's processes in /proc")

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnlab.callbacks import ReleaseFreedMemory
-from attnlab.utils.cpu import keep_freed_memory, release_freed_memory
+from attnlab.core.cpu import keep_freed_memory, release_freed_memory
+from attnlab.training.callbacks import ReleaseFreedMemory
 
 
 def rss_mb() -> float:
@@ -36,7 +36,7 @@ def test_freed_blocks_inside_the_heap_go_back_to_the_kernel():
 
 def test_the_callback_releases_every_n_steps_and_after_validation(monkeypatch):
     calls = []
-    monkeypatch.setattr("attnlab.callbacks.release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr("attnlab.training.callbacks.release_freed_memory", lambda: calls.append(1))
     callback = ReleaseFreedMemory(every_n_steps=50)
     for step in range(1, 151):
         callback.on_train_batch_end(SimpleNamespace(global_step=step), None)

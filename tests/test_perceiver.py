@@ -74,7 +74,7 @@ def test_fourier_features_hand_computed_and_as_the_papers_code():
 def test_each_element_holds_the_neighbourhood_of_its_pixel():
     """neighbourhood=3: the element of pixel (i, j) holds the 3 x 3 pixels around it, channel by
     channel, row by row, zeros past the border, then the same position features; even sides refused."""
-    from attnlab.errors import ConfigError
+    from attnlab.core.errors import ConfigError
 
     torch.manual_seed(0)
     images = torch.randn(2, 2, 6, 5)
@@ -193,7 +193,7 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from attnlab.tasks import ImageClassificationTask
+    from attnlab.training import ImageClassificationTask
 
     torch.manual_seed(0)
     net = Perceiver(**{**TINY, "num_classes": 4, "img_size": 8, "n_latents": 4})
@@ -225,7 +225,7 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
 
 
 def test_multilabel_loss_is_binary_cross_entropy_with_smoothed_targets():
-    from attnlab.tasks import ImageClassificationTask
+    from attnlab.training import ImageClassificationTask
 
     task = ImageClassificationTask(Perceiver(**TINY), optimizer=torch.optim.AdamW, multilabel=True)
     logits, targets = torch.randn(3, 10), torch.randint(0, 2, (3, 10)).float()

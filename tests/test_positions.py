@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnlab.cli.compare import compare, parse_args
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.models import GPT
 from attnlab.nn import (
     ALiBi,
@@ -351,11 +351,11 @@ def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path:
 
 def plot_figures(monkeypatch: pytest.MonkeyPatch) -> list:
     """The figures attnlab-compare draws, kept for the test to read."""
-    import attnlab.plots
+    import attnlab.training.plots
 
-    figures, draw = [], attnlab.plots.curves_figure
+    figures, draw = [], attnlab.training.plots.curves_figure
     monkeypatch.setattr(
-        attnlab.plots, "curves_figure", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1]
+        attnlab.training.plots, "curves_figure", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1]
     )
     return figures
 

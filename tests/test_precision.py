@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from attnlab.cli.common import compose_train
-from attnlab.tasks.optim import clip_gradients
-from attnlab.utils.config import fill_missing
-from attnlab.utils.hardware import choose_precision
+from attnlab.core.config import fill_missing
+from attnlab.core.hardware import choose_precision
+from attnlab.training.optim import clip_gradients
 from conftest import TINY
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import prepare as cli
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.text import document_shards, pair_shards, shards
 from attnlab.data.text.translation import synthetic_pairs
-from attnlab.errors import ConfigError, DataError
 
 WORDS = "the a film cast plot dog ran quickly over slow red house tree was good bad and".split()
 

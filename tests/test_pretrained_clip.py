@@ -17,7 +17,7 @@ from PIL import Image
 from attnlab.cli.common import config_dir
 from attnlab.data.text.tokenizers import tokenizer_from_json
 from attnlab.inference.runs import TrainedRun
-from attnlab.utils.checkpoint import init_artifacts
+from attnlab.weights.checkpoint import init_artifacts
 from conftest import QUIET, clip_overrides, run_cli, run_dirs, run_main, vision_overrides, write_open_clip
 
 
@@ -46,7 +46,7 @@ def captions(n: int) -> list[str]:
 @pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json + merges.txt"])
 def test_open_clip_folder_brings_its_tokenizer_with_open_clips_ids(tmp_path, files):
     write_open_clip(tmp_path / "open_clip", files)
-    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
+    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.training.ContrastiveTask")
     ours = tokenizer_from_json(artifacts["tokenizer"])  # as the CLIP data loads it
     texts = captions(300)
     ids, cut = ours.encode_captions(texts, 77)
@@ -170,7 +170,7 @@ def test_a_clip_run_exports_to_open_clip_with_the_cli(tmp_path):
         "+model.net.image.patch_bias=false",
     ]
     ours, out = train_and_export(tmp_path, "clip_pairs", overrides)
-    again = init_artifacts(str(out), "attnlab.tasks.ContrastiveTask")["tokenizer"]
+    again = init_artifacts(str(out), "attnlab.training.ContrastiveTask")["tokenizer"]
     assert again == ours.artifacts["tokenizer"]
     model = open_clip.create_model(f"local-dir:{out}").eval()
     net = ours.net()
@@ -191,10 +191,10 @@ def test_a_clip_with_open_clips_tokenizer_exports_its_end_of_text_id(tmp_path):
     """A CLIP fine-tuned with open_clip's imported tokenizer and pooled at the last token goes out
     with ``eos_id`` 49407, open_clip's end-of-text (our own tokenizer's would be 2)."""
     from attnlab.models import CLIP, TextTransformer, VisionTransformer
-    from attnlab.models.pretrained import export_pretrained
+    from attnlab.weights.pretrained import export_pretrained
 
     write_open_clip(tmp_path / "open_clip")
-    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.tasks.ContrastiveTask")
+    artifacts = init_artifacts(str(tmp_path / "open_clip"), "attnlab.training.ContrastiveTask")
     image = VisionTransformer(0, 32, 3, patch_size=8, dim=16, depth=1, n_head=2, patch_bias=False)
     net = CLIP(image, TextTransformer(49408, max_len=77, dim=16, depth=1, n_head=2, pool="last"), 8).eval()
     export_pretrained(net, tmp_path / "out", artifacts)
@@ -213,7 +213,7 @@ def test_zeroshot_init_from_names_its_own_key(tmp_path):
     import pickle
 
     from attnlab.cli.zeroshot import open_clip_folder
-    from attnlab.errors import CheckpointError
+    from attnlab.core.errors import CheckpointError
     from test_pretrained_vision import Planted
 
     folder = tmp_path / "open_clip"

@@ -69,7 +69,7 @@ def task_from(experiment: str, *overrides: str):
     """The task ``attnlab-train`` would build (``model.init_from`` loaded in its constructor),
     its tokenizer filled in from the weights' folder as ``build_datamodule`` does."""
     from attnlab.data.text.tokenizers import tokenizer_from_json
-    from attnlab.utils.checkpoint import init_artifacts
+    from attnlab.weights.checkpoint import init_artifacts
 
     out = tempfile.mkdtemp()
     cfg = compose_train([f"experiment={experiment}", f"paths.output_dir={out}", *overrides])
@@ -121,7 +121,7 @@ def test_bert_imported_gives_transformers_logits(bert_dir, tmp_path):
     # Google's original files (bert-base-uncased's) name LayerNorm's parameters gamma and beta
     from safetensors.torch import load_file, save_file
 
-    from attnlab.models.pretrained import load_pretrained
+    from attnlab.weights.pretrained import load_pretrained
 
     old_names = tmp_path / "gamma_beta"
     old_names.mkdir()
@@ -264,9 +264,9 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kw", [{"positions": "none"}, {"positions": "t5"}, {"attention": "sliding"}])
 def test_a_gpt_that_is_not_gpt2s_layout_is_not_exported_as_gpt2(kw: dict, tmp_path):
-    from attnlab.errors import CheckpointError
+    from attnlab.core.errors import CheckpointError
     from attnlab.models import GPT
-    from attnlab.models.pretrained import export_pretrained
+    from attnlab.weights.pretrained import export_pretrained
 
     net = GPT(40, max_len=16, depth=1, n_head=2, dim=16, **kw)
     with pytest.raises(CheckpointError, match="attnlab-export: GPT-2 has learned positions and full"):
@@ -341,7 +341,7 @@ def test_a_head_of_another_size_starts_fresh_with_a_notice(bert_dir, caplog):
     from transformers import BertModel
 
     from attnlab.models import Bert, BertSequenceClassifier
-    from attnlab.models.pretrained import load_pretrained
+    from attnlab.weights.pretrained import load_pretrained
 
     vocab = json.loads((bert_dir / "config.json").read_text())["vocab_size"]
     net = BertSequenceClassifier(
@@ -358,9 +358,9 @@ def test_a_head_of_another_size_starts_fresh_with_a_notice(bert_dir, caplog):
 
 def test_an_empty_folder_or_one_without_weights_says_so(tmp_path):
     """Not what a config.json that is not there would lack ("activation_function is 'gelu_new'")."""
-    from attnlab.errors import CheckpointError
+    from attnlab.core.errors import CheckpointError
     from attnlab.models import GPT, Bert
-    from attnlab.models.pretrained import load_pretrained
+    from attnlab.weights.pretrained import load_pretrained
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "tokenizer_only").mkdir()

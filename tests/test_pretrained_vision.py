@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from timm.models import save_for_hf
 
+from attnlab.core.errors import CheckpointError
 from attnlab.data.text.tokenizers import CaptionTokenizer
-from attnlab.errors import CheckpointError
 from attnlab.models import (
     CLIP,
     DistilledVisionTransformer,
@@ -26,8 +26,8 @@ from attnlab.models import (
     TextTransformer,
     VisionTransformer,
 )
-from attnlab.models.multimodal.clip_weights import CAPTION_EOT_ID
-from attnlab.models.pretrained import export_pretrained, load_pretrained
+from attnlab.weights.clip import CAPTION_EOT_ID
+from attnlab.weights.pretrained import export_pretrained, load_pretrained
 from conftest import QUIET, assert_user_error, read_metrics, run_cli, run_dirs, write_cifar
 
 VIT_TIMM = dict(img_size=32, in_chans=3, patch_size=8, embed_dim=48, depth=2, num_heads=3)
@@ -401,7 +401,7 @@ def test_one_reader_for_every_converters_weights_files(tmp_path):
     """``read_weights`` (transformers', timm's and open_clip's converters): safetensors, a sharded
     index, ``weights_only`` PyTorch files with a training script's wrapping and DDP's prefix, all
     the same tensors; a folder holding none of the names, a pickle and junk are one line each."""
-    from attnlab.models.hf_files import read_weights
+    from attnlab.weights.hf_files import read_weights
 
     state = {"a.weight": torch.randn(2, 3), "b.bias": torch.randn(3)}
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -438,14 +438,14 @@ def test_a_net_with_no_counterpart_is_refused_before_anything_is_written(tmp_pat
 
 def test_a_timm_folder_has_no_tokenizer_to_warn_about(tmp_path, caplog):
     """An image classifier takes no text: no "has no tokenizer files" notice (a CLIP still gets it)."""
-    from attnlab.utils.checkpoint import init_artifacts
+    from attnlab.weights.checkpoint import init_artifacts
 
     folder = saved(timm_reference("vit"), tmp_path / "timm")
     with caplog.at_level(logging.WARNING):
-        assert init_artifacts(str(folder), "attnlab.tasks.ImageClassificationTask") == {}
+        assert init_artifacts(str(folder), "attnlab.training.ImageClassificationTask") == {}
     assert "tokenizer" not in caplog.text
     with caplog.at_level(logging.WARNING):
-        init_artifacts(str(folder), "attnlab.tasks.ContrastiveTask")
+        init_artifacts(str(folder), "attnlab.training.ContrastiveTask")
     assert "has no tokenizer files" in caplog.text
     (tmp_path / "empty").mkdir()
     for net in (ours("vit"), our_clip()):

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from attnlab.callbacks import StepProgressBar
+from attnlab.training.callbacks import StepProgressBar
 from conftest import assert_ok, read_metrics, run_cli, tiny
 
 

@@ -542,7 +542,7 @@ def compose_sweep(cmd: Command) -> None:
 def compose_and_check(cmd: Command, tmp: Path) -> None:
     """A GPU line's config, composed as ``attnlab-train`` would and checked against its constructors."""
     from attnlab.cli.common import config_dir
-    from attnlab.utils.config import check_config, resolve
+    from attnlab.core.config import check_config, resolve
 
     tiny = without_replaced(tiny_for(cmd.experiment, tmp / "data", cmd.args), cmd.args, cmd.experiment)
     overrides = [*QUIET, *tiny, *cmd.args, f"paths.output_dir={tmp / 'run'}"]

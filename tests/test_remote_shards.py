@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.core.errors import DataError
 from attnlab.data import MaskedLMDataModule, TranslationDataModule
 from attnlab.data.remote import RemotePath
 from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
@@ -23,7 +24,6 @@ from attnlab.data.text.pair_shards import PairShards
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards
 from attnlab.data.text.translation import read_parallel
 from attnlab.data.vision.shards import BadRecords, ImageShards, ShardRecords
-from attnlab.errors import DataError
 from conftest import QUIET, read_metrics, run_main
 from test_image_shards import VIT, key_stream, loader_order
 from test_image_shards import shards as image_shards

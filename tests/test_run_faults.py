@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from attnlab.cli.common import user_error
-from attnlab.errors import CheckpointError, ConfigError, DataError
+from attnlab.core.errors import CheckpointError, ConfigError, DataError
 from conftest import QUIET, run_main, write_image_folder
 from test_debug_matrix import tiny_overrides
 
@@ -133,7 +133,7 @@ def test_lengths_on_a_run_without_block_size_says_it_needs_a_language_model(tmp_
 
 
 def test_non_finite_weights_from_init_from_are_refused(tmp_path, monkeypatch):
-    from attnlab.tasks.base import load_initial_weights
+    from attnlab.training.base import load_initial_weights
 
     net = nn.Linear(2, 2)
     state = {"net.weight": torch.full((2, 2), math.nan), "net.bias": torch.zeros(2)}
@@ -145,14 +145,14 @@ def test_non_finite_weights_from_init_from_are_refused(tmp_path, monkeypatch):
         with torch.no_grad():
             net.bias[1] = math.inf
 
-    monkeypatch.setattr("attnlab.models.pretrained.load_pretrained", infinite)
+    monkeypatch.setattr("attnlab.weights.pretrained.load_pretrained", infinite)
     (tmp_path / "hf").mkdir()
     with pytest.raises(CheckpointError, match=r"model.init_from=.*hf: bias holds NaN or infinite"):
         load_initial_weights(nn.Linear(2, 2), str(tmp_path / "hf"))
 
 
 def test_a_nan_training_loss_stops_the_run_and_keeps_the_checkpoints_before(tmp_path, monkeypatch):
-    from attnlab.tasks.language_model import LanguageModelTask
+    from attnlab.training.language_model import LanguageModelTask
 
     step = LanguageModelTask.training_step
 
@@ -224,7 +224,7 @@ def test_only_a_run_folder_inside_the_log_folder_is_ever_discarded(tmp_path):
 
 
 def test_on_an_accelerator_the_loss_is_read_at_the_logging_interval_and_before_a_checkpoint():
-    from attnlab.callbacks import FiniteLoss
+    from attnlab.training.callbacks import FiniteLoss
 
     class Deferred(FiniteLoss):  # as on a GPU: the bad step kept on the device, read later
         def read_every_step(self, loss: torch.Tensor) -> bool:

@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.cli.common import compose_train
+from attnlab.core.config import fill_missing
 from attnlab.data.text.translation import synthetic_pairs
 from attnlab.data.vision.datasets import IDX_DATASETS
-from attnlab.utils.config import fill_missing
 from conftest import (
     QUIET,
     ROOT,
@@ -524,7 +524,7 @@ def test_a_csv_writer_in_a_new_process_continues_the_log(tmp_path):
     the test's writer appends its columns to the file that the fit's wrote."""
     import pickle
 
-    from attnlab.loggers import CSVLogger
+    from attnlab.training.loggers import CSVLogger
 
     parent = CSVLogger(tmp_path, name="csv", version="")
     parent.log_hyperparams({"lr": 0.1})  # before fit, in the parent

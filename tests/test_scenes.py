@@ -1,4 +1,4 @@
-"""Scenes (attnlab.data.vision.scenes) and the captioning metrics (attnlab.tasks.caption_metrics):
+"""Scenes (attnlab.data.vision.scenes) and the captioning metrics (attnlab.training.caption_metrics):
 items placed apart with their true boxes, captions that say exactly the scene, disjoint sources per
 split, the batches; BLEU-4, CIDEr, exact match and grounding against hand-computed values."""
 
@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from attnlab.cli.common import config_dir
+from attnlab.core.errors import ConfigError
 from attnlab.data import ScenesDataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.scenes import GAP, RELATIONS, Scenes, make_scenes
-from attnlab.errors import ConfigError
-from attnlab.tasks.caption_metrics import bleu4, cider, grounding_hit, parse_scene, scene_exact_match
+from attnlab.training.caption_metrics import bleu4, cider, grounding_hit, parse_scene, scene_exact_match
 from conftest import needs_shared, write_idx_dataset
 
 PHRASES = CLASS_PHRASES["fashion_mnist"]

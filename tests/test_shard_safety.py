@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 import attnlab.data.text.shards as token_module
+from attnlab.core.errors import DataError
 from attnlab.data.text.document_shards import DocumentShards, ShardDocuments, prepare_documents
 from attnlab.data.text.pair_shards import PairShards, ShardSide, prepare_pairs
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards, prepare
@@ -32,7 +33,6 @@ from attnlab.data.vision.shards import (
     write_shards,
 )
 from attnlab.data.vision.shards import prepare_pairs as prepare_image_pairs
-from attnlab.errors import DataError
 from conftest import QUIET, run_main, write_pairs
 
 WORDS = "the a film cast plot dog ran quickly over slow red house tree was good bad and".split()

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.core.errors import DataError
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards, prepare
 from attnlab.data.text.tokenizers import CharTokenizer
-from attnlab.errors import DataError
 from conftest import QUIET, assert_ok, read_metrics, run_cli
 from test_resume import train
 

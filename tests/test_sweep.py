@@ -17,8 +17,15 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from attnlab.errors import ConfigError
-from attnlab.sweep import counted, open_study, recover_interrupted, run_sweep, search_space, trial_command
+from attnlab.core.errors import ConfigError
+from attnlab.experiments.sweep import (
+    counted,
+    open_study,
+    recover_interrupted,
+    run_sweep,
+    search_space,
+    trial_command,
+)
 from conftest import assert_ok, cli_env, run_cli, tiny
 
 
@@ -116,7 +123,7 @@ def test_an_invalid_sweep_is_refused_before_its_folder_is_written(override, need
 def test_each_finished_trial_says_the_best_so_far(tmp_path, monkeypatch):
     """The driver's line per trial, with trials that log preset values instead of training
     (the real sweep's lines are checked by the slow resume test)."""
-    import attnlab.sweep as sweep_module
+    import attnlab.experiments.sweep as sweep_module
 
     values = {0.1: "2.0", 0.2: "1.5", 0.3: None, 0.4: "1.8"}  # None: the run fails
 

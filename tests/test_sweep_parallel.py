@@ -19,9 +19,9 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-import attnlab.sweep as sweep_module
-from attnlab.errors import ConfigError
-from attnlab.sweep import Slot, device_slots, open_study, run_sweep, usable_cores
+import attnlab.experiments.sweep as sweep_module
+from attnlab.core.errors import ConfigError
+from attnlab.experiments.sweep import Slot, device_slots, open_study, run_sweep, usable_cores
 from conftest import assert_ok, cli_env, run_cli, run_main, tiny
 
 # A trial's stand-in: the command line of attnlab-train, read back; it records where it ran
@@ -77,7 +77,7 @@ HELD_TRIAL = (
 # A driver process whose trials are FAKE_TRIAL (attnlab-sweep's own main, trial_command replaced)
 DRIVER = r"""
 import sys
-import attnlab.sweep as sweep
+import attnlab.experiments.sweep as sweep
 
 real, fake = sweep.trial_command, sys.argv[1]
 sweep.trial_command = lambda *a, **k: [sys.executable, "-c", fake, *real(*a, **k)[3:]]
@@ -276,7 +276,7 @@ def test_a_trial_of_a_driver_sent_as_a_submitit_job_is_not_that_job(monkeypatch)
     """Under sweep.workers the driver is a submitit job: its trials get neither submitit's
     variables nor SLURM's task count (attnlab-train and Lightning would take them for the job and
     its tasks), and they block the job's signal, which is the driver's to act on."""
-    from attnlab.sweep import trial_environment
+    from attnlab.experiments.sweep import trial_environment
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SUBMITIT_FOLDER", "/x")

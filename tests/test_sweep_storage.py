@@ -25,9 +25,9 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from attnlab.cli.compare import compare, parse_args
-from attnlab.errors import ConfigError
-from attnlab.study import normalize_url, open_storage
-from attnlab.sweep import Driver, check_same_search, open_study, study_lock, tally
+from attnlab.core.errors import ConfigError
+from attnlab.experiments.study import normalize_url, open_storage
+from attnlab.experiments.sweep import Driver, check_same_search, open_study, study_lock, tally
 from conftest import cli_env, run_main, tiny
 from test_sweep_parallel import DRIVER, HELD_TRIAL, fake_trials
 
@@ -175,7 +175,7 @@ def test_a_driver_with_another_search_is_refused_by_the_study(tmp_path):
 
 def test_a_trial_reports_to_the_shared_study_by_name(url):
     """The trial's pruning callback (in attnlab-train) opens the storage the driver gave it."""
-    from attnlab.callbacks import TrialPruning
+    from attnlab.experiments.pruning import TrialPruning
 
     name = f"report-{uuid.uuid4().hex[:8]}"
     study = open_study(None, "minimize", storage=open_storage(url), study_name=name)

@@ -1,5 +1,5 @@
-"""Throughput, TFLOP/s and MFU in every run (``attnlab.callbacks.Throughput``), and the peaks MFU
-is taken against (``attnlab.utils.hardware``)."""
+"""Throughput, TFLOP/s and MFU in every run (``attnlab.training.callbacks.Throughput``), and the peaks MFU
+is taken against (``attnlab.core.hardware``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from attnlab.callbacks import Throughput
 from attnlab.cli.common import config_dir
-from attnlab.errors import ConfigError
-from attnlab.utils.hardware import cpu_matmul_flops, gpu_peak_flops, peak_flops
+from attnlab.core.errors import ConfigError
+from attnlab.core.hardware import cpu_matmul_flops, gpu_peak_flops, peak_flops
+from attnlab.training.callbacks import Throughput
 from conftest import QUIET, VISION_NETS, assert_ok, run_cli, run_dirs, tiny, write_image_folder
 
 
@@ -80,7 +80,7 @@ def test_every_experiment_runs_with_the_throughput_callback():
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         for path in sorted((Path(config_dir()) / "experiment").glob("*.yaml")):
             cfg = compose("train", overrides=[f"experiment={path.stem}"])
-            assert cfg.callbacks.throughput._target_ == "attnlab.callbacks.Throughput", path.stem
+            assert cfg.callbacks.throughput._target_ == "attnlab.training.callbacks.Throughput", path.stem
 
 
 def test_gpu_peaks_are_dense_datasheet_figures():

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torchmetrics.text import SacreBLEUScore
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.batching import TokenBatchSampler
 from attnlab.data.text import translation as tr
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
-from attnlab.errors import ConfigError, DataError
 from attnlab.inference.decoding import beam_search, greedy_decode
 from attnlab.models import Seq2Seq, Transformer
 from attnlab.nn import AdditiveAttention, MultiplicativeAttention
@@ -463,7 +463,7 @@ def test_testing_after_fit_keeps_the_averaged_weights():
     from lightning.pytorch.trainer.states import TrainerFn
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-    from attnlab.callbacks import WeightAveraging
+    from attnlab.training.callbacks import WeightAveraging
 
     module = torch.nn.Linear(2, 2)
     ema = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.9))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data import ImageClassificationDataModule
 from attnlab.data.vision import datasets
 from attnlab.data.vision.classification import random_crop_flip
 from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, load_image_folder, read_image
 from attnlab.data.vision.idx import read_idx
-from attnlab.errors import ConfigError, DataError
 from conftest import needs_shared, write_cifar, write_idx, write_idx_dataset, write_image_folder
 
 

@@ -6,9 +6,8 @@ import pytest
 import timm
 import torch
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.models import ConvNet, DistilledVisionTransformer, SwinTransformer, TimmModel, VisionTransformer
-from attnlab.models.vision.timm_weights import load_timm_weights
 from attnlab.nn import ConvStem
 from attnlab.nn.window_attention import (
     WindowAttention,
@@ -17,6 +16,7 @@ from attnlab.nn.window_attention import (
     window_partition,
     window_reverse,
 )
+from attnlab.weights.timm_vision import load_timm_weights
 
 VIT = dict(num_classes=10, img_size=28, in_chans=1, patch_size=7, dim=48, depth=2, n_head=3)
 SWIN = dict(

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import config_dir, exit_on_user_error, image_batches, quote_free_text, trained_net
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 log = logging.getLogger("attnlab.caption")
 
@@ -44,7 +44,7 @@ def draw(path: Path, image, words: list[str], attn, grid: tuple[int, int], cfg: 
     """``<attention_dir>/<image name>_attention.png``: the image and each word's attention."""
     import matplotlib.pyplot as plt
 
-    from attnlab.plots import caption_attention_figure
+    from attnlab.training.plots import caption_attention_figure
 
     out = Path(str(cfg.attention_dir)) / f"{path.stem}_attention.png"
     out.parent.mkdir(parents=True, exist_ok=True)

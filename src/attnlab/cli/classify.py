@@ -18,7 +18,7 @@ from attnlab.cli.common import (
     trained_net,
     write_lines,
 )
-from attnlab.errors import CheckpointError
+from attnlab.core.errors import CheckpointError
 
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from attnlab.errors import AttnlabError, ConfigError, DataError
+from attnlab.core.errors import AttnlabError, ConfigError, DataError
 
 if TYPE_CHECKING:
     import lightning as L
@@ -57,7 +57,7 @@ def compose_config(name: str, overrides: list[str], with_hydra: bool = False) ->
 def compose_train(overrides: list[str]) -> DictConfig:
     """The config ``attnlab-train`` would compose (what ``attnlab-sweep`` runs, and tests build);
     a model hyper-parameter under its old name is a one-line error."""
-    from attnlab.utils.config import refuse_renamed_overrides
+    from attnlab.core.config import refuse_renamed_overrides
 
     refuse_renamed_overrides(overrides)
     return compose_config("train", overrides)
@@ -81,7 +81,7 @@ def unwrap_worker_error(err: AttnlabError) -> AttnlabError:
 
     torch rebuilds such an error as its type around the worker's whole traceback ("Caught
     DataError in DataLoader worker process 1.\nOriginal Traceback ..."); the line the error
-    carries is that traceback's last, "attnlab.errors.DataError: <line>".
+    carries is that traceback's last, "attnlab.core.errors.DataError: <line>".
     """
     text = str(err)
     if not text.startswith(f"Caught {type(err).__name__} ") or "\nOriginal Traceback" not in text:
@@ -211,7 +211,7 @@ def resolve_checkpoint(cfg: DictConfig, task: str | None = None) -> None:
     """Set ``cfg.ckpt_path`` to the checkpoint it names (``last``: the newest run, of ``task``
     when given, a class name such as ``LanguageModelTask``) before torch loads: a missing file,
     or no run to take, is one quick line."""
-    from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
+    from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
 
     tasks = (task,) if task else ()
     path = resolve_ckpt_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir), LAST_OF_ANY_RUN, tasks)
@@ -223,8 +223,8 @@ def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
 
     A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
     """
-    from attnlab.utils.config import instantiate_trainer
-    from attnlab.utils.hardware import resolve_precision
+    from attnlab.core.config import instantiate_trainer
+    from attnlab.core.hardware import resolve_precision
 
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
@@ -254,17 +254,17 @@ def trained_net(
     """The run ``ckpt_path`` names, its net on ``device=``, under ``torch.no_grad`` (inference only;
     the caller's autograd mode is left as it was). ``device`` and ``ckpt_path`` are checked before
     torch loads, so a wrong one is one quick line; the run must hold a ``task`` (a class name of
-    ``attnlab.tasks``), else ``need`` says what the command needs."""
+    ``attnlab.training``), else ``need`` says what the command needs."""
     check_device(cfg.device)
     resolve_checkpoint(cfg, task)
     import torch
 
-    import attnlab.tasks
+    import attnlab.training
     from attnlab.inference.runs import TrainedRun
 
     with torch.no_grad():
         device = inference_device(cfg.device)
-        run = TrainedRun.for_cli(cfg, getattr(attnlab.tasks, task), need=need)
+        run = TrainedRun.for_cli(cfg, getattr(attnlab.training, task), need=need)
         yield run, run.net().to(device), device
 
 

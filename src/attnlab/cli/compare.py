@@ -27,7 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from attnlab.cli.common import exit_on_user_error
-from attnlab.compare import (
+from attnlab.core.errors import ConfigError
+from attnlab.experiments.compare import (
     Row,
     default_metrics,
     find_sources,
@@ -37,7 +38,6 @@ from attnlab.compare import (
     plot_curves,
     rows,
 )
-from attnlab.errors import ConfigError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

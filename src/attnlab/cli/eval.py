@@ -19,8 +19,8 @@ from attnlab.cli.common import (
     own_run_folder,
     resolve_checkpoint,
 )
-from attnlab.errors import ConfigError
-from attnlab.utils.config import check_config
+from attnlab.core.config import check_config
+from attnlab.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import lightning as L
@@ -127,7 +127,7 @@ def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
     keyed = {f"eval/{k}": v for k, v in metrics.items()}
     csv_file = run_dir / "csv" / "metrics.csv"
     if csv_file.is_file():
-        from attnlab.loggers import CSVLogger as RunCSVLogger
+        from attnlab.training.loggers import CSVLogger as RunCSVLogger
 
         csv_log = RunCSVLogger(save_dir=run_dir, name="csv", version="")
         csv_log.log_metrics(keyed, step)
@@ -137,7 +137,7 @@ def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
     if run_id:
         from lightning.pytorch.loggers import WandbLogger
 
-        from attnlab.utils.wandb_mode import ensure_wandb_mode
+        from attnlab.training.wandb_mode import ensure_wandb_mode
 
         ensure_wandb_mode()
         settings = (run.config.get("logger") or {}).get("wandb") or {}

@@ -1,5 +1,5 @@
 """``attnlab-export ckpt_path=... out=<folder>``: a trained run in its counterpart library's
-format (transformers, timm, open_clip: ``attnlab.models.pretrained``), or ``format=onnx``.
+format (transformers, timm, open_clip: ``attnlab.weights.pretrained``), or ``format=onnx``.
 
 The export is written into ``<out>.partial`` and moved into place once complete (as
 ``attnlab-prepare`` does): a killed run leaves only that folder, which the next one clears; a
@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from attnlab.cli.common import config_dir, exit_on_user_error, resolve_checkpoint
-from attnlab.errors import ConfigError, DataError
+from attnlab.core.errors import ConfigError, DataError
 
 FORMATS = ("native", "onnx")
 # every file an export writes (transformers, timm, open_clip, ONNX): overwrite=true replaces a
@@ -112,19 +112,19 @@ def export(cfg: DictConfig) -> Path:
     """Write the run ``ckpt_path`` names into ``out``; returns the folder."""
     out = check_out(cfg)
     resolve_checkpoint(cfg)
+    from attnlab.core.run_paths import model_names
     from attnlab.inference.runs import TrainedRun
-    from attnlab.utils.run_paths import model_names
 
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     task, _ = model_names(run.config.model)
     net = run.net()
     with staged(out) as partial:
         if cfg.format == "onnx":
-            from attnlab.inference.export import export_onnx
+            from attnlab.weights.export import export_onnx
 
             export_onnx(net, task, run.artifacts, partial)
         else:
-            from attnlab.models.pretrained import export_pretrained
+            from attnlab.weights.pretrained import export_pretrained
 
             export_pretrained(net, partial, run.artifacts)
     return out

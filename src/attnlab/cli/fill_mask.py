@@ -14,7 +14,7 @@ from attnlab.cli.common import (
     quote_free_text,
     trained_net,
 )
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:

@@ -15,7 +15,7 @@ from attnlab.cli.common import (
     quote_free_text,
     trained_net,
 )
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:

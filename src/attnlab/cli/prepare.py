@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def mode_options(args: argparse.Namespace) -> dict:
     """The options of ``args.mode`` with their defaults; another mode's option is refused."""
-    from attnlab.errors import ConfigError
+    from attnlab.core.errors import ConfigError
 
     ours = MODE_OPTIONS[args.mode]
     for name in {n for options in MODE_OPTIONS.values() for n in options} - ours.keys():
@@ -119,7 +119,7 @@ def mode_options(args: argparse.Namespace) -> dict:
 
 def check_text_options(args: argparse.Namespace, options: dict) -> None:
     """The text modes' counts, checked before anything is read (what argparse's ``int`` lets by)."""
-    from attnlab.errors import ConfigError
+    from attnlab.core.errors import ConfigError
 
     if "workers" in options and options["workers"] < 1:
         raise ConfigError(f"--workers must be a positive integer (tokenising processes), got {args.workers}")

@@ -7,7 +7,7 @@
 
 The overrides compose exactly as for ``attnlab-train``; ``hparams_search/<name>`` adds the
 ``sweep`` block (direction, n_trials, sampler, pruner, params, n_jobs, storage). See
-``attnlab.sweep``.
+``attnlab.experiments.sweep``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import compose_config, compose_train, exit_on_user_error, quote_free_text
-from attnlab.errors import ConfigError
-from attnlab.study import SHARED, normalize_url, open_storage, shown
-from attnlab.sweep import (
+from attnlab.core.checks import is_int
+from attnlab.core.config import constructor_errors, refuse_renamed_overrides
+from attnlab.core.errors import ConfigError
+from attnlab.core.targets import check_targets
+from attnlab.experiments.study import SHARED, normalize_url, open_storage, shown
+from attnlab.experiments.sweep import (
     Slot,
     check_same_search,
     device_slots,
@@ -42,9 +45,6 @@ from attnlab.sweep import (
     study_lock,
     tally,
 )
-from attnlab.utils.checks import is_int
-from attnlab.utils.config import constructor_errors, refuse_renamed_overrides
-from attnlab.utils.targets import check_targets
 
 SAVED = "sweep.yaml"  # the sweep's overrides, read back by resume=
 

@@ -18,9 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder, user_error
-from attnlab.compare import flatten, is_hyperparameter
-from attnlab.errors import ConfigError, DataError
-from attnlab.utils.config import (
+from attnlab.core.config import (
     check_config,
     constructor_errors,
     container,
@@ -31,7 +29,7 @@ from attnlab.utils.config import (
     resolve,
     save_config,
 )
-from attnlab.utils.distributed import (
+from attnlab.core.distributed import (
     check_job_tasks,
     check_launcher_overrides,
     check_submitit_launcher,
@@ -39,7 +37,9 @@ from attnlab.utils.distributed import (
     own_last_checkpoint,
     submitit_executor,
 )
-from attnlab.utils.run_paths import resolve_ckpt_path
+from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.run_paths import resolve_ckpt_path
+from attnlab.experiments.compare import flatten, is_hyperparameter
 
 # torch, Lightning and the models load in train(), after the config is checked: --help and a
 # wrong value end without them (tests/test_cli.py checks that this module does not import torch)
@@ -109,7 +109,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
 def setup_loggers(cfg: DictConfig, out: Path) -> list[Logger]:
     from lightning.pytorch.loggers import CSVLogger
 
-    from attnlab.loggers import CSVLogger as ContinuingCSVLogger
+    from attnlab.training.loggers import CSVLogger as ContinuingCSVLogger
 
     loggers = instantiate_group(cfg, "logger")
     if not any(isinstance(lg, CSVLogger) for lg in loggers):  # a CSV log is always written
@@ -127,12 +127,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
     import torch
 
-    from attnlab.callbacks import WeightAveraging
-    from attnlab.utils.checkpoint import AtomicCheckpointIO, check_fits
-    from attnlab.utils.cpu import tune_cpu_for_training
-    from attnlab.utils.distributed import cluster_plugins, relaunch_this_multirun_job
-    from attnlab.utils.hardware import machine_info
-    from attnlab.utils.wandb_mode import ensure_wandb_mode
+    from attnlab.core.cpu import tune_cpu_for_training
+    from attnlab.core.distributed import cluster_plugins, relaunch_this_multirun_job
+    from attnlab.core.hardware import machine_info
+    from attnlab.training.callbacks import WeightAveraging
+    from attnlab.training.wandb_mode import ensure_wandb_mode
+    from attnlab.weights.checkpoint import AtomicCheckpointIO, check_fits
 
     torch.set_float32_matmul_precision("high")
     ensure_wandb_mode()
@@ -187,8 +187,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
     """``ckpt_path``'s file (``last``: this task's newest), the checkpoint and its metadata; the
     CSV rows its run logged before it carry over into this run's log."""
-    from attnlab.loggers import continue_history
-    from attnlab.utils.checkpoint import load_checkpoint, metadata, require_same_model
+    from attnlab.training.loggers import continue_history
+    from attnlab.weights.checkpoint import load_checkpoint, metadata, require_same_model
 
     ckpt_path = resolve_ckpt_path(
         cfg.get("ckpt_path"), Path(cfg.paths.log_dir), f"{cfg.task_name}/runs/*/checkpoints/last.ckpt"
@@ -235,7 +235,7 @@ def forget_rows_from(metrics: Path, step: int) -> None:
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
     """The data, set up for fitting, with a resumed or pre-trained run's tokenizer; what the data
     decides about the net (vocabulary, classes, image size) filled into ``model.net``."""
-    from attnlab.utils.checkpoint import init_artifacts, resolve_init_from
+    from attnlab.weights.checkpoint import init_artifacts, resolve_init_from
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule = instantiate(cfg.data)
@@ -258,7 +258,7 @@ def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
 def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
     """Resolve what was left to the machine (precision) and name the W&B run (the interrupted
     run's id when resuming), then save the config the run really uses."""
-    from attnlab.utils.hardware import resolve_precision
+    from attnlab.core.hardware import resolve_precision
 
     with open_dict(cfg):
         cfg.trainer.precision = resolve_precision(cfg.trainer.accelerator, cfg.trainer.precision)
@@ -277,12 +277,12 @@ def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any
     """The config's callbacks and those every run has: a stop at a non-finite loss, metadata in
     each checkpoint, resumable random streams, freed memory returned; a sweep trial's pruning
     report."""
-    from attnlab.callbacks import (
+    from attnlab.experiments.pruning import TrialPruning
+    from attnlab.training.callbacks import (
         FiniteLoss,
         ReleaseFreedMemory,
         ResumableRandomness,
         RunMetadata,
-        TrialPruning,
     )
 
     callbacks = instantiate_group(cfg, "callbacks")
@@ -291,7 +291,7 @@ def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any
     callbacks.append(ResumableRandomness(cfg.get("seed")))
     callbacks.append(ReleaseFreedMemory())
     if submitit_executor():  # a job of Hydra's submitit launcher: requeued at submitit's signal
-        from attnlab.callbacks import SubmititRequeue
+        from attnlab.training.callbacks import SubmititRequeue
 
         callbacks.append(SubmititRequeue(own_last_checkpoint(cfg)))
     if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
@@ -341,8 +341,8 @@ def closing_sample(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any) -
     needs them all."""
     if not (cfg.get("sample") and hasattr(model.net, "generate")):
         return None
+    from attnlab.core.distributed import unsharded
     from attnlab.inference.generation import generate_text
-    from attnlab.utils.distributed import unsharded
 
     s = cfg.sample
     # in the training precision: FSDP's mixed precision keeps each unit's weights in bf16/fp16

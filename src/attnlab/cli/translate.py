@@ -18,7 +18,7 @@ from attnlab.cli.common import (
     trained_net,
     write_lines,
 )
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 log = logging.getLogger("attnlab.translate")
 

@@ -22,7 +22,7 @@ from attnlab.cli.common import (
     quote_free_text,
     resolve_checkpoint,
 )
-from attnlab.errors import CheckpointError, ConfigError, DataError
+from attnlab.core.errors import CheckpointError, ConfigError, DataError
 
 # torch and the model load after the options and the checkpoint's path are checked (quick errors)
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def clip_run(cfg: DictConfig) -> tuple[TrainedRun, list[str]]:
     """The CLIP run ``ckpt_path`` names, and ``templates=`` or the run's held-out templates."""
     from attnlab.inference.runs import TrainedRun
     from attnlab.inference.zeroshot import read_templates
-    from attnlab.tasks import ContrastiveTask
+    from attnlab.training import ContrastiveTask
 
     run = TrainedRun.for_cli(cfg, ContrastiveTask, need="attnlab-zeroshot needs a CLIP run")
     return run, read_templates(cfg.templates) if cfg.templates else list(run.artifacts["templates"])
@@ -60,9 +60,9 @@ def clip_run(cfg: DictConfig) -> tuple[TrainedRun, list[str]]:
 
 def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, Any]]:
     """Our CLIP as the folder's ``open_clip_config.json`` describes it, its weights, its tokenizer
-    and its preprocessing (``attnlab.models.multimodal.clip_weights``)."""
+    and its preprocessing (``attnlab.weights.clip``)."""
     from attnlab.data.text.tokenizers import CaptionTokenizer, import_tokenizer
-    from attnlab.models.multimodal.clip_weights import clip_from_open_clip, preprocess
+    from attnlab.weights.clip import clip_from_open_clip, preprocess
 
     if not folder.is_dir():
         raise ConfigError(f"init_from={folder}: not a folder (expected one open_clip saved)")

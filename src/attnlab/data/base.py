@@ -11,9 +11,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from attnlab.core.errors import DataError
 from attnlab.data.batching import Batches, TokenBatchSampler, collate_examples
 from attnlab.data.sampling import ResumableSampler
-from attnlab.errors import DataError
 
 
 class DataModule(L.LightningDataModule):

@@ -11,7 +11,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from attnlab.errors import DataError
+from attnlab.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from attnlab.errors import ConfigError, DataError
+from attnlab.core.errors import ConfigError, DataError
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # scheme -> (the package fsspec needs for it, the fsspec protocol)

@@ -10,9 +10,9 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torch import Tensor, nn
 
+from attnlab.core.errors import DataError
 from attnlab.data.vision.classification import normalize
 from attnlab.data.vision.datasets import IMAGE_SUFFIXES, read_image
-from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from attnlab.core.config import translate_renamed
+from attnlab.core.errors import CheckpointError
+from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
+from attnlab.core.targets import check_targets, translate_moved
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
-from attnlab.errors import CheckpointError
-from attnlab.utils.checkpoint import check_fits, load_checkpoint, metadata, require_task
-from attnlab.utils.config import translate_renamed
-from attnlab.utils.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
-from attnlab.utils.targets import check_targets
+from attnlab.weights.checkpoint import check_fits, load_checkpoint, metadata, require_task
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,17 @@ class TrainedRun:
         if names:
             require_task(meta, self.path, names, need)
         self.config: DictConfig = OmegaConf.create(meta["config"])
+        # a run saved before attnlab's packages took their layers (issue 58) names its classes
+        # where they were, and one saved before the hyper-parameters got one vocabulary (issue 28)
+        # names those the old way; its weights are named as now, so the translated config builds
+        # the same model
+        read_as = translate_moved(self.config)
         # the saved config is input, not code: nothing in it is built unless attnlab allows it
         check_targets(self.config, str(self.path))
-        # a run saved before the hyper-parameters got one vocabulary (issue 28) names them the old
-        # way; its weights are named as now, so the renamed config builds the same model
-        if self.config.get("model") is not None and (
-            renamed := translate_renamed(self.config.model, "model")
-        ):
-            log.warning(
-                "%s was saved with old hyper-parameter names, read as: %s", self.path, ", ".join(renamed)
-            )
+        if self.config.get("model") is not None:
+            read_as += translate_renamed(self.config.model, "model")
+        if read_as:
+            log.warning("%s was saved by an older attnlab, read as: %s", self.path, ", ".join(read_as))
         self.artifacts: dict[str, Any] = meta["artifacts"]
         self.meta = meta
 

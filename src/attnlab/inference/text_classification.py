@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnlab.core.errors import DataError
 from attnlab.data.text.tokenizers import WordPieceTokenizer
-from attnlab.errors import DataError
 
 MASK = "[MASK]"
 

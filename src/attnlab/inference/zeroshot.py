@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.text.formats import read_lines
 from attnlab.data.text.tokenizers import CaptionTokenizer
-from attnlab.errors import ConfigError, DataError
 
 
 def parse_labels(labels: str | None) -> list[str]:

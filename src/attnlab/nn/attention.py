@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
+from attnlab.core.hardware import native_bf16_cpu
 from attnlab.nn.flash_pieces import BLOCK, flash_pieces, pieces_apply
 from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
-from attnlab.utils.hardware import native_bf16_cpu
 
 AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
 IMPLS = get_args(AttentionImpl)

@@ -10,10 +10,10 @@ from typing import Literal, NamedTuple, get_args
 from timm.layers import DropPath, QuickGELU
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_choice
 from attnlab.nn.attention import KVCache, MultiHeadAttention
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.positions import RelativePositions
-from attnlab.utils.checks import check_choice
 
 # The MLP's activation by name: exact GELU, its tanh approximation (GPT-2's), or OpenAI CLIP's
 # sigmoid approximation x * sigmoid(1.702 x)

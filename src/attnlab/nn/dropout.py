@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 
 def byte_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:

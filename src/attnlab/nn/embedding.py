@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.checks import check_choice
+from attnlab.core.errors import ConfigError
 from attnlab.nn.dropout import Dropout
-from attnlab.utils.checks import check_choice
 
 
 def sinusoids(pos: Tensor, dim: int) -> Tensor:

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from attnlab.core.checks import check_choice
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
-from attnlab.utils.checks import check_choice
 
 State = tuple[Tensor, Tensor]  # S (B, H, D, E), z (B, H, D)
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.core.checks import check_positive
 from attnlab.nn.attention import (
     AttentionImpl,
     KVCache,
@@ -26,7 +27,6 @@ from attnlab.nn.attention import (
 )
 from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
-from attnlab.utils.checks import check_positive
 
 
 class LocalKVCache(KVCache):

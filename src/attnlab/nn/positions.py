@@ -20,7 +20,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from attnlab.utils.checks import check_choice
+from attnlab.core.checks import check_choice
 
 Positions = Literal["learned", "sinusoidal", "rope", "alibi", "t5", "none"]
 POSITIONS = get_args(Positions)

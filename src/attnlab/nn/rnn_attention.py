@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 
 
 def _attend(scores: Tensor, values: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,12 +16,12 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.multimodal.image_text import ImageTextDataModule, square
 from attnlab.data.sampling import Key
 from attnlab.data.text.tokenizers import WordTokenizer
 from attnlab.data.vision.classification import channel_stats, normalize
 from attnlab.data.vision.datasets import unreadable_image
-from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,8 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from attnlab.core.checks import check_choice, check_positive, check_probability
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal import captions as cap
 from attnlab.data.remote import location
@@ -33,8 +35,6 @@ from attnlab.data.vision.shards import (
     read_shard,
     stream_loader,
 )
-from attnlab.errors import ConfigError, DataError
-from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from attnlab.core.checks import check_positive
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, TokenBatchSampler, pad
 from attnlab.data.text.formats import read_conll, read_tsv
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
-from attnlab.errors import ConfigError, DataError
-from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.download import fetch
-from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

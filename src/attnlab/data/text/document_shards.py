@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.remote import RemotePath, location, read_array
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.masked_lm import Document, make_pair, masked_batch
@@ -50,7 +51,6 @@ from attnlab.data.text.shards import (
     verify_file,
 )
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
-from attnlab.errors import ConfigError, DataError
 
 PARTS = ("tokens", "sentences", "documents")  # the files of a shard, by suffix
 

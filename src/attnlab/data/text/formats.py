@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnlab.errors import DataError
+from attnlab.core.errors import DataError
 
 
 def read_lines(path: Path, key: str | None = None) -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnlab.core.errors import DataError
 from attnlab.data.download import fetch
-from attnlab.errors import DataError
 
 _ALPS = (
     "https://raw.githubusercontent.com/forest-snow/alps/3c7ef2c98249fc975a897b27f275695f97d5b7a9/data/SST-2"

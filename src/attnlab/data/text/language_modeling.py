@@ -10,14 +10,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from attnlab.core.checks import check_positive
+from attnlab.core.errors import AttnlabError, ConfigError, DataError
 from attnlab.data.base import DataModule
 from attnlab.data.remote import location
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.shards import ShardWindows, TokenShards
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from attnlab.errors import AttnlabError, ConfigError, DataError
-from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
 

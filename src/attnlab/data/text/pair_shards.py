@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.remote import RemotePath, location, read_array
 from attnlab.data.text.shards import (
     _pool,
@@ -44,7 +45,6 @@ from attnlab.data.text.shards import (
     verify_file,
 )
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
-from attnlab.errors import ConfigError, DataError
 
 Pair = tuple[str, str]
 HELD_OUT = ("val", "test")

@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.remote import RemotePath, file_size, location, read_array, read_arrays
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from attnlab.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val", "test")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from attnlab.errors import AttnlabError, DataError
+from attnlab.core.errors import AttnlabError, DataError
 
 CLIP_SOT, CLIP_EOT = "<|startoftext|>", "<|endoftext|>"  # OpenAI CLIP's, as transformers saves it
 # OpenAI CLIP's (open_clip's SimpleTokenizer's) words: 's 't 're 've 'm 'll 'd, letters, one digit,

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from attnlab.core.checks import check_positive
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
 from attnlab.data.remote import location
 from attnlab.data.text.pair_shards import PairShards, ShardSide
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
-from attnlab.errors import ConfigError, DataError
-from attnlab.utils.checks import check_positive
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from timm.data.random_erasing import RandomErasing
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from attnlab.core.checks import check_choice, check_positive, check_probability
+from attnlab.core.errors import ConfigError
 from attnlab.data.base import DataModule
 from attnlab.data.sampling import Key, ResumableSampler, example_seed, seeded_globals
 from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset, load_image_folder
-from attnlab.errors import ConfigError
-from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
+from attnlab.core.errors import DataError
 from attnlab.data.download import fetch
 from attnlab.data.vision.idx import read_idx
-from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
 

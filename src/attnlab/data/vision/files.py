@@ -20,6 +20,8 @@ from timm.data.random_erasing import RandomErasing
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from attnlab.core.checks import check_choice, check_positive, check_probability
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.base import DataModule
 from attnlab.data.remote import location
 from attnlab.data.sampling import Key, example_seed, seeded_globals
@@ -36,8 +38,6 @@ from attnlab.data.vision.shards import (
     read_shard,
     stream_loader,
 )
-from attnlab.errors import ConfigError, DataError
-from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.errors import DataError
+from attnlab.core.errors import DataError
 
 # type byte -> big-endian numpy dtype
 IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}

@@ -1,7 +1,7 @@
 """Scenes: 2 to 4 Fashion-MNIST or MNIST items placed without overlap on a blank canvas, captioned
 with the items and the spatial relations between them ("a sneaker to the left of a bag , which is
 above a shirt"), each item's box kept. A captioning set whose captions can be checked word by word
-(``attnlab.tasks.caption_metrics.scene_exact_match``) and whose attention can be checked against
+(``attnlab.training.caption_metrics.scene_exact_match``) and whose attention can be checked against
 the boxes (``grounding_hit``); seeded, so the same seed gives the same scenes.
 
 How a caption is made: the items are named from left to right (or, for half the scenes, right to
@@ -21,13 +21,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from attnlab.core.checks import check_choice, check_positive
+from attnlab.core.errors import ConfigError
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize
 from attnlab.data.vision.datasets import load_idx_dataset
-from attnlab.errors import ConfigError
-from attnlab.utils.checks import check_choice, check_positive
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.data import sampling
 from attnlab.data.remote import RemotePath, file_size, location, read_ranges
 from attnlab.data.sampling import example_seed
 from attnlab.data.text.shards import SHA256_DIFFERS, file_sha256, manifest_file, manifest_text
 from attnlab.data.vision.datasets import unreadable_image
-from attnlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_choice, check_positive, check_probability
 from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops
-from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 TextPool = Literal["last", "argmax"]
 

@@ -21,7 +21,7 @@ every token, whatever follows. The marker is BOS by default: a caption ``[BOS] w
 (image, text) chunk, and few-shot prompting puts example chunks before the query image's
 (``few_shot_prompt``).
 
-It is a captioning net (``attnlab.tasks.captioning``): ``forward``, ``start``, ``step``,
+It is a captioning net (``attnlab.training.captioning``): ``forward``, ``start``, ``step``,
 ``reorder`` and ``grid``. The attention of a word over the image patches is the gated
 cross-attention over the latents composed with the resampler's attention over the patches, each
 averaged over heads and layers.
@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError, DataError
+from attnlab.core.checks import check_positive, check_positive_number
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.vit import VisionTransformer
 from attnlab.nn import MLP, KVCache, MultiHeadAttention, flops, fourier_features
 from attnlab.nn.flops import Flops
-from attnlab.utils.checks import check_positive, check_positive_number
 
 log = logging.getLogger(__name__)
 

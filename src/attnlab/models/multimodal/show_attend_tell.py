@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_choice, check_positive, check_probability
 from attnlab.nn import Dropout, flops
 from attnlab.nn.embedding import conv_bn_relu
 from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention
-from attnlab.utils.checks import check_choice, check_positive, check_probability
 
 State = dict[str, Tensor]
 

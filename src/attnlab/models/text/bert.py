@@ -4,7 +4,7 @@ masked-language modelling (MLM) and next-sentence prediction (NSP), then fine-tu
 The input is ``[CLS] A [SEP] B [SEP]``: token + segment + learned position embeddings, a
 LayerNorm, post-LN blocks (``attnlab.nn.TransformerBlock``), and a tanh "pooler" on [CLS] for
 sentence-level heads. The layout follows Hugging Face's ``BertModel`` (LayerNorm eps 1e-12,
-exact GELU) so that ``attnlab.models.text.bert_weights`` maps its weights onto ours.
+exact GELU) so that ``attnlab.weights.bert`` maps its weights onto ours.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
 from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops
 from attnlab.nn.positions import relative_positions
-from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-12)
 

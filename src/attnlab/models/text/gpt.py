@@ -27,7 +27,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
+from attnlab.core.errors import ConfigError
 from attnlab.nn import (
     LearnedPositions,
     MultiHeadAttention,
@@ -42,7 +43,6 @@ from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
 from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
 from attnlab.nn.positions import Positions, relative_positions
-from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 Attention = Literal["full", "sliding", "global_local", "linear"]
 ATTENTIONS = get_args(Attention)

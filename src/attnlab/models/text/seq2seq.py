@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.nn import flops
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.flops import Flops

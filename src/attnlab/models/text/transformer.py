@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
 from attnlab.nn import (
     KVCache,
     LearnedPositions,
@@ -26,7 +27,6 @@ from attnlab.nn import (
 )
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops
-from attnlab.utils.checks import check_choice, check_positive, check_positive_number, check_probability
 
 
 class Transformer(nn.Module):

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from attnlab.core.checks import check_num_classes, check_positive, check_probability
 from attnlab.nn import Dropout, conv_bn_relu, flops
 from attnlab.nn.flops import Flops, Grad
-from attnlab.utils.checks import check_num_classes, check_positive, check_probability
 
 
 class ConvNet(nn.Module):

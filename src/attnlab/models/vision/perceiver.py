@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from timm.layers import DropPath
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.checks import check_positive, check_positive_number, check_probability
+from attnlab.core.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, flops, fourier_features
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops, Grad
-from attnlab.utils.checks import check_positive, check_positive_number, check_probability
 
 
 class CrossAttentionBlock(nn.Module):

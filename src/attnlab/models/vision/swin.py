@@ -3,7 +3,7 @@ blocks, and patch merging between stages, which halves the map and doubles the w
 
 Each block is the ViT block with ``WindowAttention`` in place of global attention
 (``attnlab.nn.window_attention``). Weights copy from timm's ``swin_*`` models
-(``attnlab.models.vision.timm_weights``).
+(``attnlab.weights.timm_vision``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.checks import check_num_classes, check_positive, check_positive_number, check_probability
+from attnlab.core.errors import ConfigError
 from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import Stem, TransformerBlock, flops, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.window_attention import WindowAttention, window_reverse
-from attnlab.utils.checks import check_num_classes, check_positive, check_positive_number, check_probability
 
 
 class PatchMerging(nn.Module):

@@ -9,7 +9,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
+from attnlab.core.errors import ConfigError
 from attnlab.nn.flops import Flops, Grad
 
 

@@ -4,7 +4,7 @@ An image becomes a sequence: patch embeddings behind a learned [CLS] token (DeiT
 distillation token), plus learned positions, through pre-LN Transformer blocks; the head reads
 the [CLS] token (or, ``global_pool="avg"``, the mean of the patch tokens, timm's option).
 Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
-(``attnlab.models.vision.timm_weights``).
+(``attnlab.weights.timm_vision``).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from attnlab.errors import ConfigError
-from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, flops, patch_embedding
-from attnlab.nn.attention import AttentionImpl
-from attnlab.nn.blocks import Activation, activation
-from attnlab.nn.flops import Flops, Grad
-from attnlab.utils.checks import (
+from attnlab.core.checks import (
     check_choice,
     check_num_classes,
     check_positive,
     check_positive_number,
     check_probability,
 )
+from attnlab.core.errors import ConfigError
+from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, flops, patch_embedding
+from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.blocks import Activation, activation
+from attnlab.nn.flops import Flops, Grad
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:

@@ -1,0 +1,1 @@
+"""Many runs at once: sweeps (Optuna studies, shared or local), and comparing finished runs."""

@@ -1,0 +1,539 @@
+"""Comparing finished runs: their final and best metrics beside the hyperparameters that differ
+between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
+
+A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
+writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
+directory holds many (``multiruns/<time>/<n>/``). An ``attnlab-sweep`` study's storage
+(``postgresql://...``, ``journal:<file>``, ``sqlite:///<file>``) gives every trial of it, from
+whichever machine ran it: its run folder where this machine reaches it, else its values and
+result as the study holds them (``study_runs``). An offline W&B run with no CSV log beside it
+(``offline-run-*/run-*.wandb``, a run of another tool) is read through W&B's own command line,
+``wandb leet inspect --json``, which prints the records of its ``.wandb`` log as JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from attnlab.core.errors import ConfigError, DataError
+from attnlab.experiments.study import is_study_url, load_trials, normalize_url, open_storage, shown
+
+# config keys that say where or how a run was logged, not what was trained
+IGNORED_PREFIXES = (
+    "paths.",
+    "hydra.",
+    "logger.",
+    "extras.",
+    "callbacks.",
+    "sweep_trial.",
+    "sweep.dir",
+    "sweep.executor.",
+    "sweep.resources.",
+)
+IGNORED_KEYS = {
+    "ckpt_path",
+    "sweep.n_jobs",
+    "sweep.devices_per_trial",
+    "sweep.storage",
+    "sweep.study_name",
+    "sweep.heartbeat_interval",
+    "sweep.grace_period",
+    "sweep.workers",
+    "tags",
+    "train",
+    "test",
+    "trainer.devices",
+    "trainer.accelerator",
+    "data.data_dir",
+    "data.cache_dir",
+    "model.plot_dir",
+    "trainer.default_root_dir",
+    "model.net.plot_dir",
+}
+SEED = "seed"
+HOST = "host"  # the machine a sweep trial ran on: a column wherever trials are listed
+# where `wandb leet inspect` cannot read an offline W&B run (an older wandb, a damaged file)
+WANDB_UNREAD = "upload it with `wandb sync <dir>` and compare on W&B, or log with logger=csv too"
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]  # flattened: "model.optimizer.lr" -> 0.001
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def final(self, metric: str) -> float | None:
+        points = self.curves.get(metric)
+        return points[-1][1] if points else None
+
+    def best(self, metric: str) -> float | None:
+        points = self.curves.get(metric)
+        if not points:
+            return None
+        values = [v for _, v in points]
+        return min(values) if lower_is_better(metric) else max(values)
+
+
+def lower_is_better(metric: str) -> bool:
+    name = metric.rsplit("/", 1)[-1]
+    return any(k in name for k in ("loss", "ppl", "perplexity", "error", "ms_per"))
+
+
+def flatten(node: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out |= flatten(v, f"{prefix}{k}{sep}", sep)
+        return out
+    if isinstance(node, list):
+        return {prefix[: -len(sep)]: str(node)}
+    return {prefix[: -len(sep)]: node}
+
+
+def notice(message: str) -> None:
+    """A line on stderr about input that was left out; the table goes on without it."""
+    print(f"note: {message}", file=sys.stderr)
+
+
+def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a Lightning CSV log as (step, value) pairs. A last line without its newline
+    is a row still being written (or cut by a kill): left out with a notice, as its last number
+    may be cut short; any other value that is not a number is an error naming the line."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        notice(f"{path}:{len(lines)}: an incomplete last line (a run still writing, or cut): left out")
+        lines = lines[:-1]
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for n, row in enumerate(csv.DictReader(lines), start=2):
+        try:
+            step = int(float(row.get("step") or 0))
+            for k, v in row.items():
+                if k not in ("step", "epoch") and v not in ("", None):
+                    curves.setdefault(k, []).append((step, float(v)))
+        except (TypeError, ValueError):
+            bad = {k: v for k, v in row.items() if v not in ("", None) and not _is_number(v)}
+            raise DataError(f"{path}:{n}: not a number: {bad}") from None
+    return curves
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def load_run(run_dir: Path) -> Run:
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        config_file = run_dir / ".hydra" / "config.yaml"
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.is_file() else {}
+    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
+        raise DataError(f"{config_file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{config_file}: not a config (a YAML mapping)")
+    derived = derived_keys(run_dir)
+    config = {k: v for k, v in flatten(config).items() if k not in derived}
+    return Run(run_dir, config, read_curves(run_dir / "csv" / "metrics.csv"))
+
+
+def derived_keys(run_dir: Path) -> set[str]:
+    """Keys whose value the run's config took from another key by interpolation
+    (``data.seed: ${seed}``), read from Hydra's unresolved copy (``.hydra/config.yaml``): they
+    follow the key they come from, so they are not hyperparameters of their own (else every
+    seed would differ in ``data.seed`` too and no runs would group). A value set on the command
+    line replaces the interpolation there, and counts."""
+    raw = run_dir / ".hydra" / "config.yaml"
+    if not raw.is_file():
+        return set()
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(raw), resolve=False)
+    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
+        notice(f"{raw}: not readable ({str(e).strip().splitlines()[0]}): its interpolated keys count as set")
+        return set()
+    return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
+
+
+def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run's ``.wandb`` log, as ``wandb leet inspect --json``
+    prints them (one JSON object a line: ``{"type": "history", "history": {"item": {...}}}``)."""
+    beside = Path(sys.executable).with_name("wandb")  # the wandb of this environment first
+    cli = str(beside) if beside.is_file() else shutil.which("wandb")
+    if cli is None:
+        raise DataError(
+            f"{run_dir}: an offline W&B run without a CSV log, and no wandb command to read it; "
+            + WANDB_UNREAD
+        )
+    proc = subprocess.run([cli, "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise DataError(f"{run_dir}: wandb leet inspect cannot read it ({why}); {WANDB_UNREAD}")
+    try:
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{run_dir}: wandb leet inspect printed no JSON ({e}); {WANDB_UNREAD}") from None
+
+
+def load_wandb_run(run_dir: Path) -> Run:
+    """Config and metric curves of an offline W&B run (step: Lightning's ``trainer/global_step``)."""
+    config: dict[str, Any] = {}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for record in wandb_records(run_dir):
+        kind = record.get("type")
+        if kind in ("run", "config"):  # the config given at init, then updates (Lightning's hparams)
+            config |= (record[kind].get("config", {}) if kind == "run" else record[kind]).get("update", {})
+        elif kind == "history":
+            row = flatten(record["history"].get("item", {}), sep="/")
+            step = int(row.get("trainer/global_step", row.get("_step", 0)))
+            for k, v in row.items():
+                if (
+                    not k.startswith("_")
+                    and k not in ("epoch", "trainer/global_step")
+                    and isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                ):
+                    curves.setdefault(k, []).append((step, float(v)))
+    for key in ("machine", "_wandb"):
+        config.pop(key, None)
+    return Run(run_dir, flatten(config), curves)
+
+
+def _read_elsewhere(wandb_dir: Path) -> bool:
+    """An offline W&B run inside a run directory that also has its CSV log (read that instead),
+    or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
+    return any(
+        (p / "csv" / "metrics.csv").is_file() or bool(sweep_trials(p.parent)) for p in wandb_dir.parents[:3]
+    )
+
+
+def find_runs(paths: Iterable[Path]) -> list[Run]:
+    """Every run under ``paths`` (each a run directory, or a folder holding runs), in path order."""
+    runs, missing = [], []
+    for path in paths:
+        if not path.exists():
+            missing.append(str(path))
+            continue
+        logs = [path / "csv" / "metrics.csv"] if (path / "csv" / "metrics.csv").is_file() else []
+        logs = logs or sorted(path.rglob("csv/metrics.csv"))
+        runs += [load_run(log.parent.parent) for log in logs]
+        offline = sorted(path.glob("run-*.wandb")) or sorted(path.rglob("offline-run-*/run-*.wandb"))
+        runs += [load_wandb_run(f.parent) for f in offline if not _read_elsewhere(f.parent)]
+    if missing:
+        raise DataError(f"no such run or sweep directory: {', '.join(missing)}")
+    runs = without_copies(without_empty(runs))
+    runs += [t for path in paths if path.exists() for t in unlogged_trials(path, runs)]
+    for run in runs:
+        states = sweep_states(run.path.parent)
+        if run.path.name in states:
+            run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
+            if host := sweep_hosts(run.path.parent).get(run.path.name):  # recorded since sweep.n_jobs
+                run.config[HOST] = host
+    if not runs:
+        raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
+    return runs
+
+
+def without_empty(runs: list[Run]) -> list[Run]:
+    """Runs that logged no metric yet (a header-only CSV) left out with a notice, but for sweep
+    trials, which are listed with how they ended."""
+    kept = []
+    for run in runs:
+        if run.curves or sweep_states(run.path.parent):
+            kept.append(run)
+        else:
+            notice(f"{run.path}: no metrics logged yet: left out")
+    return kept
+
+
+def without_copies(runs: list[Run]) -> list[Run]:
+    """Of runs with the same config, seed and all (a run and a copy of it, whole or partial), the
+    one that logged the most steps; the others are left out with a notice rather than averaged in
+    as if they were other seeds. Sweep trials are kept: a sampler may draw the same values twice."""
+    by_config: dict[str, list[Run]] = {}
+    for run in runs:
+        if sweep_states(run.path.parent):
+            by_config[str(run.path)] = [run]
+            continue
+        key = repr(sorted((k, repr(v)) for k, v in run.config.items() if is_hyperparameter(k)))
+        by_config.setdefault(key, []).append(run)
+    kept = []
+    for same in by_config.values():
+        if len(same) == 1 or not same[0].config:
+            kept += same
+            continue
+        longest = max(same, key=lambda r: sum(len(points) for points in r.curves.values()))
+        for run in same:
+            if run is not longest:
+                notice(f"{run.path}: the same config as {longest.path}, seed included (a copy?): left out")
+        kept.append(longest)
+    return sorted(kept, key=lambda r: runs.index(r))
+
+
+def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
+    """Trials of an ``attnlab-sweep`` directory that ended before writing a log (a config that
+    fails at start): a row each with the sampled values, so that failed trials are listed too."""
+    logged = {r.path.resolve() for r in runs}
+    # the trials share everything but the sampled values: a logged sibling gives the rest
+    sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
+    return [
+        Run(sweep_dir / str(t.number), {**sibling, **t.params})
+        for t in sweep_trials(sweep_dir)
+        if (sweep_dir / str(t.number)).resolve() not in logged
+    ]
+
+
+def trial_state(t: Any, again: set[int]) -> str:
+    """How a trial ended: complete, pruned, fail, running, or interrupted: its sweep stopped
+    during it, or its driver died (run ``again``, or failed as stale: a trial that its driver
+    recorded starting, ``host``, and no error for; a driver records one for every failure)."""
+    if t.user_attrs.get("interrupted") or t.number in again:
+        return "interrupted"
+    if t.state.name == "FAIL" and HOST in t.user_attrs and "error" not in t.user_attrs:
+        return "interrupted"
+    return t.state.name.lower()
+
+
+def rerun_numbers(trials: list[Any]) -> set[int]:
+    """Trials whose values were queued again after their driver died (Optuna's retry callback)."""
+    return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+
+
+@functools.cache
+def sweep_states(sweep_dir: Path) -> dict[str, str]:
+    """Trial number -> how it ended (complete, pruned, fail, interrupted, running) in an
+    ``attnlab-sweep`` directory's study; empty for any other directory."""
+    trials = sweep_trials(sweep_dir)
+    again = rerun_numbers(trials)
+    return {str(t.number): trial_state(t, again) for t in trials}
+
+
+@functools.cache
+def sweep_hosts(sweep_dir: Path) -> dict[str, str]:
+    """Trial number -> the machine it ran on, as its driver recorded it."""
+    return {str(t.number): t.user_attrs[HOST] for t in sweep_trials(sweep_dir) if HOST in t.user_attrs}
+
+
+@functools.cache
+def sweep_trials(sweep_dir: Path) -> list[Any]:
+    """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
+    none for any other directory, nor where its shared study cannot be reached (said once)."""
+    try:
+        return load_trials(sweep_dir)
+    except ConfigError as e:
+        notice(f"{sweep_dir}: {e}: its trials are listed without how they ended")
+        return []
+
+
+def study_runs(url: str, study_name: str | None = None) -> tuple[list[Run], list[str]]:
+    """Every trial of the study (or every study) at ``url``, one run each, with the machine it
+    ran on: its run folder's logs where this machine reaches them, else the values and the
+    result the study holds; and the studies' metric names."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = normalize_url(url, key=None)
+    file = url.removeprefix("journal:").removeprefix("sqlite:///")
+    if file != url and not Path(file).is_file():
+        raise DataError(f"{shown(url)}: no such file")
+    storage = open_storage(url, key=None)
+    names = optuna.study.get_all_study_names(storage)
+    if study_name is not None and study_name not in names:
+        raise ConfigError(f"--study {study_name}: no such study in {shown(url)} (it has: {', '.join(names)})")
+    runs: list[Run] = []
+    metrics: list[str] = []
+    for name in [study_name] if study_name else names:
+        study = optuna.load_study(study_name=name, storage=storage)
+        metric = (study.metric_names or ["value"])[0]
+        metrics += [metric] if metric not in metrics else []
+        trials = [t for t in study.get_trials(deepcopy=False) if t.state.name != "WAITING"]
+        again = rerun_numbers(trials)
+        logged = {t.number: Path(t.user_attrs["run_dir"]) for t in trials if "run_dir" in t.user_attrs}
+        logged = {n: load_run(d) for n, d in logged.items() if (d / "csv" / "metrics.csv").is_file()}
+        sibling = next(iter(logged.values())).config if logged else {}  # what unreached trials share
+        for t in trials:
+            run = logged.get(t.number) or Run(
+                Path(t.user_attrs.get("run_dir", f"{name}/{t.number}")),
+                {**sibling, **t.params},
+                {metric: [(0, t.value)]} if t.value is not None else {},
+            )
+            run.config |= {"study": name} if len(names) > 1 and not study_name else {}
+            run.config |= {
+                "trial": t.number,
+                "state": trial_state(t, again),
+                HOST: t.user_attrs.get(HOST, "-"),
+            }
+            runs.append(run)
+    return runs, metrics
+
+
+def find_sources(sources: Iterable[str], study_name: str | None = None) -> tuple[list[Run], list[str]]:
+    """The runs of folders and study URLs given on the command line (``find_runs``,
+    ``study_runs``), and the metric names the studies optimised."""
+    sources = [str(s) for s in sources]
+    urls = [s for s in sources if is_study_url(s)]
+    paths = [Path(s) for s in sources if not is_study_url(s)]
+    runs = find_runs(paths) if paths else []
+    metrics: list[str] = []
+    for url in urls:
+        found, names = study_runs(url, study_name)
+        runs += found
+        metrics += [m for m in names if m not in metrics]
+    if urls and not runs:
+        raise DataError(f"no trials in {', '.join(map(shown, urls))}")
+    return runs, metrics
+
+
+def is_hyperparameter(key: str) -> bool:
+    """A flattened config key that says what was trained, not where or how it was logged."""
+    return not key.startswith(IGNORED_PREFIXES) and key not in IGNORED_KEYS
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose values differ between the runs (where and how they logged left out),
+    and last, the machine of sweep trials, which may all share it."""
+    keys = sorted({k for r in runs for k in r.config} - {HOST})
+    varying = [k for k in keys if is_hyperparameter(k) and len({repr(r.config.get(k)) for r in runs}) > 1]
+    return varying + ([HOST] if any(HOST in r.config for r in runs) else [])
+
+
+def default_metrics(runs: list[Run]) -> list[str]:
+    """The test metrics and those of later evaluations (``eval/test/...``: attnlab-eval), else the
+    validation ones (bests and per-class accuracies left out)."""
+    names = sorted({m for r in runs for m in r.curves})
+    test = [m for m in names if m.startswith(("test/", "eval/test/")) and "/acc_class/" not in m]
+    return test or [m for m in names if m.startswith("val/") and not m.endswith("_best")]
+
+
+@dataclass
+class Row:
+    label: dict[str, Any]  # the varying hyperparameters
+    runs: list[Run]
+    values: dict[str, list[float]]  # per metric, one value per run
+
+    def mean(self, metric: str) -> float:
+        vals = self.values.get(metric) or []
+        return statistics.fmean(vals) if vals else math.nan
+
+
+def rows(runs: list[Run], metrics: list[str], group_seeds: bool = True, best: bool = False) -> list[Row]:
+    """One row per run, or per setting (varying keys but the seed) with its runs' values."""
+    keys = varying_keys(runs)
+    label_keys = [k for k in keys if not (group_seeds and k == SEED)]
+    out: dict[tuple, Row] = {}
+    for i, run in enumerate(runs):
+        label = {k: run.config.get(k) for k in label_keys}
+        key = tuple(repr(v) for v in label.values()) if group_seeds else (i,)
+        row = out.setdefault(key, Row(label, [], {}))
+        row.runs.append(run)
+        for m in metrics:
+            v = run.best(m) if best else run.final(m)
+            if v is not None:
+                row.values.setdefault(m, []).append(v)
+    return list(out.values())
+
+
+def format_value(vals: list[float]) -> str:
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return f"{vals[0]:.4g}"
+    return f"{statistics.fmean(vals):.4g} ± {statistics.stdev(vals):.2g}"
+
+
+def short(value: Any, width: int = 32) -> str:
+    """A value for a legend: long ones (paths) keep their start and end."""
+    text = str(value)
+    return text if len(text) <= width else f"{text[: width // 2 - 1]}…{text[-(width // 2) :]}"
+
+
+def _series(groups: dict[str, list[dict[float, float]]]) -> dict[str, list[tuple[float, float, float]]]:
+    """Per label, the points every run of it has: (x, mean, std over the runs)."""
+    series = {}
+    for label, curves in groups.items():
+        xs = sorted(set.intersection(*(set(c) for c in curves)))  # logged by every seed
+        values = [[c[x] for c in curves] for x in xs]
+        if len(curves) > 1:
+            label = f"{label} ({len(curves)} seeds)"
+        series[label] = [
+            (x, statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
+            for x, v in zip(xs, values, strict=True)
+        ]
+    return series
+
+
+def _label(run: Run, keys: list[str]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={short(run.config.get(k))}" for k in keys) or run.path.name
+
+
+def _save(fig: Any, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = True) -> Path:
+    """The ``metric`` of every run against the step, labelled by what varies: runs that differ
+    only by seed as one line, their mean, in a band of ± one standard deviation."""
+    from attnlab.training.plots import curves_figure
+
+    keys = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
+    groups: dict[str, list[dict[float, float]]] = {}
+    for run in runs:
+        if metric in run.curves:
+            groups.setdefault(_label(run, keys), []).append(dict(run.curves[metric]))
+    if not groups:
+        raise DataError(f"--plot {metric}: no run logged it")
+    return _save(curves_figure(_series(groups), metric), out)
+
+
+def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: bool = True) -> Path:
+    """Each run's last ``metric`` against a number, one line per setting of what else varies:
+    with ``x`` a config key (``model.net.max_len``), against that key's value; with ``x`` = ``*``
+    and a ``*`` in ``metric`` (``eval/test/ppl_x*``), against the number the ``*`` stands for in
+    each logged metric's name. Lengths and sizes grow by doubling, so the x axis is log2."""
+    from attnlab.training.plots import curves_figure
+
+    if x == "*":
+        pattern = re.compile(re.escape(metric).replace(r"\*", r"([0-9.]+)") + "$")
+        varying = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
+    else:
+        pattern = None
+        varying = [k for k in varying_keys(runs) if k != x and not (group_seeds and k == SEED)]
+    groups: dict[str, dict[str, dict[float, float]]] = {}
+    for run in runs:
+        points: dict[float, float] = {}
+        if pattern is not None:
+            for name in run.curves:
+                if (m := pattern.match(name)) and (v := run.final(name)) is not None:
+                    points[float(m.group(1))] = v
+        elif metric in run.curves and _is_number(run.config.get(x)):
+            points[float(run.config[x])] = run.final(metric)
+        if points:
+            # runs of one setting that differ by seed average; runs at different x join one line
+            per_seed = groups.setdefault(_label(run, varying), {})
+            per_seed.setdefault(repr(run.config.get(SEED)) if group_seeds else str(run.path), {}).update(
+                points
+            )
+    if not groups:
+        what = f"a metric named like {metric}" if x == "*" else f"{metric} with a number at {x}"
+        raise DataError(f"--plot {metric} --x {x}: no run logged {what}")
+    series = _series({label: list(seeds.values()) for label, seeds in groups.items()})
+    xlabel = metric.split("*")[0].rsplit("/", 1)[-1].rstrip("_") if x == "*" else x
+    return _save(curves_figure(series, metric.replace("*", ""), xlabel=xlabel, logx=True), out)

@@ -1,0 +1,599 @@
+"""Callbacks the entry points add to every run."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch import callbacks as pl_callbacks
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from attnlab import __version__
+from attnlab.core.checks import check_positive_number
+from attnlab.core.cpu import release_freed_memory
+from attnlab.core.errors import ConfigError
+from attnlab.core.memory import peak_memory_mb, reset_peak_memory
+
+log = logging.getLogger(__name__)
+
+
+class RunMetadata(L.Callback):
+    """Store what is needed to rebuild and resume the run inside each checkpoint.
+
+    ``checkpoint["attnlab"]`` holds the resolved config (YAML), the DataModule's artifacts (a
+    tokenizer, class names, ...; see ``attnlab.data.base.DataModule``), the machine it ran on and
+    the W&B run id: plain containers, so the checkpoint still loads with ``weights_only=True``.
+    """
+
+    def __init__(
+        self, config_yaml: str, artifacts: dict[str, Any] | None = None, machine: dict[str, Any] | None = None
+    ) -> None:
+        self.config_yaml, self.artifacts, self.machine = config_yaml, artifacts or {}, machine or {}
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        wandb_id = next((lg.experiment.id for lg in trainer.loggers if isinstance(lg, WandbLogger)), None)
+        checkpoint["attnlab"] = {
+            "version": __version__,
+            "config": self.config_yaml,
+            "artifacts": self.artifacts,
+            "machine": self.machine,
+            "wandb_run_id": wandb_id,
+        }
+
+
+def rng_states() -> dict[str, Any]:
+    """The global generators' states (torch, CUDA, NumPy, Python) as plain tensors and containers,
+    so a checkpoint holding them still loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+class ResumableRandomness(L.Callback):
+    """Give every process its own random stream and keep the streams in every checkpoint.
+
+    The run is seeded with ``seed`` before the model is built, so every process starts from the
+    same weights; as training starts, process ``r`` of several is reseeded with ``seed + r`` (as
+    nanoGPT and DeiT do), so dropout, drop-path, crops, flips, erasing, mixup and masking differ
+    between processes instead of repeating each other. Every process's generator states (torch,
+    CUDA, NumPy, Python) go into each checkpoint and are restored when a run resumes with as many
+    processes, as training starts: the resumed run then draws what the uninterrupted one drew.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self.pending: list[dict[str, Any]] | None = None
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # every process saves (Lightning writes rank 0's copy): each sends its states to it
+        states = [rng_states()]
+        if trainer.world_size > 1:
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, rng_states())
+        checkpoint["rng_states"] = states
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        states = checkpoint.get("rng_states")
+        self.pending = [states] if isinstance(states, dict) else states  # one process, before lists
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.pending is not None and len(self.pending) == trainer.world_size:
+            set_rng_states(self.pending[trainer.global_rank])
+        elif trainer.world_size > 1 and self.seed is not None:
+            if self.pending is not None:
+                log.warning(
+                    "the checkpoint holds the random streams of %d processes, this run has %d: "
+                    "each starts afresh from seed + rank",
+                    len(self.pending),
+                    trainer.world_size,
+                )
+            L.seed_everything(self.seed + trainer.global_rank, workers=True, verbose=False)
+        self.pending = None
+
+
+class ReleaseFreedMemory(L.Callback):
+    """Return the heap's free pages to the kernel every ``every_n_steps`` training steps and after
+    each validation (``attnlab.core.cpu.release_freed_memory``), so a long run's memory stays flat."""
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            release_freed_memory()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        release_freed_memory()
+
+
+class FiniteLoss(L.Callback):
+    """Stop a run whose training loss turns NaN or infinite, in one line, before a checkpoint can
+    hold the weights that produced it: the checkpoints written before are the last good ones.
+
+    On the CPU every step's loss is read (reading it costs nothing there). On an accelerator,
+    reading it would wait for the device every step, so the first bad step and its loss are kept
+    on the device and read at the logging interval, before each validation and before any
+    checkpoint is written. All processes stop together (a decision shared by the ranks).
+    """
+
+    def __init__(self) -> None:
+        self.first_bad: torch.Tensor | None = None  # on an accelerator: (step, loss), step -1 if none
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):  # a step the task skipped
+            return
+        if self.read_every_step(loss):  # one float read, not the device-side bookkeeping below
+            if self.first_bad is None and not math.isfinite(value := float(loss.detach().reshape(-1)[0])):
+                self.first_bad = torch.tensor([float(trainer.global_step), value])
+            if self.first_bad is not None or trainer.world_size > 1:  # the ranks decide together
+                self.check(trainer)
+            return
+        loss = loss.detach().float().reshape(-1)[:1]
+        bad = ~torch.isfinite(loss)
+        step = torch.full_like(loss, trainer.global_step)
+        here = torch.cat([torch.where(bad, step, -1.0), loss])
+        if self.first_bad is None or self.first_bad.device != loss.device:
+            self.first_bad = here
+        else:
+            self.first_bad = torch.where(self.first_bad[:1] < 0, here, self.first_bad)
+        if trainer.global_step % (trainer.log_every_n_steps or 1) == 0:
+            self.check(trainer)
+
+    def read_every_step(self, loss: torch.Tensor) -> bool:
+        return loss.device.type == "cpu"
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: L.Trainer) -> None:
+        """Raise if the loss was not finite on any step of any process so far."""
+        step, value = self.first_bad.tolist() if self.first_bad is not None else (-1.0, 0.0)
+        if not trainer.strategy.reduce_boolean_decision(step >= 0, all=False):
+            return
+        what = f"{value} at step {int(step)}" if step >= 0 else f"not finite by step {trainer.global_step}"
+        raise ConfigError(
+            f"train/loss is {what}: the training diverged; lower model.optimizer.lr (or set "
+            "trainer.gradient_clip_val), or check the data; the checkpoints written before are kept"
+        )
+
+
+class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
+    """Lightning's, with ``last.ckpt`` written after every validation and at the end of training.
+
+    Lightning 2.6 writes ``last.ckpt`` only when it also writes a best checkpoint, so after a
+    validation that is not the best it still holds an older step: resuming from it loses the
+    steps since, and the run's last weights are never saved.
+    """
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._save_last_if_behind(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_last_if_behind(trainer)
+
+    def _save_last_if_behind(self, trainer: L.Trainer) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):  # skips a step saved
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class StepProgressBar(pl_callbacks.RichProgressBar):
+    """Lightning's rich progress bar, counting a step recipe's optimizer steps: ``step n/max_steps``
+    with the time left, where Lightning counts the batches of an epoch that never ends
+    ("Epoch 0/-2"), starts again at 0 after a resume ("60/10") and counts every accumulated batch
+    ("40/20"). Recipes without ``max_steps`` keep Lightning's epoch bar.
+
+    Drawn ``refresh_rate`` times a second (Lightning: 100), and the logged metrics it shows read
+    every ``metrics_every`` seconds, not after every batch: the drawing thread and the reading
+    took ~2% of a small GPT's step on a 2-core CPU, and on a GPU reading a metric waits for it.
+    """
+
+    def __init__(self, refresh_rate: int = 10, metrics_every: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(refresh_rate=refresh_rate, **kwargs)
+        self.metrics_every = metrics_every
+        self._metrics_due = 0.0
+
+    def _by_steps(self) -> bool:
+        return self.trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "step" if self._by_steps() else super()._get_train_description(current_epoch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:  # a resumed run, mid-epoch
+            self._initialize_train_progress_bar_id()
+        if (now := time.monotonic()) >= self._metrics_due:
+            self._metrics_due = now + self.metrics_every
+            self._update_metrics(trainer, pl_module)
+        batch_idx = args[-1]  # the bar drawn at the next refresh (or now, in a notebook)
+        self._update(self.train_progress_bar_id, trainer.global_step if self._by_steps() else batch_idx + 1)
+
+
+class MetricsPrinter(L.Callback):
+    """One plain log line per validation: step, losses, learning rate, ms per iteration.
+
+    Readable in CI logs and files, where a progress bar is not.
+    """
+
+    def __init__(self) -> None:
+        self._t0, self._step0, self._ms = time.perf_counter(), 0, 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._step0 = time.perf_counter(), trainer.global_step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = trainer.global_step - self._step0
+        self._ms = 1000 * (time.perf_counter() - self._t0) / max(1, steps)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        parts = [f"step {trainer.global_step:>6}"]
+        shown = ("train/loss", "val/loss", "val/acc", "val/bleu", "val/zeroshot_acc")
+        parts += [f"{k} {float(m[k]):.4f}" for k in shown if k in m]
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
+        parts.append(f"{self._ms:.1f} ms/it")
+        log.info(" | ".join(parts))
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._step0 = time.perf_counter(), trainer.global_step
+
+
+class TrainingCost(L.Callback):
+    """What a run's training costs, logged once at the end of training for sweeps over lengths or
+    sizes (``attnlab-compare --plot cost/train_ms_per_token --x model.net.max_len``):
+
+    - ``cost/train_ms_per_step`` and ``cost/train_ms_per_token``: the median wall time of a training
+      step (forward, backward, optimizer) after ``warmup`` steps, per step and per input token;
+    - ``cost/train_peak_mb``: the peak memory of those steps above what was held before them (the
+      GPU's allocations; on a CPU the process's resident memory, an upper bound shared with
+      whatever else the process does);
+    - ``cost/generate_ms_per_token``: for a net that decodes with caches (GPT), the median time of
+      one new token after a prompt filling all but ``new_tokens`` of its context.
+    """
+
+    def __init__(self, warmup: int = 1, new_tokens: int = 16) -> None:
+        self.warmup, self.new_tokens = warmup, new_tokens
+        self._steps: list[float] = []
+        self._tokens = 0
+        self._t0 = 0.0
+        self._baseline = 0.0
+
+    def _sync(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        if len(self._steps) == self.warmup:  # the first timed step
+            self._baseline = reset_peak_memory(pl_module.device)
+        first = batch[0] if isinstance(batch, list | tuple) else batch
+        self._tokens = first.numel() if isinstance(first, torch.Tensor) else 0
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._sync(pl_module)
+        self._steps.append(time.perf_counter() - self._t0)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        timed = self._steps[self.warmup :]
+        if not timed:
+            log.warning("TrainingCost: no step after the %d warm-up steps, nothing measured", self.warmup)
+            return
+        ms = 1000 * float(np.median(timed))
+        metrics = {
+            "cost/train_ms_per_step": ms,
+            "cost/train_peak_mb": peak_memory_mb(pl_module.device) - self._baseline,
+        }
+        if self._tokens:
+            metrics["cost/train_ms_per_token"] = ms / self._tokens
+        net = getattr(pl_module, "net", None)
+        if hasattr(net, "new_caches") and getattr(net, "max_len", 0) > self.new_tokens:
+            metrics["cost/generate_ms_per_token"] = self._generation_ms(net, pl_module)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        log.info("training cost: %s", ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    @torch.no_grad()
+    def _generation_ms(self, net: torch.nn.Module, pl_module: L.LightningModule) -> float:
+        was_training = net.training
+        net.eval()
+        idx = torch.randint(net.vocab_size, (1, net.max_len), device=pl_module.device)
+        start = net.max_len - self.new_tokens
+        caches = net.new_caches()
+        net(idx[:, :start], caches)
+        times = []
+        for j in range(start, net.max_len):
+            self._sync(pl_module)
+            t0 = time.perf_counter()
+            net(idx[:, j : j + 1], caches)
+            self._sync(pl_module)
+            times.append(time.perf_counter() - t0)
+        net.train(was_training)
+        return 1000 * float(np.median(times))
+
+
+def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]:
+    """An EMA update for ``WeightAveraging(multi_avg_fn=...)`` whose decay rises with the number
+    n of updates so far as min(decay, (1 + n) / (10 + n)) (timm's ModelEmaV3 warm-up): early on
+    the average follows the weights instead of holding the first ones for ~1/(1 - decay) steps,
+    so its validation means something from the start."""
+    if not 0.0 <= decay <= 1.0:
+        raise ConfigError(f"callbacks.ema.multi_avg_fn.decay must be in [0, 1], got {decay}")
+
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
+        get_ema_multi_avg_fn(min(decay, (1 + int(n)) / (10 + int(n))))(averaged, current, n)
+
+    return update
+
+
+class WeightAveraging(pl_callbacks.WeightAveraging):
+    """Lightning's weight averaging (EMA or SWA), validating, checkpointing and testing the average.
+
+    Lightning's callback, when it holds an averaged model, loads a checkpoint's raw weights
+    (``current_model_state``) whatever the stage, so ``trainer.test(ckpt_path="best")`` after fit
+    would test the raw weights. Outside fit the checkpoint's ``state_dict`` (the average) is kept.
+    """
+
+    @staticmethod
+    def refuse_sharding(trainer: L.Trainer) -> None:
+        """Called before fit starts the other processes, so the refusal is said once."""
+        averaging = any(isinstance(c, pl_callbacks.WeightAveraging) for c in trainer.callbacks)
+        if averaging and isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
+            raise ConfigError(
+                "callbacks.ema: weight averaging keeps a full copy of the model, which sharded training "
+                "(trainer=fsdp, fsdp2) does not allow; drop it with ~callbacks.ema"
+            )
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.refuse_sharding(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+class SubmititRequeue(L.Callback):
+    """A job of Hydra's submitit launcher, sent submitit's signal (USR2, ``signal_delay_s`` before
+    its time limit, or at a preemption), writes ``last.ckpt`` and is requeued by submitit's own
+    handler; the requeued job resumes from that file (``attnlab.cli.train``).
+
+    The signal is taken at the end of the next optimizer step, by every process together: taken
+    where it lands, mid-step, the weights would be saved half-updated, and one DDP process saving
+    alone would leave the others waiting. The job leaves as the step after begins, once the step's
+    metrics are logged (and a validation due there has run), so its log holds every row up to
+    the checkpoint and none after.
+    """
+
+    def __init__(self, last: Any) -> None:
+        import signal
+
+        from submitit import JobEnvironment
+
+        self.last = last
+        self.signum = getattr(signal, f"SIG{JobEnvironment.USR_SIG}")
+        self.submitit_handler: Any = None
+        self.sigterm_handler: Any = None
+        self.received = self.saved = False
+        self.step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import signal
+
+        self.sigterm_handler = signal.getsignal(signal.SIGTERM)  # submitit's, before Lightning's
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import signal
+
+        # after Lightning registered its handlers; its teardown puts submitit's back
+        self.submitit_handler = signal.getsignal(self.signum)
+        signal.signal(self.signum, self.receive)
+        # SIGTERM, which SLURM sends with a preemption, stays submitit's (ignored): Lightning's would
+        # end the job at its next step, not requeued, before submitit's signal is acted on
+        if callable(self.sigterm_handler):
+            signal.signal(signal.SIGTERM, self.sigterm_handler)
+
+    def receive(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.saved:
+            self.requeue()
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:  # gradients still accumulating: no step taken
+            return
+        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            log.info("submitit's signal: last.ckpt at step %d, then the job is requeued", trainer.global_step)
+            trainer.save_checkpoint(self.last)
+            self.saved = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import signal
+
+        signal.signal(self.signum, self.submitit_handler)  # from here on, submitit's own handler
+        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            if not self.saved:  # the signal came after the last step: the weights as they end
+                trainer.save_checkpoint(self.last)
+            self.requeue()
+
+    def requeue(self) -> None:
+        import signal
+
+        signal.signal(self.signum, self.submitit_handler)
+        if callable(self.submitit_handler):
+            self.submitit_handler(self.signum, None)  # process 0: requeue the job and exit
+        raise SystemExit(0)  # the other processes: the requeued job starts them again
+
+
+class Throughput(L.Callback):
+    """Throughput, achieved model TFLOP/s and MFU of training, logged with the loss at every
+    logging interval (``trainer.log_every_n_steps``): in the progress bar, ``csv/metrics.csv``
+    and W&B.
+
+    - ``throughput/<items>_per_sec``: what the task counts (its ``items``: ``tokens`` for the text
+      families, ``images`` for the vision ones) per second, all processes together;
+    - ``throughput/tflops_per_sec``: model FLOPs per second and device: the net's own count
+      (``flops``, ``attnlab.nn.flops``: matmuls and attention, forward and backward; no
+      recomputation), which the task's ``step_work`` reads off each batch;
+    - ``throughput/mfu``: that over the device's peak (``attnlab.core.hardware.peak_flops``: a
+      GPU's datasheet figure for the run's precision, or a CPU's matmul measured as the run
+      starts), which is written into ``machine.yaml`` and each checkpoint's machine record.
+
+    Each figure covers the optimizer steps since the one before; the run's first step (compiling,
+    warming up) and the time spent validating and checkpointing are left out. Lightning's
+    ``ThroughputMonitor`` waits for the GPU after every batch; here the clock is read, after
+    waiting for the device, only at the logging steps, where logging reads the loss anyway, and
+    the counts that depend on the data (masked, scored tokens) stay on the device until then.
+
+    Args:
+        peak_tflops: the peak to divide by, in TFLOP/s, instead of the table's or the measured one
+            (a GPU the table lacks).
+    """
+
+    def __init__(self, peak_tflops: float | None = None) -> None:
+        if peak_tflops is not None:
+            check_positive_number("callbacks.throughput", peak_tflops=peak_tflops)
+        self.peak_tflops = peak_tflops
+        self.peak: float | None = None
+        self.counting = True
+        self._t0: float | None = None
+        self._paused: float | None = None
+        self._step = -1
+        self._items: Any = 0
+        self._flops: Any = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from attnlab.core.hardware import DTYPE_NAMES, compute_dtype, peak_flops
+
+        dtype = compute_dtype(trainer.precision)
+        if self.peak_tflops:
+            self.peak, source = self.peak_tflops * 1e12, f"peak_tflops={self.peak_tflops} (the config's)"
+        else:
+            self.peak, source = peak_flops(trainer.strategy.root_device, dtype)
+        log.info("MFU: model FLOPs over the peak of %s", source)
+        peak = round(self.peak / 1e12, 4) if self.peak else None
+        self.record(trainer, {"tflops": peak, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "source": source})
+
+    @staticmethod
+    def record(trainer: L.Trainer, peak: dict[str, Any]) -> None:
+        """The peak beside the machine it belongs to: in ``machine.yaml`` and the checkpoints' record."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, RunMetadata):
+                callback.machine["peak_flops"] = peak
+        path = Path(trainer.default_root_dir) / "machine.yaml"
+        if trainer.is_global_zero and path.is_file():
+            from omegaconf import OmegaConf
+
+            machine = OmegaConf.load(path)
+            machine.peak_flops = peak
+            path.write_text(OmegaConf.to_yaml(machine))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._paused, self._step = None, None, trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._paused is not None and self._t0 is not None:  # a validation since: not training time
+            self._t0 += time.perf_counter() - self._paused
+        self._paused = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.counting:
+            return
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        if self._t0 is None:  # the first step: compiling, warming up; the clock starts after it
+            if stepped:
+                self._sync(pl_module)
+                self._t0, self._items, self._flops = time.perf_counter(), 0, 0
+            return
+        try:
+            items, flops = pl_module.step_work(batch)
+        except AttributeError as e:  # a task or net of one's own that does not count them
+            log.warning("Throughput: no throughput or MFU logged: %s", e)
+            self.counting = False
+            return
+        self._items, self._flops = self._items + items, self._flops + flops.total
+        every = trainer.log_every_n_steps
+        if stepped and every and trainer.global_step % every == 0:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(pl_module)
+        now = time.perf_counter()
+        seconds, items, flops = now - self._t0, float(self._items), float(self._flops)
+        unit = getattr(pl_module, "items", "samples")
+        metrics = {
+            f"throughput/{unit}_per_sec": items / seconds * trainer.world_size,
+            "throughput/tflops_per_sec": flops / seconds / 1e12,
+        }
+        if self.peak:
+            metrics["throughput/mfu"] = flops / seconds / self.peak
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)
+        self._t0, self._items, self._flops = now, 0, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._t0 is not None and not trainer.sanity_checking:
+            self._sync(pl_module)
+            self._paused = time.perf_counter()
+
+    @staticmethod
+    def _sync(pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)

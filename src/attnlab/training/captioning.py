@@ -1,0 +1,265 @@
+"""Image captioning: cross-entropy with Show, Attend and Tell's doubly stochastic attention
+regulariser; BLEU-4, CIDEr, exact match and grounding of decoded captions; attention pictures.
+
+Any net of the captioning contract trains here (``ShowAttendTell``, the Flamingo-style model):
+``forward(images, tokens) -> (logits, attn)`` under teacher forcing, ``start/step/reorder`` for
+decoding (``attnlab.inference.captioning``), ``grid`` the h x w layout of attn's S positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+
+from attnlab.core.checks import check_positive
+from attnlab.core.distributed import unsharded
+from attnlab.core.errors import ConfigError
+from attnlab.inference.captioning import caption_batch
+from attnlab.nn.flops import Count, Flops
+from attnlab.training import caption_metrics
+from attnlab.training.base import CompileMode, CompileScope, Task
+
+log = logging.getLogger(__name__)
+
+
+def doubly_stochastic_penalty(attn: Tensor, scored: Tensor) -> Tensor:
+    """Xu et al.'s regulariser, sum_s (1 - sum_t attn_ts)^2, averaged over the captions: over a
+    caption each image position should get about one word's worth of attention, so that every part
+    of the image is looked at. ``attn`` (B, T, S); ``scored`` (B, T) marks the caption's steps
+    (not padding)."""
+    total = (attn.float() * scored[:, :, None]).sum(1)  # (B, S)
+    return ((1.0 - total) ** 2).sum(1).mean()
+
+
+class CaptioningTask(Task):
+    """Trains a captioner on batches of ``image`` (B, C, H, W) and ``tokens`` (B, T) = [BOS] words
+    [EOS] then padding, with ``captions`` (the reference texts); scenes batches also carry
+    ``boxes``/``words`` (grounding) and ``items``/``relations`` (exact match).
+
+    Logs ``train/loss`` (with the regulariser), ``train/attention_reg``; ``val/loss`` (the
+    cross-entropy per word), ``val/bleu4``, ``val/cider``, ``val/exact_match``, ``val/grounding``
+    (the last two on scenes) and ``val/bleu4_best``, ``val/cider_best``; the same ``test/...``.
+    Validation decodes greedily, the test with ``beam_size`` beams. Grounding: for each named
+    item, whether the attention of the step that wrote its word (teacher-forced on the reference)
+    puts at least half its mass inside the item's box. After each validation the attention of each
+    word of the first ``plot_images`` validation images' captions is drawn (``plot_dir`` and the
+    loggers' images); the test captions go to ``test_captions.txt`` in the run's directory.
+
+    Args:
+        net: the captioner.
+        optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode: see ``Task``.
+        attention_reg: weight of the doubly stochastic penalty (0: off).
+        label_smoothing: of the training targets.
+        beam_size: test-time beams (1: greedy); ``length_penalty`` is GNMT's alpha.
+        max_len: the most words a decoded caption has.
+        plot_images: validation images whose captions' attention is drawn; 0 for none.
+        plot_dir: where those pictures go (``null``: no files).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.0,
+        compile: CompileScope = False,
+        init_from: str | dict[str, str] | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
+        attention_reg: float = 0.01,
+        label_smoothing: float = 0.0,
+        beam_size: int = 3,
+        length_penalty: float = 0.0,
+        max_len: int = 32,
+        plot_images: int = 2,
+        plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
+    ) -> None:
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
+        check_positive("model", beam_size=beam_size, max_len=max_len)
+        if attention_reg < 0:
+            raise ConfigError(f"model.attention_reg must be >= 0 (0: off), got {attention_reg}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.attention_reg, self.label_smoothing = attention_reg, label_smoothing
+        self.beam_size, self.length_penalty, self.max_len = beam_size, length_penalty, max_len
+        self.plot_images, self.plot_dir = plot_images, plot_dir
+        self.scores = nn.ModuleDict(
+            {
+                f"{stage}_{name}": MeanMetric()
+                for stage in ("val", "test")
+                for name in ("loss", "exact_match", "grounding")
+            }
+        )
+        self.best = nn.ModuleDict({name: MaxMetric() for name in ("bleu4", "cider")})
+        for metric in self.best.values():
+            metric.persistent(True)
+        self._pairs: list[tuple[int, str, list[str]]] = []  # (index, hypothesis, references)
+        self._shown: Tensor | None = None
+        self._captions: list[str] = []
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def _tokenizer(self) -> Any:
+        return self.trainer.datamodule.tokenizer
+
+    def _teacher_forced(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Logits (B, T-1, V) and attention (B, T-1, S) over the caption's words, the targets and
+        which of them are scored (not padding)."""
+        tokens = batch["tokens"]
+        target = tokens[:, 1:]
+        scored = target != self._tokenizer.pad_id
+        logits, attn = self.net(batch["image"], tokens[:, :-1])
+        return logits, attn, target, scored
+
+    # -- loops -----------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        logits, attn, target, scored = self._teacher_forced(batch)
+        nll = F.cross_entropy(logits[scored].float(), target[scored], label_smoothing=self.label_smoothing)
+        loss = nll
+        if self.attention_reg:
+            reg = doubly_stochastic_penalty(attn, scored)
+            loss = nll + self.attention_reg * reg
+            every = self.trainer.log_every_n_steps
+            if every and (self.global_step + 1) % every == 0:
+                self.log("train/attention_reg", reg)
+        self.log_train_loss(loss, batch_size=target.size(0))
+        return loss
+
+    items = "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+
+    def step_work(self, batch: dict[str, Any]) -> tuple[Count, Flops]:
+        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``."""
+        return batch["image"].size(0), self.net.flops(batch["image"], batch["tokens"][:, :-1])
+
+    def _evaluate(self, batch: dict[str, Any], stage: str, beam: int) -> None:
+        logits, attn, target, scored = self._teacher_forced(batch)
+        if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
+            return
+        nll = F.cross_entropy(logits[scored].float(), target[scored])
+        self.scores[f"{stage}_loss"].update(nll, scored.sum())
+        if "boxes" in batch:
+            self._ground(batch, attn, stage)
+        tok = self._tokenizer
+        with unsharded(self.net):
+            out = caption_batch(
+                self.net, batch["image"], tok.bos_id, tok.eos_id, self.max_len, beam, self.length_penalty
+            )
+        hyps = [tok.decode(ids) for ids, _ in out]
+        refs = [r if isinstance(r, list) else [r] for r in batch["captions"]]
+        if "relations" in batch:
+            for hyp, items, relations in zip(hyps, batch["items"], batch["relations"], strict=True):
+                self.scores[f"{stage}_exact_match"].update(
+                    float(caption_metrics.scene_exact_match(hyp, items, relations))
+                )
+        idx = batch["idx"].tolist() if "idx" in batch else [len(self._pairs) + i for i in range(len(hyps))]
+        self._pairs += zip(idx, hyps, refs, strict=True)
+
+    def _ground(self, batch: dict[str, Any], attn: Tensor, stage: str) -> None:
+        """For each named item: does the step that wrote its word look inside its box?"""
+        canvas = batch["image"].size(-1)
+        for i, (boxes, words) in enumerate(zip(batch["boxes"], batch["words"], strict=True)):
+            for box, w in zip(boxes, words, strict=True):
+                # tokens[w] is predicted by the step that reads tokens[w - 1]: attn[:, w - 1]
+                hit = caption_metrics.grounding_hit(attn[i, w - 1].float(), self.net.grid, box, canvas)
+                self.scores[f"{stage}_grounding"].update(float(hit))
+
+    def _log_scores(self, stage: str) -> dict[str, float]:
+        """Log the stage's metrics (the same on every process); returns BLEU-4 and CIDEr."""
+        loss = self.scores[f"{stage}_loss"]
+        self.log(f"{stage}/loss", loss.compute(), prog_bar=True)
+        for name in ("exact_match", "grounding"):
+            metric = self.scores[f"{stage}_{name}"]
+            if metric.update_count:  # only scenes have them
+                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name == "exact_match")
+        for metric in self.scores.values():
+            metric.reset()
+        pairs = sorted(gather(self._pairs))
+        self._pairs = []
+        hyps, refs = [h for _, h, _ in pairs], [r for _, _, r in pairs]
+        scores = {"bleu4": caption_metrics.bleu4(hyps, refs), "cider": caption_metrics.cider(hyps, refs)}
+        for name, value in scores.items():
+            self.log(f"{stage}/{name}", float(value))
+        self._captions = hyps
+        return scores
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if batch_idx == 0:  # the images whose attention is drawn: the same ones every validation
+            self._shown = batch["image"][: self.plot_images]
+        if not self.trainer.sanity_checking:
+            self._evaluate(batch, "val", beam=1)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.scores["val_loss"].reset()
+            return
+        for name, value in self._log_scores("val").items():
+            self.best[name].update(torch.tensor(float(value)))
+            self.log(f"val/{name}_best", self.best[name].compute())
+        self._plot_attention()  # every process: a sharded net needs them all
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test", beam=self.beam_size)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_scores("test")
+        if self.trainer.is_global_zero and self._captions:
+            path = Path(self.trainer.default_root_dir) / "test_captions.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(c + "\n" for c in self._captions), encoding="utf-8")
+            log.info("test captions written to %s", path)
+
+    # -- what people look at ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _plot_attention(self) -> None:
+        if not self.plot_images or self._shown is None:
+            return
+        from attnlab.training.plots import caption_attention_figure  # matplotlib only when plotting
+
+        tok, images = self._tokenizer, self._shown
+        with unsharded(self.net):
+            out = caption_batch(self.net, images, tok.bos_id, tok.eos_id, self.max_len)
+        if not self.trainer.is_global_zero:
+            return
+        figures = []
+        for i, (ids, attn) in enumerate(out):
+            words = [tok.decode([t]) or "?" for t in ids]
+            fig = caption_attention_figure(visible(images[i]).cpu(), words, attn, self.net.grid)
+            if self.plot_dir:
+                path = Path(self.plot_dir) / f"step{self.global_step:06d}_img{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fig.savefig(path, dpi=80)
+            figures.append(fig)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image") and figures:
+                lg.log_image(key="val/caption_attention", images=figures, step=self.global_step)
+        import matplotlib.pyplot as plt
+
+        for fig in figures:
+            plt.close(fig)
+
+
+def visible(image: Tensor) -> Tensor:
+    """A normalised (C, H, W) image stretched to [0, 1] for drawing."""
+    image = image.float()
+    lo, hi = image.amin(), image.amax()
+    return (image - lo) / (hi - lo).clamp_min(1e-12)
+
+
+def gather(items: list[Any]) -> list[Any]:
+    """Every process's ``items``, concatenated (each process gets all); a collective call under DDP."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(items)
+    parts: list[list[Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part or []]

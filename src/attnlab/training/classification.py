@@ -1,0 +1,264 @@
+"""Image classification: cross-entropy (label smoothing, mixup targets, DeiT distillation),
+top-1/top-5 accuracy, per-class accuracy and a confusion matrix, attention pictures; or, with
+``multilabel``, several labels per image: binary cross-entropy per class, accuracy, F1, exact match."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric, Metric
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MultilabelAccuracy,
+    MultilabelExactMatch,
+    MultilabelF1Score,
+)
+
+from attnlab.core.checks import check_probability
+from attnlab.core.errors import ConfigError
+from attnlab.nn.flops import Count, Flops
+from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.distillation import HardDistillation
+
+log = logging.getLogger(__name__)
+
+# (images, targets), or a dict with "image" and "target" (data=scenes data.target=labels)
+Batch = tuple[Tensor, Tensor] | dict[str, Any]
+
+
+def images_and_targets(batch: Batch) -> tuple[Tensor, Tensor]:
+    return (batch["image"], batch["target"]) if isinstance(batch, dict) else batch
+
+
+class ImageClassificationTask(Task):
+    """Trains any ``net`` mapping images (B, C, H, W) to logits (B, num_classes).
+
+    Logs ``train/loss``; ``val/loss``, ``val/acc``, ``val/acc_top5``, ``val/acc_best``; and at
+    test ``test/loss``, ``test/acc``, ``test/acc_top5``, ``test/acc_class/<class>`` with the
+    confusion matrix (``confusion_matrix.csv`` and a picture). Targets are class ids, or label
+    distributions (B, K) when the data mixes images (mixup/cutmix).
+
+    With ``multilabel`` an image has any number of the classes: targets are multi-hot (B, K), the
+    loss is binary cross-entropy on each class's logit, and ``val/acc`` (over every image and
+    class), ``val/f1`` (F1 averaged over the classes), ``val/exact_match`` (images with every
+    class right) are logged, at test also ``test/f1_class/<class>``.
+
+    Args:
+        net: the classifier (``VisionTransformer``, ``SwinTransformer``, ``TimmModel``, ...).
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        label_smoothing: of the training targets.
+        distillation: a ``HardDistillation`` (the net must have a distillation token).
+        plot_images: validation images whose attention is drawn at each validation (nets with
+            ``patch_attention``); 0 for none.
+        plot_dir: where the pictures go (also to W&B).
+        multilabel: several labels per image (e.g. ``data=scenes data.target=labels``); label
+            smoothing then moves each target towards 1/2.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.05,
+        compile: CompileScope = False,
+        init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
+        label_smoothing: float = 0.0,
+        distillation: HardDistillation | None = None,
+        plot_images: int = 4,
+        plot_dir: str | None = None,
+        multilabel: bool = False,
+        compile_mode: CompileMode = "default",
+    ) -> None:
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
+        check_probability("model", label_smoothing=label_smoothing)
+        if distillation is not None:
+            if multilabel:
+                raise ConfigError(
+                    "model.distillation: DeiT's distillation is for one label per image, not model.multilabel"
+                )
+            distillation.check_student(net)
+        self.label_smoothing, self.distillation = label_smoothing, distillation
+        self.plot_images, self.plot_dir, self.multilabel = plot_images, plot_dir, multilabel
+        k = net.num_classes
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_metrics, self.test_metrics = nn.ModuleDict(self._metrics(k)), nn.ModuleDict(self._metrics(k))
+        self.test_per_class = (
+            MultilabelF1Score(k, average="none") if multilabel else MulticlassConfusionMatrix(k)
+        )
+        self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)
+
+    def _metrics(self, k: int) -> dict[str, Metric]:
+        """What validation and test score besides the loss, by name (logged as val/<name>)."""
+        if self.multilabel:
+            return {
+                "acc": MultilabelAccuracy(k, average="micro"),
+                "f1": MultilabelF1Score(k, average="macro"),
+                "exact_match": MultilabelExactMatch(k),
+            }
+        return {
+            "acc": MulticlassAccuracy(k, average="micro"),
+            "acc_top5": MulticlassAccuracy(k, top_k=min(5, k), average="micro"),
+        }
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.net(images)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        data = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        if getattr(data, "target", None) == "labels" and not self.multilabel:
+            raise ConfigError(
+                "data.target=labels gives several labels per image: train with model.multilabel=true "
+                "(as experiment=perceiver_scenes)"
+            )
+
+    def loss(self, logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+        """Cross-entropy over the classes, or with ``multilabel`` binary cross-entropy per class."""
+        if self.multilabel:
+            targets = targets.float() * (1 - label_smoothing) + label_smoothing / 2
+            return F.binary_cross_entropy_with_logits(logits, targets)
+        return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
+
+    def on_fit_start(self) -> None:
+        if self.distillation is not None:  # held outside the module tree: not saved with the student
+            self.distillation.teacher.to(self.device)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        images, targets = images_and_targets(batch)
+        if self.distillation is not None:
+            cls_logits, dist_logits = self.net.forward_heads(images)
+            loss = self.distillation.loss(cls_logits, dist_logits, targets, images, self.label_smoothing)
+        else:
+            loss = self.loss(self(images).float(), targets, self.label_smoothing)
+        self.log_train_loss(loss)
+        return loss
+
+    items = "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+
+    def step_work(self, batch: Batch) -> tuple[Count, Flops]:
+        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``,
+        a distillation teacher's forward included."""
+        images, _ = images_and_targets(batch)
+        f = self.net.flops(images)
+        teacher = getattr(self.distillation, "teacher", None)
+        if hasattr(teacher, "flops"):  # forward only
+            f = f + teacher.flops(images, grad="none")
+        return images.size(0), f
+
+    def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *metrics: Metric) -> Tensor:
+        images, labels = images_and_targets(batch)
+        logits = self(images).float()
+        loss_metric.update(self.loss(logits, labels), len(labels))
+        if self.multilabel:  # probabilities: torchmetrics takes logits that happen to lie in [0, 1] for them
+            logits, labels = logits.sigmoid(), labels.long()
+        for metric in metrics:
+            metric.update(logits, labels)
+        return logits
+
+    def _log_metrics(self, split: str, loss: MeanMetric, metrics: nn.ModuleDict) -> Tensor:
+        """Log and reset the loss and ``metrics`` of ``split``; return its accuracy."""
+        acc = metrics["acc"].compute()
+        self.log(f"{split}/loss", loss.compute(), prog_bar=split == "val")
+        for name, metric in metrics.items():
+            self.log(f"{split}/{name}", acc if name == "acc" else metric.compute(), prog_bar=name == "acc")
+            metric.reset()
+        loss.reset()
+        return acc
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_loss, *self.val_metrics.values())
+
+    def on_validation_epoch_end(self) -> None:
+        acc = self._log_metrics("val", self.val_loss, self.val_metrics)
+        if not self.trainer.sanity_checking:
+            self.val_acc_best.update(acc)
+            self.log("val/acc_best", self.val_acc_best.compute())
+            self._plot_attention()  # every process: a sharded net needs them all
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_loss, *self.test_metrics.values(), self.test_per_class)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test", self.test_loss, self.test_metrics)
+        classes = self._classes()
+        per_class = self.test_per_class.compute().cpu()  # F1 per class, or the confusion matrix
+        self.test_per_class.reset()
+        if self.multilabel:
+            for name, f1 in zip(classes, per_class.tolist(), strict=True):
+                self.log(f"test/f1_class/{name.replace('/', '-')}", f1)
+            return
+        accuracy = per_class.diagonal() / per_class.sum(1).clamp_min(1)
+        for name, acc in zip(classes, accuracy.tolist(), strict=True):
+            self.log(f"test/acc_class/{name.replace('/', '-')}", acc)
+        if self.trainer.is_global_zero:
+            self._save_confusion(per_class, classes)
+
+    # -- what people look at ------------------------------------------------------------------------
+    def _classes(self) -> list[str]:
+        data = getattr(self.trainer, "datamodule", None)
+        classes = getattr(data, "classes", None)
+        return list(classes) if classes else [str(i) for i in range(self.net.num_classes)]
+
+    def _save_confusion(self, matrix: Tensor, classes: list[str]) -> None:
+        from attnlab.training.plots import confusion_matrix_figure  # matplotlib only when plotting
+
+        out = Path(self.trainer.default_root_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [",".join(["true\\predicted", *classes])]
+        rows += [",".join([name, *map(str, matrix[i].tolist())]) for i, name in enumerate(classes)]
+        (out / "confusion_matrix.csv").write_text("\n".join(rows) + "\n")
+        fig = confusion_matrix_figure(matrix, classes)
+        fig.savefig(out / "confusion_matrix.png", dpi=100)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="test/confusion_matrix", images=[fig])
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        log.info("confusion matrix written to %s", out / "confusion_matrix.csv")
+
+    @torch.no_grad()
+    def _plot_attention(self) -> None:
+        if not self.plot_images or self.multilabel or not hasattr(self.net, "patch_attention"):
+            return
+        from attnlab.training.plots import attention_overlay_figure
+
+        data = self.trainer.datamodule
+        split = data.splits["val"]
+        n = min(self.plot_images, len(split))
+        items = [split[i] for i in range(n)]  # the first validation images: the same ones every time
+        raw = torch.stack([x for x, _ in items])
+        images = data.normalize(raw.to(self.device))
+        maps = {k: v.float().cpu() for k, v in self.net.patch_attention(images).items()}
+        predicted = self.net(images).argmax(-1).tolist()
+        if not self.trainer.is_global_zero:
+            return
+        classes = self._classes()
+        captions = [
+            f"{classes[t]} -> {classes[p]}"
+            for t, p in zip([int(y) for _, y in items], predicted, strict=True)
+        ]
+        fig = attention_overlay_figure(raw.float() / 255, maps, captions)
+        if self.plot_dir:
+            path = Path(self.plot_dir) / f"step{self.global_step:06d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=90)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="val/attention", images=[fig], step=self.global_step)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -1,0 +1,234 @@
+"""CLIP's training: the symmetric contrastive loss (against the global batch under DDP), zero-shot
+classification through prompt templates, and image-text retrieval."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.nn.functional import all_gather
+from torchmetrics import MaxMetric, MinMetric
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
+from attnlab.nn.flops import Count, Flops
+from attnlab.training.base import CompileMode, CompileScope, Task
+
+
+def gather_with_grad(x: Tensor) -> Tensor:
+    """Every rank's (B, E) features concatenated in rank order, (world * B, E); gradients flow back
+    to each rank's own part. The identity outside distributed runs."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    return torch.cat(all_gather(x), dim=0)
+
+
+def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor) -> Tensor:
+    """Symmetric InfoNCE (Radford et al. 2021): the i-th image should pick the i-th caption among
+    all captions of the (global) batch, and the i-th caption the i-th image; the mean of the two
+    cross-entropies. Features are (B, E), unit length; ``logit_scale`` is the multiplier exp(t).
+
+    Under DDP each rank computes the loss of the whole global batch from gathered features; the
+    gather's backward sums every rank's gradient into each rank's part, and DDP's averaging then
+    gives the gradient of the global loss (open_clip's ``gather_with_grad=True``, ``local_loss=False``).
+    """
+    images, texts = gather_with_grad(image_features), gather_with_grad(text_features)
+    logits = logit_scale * images.float() @ texts.float().t()  # (N, N): images x captions
+    targets = torch.arange(logits.size(0), device=logits.device)
+    return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2
+
+
+def split_clip_loss(images: Tensor, texts: Tensor, scale: Tensor, chunk: int = 1024) -> Tensor:
+    """The symmetric contrastive loss of a whole split: each of the N images against all N
+    captions and each caption against all images, (N, N) logits computed ``chunk`` rows at a time."""
+
+    def one_way(queries: Tensor, keys: Tensor) -> Tensor:
+        total = queries.new_zeros(())
+        for start in range(0, len(queries), chunk):
+            logits = scale * queries[start : start + chunk] @ keys.t()  # (chunk, N)
+            targets = torch.arange(start, start + len(logits), device=logits.device)
+            total = total + F.cross_entropy(logits, targets, reduction="sum")
+        return total / len(queries)
+
+    return (one_way(images, texts) + one_way(texts, images)) / 2
+
+
+def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Retrieval recall from an (N images, U captions) similarity matrix, where image i's caption
+    is ``image_ids[i]`` among the U distinct captions (identical captions are one caption, and any
+    image carrying it is a right answer). image->text: is the image's caption among its top k;
+    text->image: does any of a caption's top k images carry it (averaged over the N pairs)."""
+    out = {}
+    n, u = sim.shape
+    i2t_rank = (sim > sim.gather(1, image_ids[:, None])).sum(1)  # captions scored above the right one
+    owners = torch.zeros(u, n, dtype=torch.bool, device=sim.device)
+    owners[image_ids, torch.arange(n, device=sim.device)] = True
+    weights = owners.sum(1).float()  # each distinct caption counts as often as it occurs
+    for k in ks:
+        out[f"i2t_r{k}"] = (i2t_rank < k).float().mean().item()
+        top = sim.t().topk(min(k, n), dim=1).indices  # (U, k) images per caption
+        hit = owners.gather(1, top).any(1).float()
+        out[f"t2i_r{k}"] = ((hit * weights).sum() / weights.sum()).item()
+    return out
+
+
+class ContrastiveTask(Task):
+    """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss.
+
+    Logs ``train/loss`` and ``train/logit_scale``; ``val/loss`` (contrastive, over the whole split:
+    every image against every caption, so it does not depend on how the split is batched or shared
+    out between processes) and its best, ``val/zeroshot_acc`` and its best (zero-shot
+    classification of the validation images through the data's held-out prompt templates, when
+    the data has classes); at test ``test/loss``,
+    ``test/zeroshot_acc``, ``test/zeroshot_acc_top5``, image->text and text->image recall at 1/5/10
+    (``test/i2t_r1``, ...), and a picture of the similarities of the first test pairs.
+
+    Args:
+        net: the ``CLIP``.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        plot_pairs: test pairs in the similarity picture (0: none).
+        plot_dir: where the picture goes (also to W&B).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.1,
+        compile: CompileScope = False,
+        init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
+        plot_pairs: int = 8,
+        plot_dir: str | None = None,
+        compile_mode: CompileMode = "default",
+    ) -> None:
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
+        self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
+        self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
+        self.val_acc_best.persistent(True)
+        self.val_loss_best.persistent(True)
+        self.classifier: Tensor | None = None
+        self.outputs: dict[str, list[Tensor]] = {}
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.net(images, tokens)
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, tokens, _ = batch
+        loss = clip_loss(*self(images, tokens))
+        self.log_train_loss(loss)
+        every = self.trainer.log_every_n_steps
+        if every and (self.global_step + 1) % every == 0:
+            self.log("train/logit_scale", self.net.scale())
+        return loss
+
+    items = (
+        "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``): image-caption pairs
+    )
+
+    def step_work(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Count, Flops]:
+        """The image-caption pairs and the model FLOPs (``attnlab.nn.flops``) of a training step
+        on ``batch``."""
+        images, tokens, _ = batch
+        return images.size(0), self.net.flops(images, tokens)
+
+    # -- zero-shot ------------------------------------------------------------------------------
+    def _zeroshot_classifier(self) -> Tensor | None:
+        """Class embeddings (K, E) averaged over the data's prompt templates, or None without classes."""
+        data = self.trainer.datamodule
+        if not getattr(data, "classes", None):
+            return None
+        return class_embeddings(self.net, data.tokenizer, data.context_length, data.classes, data.templates)
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor]) -> None:
+        images, tokens, labels = batch
+        image_features, text_features, self.eval_scale = self(images, tokens)
+        self.outputs.setdefault("images", []).append(image_features.float())
+        self.outputs.setdefault("texts", []).append(text_features.float())
+        self.outputs.setdefault("tokens", []).append(tokens)
+        self.outputs.setdefault("labels", []).append(labels)
+
+    def on_validation_epoch_start(self) -> None:
+        self.outputs = {}
+        self.classifier = self._zeroshot_classifier()
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch)
+
+    def test_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch)
+
+    def _gathered(self, key: str) -> Tensor:
+        """Every process's outputs under ``key``, concatenated (processes may hold different
+        numbers of examples: the evaluation batches share a split out without repeats)."""
+        x = torch.cat(self.outputs[key])
+        return torch.cat(gather_all_tensors(x)) if self.trainer.world_size > 1 else x
+
+    def _split_loss(self) -> Tensor:
+        return split_clip_loss(self._gathered("images"), self._gathered("texts"), self.eval_scale.float())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self._split_loss()
+        self.log("val/loss", loss, prog_bar=True)
+        if not self.trainer.sanity_checking:
+            self.val_loss_best.update(loss)
+            self.log("val/loss_best", self.val_loss_best.compute())
+        if self.classifier is not None:
+            acc = zeroshot_accuracy(self._gathered("images"), self.classifier, self._gathered("labels"))
+            self.log("val/zeroshot_acc", acc[1], prog_bar=True)
+            if not self.trainer.sanity_checking:
+                self.val_acc_best.update(acc[1])
+                self.log("val/zeroshot_acc_best", self.val_acc_best.compute())
+        self.outputs = {}
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/loss", self._split_loss())
+        images, texts, tokens = self._gathered("images"), self._gathered("texts"), self._gathered("tokens")
+        if self.classifier is not None:
+            acc = zeroshot_accuracy(images, self.classifier, self._gathered("labels"))
+            self.log("test/zeroshot_acc", acc[1])
+            self.log("test/zeroshot_acc_top5", acc[5])
+        distinct, image_ids = torch.unique(tokens, dim=0, return_inverse=True)
+        first = torch.full((len(distinct),), len(tokens), device=tokens.device)
+        first.scatter_reduce_(0, image_ids, torch.arange(len(tokens), device=tokens.device), reduce="amin")
+        for name, value in recall_at_k(images @ texts[first].t(), image_ids).items():
+            self.log(f"test/{name}", value)
+        if self.plot_pairs:
+            self._plot_similarities()  # every process: a sharded net needs them all
+        self.outputs = {}
+
+    @torch.no_grad()
+    def _plot_similarities(self) -> None:
+        from attnlab.training.plots import similarity_figure
+
+        data = self.trainer.datamodule
+        split = data.splits["test"]
+        items = [split[i] for i in range(min(self.plot_pairs, len(split)))]
+        raw, tokens, _ = data.collate(items)
+        images, texts, _ = self(data.normalize(raw.to(self.device)), tokens.to(self.device))
+        if not self.trainer.is_global_zero:
+            return
+        fig = similarity_figure(
+            raw.float() / 255, [c for _, c, _ in items], (images @ texts.t()).float().cpu()
+        )
+        if self.plot_dir:
+            path = Path(self.plot_dir) / "similarity.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=90)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="test/similarity", images=[fig])
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -1,0 +1,155 @@
+"""DeiT's hard-label distillation (Touvron et al. 2021) and the teachers it learns from."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.core.checks import check_probability
+from attnlab.core.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class HardDistillation:
+    """The class head learns the labels, the distillation head the teacher's argmax:
+    loss = (1 - alpha) CE(class logits, labels) + alpha CE(distillation logits, argmax teacher(x)).
+
+    The teacher is frozen and not part of the student's checkpoint.
+
+    Args:
+        teacher: a classifier with ``num_classes``, ``img_size`` and ``in_chans`` (e.g. from
+            ``load_teacher``).
+        alpha: weight of the distillation term (DeiT: 0.5).
+    """
+
+    def __init__(self, teacher: nn.Module, alpha: float = 0.5) -> None:
+        check_probability("model.distillation", alpha=alpha)
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.alpha = alpha
+
+    def check_student(self, student: nn.Module) -> None:
+        """The teacher must see the same images and predict the same classes as the student."""
+        if not hasattr(student, "forward_heads"):
+            raise ConfigError(
+                "model.distillation needs a student with a distillation token "
+                f"(attnlab.models.DistilledVisionTransformer), got {type(student).__name__}"
+            )
+        fields = ("num_classes", "in_chans", "img_size")
+        theirs = [getattr(self.teacher, f, None) for f in fields]
+        ours = [getattr(student, f) for f in fields]
+        if theirs[2] is None:  # a convnet from timm weights takes any image size
+            theirs[2] = ours[2]
+        if theirs != ours:
+            raise ConfigError(
+                f"model.distillation.teacher predicts {theirs[0]} classes of {theirs[1]}x{theirs[2]}"
+                f"x{theirs[2]} images, the student {ours[0]} classes of {ours[1]}x{ours[2]}x{ours[2]}; "
+                "train the teacher on the same data and image size"
+            )
+
+    @torch.no_grad()
+    def teacher_labels(self, images: Tensor) -> Tensor:
+        return self.teacher(images).argmax(-1)
+
+    def loss(
+        self,
+        cls_logits: Tensor,
+        dist_logits: Tensor,
+        targets: Tensor,
+        images: Tensor,
+        label_smoothing: float = 0.0,
+    ) -> Tensor:
+        """``targets``: class ids (B,) or mixed label distributions (B, K) after mixup."""
+        base = F.cross_entropy(cls_logits.float(), targets, label_smoothing=label_smoothing)
+        distilled = F.cross_entropy(dist_logits.float(), self.teacher_labels(images))
+        return (1 - self.alpha) * base + self.alpha * distilled
+
+
+def load_teacher(
+    run: str | None = None,
+    ckpt_path: str | None = None,
+    timm_name: str | None = None,
+    weights: str | None = None,
+    log_dir: str = "logs",
+) -> nn.Module:
+    """A frozen classifier to distil from: one of
+
+    - ``run``: the newest run of that attnlab task name (its ``last.ckpt``), e.g. "convnet_fashion_mnist";
+    - ``ckpt_path``: an attnlab checkpoint file;
+    - ``timm_name`` with ``weights``: a timm model and a state dict file for it (``.pth`` or
+      ``.safetensors``), whose classes and input size must be those of the student's data.
+    """
+    from attnlab.inference.runs import TrainedRun
+    from attnlab.models.vision.timm_model import TimmModel
+    from attnlab.training.classification import ImageClassificationTask
+    from attnlab.weights.checkpoint import find_last
+
+    if sum(x is not None for x in (run, ckpt_path, timm_name)) != 1:
+        raise ConfigError("model.distillation.teacher: set exactly one of run, ckpt_path and timm_name")
+    if run is not None:
+        try:
+            ckpt_path = str(find_last(Path(log_dir), f"{run}/runs/*/checkpoints/last.ckpt"))
+        except CheckpointError:
+            raise ConfigError(
+                f"model.distillation.teacher.run={run}: no checkpoint of a run of that task under "
+                f"{log_dir}; train the teacher first"
+            ) from None
+    if ckpt_path is not None:
+        run = TrainedRun(
+            ckpt_path,
+            Path(log_dir),
+            (ImageClassificationTask,),
+            need="model.distillation.teacher needs an image classifier",
+        )
+        return _checked_classifier(run.net(), ckpt_path)
+    if weights is None:
+        raise ConfigError(
+            "model.distillation.teacher.weights: a timm teacher needs trained weights "
+            "(a random one teaches nothing); give a .pth or .safetensors file"
+        )
+    state = _read_state_dict(Path(weights))
+    heads = [v for k, v in state.items() if k.endswith(("fc.weight", "head.weight", "classifier.weight"))]
+    first = next((v for v in state.values() if v.dim() == 4), None)
+    if not heads or first is None:
+        raise ConfigError(
+            f"model.distillation.teacher.weights={weights}: no classifier head or first "
+            "convolution found in it"
+        )
+    # convnets take any image size; TimmModel needs one only for models with position tables
+    model = TimmModel(timm_name, num_classes=heads[-1].size(0), img_size=224, in_chans=first.size(1))
+    try:
+        model.model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.distillation.teacher.weights={weights} does not fit timm's {timm_name}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    model.img_size = None  # any size goes through a convnet
+    return model.eval()
+
+
+def _checked_classifier(net: nn.Module, where: str) -> nn.Module:
+    if getattr(net, "num_classes", None) is None:
+        raise ConfigError(f"model.distillation.teacher: {where} is not an image classifier")
+    log.info("teacher from %s: %s, %d classes", where, type(net).__name__, net.num_classes)
+    return net
+
+
+def _read_state_dict(path: Path) -> dict[str, Tensor]:
+    if not path.is_file():
+        raise ConfigError(f"model.distillation.teacher.weights={path}: no such file")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        loader = load_file
+    else:
+        loader = partial(torch.load, map_location="cpu", weights_only=True)
+    try:
+        return loader(path)
+    except Exception as e:  # a corrupt or foreign file: pickle, zip and safetensors errors vary
+        raise ConfigError(f"model.distillation.teacher.weights={path}: not a state dict ({e})") from e

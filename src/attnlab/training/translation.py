@@ -1,0 +1,265 @@
+"""Translation: label-smoothed cross-entropy, sacreBLEU on decoded text, alignment plots."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.text import SacreBLEUScore
+
+from attnlab.core.distributed import unsharded
+from attnlab.core.errors import ConfigError
+from attnlab.inference.decoding import translate_batch
+from attnlab.nn.flops import Count, Flops
+from attnlab.training.base import CompileMode, CompileScope, Task
+
+log = logging.getLogger(__name__)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
+    """Label-smoothed cross-entropy of (N, V) logits, in fp32."""
+    return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
+
+
+class TranslationTask(Task):
+    """Trains an encoder-decoder ``net`` (``Transformer`` or ``Seq2Seq``) on a parallel corpus.
+
+    Logs ``train/loss`` (label-smoothed), ``val/loss`` and ``val/ppl`` (plain cross-entropy per
+    target token), ``val/bleu`` (greedy decoding) and ``val/bleu_best`` each validation, and
+    ``test/loss``, ``test/ppl``, ``test/bleu`` (beam search) on the test split. BLEU is
+    sacreBLEU (13a tokenisation, cased) of the detokenised output against the raw references.
+    After each validation it plots the attention of a few fixed validation sentences (PNG files
+    under ``plot_dir`` and W&B images) and logs a table of sample translations; the test
+    translations go to ``test_translations.txt`` in the run's directory.
+
+    Under DDP each process scores its share of the sentences (see ``TokenBatchSampler``): the
+    loss and BLEU metrics (torchmetrics) add up their states over all processes when computed,
+    so every process logs the same, global, values; the translations are gathered to process 0,
+    which writes the file and shows the samples.
+
+    Args:
+        net: the translation model.
+        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        label_smoothing: for the training loss.
+        beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
+        max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
+        val_bleu: decode the validation set each validation (greedy) to score BLEU.
+        plot_sentences: how many validation sentences to plot and show.
+        plot_dir: where the alignment PNGs go (``null``: no files).
+        compile_loss: ``torch.compile`` the training loss. Eager, the log-softmax over the
+            vocabulary and its backward pass over (tokens, V) in fp32 took ~40% of a Transformer
+            step on CPU; compiled into fused loops it is ~6x cheaper (and ~20 s to compile).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.0,
+        label_smoothing: float = 0.1,
+        beam_size: int = 5,
+        length_penalty: float = 1.0,
+        max_len_a: float = 1.5,
+        max_len_b: int = 10,
+        val_bleu: bool = True,
+        plot_sentences: int = 3,
+        plot_dir: str | None = None,
+        compile: CompileScope = False,
+        init_from: str | None = None,
+        lr_decay: float | None = None,
+        freeze: list[str] | None = None,
+        compile_loss: bool = False,
+        compile_mode: CompileMode = "default",
+    ) -> None:
+        super().__init__(
+            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
+        )
+        self.compile_loss = compile_loss
+        self._train_loss_fn = cross_entropy
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if beam_size < 1:
+            raise ConfigError(f"model.beam_size must be >= 1, got {beam_size}")
+        self.label_smoothing = label_smoothing
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
+        self.val_bleu_on, self.plot_sentences, self.plot_dir = val_bleu, plot_sentences, plot_dir
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_bleu, self.test_bleu = SacreBLEUScore(), SacreBLEUScore()
+        self.val_bleu_best = MaxMetric()
+        self.val_bleu_best.persistent(True)
+        self._hyps: dict[int, str] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def _data(self) -> Any:
+        return self.trainer.datamodule
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.compile_loss and stage == "fit":
+            # dynamic: the number of scored tokens changes with every batch
+            self._train_loss_fn = torch.compile(cross_entropy, dynamic=True)
+
+    def _nll(
+        self, batch: dict[str, Tensor], smoothing: float, loss_fn: Callable = cross_entropy
+    ) -> tuple[Tensor, Tensor]:
+        scored = batch["tgt_out"] != self.net.pad_id
+        logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
+        return loss_fn(logits, batch["tgt_out"][scored], smoothing), scored.sum()
+
+    def _gather_hyps(self, indices: Iterable[int] | None = None) -> dict[int, str]:
+        """The translations of all processes (of ``indices`` only, when given), by sentence index.
+        Every process must call it (a collective call under DDP); each gets the whole dict."""
+        mine = self._hyps if indices is None else {i: self._hyps[i] for i in indices if i in self._hyps}
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return dict(mine)
+        parts: list[dict[int, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {i: h for part in parts if part for i, h in part.items()}
+
+    def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
+        tok = self._data.tokenizer
+        # gathered once (FSDP2): then each process decodes as many steps as its own batch needs
+        with unsharded(self.net):
+            if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
+                return
+            ids = translate_batch(
+                self.net,
+                batch["src"],
+                tok.pad_id,
+                tok.bos_id,
+                tok.eos_id,
+                beam,
+                self.length_penalty,
+                self.max_len_a,
+                self.max_len_b,
+            )
+        hyps = [tok.decode(h) for h in ids]
+        refs = self._data.references(stage)
+        idx = batch["idx"].tolist()
+        metric.update(hyps, [[refs[i]] for i in idx])
+        self._hyps.update(zip(idx, hyps, strict=True))
+
+    # -- loops -----------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._nll(batch, self.label_smoothing, self._train_loss_fn)
+        self.log_train_loss(loss, batch_size=batch["src"].size(0))
+        return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+
+    def step_work(self, batch: dict[str, Tensor]) -> tuple[Count, Flops]:
+        """The source and target tokens (padding left out) and the model FLOPs
+        (``attnlab.nn.flops``) of a training step on ``batch``."""
+        scored = batch["tgt_out"] != self.net.pad_id
+        tokens = (batch["src"] != self.net.pad_id).sum() + scored.sum()
+        return tokens, self.net.flops(batch["src"], batch["tgt_in"], scored)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        # a repeated batch only keeps the processes' step counts equal: computed, not counted
+        # (a sharded net needs every process in each forward)
+        loss, n = self._nll(batch, 0.0)
+        if not batch.get("repeat"):
+            self.val_loss.update(loss, n)
+        if self.val_bleu_on and not self.trainer.sanity_checking:
+            self._score(self.val_bleu, batch, "val", beam=1)
+
+    def on_validation_epoch_end(self) -> None:
+        # the metrics' compute() sums their states over the processes: the values logged below
+        # are global and the same everywhere (no sync_dist needed, whatever Lightning's hint says)
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        if self.trainer.sanity_checking or not self.val_bleu_on:
+            return
+        bleu = 100 * self.val_bleu.compute()
+        self.val_bleu.reset()
+        self.val_bleu_best.update(bleu)
+        self.log("val/bleu", bleu, prog_bar=True)
+        self.log("val/bleu_best", self.val_bleu_best.compute())
+        shown = self._gather_hyps(range(min(self.plot_sentences, len(self._data.references("val")))))
+        if self.trainer.is_global_zero:
+            self._show_samples(shown)
+        self._plot_alignments(shown)  # every process: a sharded net needs them all
+        self._hyps = {}
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, n = self._nll(batch, 0.0)  # as in validation_step
+        if not batch.get("repeat"):
+            self.test_loss.update(loss, n)
+        self._score(self.test_bleu, batch, "test", beam=self.beam_size)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.test_loss.compute()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+        self.log("test/bleu", 100 * self.test_bleu.compute())
+        self.test_loss.reset()
+        self.test_bleu.reset()
+        hyps = self._gather_hyps()
+        if self.trainer.is_global_zero and hyps:
+            path = Path(self.trainer.default_root_dir) / "test_translations.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(hyps[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
+            log.info("test translations written to %s", path)
+        self._hyps = {}
+
+    # -- what people look at ------------------------------------------------------------------------
+    def _show_samples(self, hyps: dict[int, str]) -> None:
+        data = self._data
+        rows = [
+            (data.sources("val")[i], data.references("val")[i], hyps.get(i, ""))
+            for i in range(min(self.plot_sentences, len(data.references("val"))))
+        ]
+        for src, ref, hyp in rows:
+            log.info("src: %s\n    ref: %s\n    hyp: %s", src, ref, hyp)
+        for lg in self.loggers:
+            if hasattr(lg, "log_text"):
+                lg.log_text(
+                    key="val/samples",
+                    columns=["source", "reference", "translation"],
+                    data=[list(r) for r in rows],
+                    step=self.global_step,
+                )
+
+    @torch.no_grad()
+    def _plot_alignments(self, hyps: dict[int, str]) -> None:
+        if not self.plot_sentences:
+            return
+        from attnlab.training.plots import alignment_figure  # matplotlib only when plotting
+
+        data, tok = self._data, self._data.tokenizer
+        split = data.splits["val"]
+        images = []
+        for i in range(min(self.plot_sentences, len(split))):
+            hyp_ids = tok.encode(hyps[i]) if i in hyps else split.tgt[i]
+            src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
+            tgt_in = torch.tensor([[tok.bos_id] + hyp_ids], device=self.device)
+            maps = self.net.alignments(src, tgt_in)  # name -> (1, H, T, S)
+            if not self.trainer.is_global_zero:
+                continue
+            src_tokens = [tok.tokenizer.id_to_token(t) for t in src[0].tolist()]
+            out_tokens = [tok.tokenizer.id_to_token(t) for t in hyp_ids] + ["<eos>"]
+            fig = alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
+            if self.plot_dir:
+                path = Path(self.plot_dir) / f"step{self.global_step:06d}_sent{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fig.savefig(path, dpi=80)
+            images.append(fig)
+        for lg in self.loggers:
+            if hasattr(lg, "log_image"):
+                lg.log_image(key="val/alignments", images=images, step=self.global_step)
+        import matplotlib.pyplot as plt
+
+        for fig in images:
+            plt.close(fig)

@@ -1,1 +1,0 @@
-"""Glue for the entry points: configs, checkpoints, logging back-ends."""

@@ -1,0 +1,348 @@
+"""Finding, reading and checking checkpoints, with one clear error for each way they go wrong."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from attnlab.core.errors import CheckpointError
+from attnlab.core.run_paths import find_last, is_sharded, model_names
+
+log = logging.getLogger(__name__)
+
+
+# The records torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``.
+_METADATA_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds only those records and torch dtypes: any other global a pickle names (``os.system``,
+    ``builtins.eval``, ...) is refused before it can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's reader with ``.metadata`` read by a restricted unpickler (torch's own uses plain
+    ``pickle.load``, so a planted ``.metadata`` runs code) and every shard inside the folder."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not dcp Metadata")
+        for info in (metadata.storage_data or {}).values():
+            shard = Path(info.relative_path)
+            if shard.is_absolute() or ".." in shard.parts:
+                raise pickle.UnpicklingError(f".metadata points outside the folder ({shard})")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+    """Rebuilds the whole state dict like torch's planner, but unpickles the non-tensor entries
+    (step counters, hyperparameters) with ``weights_only=True`` where torch's uses ``False``."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        obj = torch.load(value, map_location="cpu", weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
+    """A sharded checkpoint assembled into full tensors in this process, with no process group:
+    Lightning's ``_load_distributed_checkpoint`` with nothing unpickled beyond plain data."""
+    reader = SafeFileSystemReader(folder)
+    reader.read_metadata()  # a planted or broken .metadata fails here with its own message
+    ckpt: dict[str, Any] = {}
+    try:
+        _load_state_dict(ckpt, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=True)
+    except CheckpointException as e:  # wraps each rank's traceback: keep the cause's last line
+        raise RuntimeError(str(e).strip().splitlines()[-1]) from e
+    ckpt.update(torch.load(folder / _METADATA_FILENAME, map_location="cpu", weights_only=True))
+    return ckpt
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a Lightning checkpoint as plain tensors and containers (``weights_only=True``); a
+    sharded one is assembled into full tensors in this process. Nothing in either can run code."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): not a PyTorch checkpoint")
+    try:
+        ckpt = (
+            load_sharded_checkpoint(path)
+            if is_sharded(path)
+            else torch.load(path, map_location="cpu", weights_only=True)
+        )
+    except (
+        RuntimeError,
+        OSError,
+        EOFError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        AttributeError,
+        KeyError,
+        TypeError,
+        AssertionError,
+    ) as e:
+        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {reason})"
+        ) from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"checkpoint {path} has no 'state_dict': not a Lightning checkpoint")
+    return ckpt
+
+
+def metadata(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What attnlab stored beside the weights: resolved config, data artifacts, W&B run id."""
+    meta = ckpt.get("attnlab")
+    if not isinstance(meta, dict) or "config" not in meta:
+        raise CheckpointError(f"checkpoint {path} was not written by attnlab (no run metadata)")
+    if "artifacts" not in meta:  # written before artifacts: only text runs, with a tokenizer
+        meta["artifacts"] = {"tokenizer": meta["tokenizer"]} if meta.get("tokenizer") else {}
+    return meta
+
+
+def recorded_model(meta: dict[str, Any]) -> tuple[str, str]:
+    """The task and net a checkpoint's run configured, from its saved config."""
+    from omegaconf import OmegaConf
+
+    return model_names(OmegaConf.create(meta["config"]).get("model"))
+
+
+def require_same_model(meta: dict[str, Any], path: Path, model: Any) -> None:
+    """Refuse to resume a run of another task or architecture than the ``model`` configured."""
+    (task, net), (ours, our_net) = recorded_model(meta), model_names(model)
+    if (task, net) != (ours, our_net):
+        raise CheckpointError(
+            f"ckpt_path={path} holds a {task} ({net}) but this run configures a {ours} ({our_net}); "
+            "resume with the experiment that wrote it"
+        )
+
+
+def require_task(meta: dict[str, Any], path: Path | str, tasks: tuple[str, ...], need: str) -> None:
+    """Refuse a checkpoint whose run trained another task than those named (class names, e.g.
+    ``ImageClassificationTask``), by what it recorded, before anything is built from it."""
+    task, net = recorded_model(meta)
+    if task not in tasks:
+        raise CheckpointError(f"checkpoint {path} holds a {task} ({net}); {need} ({' or '.join(tasks)})")
+
+
+def is_run_checkpoint(spec: str) -> bool:
+    """Whether ``model.init_from`` names one of our runs: a ``.ckpt`` file, a sharded checkpoint
+    folder, or a task name; anything else is another library's saved model."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path.suffix == ".ckpt" or is_sharded(path)
+    return path.suffix == ".ckpt" or "/" not in spec
+
+
+def resolve_pretrained(spec: str, log_dir: Path) -> Path:
+    """``model.init_from`` naming one of our runs: a checkpoint file, or the name of a task whose
+    newest run's ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
+    path = Path(spec).expanduser()
+    if path.is_file() or is_sharded(path):
+        return path
+    if "/" not in spec and not spec.endswith(".ckpt"):
+        try:
+            return find_last(log_dir, f"{spec}/runs/*/checkpoints/last.ckpt")
+        except CheckpointError:
+            raise CheckpointError(
+                f"model.init_from={spec}: no run of that task under {log_dir} "
+                "(pre-train first) and no such file"
+            ) from None
+    raise CheckpointError(f"model.init_from={spec}: no such file")
+
+
+def pretrained_artifacts(path: Path, task: str) -> dict[str, Any]:
+    """The data artifacts a run started from another run's weights takes over: the tokenizer, not
+    the classes. ``task`` (the configured task's class name) starts from runs of its own task,
+    and a text classifier from a pre-training run too."""
+    meta = metadata(load_checkpoint(path), path)
+    tasks = ("MaskedLMTask", "TextClassificationTask") if task == "TextClassificationTask" else (task,)
+    require_task(meta, path, tasks, f"model.init_from needs a {' or '.join(tasks)} run to start from")
+    artifacts = meta["artifacts"]
+    return {"tokenizer": artifacts["tokenizer"]} if "tokenizer" in artifacts else {}
+
+
+def resolve_init_from(spec: str | Mapping[str, str], log_dir: Path) -> Path | dict[str, str]:
+    """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
+    another library's saved model, a folder or file, or, when nothing here has that name, a
+    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online.
+    A mapping ``{part: spec}`` (parts of the net) gives each part's path."""
+    if isinstance(spec, Mapping):
+        return {str(part): str(resolve_init_from(str(source), log_dir)) for part, source in spec.items()}
+    try:
+        if is_run_checkpoint(spec):
+            return resolve_pretrained(spec, log_dir)
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise CheckpointError(f"model.init_from={spec}: no such file or directory")
+        return path
+    except CheckpointError as e:
+        if spec.endswith(".ckpt") or Path(spec).expanduser().exists() or not is_hub_name(spec):
+            raise
+        return download_from_hub(spec, str(e))
+
+
+def is_hub_name(spec: str) -> bool:
+    """Whether ``spec`` could name a Hugging Face hub repository (``name`` or ``owner/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return not spec.startswith((".", "/", "~"))
+
+
+def download_from_hub(repo_id: str, not_here: str) -> Path:
+    """The hub repository's weights, config and tokenizer files (safetensors, JSON and text only:
+    never a pickle or code), fetched into Hugging Face's cache; offline or unknown: one line
+    that also says what ``not_here`` found missing locally."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json", "*.txt"])
+    except Exception as e:  # offline, unknown repository, gated, network: all one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CheckpointError(
+            f"{not_here}; and {repo_id!r} could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {reason})"
+        ) from e
+    log.info("model.init_from=%s: the hub's files in %s", repo_id, folder)
+    return Path(folder)
+
+
+def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]:
+    """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
+    task ``target`` (``cfg.model._target_``): a run's, or that of another library's folder
+    (``attnlab.data.text.tokenizers.import_tokenizer``). Parts of a net (``{part: path}``) come
+    from runs of other tasks (a Flamingo's GPT from a language model's run): the tokenizer of the
+    part that has one, whatever its task."""
+    if isinstance(path, Mapping):
+        return part_artifacts(path)
+    if is_run_checkpoint(path):
+        return pretrained_artifacts(Path(path), target.rsplit(".", 1)[-1])
+    from attnlab.data.text.tokenizers import import_tokenizer
+
+    tokenizer = import_tokenizer(Path(path))
+    if tokenizer is None:
+        if not target.endswith(".ImageClassificationTask"):  # an image classifier has no text
+            log.warning(
+                "model.init_from=%s has no tokenizer files: the data fits a tokenizer of its own", path
+            )
+        return {}
+    log.info("model.init_from=%s: its %s tokenizer (%d tokens)", path, tokenizer.kind, tokenizer.vocab_size)
+    return {"tokenizer": tokenizer.to_json()}
+
+
+def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
+    """The tokenizer of the one part in ``{part: path}`` whose run or folder has one (none: {});
+    parts with different tokenizers are refused: the data can follow only one."""
+    found: dict[str, dict[str, Any]] = {}
+    for part, path in paths.items():
+        if is_run_checkpoint(path):
+            artifacts = metadata(load_checkpoint(Path(path)), Path(path))["artifacts"]
+            # a run without text records none, or None (the scenes as labels)
+            artifacts = {"tokenizer": artifacts["tokenizer"]} if artifacts.get("tokenizer") else {}
+        else:
+            artifacts = init_artifacts(path, "")
+        if artifacts:
+            found[str(part)] = artifacts
+            log.info("model.init_from.%s=%s: its tokenizer goes to the data", part, path)
+    if len({str(a["tokenizer"]) for a in found.values()}) > 1:
+        raise CheckpointError(
+            f"model.init_from: the parts {', '.join(found)} come with different tokenizers; "
+            "train them on the same text"
+        )
+    return next(iter(found.values()), {})
+
+
+def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Raise naming the first differences if ``state_dict`` does not fit ``model``."""
+    expected = model.state_dict()
+    problems = [f"missing {k}" for k in expected if k not in state_dict]
+    problems += [f"unexpected {k}" for k in state_dict if k not in expected]
+    problems += [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+        for k, v in state_dict.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match the configured model: " + "; ".join(problems[:5]) + more
+        )
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write each checkpoint to a temporary file, then rename it into place.
+
+    A run killed mid-write (``kill -9``, out of memory) leaves the previous ``last.ckpt``
+    intact instead of a truncated one, so ``ckpt_path=last`` can always resume. A write that
+    fails (a full disk, an unwritable folder) is one ``CheckpointError`` naming the checkpoint
+    and the cause; those written before stay.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            os.replace(tmp, path)
+        except OSError as e:
+            kept = "; the checkpoints written before are kept" if any(path.parent.glob("*.ckpt")) else ""
+            raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
+        finally:
+            with contextlib.suppress(OSError):  # gone, or its folder never made
+                tmp.unlink()

@@ -1,0 +1,429 @@
+"""open_clip's CLIP weights into ours, and ours out as open_clip's saved format.
+
+open_clip's CLIP is ours with its image tower a ``VisionTransformer(num_classes=0,
+pre_norm=True, norm_eps=1e-5, patch_bias=False)`` and its text tower a ``TextTransformer(
+pool="argmax")``, both with ``act="quick_gelu"`` for OpenAI's weights; its projections are
+matrices applied on the right (ours: bias-free ``nn.Linear``, the transpose). ``model.init_from``
+takes a folder as ``open_clip.push_to_hf_hub`` writes it (``open_clip_config.json`` +
+``open_clip_model.safetensors``) or a bare state dict; ``export`` writes that folder, which
+``open_clip.create_model("local-dir:<folder>")`` loads.
+
+Each tower is fitted as timm's weights are (``attnlab.weights.timm_vision``): another image
+size resamples the image position embeddings, RGB weights adapt to another channel count, and a
+shorter caption length keeps the first text positions, each with a logged notice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from attnlab.core.errors import CheckpointError
+from attnlab.weights.checkpoint import check_fits
+from attnlab.weights.hf_files import read_weights
+from attnlab.weights.timm_vision import (
+    fit_input_channels,
+    fit_positions,
+    read_json,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG = "open_clip_config.json"
+CLIP_EOT = "<|endoftext|>"  # OpenAI CLIP's end-of-text (open_clip's vocabulary)
+CAPTION_EOT_ID = 2  # our caption tokenizer's end-of-text (attnlab.data.text.tokenizers.CaptionTokenizer)
+WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
+# open_clip's names inside a residual block -> ours
+_BLOCK = (
+    ("ln_1.", "norm1."),
+    ("ln_2.", "norm2."),
+    ("attn.in_proj_weight", "attn.in_proj.weight"),
+    ("attn.in_proj_bias", "attn.in_proj.bias"),
+    ("mlp.c_fc.", "mlp.fc1."),
+    ("mlp.c_proj.", "mlp.fc2."),
+)
+# open_clip's names outside the blocks -> ours (the projections transposed, see ``_RESHAPE``)
+_TOP = {
+    "visual.conv1.weight": "image.patch_embed.proj.weight",
+    "visual.class_embedding": "image.cls_token",
+    "visual.positional_embedding": "image.pos_embed",
+    "visual.ln_pre.weight": "image.norm_pre.weight",
+    "visual.ln_pre.bias": "image.norm_pre.bias",
+    "visual.ln_post.weight": "image.norm.weight",
+    "visual.ln_post.bias": "image.norm.bias",
+    "visual.proj": "image_proj.weight",
+    "token_embedding.weight": "text.embed.tokens.weight",
+    "positional_embedding": "text.embed.positions.emb.weight",
+    "ln_final.weight": "text.norm.weight",
+    "ln_final.bias": "text.norm.bias",
+    "text_projection": "text_proj.weight",
+    "logit_scale": "logit_scale",
+}
+_BLOCKS = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.*)$")
+
+
+def _ours(name: str) -> str | None:
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCKS.match(name)
+    if not m:
+        return None
+    rest = m[3]
+    for theirs, mine in _BLOCK:
+        rest = rest.replace(theirs, mine)
+    return f"{'image' if m[1] else 'text'}.blocks.{m[2]}.{rest}"
+
+
+def _reshape(name: str, value: Tensor) -> Tensor:
+    """open_clip's tensor under our name -> our shape (and back, with ``back=True``)."""
+    if name in ("image_proj.weight", "text_proj.weight"):
+        return value.t()  # x @ proj (D, E) <-> Linear weight (E, D)
+    if name == "image.cls_token":
+        return value.reshape(1, 1, -1)
+    if name == "image.pos_embed":
+        return value.unsqueeze(0)
+    if name == "logit_scale":
+        return value.reshape(1)
+    return value
+
+
+def state_dict_from_open_clip(state: dict[str, Tensor], where: Path) -> dict[str, Tensor]:
+    out = {}
+    for name, value in state.items():
+        if name == "attn_mask" or name.endswith(".attn_mask"):
+            continue  # the causal mask, a buffer older open_clip saved
+        mine = _ours(name)
+        if mine is None:
+            raise CheckpointError(
+                f"model.init_from={where}: {name} has no counterpart in our CLIP "
+                "(open_clip's ViT image tower and Transformer text tower are supported)"
+            )
+        out[mine] = _reshape(mine, value)
+    return out
+
+
+def state_dict_to_open_clip(net: nn.Module) -> dict[str, Tensor]:
+    back = {}
+    for theirs in list(_TOP):
+        back[_TOP[theirs]] = theirs
+    out = {}
+    for name, value in net.state_dict().items():
+        if name in back:
+            theirs = back[name]
+            if name in ("image_proj.weight", "text_proj.weight"):
+                value = value.t()
+            elif name in ("image.cls_token", "image.pos_embed"):
+                value = value.reshape(value.shape[-2:]) if name == "image.pos_embed" else value.reshape(-1)
+            elif name == "logit_scale":
+                value = value.reshape(())
+        else:
+            tower, _, index, rest = name.split(".", 3)
+            for t, mine in _BLOCK:
+                rest = rest.replace(mine, t)
+            theirs = f"{'visual.' if tower == 'image' else ''}transformer.resblocks.{index}.{rest}"
+        out[theirs] = value.detach().contiguous()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture in open_clip's config against ours
+
+
+def _act(module: nn.Module) -> str:
+    return "quick_gelu" if type(module).__name__ == "QuickGELU" else "gelu"
+
+
+def architecture_of(net: nn.Module) -> dict[str, Any]:
+    """What open_clip's config says about an architecture, read from our CLIP (no tensor shows
+    head counts, norms' eps, activations or pooling)."""
+    image, text = net.image, net.text
+    if type(image).__name__ != "VisionTransformer" or type(image.patch_embed).__name__ != "PatchEmbedding":
+        raise CheckpointError(
+            f"model.net.image: a {type(image).__name__} (stem {type(image.patch_embed).__name__}); "
+            "open_clip's image tower is a VisionTransformer with stem=patch"
+        )
+    block, tblock = image.blocks[0], text.blocks[0]
+    return {
+        "image heads": block.attn.n_head,
+        "image norm eps": block.norm1.eps,
+        "image act": _act(block.mlp.act),
+        "text heads": tblock.attn.n_head,
+        "text norm eps": tblock.norm1.eps,
+        "text act": _act(tblock.mlp.act),
+        "text pooling": text.pool,
+    }
+
+
+def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The same facts from an ``open_clip_config.json``'s ``model_cfg``, refusing what ours lacks."""
+    vision, text = model_cfg.get("vision_cfg", {}), model_cfg.get("text_cfg", {})
+    for key, what in (
+        ("timm_model_name", "a timm image tower"),
+        ("attentional_pool", "an attentional pooler"),
+        ("hf_model_name", "a transformers text tower"),
+        ("embed_cls", "a text [CLS] embedding"),
+        ("no_causal_mask", "a text tower without causal mask"),
+        ("proj_bias", "a text projection with bias"),
+    ):
+        if vision.get(key) or text.get(key):
+            raise CheckpointError(
+                f"model.init_from={where}: open_clip's {what} has no counterpart in our CLIP"
+            )
+    if vision.get("pool_type", "tok") != "tok":
+        raise CheckpointError(
+            f"model.init_from={where}: image pooling {vision['pool_type']!r}; ours reads the class token"
+        )
+    act = "quick_gelu" if model_cfg.get("quick_gelu") else "gelu"
+    pool = text.get("pool_type", "argmax")  # "eos": at the end-of-text token, which ends ours
+    pool = "last" if pool == "eos" else pool
+    width, head_width = vision.get("width", 768), vision.get("head_width", 64)
+    return {
+        "image heads": width // head_width,
+        "image norm eps": (vision.get("norm_kwargs") or {}).get("eps", 1e-5),
+        "image act": act,
+        "text heads": text.get("heads", 8),
+        "text norm eps": (text.get("norm_kwargs") or {}).get("eps", 1e-5),
+        "text act": act,
+        "text pooling": pool,
+    }
+
+
+# our config key for each fact, to say what to set
+_KEYS = {
+    "image heads": "model.net.image.n_head",
+    "image norm eps": "model.net.image.norm_eps",
+    "image act": "model.net.image.act",
+    "text heads": "model.net.text.n_head",
+    "text norm eps": "(the text tower's LayerNorms have eps 1e-5)",
+    "text act": "model.net.text.act",
+    "text pooling": "model.net.text.pool",
+}
+
+
+def check_architecture(net: nn.Module, model_cfg: dict[str, Any], where: Path) -> None:
+    ours, theirs = architecture_of(net), architecture_in(model_cfg, where)
+    for fact, value in theirs.items():
+        if ours[fact] != value:
+            raise CheckpointError(
+                f"model.init_from={where}: {fact} {value!r}, the net has {ours[fact]!r} ({_KEYS[fact]})"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# in
+
+
+def read_open_clip(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    """An open_clip folder (weights + ``open_clip_config.json``) or a bare state dict: (state,
+    ``model_cfg``)."""
+    if source.is_dir():
+        config = read_folder_config(source)
+        return read_weights(source, WEIGHT_FILES), config["model_cfg"]
+    return read_weights(source), None
+
+
+def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
+    """A text position table longer than the net's keeps its first rows (causal attention never
+    lets a caption's tokens see the positions after it, so short captions are unchanged)."""
+    key, length = "text.embed.positions.emb.weight", net.text.max_len
+    table = state.get(key)
+    if table is not None and table.shape[0] > length and table.shape[1] == net.text.dim:
+        state[key] = table[:length]
+        log.warning("model.init_from=%s: text positions cut from %d to %d", where, table.shape[0], length)
+
+
+def load(net: nn.Module, source: Path) -> None:
+    """``model.init_from``: an open_clip folder or state dict copied into our CLIP (both towers,
+    both projections and the logit scale)."""
+    state, model_cfg = read_open_clip(source)
+    if model_cfg is not None:
+        check_architecture(net, model_cfg, source)
+    state = state_dict_from_open_clip(state, source)
+    image = {k.removeprefix("image."): v for k, v in state.items() if k.startswith("image.")}
+    expected = net.image.state_dict()
+    fit_input_channels(image, expected, source)
+    fit_positions(net.image, image, source)
+    state |= {f"image.{k}": v for k, v in image.items()}
+    fit_context(net, state, source)
+    check_fits(net, state, source)
+    net.load_state_dict(state)
+    log.info("model.init_from=%s: open_clip weights loaded", source)
+
+
+# open_clip's defaults (its CLIPVisionCfg, CLIPTextCfg) for what a model_cfg leaves out
+_VISION_DEFAULTS = {"image_size": 224, "layers": 12, "width": 768, "head_width": 64, "patch_size": 16}
+_TEXT_DEFAULTS = {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12}
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip's OPENAI_DATASET_MEAN / _STD
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def read_folder_config(folder: Path) -> dict[str, Any]:
+    """``open_clip_config.json`` of an open_clip folder, with its ``model_cfg`` checked."""
+    config_file = folder / CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"model.init_from={folder}: no {CONFIG} (not a folder open_clip saved)")
+    config = read_json(config_file)
+    if not isinstance(config.get("model_cfg"), dict):
+        raise CheckpointError(f"model.init_from={config_file}: no 'model_cfg' (not an open_clip config)")
+    return config
+
+
+def preprocess(folder: Path) -> dict[str, Any]:
+    """What an open_clip folder says about its inputs, as our data's artifacts: the image size,
+    RGB, the normalisation (``preprocess_cfg``, else OpenAI's) and the caption length."""
+    config = read_folder_config(folder)
+    model_cfg, pre = config["model_cfg"], config.get("preprocess_cfg") or {}
+    size = (_VISION_DEFAULTS | model_cfg.get("vision_cfg", {}))["image_size"]
+    return {
+        "img_size": size if isinstance(size, int) else size[0],
+        "in_chans": 3,
+        "mean": list(pre.get("mean", OPENAI_MEAN)),
+        "std": list(pre.get("std", OPENAI_STD)),
+        "context_length": (_TEXT_DEFAULTS | model_cfg.get("text_cfg", {}))["context_length"],
+    }
+
+
+def clip_from_open_clip(folder: Path) -> nn.Module:
+    """Our CLIP built as an open_clip folder's ``model_cfg`` describes, with its weights: what
+    ``open_clip.create_model("local-dir:<folder>")`` gives, for ``attnlab-zeroshot init_from=``."""
+    from attnlab.models import CLIP, TextTransformer, VisionTransformer
+
+    model_cfg = read_folder_config(folder)["model_cfg"]
+    facts = architecture_in(model_cfg, folder)
+    vision = _VISION_DEFAULTS | model_cfg.get("vision_cfg", {})
+    text = _TEXT_DEFAULTS | model_cfg.get("text_cfg", {})
+    image = VisionTransformer(
+        0,
+        preprocess(folder)["img_size"],
+        3,
+        patch_size=vision["patch_size"],
+        dim=vision["width"],
+        depth=vision["layers"],
+        n_head=facts["image heads"],
+        mlp_ratio=vision.get("mlp_ratio", 4.0),
+        stem="patch",
+        pre_norm=not vision.get("no_ln_pre", False),
+        norm_eps=facts["image norm eps"],
+        patch_bias=False,
+        act=facts["image act"],
+    )
+    captions = TextTransformer(
+        text["vocab_size"],
+        max_len=text["context_length"],
+        dim=text["width"],
+        depth=text["layers"],
+        n_head=facts["text heads"],
+        mlp_ratio=text.get("mlp_ratio", 4.0),
+        pad_id=text.get("pad_id", 0),
+        act=facts["text act"],
+        pool=facts["text pooling"],
+    )
+    net = CLIP(image, captions, embed_dim=model_cfg["embed_dim"])
+    load(net, folder)
+    return net.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# out
+
+
+def model_config(net: nn.Module, artifacts: dict) -> dict[str, Any]:
+    """open_clip's ``model_cfg`` rebuilding ``net``; what open_clip cannot say is refused."""
+    facts, image, text = architecture_of(net), net.image, net.text
+    if image.patch_embed.proj.bias is not None or image.in_chans != 3:
+        raise CheckpointError(
+            "attnlab-export: open_clip's image tower takes RGB through a patch projection without "
+            f"bias (model.net.image: in_chans=3, patch_bias=false); this one takes {image.in_chans}"
+            f" channel(s), patch_bias={image.patch_embed.proj.bias is not None}"
+        )
+    if facts["image act"] != facts["text act"]:
+        raise CheckpointError("attnlab-export: open_clip has one activation for both towers; these differ")
+    dim, tdim = image.pos_embed.shape[-1], text.dim
+    vision = {
+        "image_size": image.img_size,
+        "layers": len(image.blocks),
+        "width": dim,
+        "head_width": dim // facts["image heads"],
+        "mlp_ratio": image.blocks[0].mlp.fc1.out_features / dim,
+        "patch_size": image.patch_embed.patch_size,
+        "no_ln_pre": isinstance(image.norm_pre, nn.Identity),
+    }
+    if facts["image norm eps"] != 1e-5:
+        vision["norm_kwargs"] = {"eps": facts["image norm eps"]}
+    text_cfg = {
+        "context_length": text.max_len,
+        "vocab_size": text.vocab_size,
+        "width": tdim,
+        "heads": facts["text heads"],
+        "layers": len(text.blocks),
+        "mlp_ratio": text.blocks[0].mlp.fc1.out_features / tdim,
+        "pad_id": text.pad_id,
+    }
+    if text.pool == "last":  # our captions end in end-of-text, then only padding
+        vocab = caption_vocab(artifacts)
+        text_cfg |= {"pool_type": "eos", "eos_id": vocab.get(CLIP_EOT, vocab.get("<eot>", CAPTION_EOT_ID))}
+    return {
+        "embed_dim": net.embed_dim,
+        "quick_gelu": facts["image act"] == "quick_gelu",
+        "vision_cfg": vision,
+        "text_cfg": text_cfg,
+    }
+
+
+def caption_vocab(artifacts: dict) -> dict[str, int]:
+    """The run's caption vocabulary (token -> id), read from its saved tokenizer; ``{}`` if none."""
+    saved = json.loads(artifacts.get("tokenizer") or "{}")
+    if saved.get("kind") != "caption":
+        return {}
+    return json.loads(saved["tokenizer"])["model"]["vocab"]
+
+
+def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
+    """``net`` as ``open_clip.push_to_hf_hub`` saves a model: ``open_clip_config.json``
+    (``model_cfg``, ``preprocess_cfg`` with the normalisation the run's data used) and
+    ``open_clip_model.safetensors``, with the run's caption tokenizer as ``tokenizer.json`` (which
+    ``model.init_from`` and ``attnlab-zeroshot init_from`` read back);
+    ``open_clip.create_model("local-dir:<out_dir>")`` loads it."""
+    from safetensors.torch import save_file
+
+    config: dict[str, Any] = {"model_cfg": model_config(net, artifacts)}
+    if "mean" in artifacts and "std" in artifacts:
+        config["preprocess_cfg"] = {"mean": list(artifacts["mean"]), "std": list(artifacts["std"])}
+    save_file(state_dict_to_open_clip(net), str(out_dir / "open_clip_model.safetensors"))
+    (out_dir / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_caption_tokenizer(artifacts, out_dir)
+    pre = config.get("preprocess_cfg")
+    log.info(
+        "%s: preprocess_cfg holds %s, the normalisation these weights were last trained with",
+        out_dir,
+        f"the run's data's mean {pre['mean']} and std {pre['std']}" if pre else "none (open_clip: OpenAI's)",
+    )
+
+
+def write_caption_tokenizer(artifacts: dict, out_dir: Path) -> None:
+    """The run's caption tokenizer as ``tokenizer.json`` (HF ``tokenizers``) beside the weights.
+    OpenAI CLIP's (a CLIP fine-tuned from an open_clip folder) is open_clip's own; one fitted on
+    the run's captions has no open_clip counterpart (its ``get_tokenizer`` gives OpenAI's ids):
+    only attnlab reads it back, as a notice says."""
+    vocab = caption_vocab(artifacts)
+    if not vocab:
+        log.warning("%s: the run has no caption tokenizer: the weights are exported without one", out_dir)
+        return
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_str(json.loads(artifacts["tokenizer"])["tokenizer"]).save(str(out_dir / "tokenizer.json"))
+    if CLIP_EOT in vocab:
+        log.info("%s: the captions' tokenizer is OpenAI CLIP's, open_clip's own (get_tokenizer)", out_dir)
+    else:
+        log.warning(
+            "%s: the run's caption tokenizer (fitted on its captions, %d tokens) is written as "
+            "tokenizer.json for attnlab (model.init_from, attnlab-zeroshot init_from); open_clip's "
+            "get_tokenizer does not read it: encode captions with it, not with open_clip's",
+            out_dir,
+            len(vocab),
+        )

@@ -1,0 +1,348 @@
+"""timm's ViT, DeiT (distilled) and Swin weights into ours, and ours out as timm's saved format.
+
+The layouts match (a packed q/k/v projection, the same norms and MLPs, the same token and
+position parameters); only some names differ. ``load`` and ``export`` are this family's converter
+(``attnlab.weights.pretrained``): ``model.init_from`` takes a folder as timm saves it
+(``timm.models.save_for_hf``: ``model.safetensors`` + ``config.json``) or a bare state dict
+(``.safetensors``, or ``.pth``/``.bin`` read with ``weights_only``); ``export`` writes that folder,
+which ``timm.create_model("local-dir:<folder>", pretrained=True)`` loads.
+
+What may differ from the configured net, each with a logged notice: the classification head
+(another number of classes: it stays freshly initialised), the image size (absolute position
+embeddings resampled with timm's ``resample_abs_pos_embed``; Swin's windows, where a small image
+shrinks them, with ``resize_rel_pos_bias_table``) and the input channels (timm's
+``adapt_input_conv``: RGB weights onto grayscale). Anything else that does not fit is one
+``CheckpointError`` naming the first tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.core.errors import CheckpointError
+from attnlab.weights.checkpoint import check_fits
+from attnlab.weights.hf_files import read_weights
+
+log = logging.getLogger(__name__)
+
+# timm name pattern -> ours
+_RENAMES = (
+    (re.compile(r"\.attn\.qkv\."), ".attn.in_proj."),
+    (re.compile(r"\.attn\.proj\."), ".attn.out_proj."),
+    (re.compile(r"^head\.fc\."), "head."),  # Swin's ClassifierHead
+)
+# ours -> timm (Swin's head is timm's ClassifierHead, ``head.fc``)
+_BACK = (
+    (re.compile(r"\.attn\.in_proj\."), ".attn.qkv."),
+    (re.compile(r"\.attn\.out_proj\."), ".attn.proj."),
+)
+# buffers older timm and Microsoft's Swin checkpoints carry; rebuilt by the model
+_REBUILT = re.compile(r"(relative_position_index|attn_mask)$")
+# the timm module each of our nets has its counterpart in, and that class's name
+TIMM_CLASS = {
+    "VisionTransformer": "VisionTransformer",
+    "DistilledVisionTransformer": "VisionTransformerDistilled",
+    "SwinTransformer": "SwinTransformer",
+}
+HEADS = ("head.", "head_dist.")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
+
+
+def state_dict_from_timm(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A timm ``vit_*``, ``deit_*distilled*`` or ``swin_*`` state dict, renamed for our models."""
+    out = {}
+    for name, value in state.items():
+        if _REBUILT.search(name):
+            continue
+        for pattern, new in _RENAMES:
+            name = pattern.sub(new, name)
+        out[name] = value
+    return out
+
+
+def state_dict_to_timm(net: nn.Module) -> dict[str, Tensor]:
+    """Our net's state dict under timm's names (contiguous tensors, as safetensors wants)."""
+    swin = type(net).__name__ == "SwinTransformer"
+    out = {}
+    for name, value in net.state_dict().items():
+        for pattern, new in _BACK:
+            name = pattern.sub(new, name)
+        if swin and name.startswith("head."):
+            name = "head.fc." + name.removeprefix("head.")
+        out[name] = value.detach().contiguous()
+    return out
+
+
+def load_timm_weights(model: nn.Module, timm_model: nn.Module) -> nn.Module:
+    """Copy ``timm_model``'s weights into ``model`` (same configuration; every tensor must fit)."""
+    model.load_state_dict(state_dict_from_timm(timm_model.state_dict()))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a saved model
+
+
+def read_json(file: Path, field: str = "model.init_from") -> dict[str, Any]:
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{field}={file}: not a JSON config ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{field}={file}: not a JSON object")
+    return config
+
+
+def read_timm(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    """A timm folder (weights + ``config.json``) or a bare state dict file: (state, config)."""
+    if source.is_dir():
+        config_file = source / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"model.init_from={source}: no config.json (not a folder timm saved)")
+        config = read_json(config_file)
+        if "architecture" not in config and "architecture" not in config.get("pretrained_cfg", {}):
+            raise CheckpointError(f"model.init_from={config_file}: no 'architecture' (not a timm config)")
+        return read_weights(source, WEIGHT_FILES), config
+    return read_weights(source), None
+
+
+def timm_reference(config: dict[str, Any], where: Path) -> nn.Module:
+    """timm's model that ``config`` describes, on the meta device (no memory, no init): its
+    class and hyper-parameters tell whether it is the architecture we are configured as."""
+    import timm
+
+    arch = config.get("architecture") or config["pretrained_cfg"]["architecture"]
+    if not timm.is_model(arch):
+        raise CheckpointError(f"model.init_from={where}: architecture {arch!r} is not a timm model")
+    try:
+        with torch.device("meta"):
+            return timm.create_model(arch, pretrained=False, **config.get("model_args", {}))
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:  # model_args timm refuses
+        raise CheckpointError(
+            f"model.init_from={where}: timm cannot build {arch} from its config ({e})"
+        ) from e
+
+
+def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> None:
+    """The family and head counts (which no tensor shape shows) must be ours."""
+    ours, theirs = type(net).__name__, type(reference).__name__
+    if TIMM_CLASS[ours] != theirs:
+        raise CheckpointError(
+            f"model.init_from={where}: a timm {theirs} ({reference.pretrained_cfg.get('architecture')}), "
+            f"but this run configures a {ours}; choose the matching model/net"
+        )
+    if ours != "SwinTransformer":  # the head reads [CLS] or the mean token, with no norm of its own
+        pool = reference.global_pool + (
+            " then fc_norm" if not isinstance(reference.fc_norm, nn.Identity) else ""
+        )
+        if pool != net.global_pool:
+            raise CheckpointError(
+                f"model.init_from={where}: timm's head reads global_pool={pool!r}, the net's reads "
+                f"{net.global_pool!r} (model.net.global_pool: token or avg, which has no fc_norm)"
+            )
+    if ours == "SwinTransformer":
+        heads = [stage.blocks[0].attn.num_heads for stage in reference.layers]
+        mine = [stage.blocks[0].attn.n_head for stage in net.layers]
+    else:
+        heads, mine = reference.blocks[0].attn.num_heads, net.blocks[0].attn.n_head
+    if heads != mine:
+        raise CheckpointError(
+            f"model.init_from={where}: {heads} attention heads, the net has {mine} (model.net.n_head)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting it to the configured net
+
+
+def fit_heads(state: dict[str, Tensor], expected: dict[str, Tensor], where: Path) -> None:
+    """Heads of another size (or absent on one side) stay as the net has them, with a notice."""
+    kept = [
+        k for k in expected if k.startswith(HEADS) and (k not in state or state[k].shape != expected[k].shape)
+    ]
+    dropped = [
+        k for k in state if k.startswith(HEADS) and (k not in expected or state[k].shape != expected[k].shape)
+    ]
+    for k in dropped:
+        del state[k]
+    for k in kept:
+        state[k] = expected[k]
+    if kept or dropped:
+        classes = next((tuple(v.shape) for k, v in expected.items() if k.startswith(HEADS)), "none")
+        log.warning(
+            "model.init_from=%s: the classification head does not fit (checkpoint %s, net %s): "
+            "it starts freshly initialised",
+            where,
+            ", ".join(dropped) or "none",
+            classes,
+        )
+
+
+def fit_input_channels(state: dict[str, Tensor], expected: dict[str, Tensor], where: Path) -> None:
+    from timm.models import adapt_input_conv
+
+    key = "patch_embed.proj.weight"
+    if key in state and key in expected and state[key].shape[1] != expected[key].shape[1]:
+        c_in, c_out = state[key].shape[1], expected[key].shape[1]
+        state[key] = adapt_input_conv(c_out, state[key])
+        log.warning(
+            "model.init_from=%s: %d input channels adapted to %d (timm's adapt_input_conv)",
+            where,
+            c_in,
+            c_out,
+        )
+
+
+def fit_positions(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
+    """ViT/DeiT: position embeddings of another grid resampled (bicubic) to the net's grid."""
+    from timm.layers import resample_abs_pos_embed
+
+    pos, prefix = state.get("pos_embed"), net.num_prefix_tokens
+    if pos is None or pos.shape == net.pos_embed.shape or pos.shape[-1] != net.pos_embed.shape[-1]:
+        return
+    old = round((pos.shape[1] - prefix) ** 0.5)
+    if old * old + prefix != pos.shape[1]:
+        return  # not a square grid behind the prefix tokens: check_fits names it
+    grid = net.patch_embed.grid_size
+    state["pos_embed"] = resample_abs_pos_embed(
+        pos, new_size=[grid, grid], old_size=[old, old], num_prefix_tokens=prefix
+    )
+    log.warning(
+        "model.init_from=%s: position embeddings resampled from a %dx%d to a %dx%d grid",
+        where,
+        old,
+        old,
+        grid,
+        grid,
+    )
+
+
+def fit_windows(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
+    """Swin: relative-position-bias tables of another window (a small image shrinks the last
+    stages' windows) resized to the net's with timm's ``resize_rel_pos_bias_table``."""
+    from timm.layers import resize_rel_pos_bias_table
+
+    resized = set()
+    for name, table in net.state_dict().items():
+        if (
+            name.endswith("relative_position_bias_table")
+            and name in state
+            and state[name].shape != table.shape
+        ):
+            if state[name].shape[1] != table.shape[1]:
+                continue  # other head counts: check_fits names it
+            window = round((table.shape[0] ** 0.5 + 1) / 2)
+            state[name] = resize_rel_pos_bias_table(state[name], (window, window), tuple(table.shape))
+            resized.add(window)
+    if resized:
+        log.warning(
+            "model.init_from=%s: relative-position-bias tables resized to windows of %s",
+            where,
+            sorted(resized),
+        )
+
+
+def load(net: nn.Module, source: Path) -> None:
+    """``model.init_from``: a timm folder or state dict copied into ``net``, fitted to its head,
+    image size and channels with notices; anything else that does not fit is refused."""
+    state, config = read_timm(source)
+    if config is not None:
+        check_architecture(net, timm_reference(config, source), source)
+    state, expected = state_dict_from_timm(state), net.state_dict()
+    fit_heads(state, expected, source)
+    fit_input_channels(state, expected, source)
+    if type(net).__name__ == "SwinTransformer":
+        fit_windows(net, state, source)
+    else:
+        fit_positions(net, state, source)
+    check_fits(net, state, source)
+    net.load_state_dict(state)
+    log.info("model.init_from=%s: timm weights loaded", source)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing ours as timm's
+
+
+def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
+    """The timm architecture and ``model_args`` that rebuild ``net`` exactly."""
+    name = type(net).__name__
+    stem = type(net.patch_embed).__name__
+    if stem != "PatchEmbedding":
+        raise CheckpointError(
+            f"attnlab-export: a {name} with a conv stem has no timm counterpart (stem=patch has)"
+        )
+    args: dict[str, Any] = {
+        "num_classes": net.num_classes,
+        "img_size": net.img_size,
+        "in_chans": net.in_chans,
+        "patch_size": net.patch_embed.patch_size,
+    }
+    if name == "SwinTransformer":
+        first = net.layers[0].blocks[0]
+        window = max(stage.blocks[0].attn.window for stage in net.layers)
+        depths = [len(stage.blocks) for stage in net.layers]
+        heads = [stage.blocks[0].attn.n_head for stage in net.layers]
+        dim = first.attn.in_proj.in_features
+        mlp_ratio = first.mlp.fc1.out_features / dim
+        return "swin_tiny_patch4_window7_224", {
+            **args,
+            "embed_dim": dim,
+            "depths": depths,
+            "num_heads": heads,
+            "window_size": window,
+            "mlp_ratio": mlp_ratio,
+        }
+    block = net.blocks[0]
+    dim = net.pos_embed.shape[-1]
+    if block.norm1.eps != 1e-6 or net.patch_embed.proj.bias is None:
+        raise CheckpointError(
+            f"attnlab-export: timm's ViT config cannot say norm_eps={block.norm1.eps} or patch_bias=false "
+            "(export CLIP's image tower with its CLIP instead)"
+        )
+    args |= {
+        "embed_dim": dim,
+        "depth": len(net.blocks),
+        "num_heads": block.attn.n_head,
+        "mlp_ratio": block.mlp.fc1.out_features / dim,
+        "pre_norm": not isinstance(net.norm_pre, nn.Identity),
+    }
+    if net.global_pool == "avg":  # the mean of the normalised tokens: timm's without fc_norm
+        args |= {"global_pool": "avg", "fc_norm": False}
+    if type(block.mlp.act).__name__ == "QuickGELU":
+        args["act_layer"] = "quick_gelu"
+    arch = (
+        "deit_tiny_distilled_patch16_224" if name == "DistilledVisionTransformer" else "vit_tiny_patch16_224"
+    )
+    return arch, args
+
+
+def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
+    """``net`` as timm saves a model: ``model.safetensors`` under timm's names and ``config.json``
+    (``architecture``, ``model_args`` rebuilding it, ``pretrained_cfg`` with the data's
+    normalisation, the class names); ``timm.create_model("local-dir:<out_dir>", pretrained=True)``
+    loads it."""
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    arch, args = timm_args(net)
+    reference = timm_reference({"architecture": arch, "model_args": args}, out_dir)
+    state = state_dict_to_timm(net)
+    check_fits(reference, state, Path(f"{type(net).__name__} (timm's {arch})"))
+    data: dict[str, Any] = {"input_size": (net.in_chans, net.img_size, net.img_size), "crop_pct": 1.0}
+    if "mean" in artifacts and "std" in artifacts:
+        data |= {"mean": tuple(artifacts["mean"]), "std": tuple(artifacts["std"])}
+    model_config: dict[str, Any] = (
+        {"label_names": list(artifacts["classes"])} if artifacts.get("classes") else {}
+    )
+    save_file(state, str(out_dir / "model.safetensors"))
+    save_config_for_hf(
+        reference, out_dir / "config.json", model_config=model_config, model_args=args, data_config=data
+    )
