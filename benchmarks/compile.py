@@ -1,4 +1,4 @@
-"""Cold start and steady-state training step of model.compile=false, true and regional.
+"""Cold start and steady-state training step of model.optim.compile=false, true and regional.
 
 For the GPT of experiment=gpt_shakespeare_char (random tokens of its vocabulary) and the ViT of
 experiment=vit_fashion_mnist (random 28x28 images), each setting in a fresh process with an empty
@@ -43,7 +43,7 @@ GPU_VARIANTS = ["true:reduce-overhead", "regional:reduce-overhead"]  # CUDA grap
 
 
 def parse_variant(variant: str) -> tuple[bool | str, str]:
-    """``true``, ``regional:reduce-overhead`` -> (model.compile, model.compile_mode)."""
+    """``true``, ``regional:reduce-overhead`` -> (model.optim.compile, model.optim.compile_mode)."""
     scope, _, mode = variant.partition(":")
     value = {"false": False, "true": True, "regional": "regional"}.get(scope)
     if value is None:
@@ -158,7 +158,7 @@ def run_child(model: str, variant: str, args: argparse.Namespace) -> dict:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"error: {model} with model.compile={variant} failed (exit {proc.returncode})")
+        raise SystemExit(f"error: {model} with model.optim.compile={variant} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -169,7 +169,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=None,
-        help="model.compile[:model.compile_mode] each; default: false true regional, and with "
+        help="model.optim.compile[:model.optim.compile_mode] each; default: false true regional, and with "
         "reduce-overhead (CUDA graphs) on a GPU",
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 50; 3 with --smoke)")
@@ -202,10 +202,10 @@ def main() -> None:
             print(f"{model} {variant}: {result}", file=sys.stderr, flush=True)
     machine = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
     print(
-        f"\nmodel.compile, {machine}, torch {torch.__version__}, {rows[0][2]['precision']}, "
+        f"\nmodel.optim.compile, {machine}, torch {torch.__version__}, {rows[0][2]['precision']}, "
         f"{args.steps} steps timed after {args.warmup}{' (smoke: tiny nets)' if args.smoke else ''}\n"
     )
-    print("| model | model.compile | cold start (s) | step (ms) | step vs eager | graphs compiled |")
+    print("| model | model.optim.compile | cold start (s) | step (ms) | step vs eager | graphs compiled |")
     print("|---|---|---:|---:|---:|---:|")
     eager = {m: r["step_ms"] for m, v, r in rows if v == "false"}
     for model, variant, r in rows:

@@ -83,8 +83,8 @@ def compose_experiment(
         f"paths.output_dir={out}",
         "extras.print_config=false",
     ]
-    args += [f"data.data_dir={data_dir}"] if data_dir else ["data.corpus=pydoc"]
-    args += [f"model.compile={compile_}", f"model.compile_mode={mode}", *overrides]
+    args += [f"data.source.data_dir={data_dir}"] if data_dir else ["data/source=pydoc"]
+    args += [f"model.optim.compile={compile_}", f"model.optim.compile_mode={mode}", *overrides]
     return compose_train(args)
 
 
@@ -131,10 +131,10 @@ def plain_loop_ms(cfg: DictConfig, precision: str, steps: int, warmup: int) -> f
     torch.manual_seed(0)
     device = "cuda" if CUDA else "cpu"  # the Trainer's accelerator: auto
     net = instantiate(cfg.model.net).to(device)
-    opt = instantiate(cfg.model.optimizer)(param_groups(net, cfg.model.weight_decay))
-    schedule = instantiate(cfg.model.scheduler)(opt) if cfg.model.get("scheduler") else None
-    compile_net(net, cfg.model.compile, cfg.model.compile_mode)
-    data, t, b = dm.train_tokens, dm.block_size, dm.batch_size
+    opt = instantiate(cfg.model.optim.optimizer)(param_groups(net, cfg.model.optim.weight_decay))
+    schedule = instantiate(cfg.model.optim.scheduler)(opt) if cfg.model.optim.get("scheduler") else None
+    compile_net(net, cfg.model.optim.compile, cfg.model.optim.compile_mode)
+    data, t, b = dm.train_tokens, dm.max_len, dm.batch_size
     ctx = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     clip = cfg.trainer.gradient_clip_val
     start = 0.0
@@ -195,7 +195,9 @@ def main() -> None:
             bare = attnlab_ms(cfg.copy(), precision, args.steps, args.warmup)
             ours = attnlab_ms(cfg.copy(), precision, args.steps, args.warmup, callbacks=True)
             rows.append((precision, ours, bare, ref))
-    compiled = "" if args.compile == "false" else f", model.compile={args.compile} ({args.compile_mode})"
+    compiled = (
+        "" if args.compile == "false" else f", model.optim.compile={args.compile} ({args.compile_mode})"
+    )
     print(
         f"\nGPT (gpt_shakespeare_char config{compiled}), ms per training step over {args.steps} steps, "
         f"{machine}, {torch.get_num_threads()} threads, attn_impl={cfg.model.net.get('attn_impl')} in all"

@@ -1,6 +1,6 @@
 """Issue 56's GPU check in one run (``scripts/gpu_bench.sh``): one markdown table, one row a bar.
 
-On one H100/H200, bf16 autocast, compiled ((a) by the Task's ``model.compile``, (b) and (c) each
+On one H100/H200, bf16 autocast, compiled ((a) by the Task's ``model.optim.compile``, (b) and (c) each
 Transformer block in place, regional compilation, for both sides alike):
 
 (a) a GPT of GPT-2 small's shape (124 M parameters: 12 layers, 12 heads, dim 768, vocab 50304,
@@ -250,9 +250,9 @@ def gpt_trainer(setup: Setup) -> list[Row]:
     shards = write_random_shards(Path(setup.workdir), s)
     overrides = gpt_overrides(s, s.seq) + [
         "data=token_shards",
-        f"data.shards_dir={shards}",
+        f"data.source.path={shards}",
         f"data.batch_size={s.batch}",
-        f"model.compile={'regional' if setup.compile else 'false'}",
+        f"model.optim.compile={'regional' if setup.compile else 'false'}",
         f"paths.output_dir={setup.workdir}/gpt",
         *setup.extra,
     ]
@@ -260,7 +260,7 @@ def gpt_trainer(setup: Setup) -> list[Row]:
         overrides.append("data.num_workers=0")  # a loader process costs a CPU smoke seconds
     cfg = compose_train(overrides)
     ms = attnlab_ms(cfg, setup.precision, s.steps, s.warmup)
-    n, batch, seq = cfg.model.net, cfg.data.batch_size, cfg.data.block_size  # --override included
+    n, batch, seq = cfg.model.net, cfg.data.batch_size, cfg.data.max_len  # --override included
     with torch.device("meta"):
         net = instantiate(n, vocab_size=s.vocab)
         flops = step_flops(net, torch.zeros(batch, seq, dtype=torch.long))
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a Hydra override for (a)'s Trainer run, e.g. --override model.compile=regional",
+        help="a Hydra override for (a)'s Trainer run, e.g. --override model.optim.compile=regional",
     )
     parser.add_argument(
         "--budget-s",

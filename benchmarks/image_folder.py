@@ -55,19 +55,16 @@ def write_folder(root: Path, count: int, data_dir: str, seed: int = 0) -> None:
 
 def datamodule(source: str, path: Path, workers: int, batch: int, val_size: int):
     from attnlab.data import ImageFilesDataModule
+    from attnlab.data.sources import Folder, StreamedShards
 
-    where = {"data_dir": str(path)} if source == "folder" else {"shards_dir": str(path)}
     dm = ImageFilesDataModule(
-        source,
-        **where,
-        val_size=val_size,
+        Folder(str(path), val_size) if source == "folder" else StreamedShards(str(path)),
         img_size=32,
         in_chans=1,
         batch_size=batch,
         auto_augment="rand-m9-mstd0.5",
         random_erasing=0.25,
-        mixup_alpha=0.8,
-        cutmix_alpha=1.0,
+        mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
         num_workers=workers,
     )
     dm.setup("fit")
@@ -113,7 +110,7 @@ def vit_images_per_s(batch: int, steps: int) -> float:
     return batch / statistics.median(times)
 
 
-def train_accuracy(data: list[str], steps: int, val_size: int, out: Path) -> float:
+def train_accuracy(data: list[str], steps: int, out: Path) -> float:
     from attnlab.cli.common import compose_train
     from attnlab.cli.train import train
 
@@ -123,8 +120,7 @@ def train_accuracy(data: list[str], steps: int, val_size: int, out: Path) -> flo
             *data,
             "data.img_size=32",
             "data.in_chans=1",
-            f"data.val_size={val_size}",
-            "model.compile=false",
+            "model.optim.compile=false",
             f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={max(steps // 2, 1)}",
             "trainer.enable_progress_bar=false",
@@ -189,15 +185,14 @@ def main() -> None:
     )
     if args.train_steps:
         folder_acc = train_accuracy(
-            ["data=image_folder", f"data.data_dir={folder}", f"data.num_workers={args.workers}"],
+            ["data=image_folder", f"data.source.path={folder}", f"data.source.val_size={val}"]
+            + [f"data.num_workers={args.workers}"],
             args.train_steps,
-            val,
             work / "run_folder",
         )
         shard_acc = train_accuracy(
-            ["data=image_shards", f"data.shards_dir={shards}", f"data.num_workers={args.workers}"],
+            ["data=image_shards", f"data.source.path={shards}", f"data.num_workers={args.workers}"],
             args.train_steps,
-            val,
             work / "run_shards",
         )
         print(

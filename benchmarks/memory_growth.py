@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, fixed: bool, out: Path) -> list[tuple[int, flo
         f"+callbacks.rss.every={args.every}",
         f"paths.root_dir={out}",
         f"paths.output_dir={out / ('fixed' if fixed else 'varying')}",
-        *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
+        *([f"data.source.data_dir={args.data_dir}"] if args.data_dir else []),
         *(["trainer.overfit_batches=1"] if fixed else []),
         *args.overrides,
     ]

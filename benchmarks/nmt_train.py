@@ -100,6 +100,7 @@ def train_tokens_per_s(
 
 
 def decoding(args: argparse.Namespace, with_bf16: bool) -> None:
+    from attnlab.data.sources import Builtin
     from attnlab.data.text.translation import TranslationDataModule, read_parallel
     from attnlab.inference.runs import TrainedRun
     from attnlab.inference.translation import translate_sentences
@@ -110,7 +111,7 @@ def decoding(args: argparse.Namespace, with_bf16: bool) -> None:
         run = TrainedRun(args.ckpt, Path("logs"))
         net, tok, what = run.net(), run.tokenizer, f"checkpoint {run.path}"
     else:
-        dm = TranslationDataModule(data_dir=str(data), cache_dir="data")
+        dm = TranslationDataModule(Builtin("multi30k", data_dir=str(data), cache_dir="data"))
         dm.setup()
         torch.manual_seed(0)
         net, tok, what = ours().eval(), dm.tokenizer, "random weights (outputs run to the length limit)"

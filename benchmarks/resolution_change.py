@@ -8,7 +8,7 @@ Goal: after the short fine-tune, the source's accuracy within noise (a few tenth
 
     uv run python benchmarks/resolution_change.py --data-dir ../shared/data/fashion_mnist
     uv run python benchmarks/resolution_change.py --steps 200 --finetune-steps 50 \
-        model.compile=false model.net.depth=2 data.batch_size=32    # a smoke run: any override, both runs
+        model.optim.compile=false model.net.depth=2 data.batch_size=32  # a smoke run: any override, both
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     root = Path(args.out or tempfile.mkdtemp(prefix="resolution_change_")).resolve()
     common = [
         "experiment=vit_fashion_mnist",
-        f"data.data_dir={Path(args.data_dir).resolve()}",
+        f"data.source.data_dir={Path(args.data_dir).resolve()}",
         "model.net.stem=patch",
         *args.overrides,
     ]
@@ -98,8 +98,8 @@ def main() -> None:
             f"model.init_from={export}",
             f"trainer.max_steps={args.finetune_steps}",
             f"trainer.val_check_interval={max(1, args.finetune_steps // 2)}",
-            "model.optimizer.lr=3e-4",
-            f"model.scheduler.warmup_steps={warmup}",
+            "model.optim.optimizer.lr=3e-4",
+            f"model.optim.scheduler.warmup_steps={warmup}",
             "callbacks.ema.multi_avg_fn.decay=0.99",
         ],
     )

@@ -54,7 +54,7 @@ def sweep_args(args: argparse.Namespace, n_jobs: int, sweep_dir: Path) -> list[s
         f"sweep.n_trials={args.trials}",
         f"sweep.n_jobs={n_jobs}",
         "~sweep.params",
-        "+sweep.params.model.optimizer.lr=tag(log, interval(3e-4, 3e-3))",
+        "+sweep.params.model.optim.optimizer.lr=tag(log, interval(3e-4, 3e-3))",
         "sweep.sampler._target_=optuna.samplers.RandomSampler",
         "~sweep.sampler.n_startup_trials",
         "sweep.sampler.seed=0",
@@ -88,7 +88,7 @@ def run_sweep(args: argparse.Namespace, n_jobs: int, work: Path) -> dict:
         "trial": statistics.fmean(e - s for s, e in spans),
         "overlapping": overlapping,
         "states": {t.state.name.lower() for t in trials},
-        "params": sorted(round(t.params["model.optimizer.lr"], 12) for t in trials),
+        "params": sorted(round(t.params["model.optim.optimizer.lr"], 12) for t in trials),
         "slots": "; ".join(s.label or "all it has" for s in device_slots(n_jobs, None, args.accelerator, 1)),
     }
 

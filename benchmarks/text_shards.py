@@ -47,12 +47,12 @@ def child(mode: str, shards: str, steps: int, warmup: int) -> None:
 
     overrides = ["experiment=gpt_shakespeare_char", "paths.output_dir=/tmp/attnlab-shards-run"]
     overrides += (
-        ["data=token_shards", f"data.shards_dir={shards}"] if mode == "shards" else ["data.corpus=pydoc"]
+        ["data=token_shards", f"data.source.path={shards}"] if mode == "shards" else ["data/source=pydoc"]
     )
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     ms = attnlab_ms(cfg, "32-true", steps, warmup)
-    tokens = cfg.data.batch_size * cfg.data.block_size
+    tokens = cfg.data.batch_size * cfg.data.max_len
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"mode": mode, "ms": ms, "tokens_per_s": tokens / ms * 1000, "rss_mb": rss_mb}))
 

@@ -6,7 +6,7 @@ target the source's words reversed through it: a vocabulary BPE has to work at),
 ``attnlab-prepare --mode translation``'s code (lines/s and MB/s printed), then trains the
 nmt_transformer_multi30k model for ``--steps`` steps, each run a fresh ``attnlab-train`` process:
 from the shards (``data=translation_shards``) and, with ``--memory``, from the same pairs read
-whole (the in-memory path, as Multi30k files in ``data.data_dir``). Prints each run's wall time and
+whole (the in-memory path, as Multi30k files in ``data.source.data_dir``). Prints each run's wall time and
 peak resident memory (the largest of the process and its loader workers).
 
     uv run python benchmarks/translation_shards.py [--lines 3000000] [--steps 50] [--memory]
@@ -127,9 +127,10 @@ def main() -> None:
         f"prepare: {args.lines / seconds:,.0f} lines/s, {size / 1e6 / seconds:.1f} MB/s "
         f"({args.workers} workers, BPE trained on the first 100 MB included), {cpu_model()}"
     )
-    runs = [("shards", ["data=translation_shards", f"data.shards_dir={work / 'shards'}"])]
+    runs = [("shards", ["data=translation_shards", f"data.source.path={work / 'shards'}"])]
     if args.memory:
-        runs.append(("in memory", [f"data.data_dir={work / 'corpus'}", f"data.cache_dir={work / 'cache'}"]))
+        in_memory = [f"data.source.data_dir={work / 'corpus'}", f"data.source.cache_dir={work / 'cache'}"]
+        runs.append(("in memory", in_memory))
     print(f"\nnmt_transformer_multi30k, {args.steps} steps (a fresh process each)")
     print(f"{'data':<12}{'wall s':>8}{'peak RSS':>12}")
     for name, data in runs:

@@ -115,17 +115,16 @@ def paired_images_per_s(
 
 def loader_images_per_s(data_dir: str, batch: int, batches: int) -> float:
     from attnlab.data import ImageClassificationDataModule
+    from attnlab.data.sources import Builtin
 
     dm = ImageClassificationDataModule(
-        "fashion_mnist",
-        data_dir,
+        Builtin("fashion_mnist", data_dir),
         batch_size=batch,
         crop_padding=2,
         hflip=0.5,
         rand_augment="rand-m9-mstd0.5-inc1",
         random_erasing=0.25,
-        mixup_alpha=0.8,
-        cutmix_alpha=1.0,
+        mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
     )
     dm.setup("fit")
     dm.trainer = type("Training", (), {"training": True})()

@@ -4,7 +4,7 @@
 # flex against flash SDPA at T = 4,096; the trainer's overhead against a plain loop. The table is
 # also written to $OUT/gpu_bench.md when OUT is set. Sized to end within 8 minutes on one
 # H100/H200, compiles included; run it alone on the GPU:
-#   bash scripts/gpu_bench.sh [--parts abcd] [--set batch=64] [--override model.compile=regional]
+#   bash scripts/gpu_bench.sh [--parts abcd] [--set batch=64] [--override model.optim.compile=regional]
 #   bash scripts/gpu_bench.sh --smoke         # the same code reduced, on a CPU, in seconds (CI)
 # Python: $PYTHON if set, else `uv run python` where uv is installed, else python3 with src/ on
 # PYTHONPATH (an image that already holds torch, Lightning, Hydra and timm).

@@ -207,6 +207,19 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str, status: 
         assert n in text, f"{n!r} not in:\n{text[-3000:]}"
 
 
+def spec_refusal(target: str, **values: Any) -> str:
+    """The one-line refusal of ``values`` for ``target`` (``attnlab.models.GPT``) at ``model.net``
+    by its signature's spec, as the config check gives it before anything is built."""
+    from omegaconf import OmegaConf
+
+    from attnlab.core.config import check_types
+    from attnlab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        check_types(OmegaConf.create({"_target_": target, **values}), "model.net")
+    return str(e.value)
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished tiny run of the default experiment; returns its output directory."""
@@ -292,7 +305,7 @@ def write_cifar(folder: Path, n: int = 4) -> Path:
 
 
 VISION_NETS = {
-    "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.compile=false"],
+    "vit": ["model.net.dim=16", "model.net.depth=1", "model.net.n_head=2", "model.optim.compile=false"],
     "swin": ["model.net.dim=8", "model.net.depths=[1,1,1]", "model.net.n_head=[1,2,2]"],
     "convnet": ["model.net.widths=[4,8]"],
     "perceiver": [
@@ -315,21 +328,26 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     if "scenes" in experiment:  # scenes of 2 fake images each: 32 to train on, 8 each to evaluate
         data = write_idx_dataset(tmp / "idx")
         scenes = [
-            "data.n_train=32",
-            "data.n_val=8",
-            "data.n_test=8",
+            "data.train_size=32",
+            "data.val_size=8",
+            "data.test_size=8",
             "data.items=[2,2]",
             "data.canvas=64",
             "data.batch_size=4",
         ]
-        return [f"data.data_dir={data}", *scenes, *VISION_NETS[kind]]
+        return [f"data.source.data_dir={data}", *scenes, *VISION_NETS[kind]]
     if "cifar" in experiment:
         data = write_cifar(tmp / "cifar" / "cifar-10-batches-py", n=4).parent
     else:
         data = write_idx_dataset(tmp / "idx")
     # batches of 4 for the 10 CIFAR training images: under 2 processes each gets 5, one batch
     batch = 4 if "cifar" in experiment else 8
-    out = [f"data.data_dir={data}", f"data.batch_size={batch}", "data.val_size=10", "model.plot_images=0"]
+    out = [
+        f"data.source.data_dir={data}",
+        f"data.batch_size={batch}",
+        "data.val_size=10",
+        "model.plot_images=0",
+    ]
     out += VISION_NETS["vit" if kind == "deit" else kind]
     if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
         # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
@@ -433,13 +451,13 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
     """Tiny CLIP towers on fake IDX files (generated captions) or a fake pairs file."""
     if experiment == "clip_pairs":
         data = [
-            f"data.pairs_file={write_pairs(tmp / 'pairs', n=24)}",
+            f"data.source.path={write_pairs(tmp / 'pairs', n=24)}",
             "data.img_size=16",
             "data.val_size=6",
             "data.num_workers=0",
         ]
     else:
-        data = [f"data.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
+        data = [f"data.source.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
     return [*CLIP_TINY, *data]
 
 
@@ -461,10 +479,10 @@ def captioning_overrides(experiment: str, tmp: Path) -> list[str]:
     images."""
     return [
         *SAT_TINY,
-        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
-        "data.n_train=48",
-        "data.n_val=12",
-        "data.n_test=12",
+        f"data.source.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.train_size=48",
+        "data.val_size=12",
+        "data.test_size=12",
         "data.batch_size=8",
     ]
 
@@ -492,10 +510,10 @@ def flamingo_overrides(experiment: str, tmp: Path, init_from: bool = False) -> l
     and test made of fake IDX images: its convnet, its GPT (on their captions) and the captioner, whose
     frozen parts are random unless ``init_from`` (then the newest runs of the other two)."""
     scenes = [
-        f"data.data_dir={write_idx_dataset(tmp / 'idx')}",
-        "data.n_train=48",
-        "data.n_val=12",
-        "data.n_test=12",
+        f"data.source.data_dir={write_idx_dataset(tmp / 'idx')}",
+        "data.train_size=48",
+        "data.val_size=12",
+        "data.test_size=12",
     ]
     if experiment == "gpt_scene_captions":
         size = ["model.net.dim=32", "model.net.depth=2", "model.net.n_head=2", "model.net.max_len=32"]
@@ -584,14 +602,14 @@ def bert_overrides(experiment: str, tmp: Path) -> list[str]:
     """A one-block BERT on fake SST-2 files or the CoNLL fixture (no download, no pre-training run)."""
     data = CONLL_FIXTURE if "ner" in experiment else write_sst2(tmp / "sst2")
     out = [
-        f"data.data_dir={data}",
+        f"data.source.data_dir={data}",
         "data.vocab_size=120",
         "data.max_tokens=128",
         "model.plot_sentences=0",
         *BERT_TINY,
     ]
     if "pretrain" in experiment:  # 7 held-out documents each: shared out by 2 or 3 processes unevenly
-        out += ["data.val_fraction=0.12", "data.test_fraction=0.12"]
+        out += ["data.val_size=0.12", "data.test_size=0.12"]
     return out + (["model.init_from=null"] if "finetune" in experiment else [])
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.core.errors import ConfigError
 from attnlab.nn import KVCache, MultiHeadAttention, causal_mask, scaled_dot_product_attention
+from conftest import spec_refusal
 
 B, T, C, H = 3, 7, 32, 4
 
@@ -128,7 +128,9 @@ def test_causal_mask_is_bottom_right_aligned():
     assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
 
 
-@pytest.mark.parametrize("dim,n_head", [(30, 4), (0, 1), (8, 0)])
-def test_bad_head_split_is_a_config_error(dim, n_head):
-    with pytest.raises(ConfigError, match="n_head"):
-        MultiHeadAttention(dim, n_head)
+def test_bad_head_split_is_refused():
+    with pytest.raises(ValueError, match=r"^dim: must be divisible by n_head \(4\), got 30$"):
+        MultiHeadAttention(30, 4)
+    attention = "attnlab.nn.MultiHeadAttention"  # a value alone: refused by the signature's spec
+    assert spec_refusal(attention, dim=0, n_head=1).startswith("model.net.dim=0: must be greater than 0")
+    assert spec_refusal(attention, dim=8, n_head=0).startswith("model.net.n_head=0: must be greater than 0")

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attnlab.cli.common import config_dir
+from attnlab.data.sources import Files, SplitFiles
 from attnlab.data.text.classification import SentenceClassificationDataModule, TokenClassificationDataModule
 from attnlab.data.text.formats import read_corpus, read_tsv
 from attnlab.data.text.masked_lm import (
@@ -23,7 +24,7 @@ from attnlab.data.text.masked_lm import (
     mask_tokens,
 )
 from attnlab.data.text.tokenizers import WordPieceTokenizer
-from attnlab.models.text.bert import Bert, BertPreTraining, BertSequenceClassifier
+from attnlab.models.text.bert import Bert, BertPreTraining
 from attnlab.weights.bert import load_hf_weights
 from attnlab.weights.checkpoint import load_checkpoint, metadata
 from conftest import (
@@ -34,6 +35,7 @@ from conftest import (
     read_metrics,
     run_cli,
     run_dirs,
+    spec_refusal,
     write_sst2,
 )
 from test_classification import assert_refused, train_here
@@ -192,12 +194,11 @@ def test_corpus_formats(tmp_path):
 def test_pretraining_data_batches(tmp_path):
     sst = write_sst2(tmp_path / "sst", n=200)
     dm = MaskedLMDataModule(
-        files=["alps_train.tsv", "alps_dev.tsv"],
-        data_dir=str(sst),
+        Files(["alps_train.tsv", "alps_dev.tsv"], data_dir=str(sst)),
         vocab_size=100,
         max_len=16,
         max_tokens=64,
-        val_fraction=0.1,
+        val_size=0.1,
     )
     dm.setup()
     assert dm.model_kwargs()["encoder"]["pad_id"] == TOK.pad_id
@@ -216,10 +217,7 @@ def test_pretraining_data_batches(tmp_path):
 def test_sentence_and_token_classification_data(tmp_path):
     sst = write_sst2(tmp_path / "sst")
     dm = SentenceClassificationDataModule(
-        "alps_train.tsv",
-        "alps_dev.tsv",
-        "dev.tsv",
-        data_dir=str(sst),
+        SplitFiles("alps_train.tsv", "alps_dev.tsv", "dev.tsv", data_dir=str(sst)),
         vocab_size=100,
         max_len=8,
         class_names=["negative", "positive"],
@@ -229,7 +227,7 @@ def test_sentence_and_token_classification_data(tmp_path):
     assert ids[0] == TOK.cls_id and ids[-1] == TOK.sep_id and len(ids) <= 8 and set(segments) == {0}
     assert label in (0, 1) and dm.model_kwargs()["num_classes"] == 2
     ner = TokenClassificationDataModule(
-        "train.txt", "dev.txt", "test.txt", data_dir=str(CONLL_FIXTURE), vocab_size=200
+        SplitFiles("train.txt", "dev.txt", "test.txt", data_dir=str(CONLL_FIXTURE)), vocab_size=200
     )
     ner.setup()
     assert {"O", "B-PER", "I-PER", "B-LOC", "B-ORG"} <= set(ner.classes)
@@ -250,7 +248,7 @@ def pretrained(tmp_path_factory) -> Path:
         "bert_pretrain_sst2",
         "experiment=bert_pretrain_sst2",
         *TINY_RUN,
-        f"data.data_dir={sst}",
+        f"data.source.data_dir={sst}",
         "model.plot_sentences=1",
     )
     return tmp
@@ -278,10 +276,10 @@ def test_finetuning_starts_from_the_pretrained_encoder_and_tokenizer(pretrained,
         "bert_finetune_sst2",
         "experiment=bert_finetune_sst2",
         *TINY_RUN,
-        f"data.data_dir={sst}",
+        f"data.source.data_dir={sst}",
         "trainer.max_steps=1",
         "trainer.val_check_interval=1",
-        "model.optimizer.lr=0.0",
+        "model.optim.optimizer.lr=0.0",
     )
     tuned = load_checkpoint(last_ckpt(pretrained, "bert_finetune_sst2"))
     enc = {k: v for k, v in pre["state_dict"].items() if k.startswith("net.encoder.")}
@@ -298,10 +296,10 @@ def test_finetuning_from_scratch_learns_and_classify_labels_sentences(pretrained
         "scratch",
         "experiment=bert_finetune_sst2_scratch",
         *TINY_RUN,
-        f"data.data_dir={sst}",
+        f"data.source.data_dir={sst}",
         "trainer.max_steps=150",
         "trainer.val_check_interval=50",
-        "model.optimizer.lr=3e-3",
+        "model.optim.optimizer.lr=3e-3",
         "model.plot_sentences=1",
         "model.net.encoder.dropout=0.0",
     )
@@ -368,7 +366,7 @@ def test_ner_fixture_experiment_tags_words(tmp_path):
         tmp_path,
         "ner",
         "experiment=bert_ner_fixture",
-        f"data.data_dir={CONLL_FIXTURE}",
+        f"data.source.data_dir={CONLL_FIXTURE}",
         "trainer.max_steps=120",
         "trainer.val_check_interval=40",
         "model.plot_sentences=0",
@@ -394,7 +392,7 @@ def test_bad_tsv_files_are_named_with_the_line(tmp_path):
 
 def test_an_empty_corpus_is_refused(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
-    dm = MaskedLMDataModule(files=["empty.txt"], data_dir=str(tmp_path), vocab_size=50)
+    dm = MaskedLMDataModule(Files(["empty.txt"], data_dir=str(tmp_path)), vocab_size=50)
     assert_refused(r"empty\.txt\) holds 0 document", dm.setup)
 
 
@@ -428,7 +426,7 @@ def test_fill_mask_without_mask_and_classify_bad_inputs(pretrained, tmp_path):
 def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):
     ckpt = last_ckpt(pretrained, "bert_pretrain_sst2")
     before = sorted(p.name for p in (ckpt.parent).iterdir())
-    args = ["experiment=bert_finetune_sst2", *TINY_RUN, f"data.data_dir={pretrained / 'sst'}"]
+    args = ["experiment=bert_finetune_sst2", *TINY_RUN, f"data.source.data_dir={pretrained / 'sst'}"]
     assert_refused(
         r"\(model\.init_from\) does not match.*embed\.tokens\.tokens\.weight",
         train_here,
@@ -459,8 +457,10 @@ def test_a_pretrained_checkpoint_of_another_size_is_refused(pretrained):
 
 
 def test_model_rejects_bad_sizes():
-    assert_refused(r"model\.net\.encoder\.depth must be a positive integer", Bert, 10, 0, 16, 0)
-    assert_refused(r"model\.net\.num_classes", BertSequenceClassifier, Bert(10, 0, 16, 1, 2, 32), 0)
+    message = spec_refusal("attnlab.models.Bert", vocab_size=10, pad_id=0, dim=16, depth=0)
+    assert message.startswith("model.net.depth=0: must be greater than 0")
+    message = spec_refusal("attnlab.models.BertSequenceClassifier", num_classes=0)
+    assert message.startswith("model.net.num_classes=0: must be greater than 0")
 
 
 @pytest.mark.slow
@@ -470,14 +470,14 @@ def test_pretraining_loss_falls_on_sst2_sentences(tmp_path):
         tmp_path,
         "pre",
         "experiment=bert_pretrain_sst2",
-        f"data.data_dir={sst}",
+        f"data.source.data_dir={sst}",
         *BERT_TINY,
         "data.max_tokens=1024",
         "data.vocab_size=2000",
         "model.plot_sentences=0",
         "trainer.max_steps=200",
         "trainer.val_check_interval=100",
-        "model.scheduler.warmup_steps=20",
+        "model.optim.scheduler.warmup_steps=20",
         "logger=csv",
         "~callbacks.rich_progress_bar",
         "extras.print_config=false",

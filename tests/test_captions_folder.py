@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from attnlab.cli.common import config_dir
+from attnlab.data.multimodal.image_text_shards import prepare_image_text as prepare_pairs
 from attnlab.data.text.tokenizers import WordTokenizer
-from attnlab.data.vision.shards import prepare_pairs
 from conftest import QUIET, run_main, write_coco, write_flickr8k, write_pairs
 
 
@@ -51,7 +51,7 @@ def check_batches(dm, references: int) -> None:
 
 def test_flickr8k_token_file(tmp_path):
     path = write_flickr8k(tmp_path / "f8k")
-    dm = data_module(tmp_path, f"data.captions_file={path}", f"data.images_dir={path.parent / 'images'}")
+    dm = data_module(tmp_path, f"data.source.path={path}", f"data.source.images_dir={path.parent / 'images'}")
     assert len(dm.splits["train"]) == 12 and len(dm.splits["val"]) == len(dm.splits["test"]) == 2
     train_images = {p.name for p in dm.splits["train"].paths}
     held = {p.name for s in ("val", "test") for p in dm.splits[s].paths}
@@ -62,12 +62,12 @@ def test_flickr8k_token_file(tmp_path):
 @pytest.mark.parametrize("layout", ["coco", "shards"])
 def test_coco_json_and_tar_shards(layout, tmp_path):
     if layout == "coco":
-        dm = data_module(tmp_path, f"data.captions_file={write_coco(tmp_path / 'coco')}")
+        dm = data_module(tmp_path, f"data.source.path={write_coco(tmp_path / 'coco')}")
         check_batches(dm, references=2)
         return
     shards = tmp_path / "shards"
     prepare_pairs(write_pairs(tmp_path / "pairs", n=16), shards, val_size=4, shard_records=8)
-    dm = data_module(tmp_path, "data.captions_file=null", f"data.shards_dir={shards}")
+    dm = data_module(tmp_path, "data/source=caption_shards", f"data.source.path={shards}")
     batch = next(iter(dm.train_dataloader()))
     assert batch["tokens"].shape[0] == 4 and "idx" not in batch  # shard records: one caption each
     assert len(next(iter(dm.val_dataloader()))["captions"]) == 4
@@ -94,8 +94,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     path = write_flickr8k(tmp_path / "f8k")
     spoil, needle = BAD[case]
     spoil(path)
-    args = [f"paths.root_dir={tmp_path}", "data=captions_folder", f"data.captions_file={path}"]
-    args.append(f"data.images_dir={path.parent / 'images'}")
+    args = [f"paths.root_dir={tmp_path}", "data=captions_folder", f"data.source.path={path}"]
+    args.append(f"data.source.images_dir={path.parent / 'images'}")
     status, out = run_main("train", [*QUIET, *args])
     assert status == 2 and "Traceback" not in out, out[-3000:]
     (line,) = [ln for ln in out.splitlines() if needle in ln]

@@ -64,7 +64,7 @@ def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
             "train",
             [
                 "experiment=deit_fashion_mnist",
-                f"data.data_dir={idx}",
+                f"data.source.data_dir={idx}",
                 "data.val_size=10",
                 "model.distillation.teacher.run=null",
                 f"+model.distillation.teacher.ckpt_path={ckpt}",
@@ -74,7 +74,7 @@ def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
             "train",
             [
                 "experiment=bert_finetune_sst2",
-                f"data.data_dir={write_sst2(tmp / 'sst2')}",
+                f"data.source.data_dir={write_sst2(tmp / 'sst2')}",
                 f"model.init_from={ckpt}",
             ],
         ),

@@ -31,7 +31,7 @@ SMALL = dict(num_classes=10, img_size=28, in_chans=1, patch_size=7, dim=32, dept
 TINY_VISION = [
     "experiment=vit_fashion_mnist",
     "data=image_folder",
-    "data.val_size=4",
+    "data.source.val_size=4",
     "data.batch_size=8",
     "model.net.patch_size=4",
     *VISION_NETS["vit"],
@@ -140,7 +140,7 @@ def test_a_tiny_vit_run_learns_generated_images(tmp_path):
             "task_name=quadrants",
             f"paths.root_dir={tmp_path}",
             *QUIET,
-            f"data.data_dir={data}",
+            f"data.source.data_dir={data}",
             "data.val_size=40",
             "data.batch_size=32",
             "data.crop_padding=0",  # no augmentation: a flip moves the bright quadrant, the class
@@ -148,8 +148,8 @@ def test_a_tiny_vit_run_learns_generated_images(tmp_path):
             *VISION_NETS["vit"],
             "model.net.drop_path=0.0",
             "model.plot_images=0",
-            "model.optimizer.lr=1e-2",
-            "model.scheduler.warmup_steps=5",
+            "model.optim.optimizer.lr=1e-2",
+            "model.optim.scheduler.warmup_steps=5",
             "trainer.max_steps=40",
             "trainer.val_check_interval=10",
             "trainer.log_every_n_steps=5",
@@ -168,7 +168,7 @@ def test_a_tiny_vit_run_learns_generated_images(tmp_path):
 
 def test_train_then_predict_on_an_image_folder(tmp_path):
     data = write_image_folder(tmp_path / "pets", classes=("cat", "dog"))
-    proc = run_cli("train", [*TINY_VISION, f"data.data_dir={data}", "task_name=pets"], tmp_path)
+    proc = run_cli("train", [*TINY_VISION, f"data.source.path={data}", "task_name=pets"], tmp_path)
     assert_ok(proc)
     (run_dir,) = run_dirs(tmp_path, "pets")
     metrics = read_metrics(run_dir)
@@ -261,7 +261,7 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
             "teacher",
             *without_net_sizes(TINY_VISION),
             *teacher,
-            f"data.data_dir={folder}",
+            f"data.source.path={folder}",
             "trainer.max_steps=3",
             "test=false",
         )
@@ -277,7 +277,7 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
         *VISION_NETS["vit"],  # again after model/net=deit_mini, which resets the sizes
     ]
     # the 3-class teacher would be refused: training at all means the newest was taken
-    metrics = train_here(tmp_path, "student", *TINY_VISION, *deit, f"data.data_dir={data}")
+    metrics = train_here(tmp_path, "student", *TINY_VISION, *deit, f"data.source.path={data}")
     assert "test/acc" in metrics
     proc = run_cli("eval", ["ckpt_path=last"], tmp_path)  # the newest run: the student, without its teacher
     assert_ok(proc)
@@ -290,17 +290,17 @@ def test_deit_distils_from_the_newest_teacher_run_and_refuses_a_mismatched_one(t
         "student3",
         *TINY_VISION,
         *deit,
-        f"data.data_dir={three}",
+        f"data.source.path={three}",
     )
 
 
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["model.net.patch_size=5"], r"img_size \(16\) must be divisible by model.net.patch_size \(5\)"),
+        (["model.net.patch_size=5"], r"^model.net.img_size: must be divisible by patch_size \(5\), got 16$"),
         (
-            ["model/net=swin_mini", "model.net.dim=8", "model.net.window_size=3"],
-            r"model.net.window_size \(3\) does not divide the feature map of stage 1 \(4x4 tokens\)",
+            ["model/net=swin_mini", "model.net.dim=12", "model.net.window_size=3"],
+            r"^model.net.window_size: must divide the feature map of stage 1 \(4x4 tokens\), got 3",
         ),
     ],
 )
@@ -310,7 +310,14 @@ def test_bad_model_sizes_are_one_line_errors(tmp_path, monkeypatch, overrides, n
     data = write_image_folder(tmp_path / "pets", per_class=3)
     base = without_net_sizes(TINY_VISION) if "model/net=swin_mini" in overrides else TINY_VISION
     assert_refused(
-        needle, train_here, tmp_path, "bad", *base, f"data.data_dir={data}", "data.val_size=2", *overrides
+        needle,
+        train_here,
+        tmp_path,
+        "bad",
+        *base,
+        f"data.source.path={data}",
+        "data.source.val_size=2",
+        *overrides,
     )
 
 
@@ -336,7 +343,7 @@ def test_corrupt_idx_file_is_a_one_line_error(tmp_path):
     folder = write_idx_dataset(tmp_path / "fm")
     path = folder / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:100])
-    args = ["experiment=vit_fashion_mnist", f"data.data_dir={folder}", "logger=csv"]
+    args = ["experiment=vit_fashion_mnist", f"data.source.data_dir={folder}", "logger=csv"]
     assert_user_error(run_cli("train", args, tmp_path), "train-images-idx3-ubyte.gz: cannot be read as gzip")
 
 

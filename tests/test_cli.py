@@ -178,11 +178,14 @@ def test_default_main_job_composes_and_prints_a_sample(trained: Path):
     "override,needles",
     [
         (["model=nope"], ["model", "nope"]),
-        (["model.net.dim=30", "model.net.n_head=4"], ["dim (30)", "n_head (4)"]),
-        # data.block_size follows model.net.max_len, and the data is built first
-        (["model.net.max_len=0"], ["data.block_size must be a positive integer, got 0"]),
+        (
+            ["model.net.dim=30", "model.net.n_head=4"],
+            ["model.net.dim: must be divisible by n_head (4), got 30"],
+        ),
+        # data.max_len follows model.net.max_len: the key the user set is named (the model comes first)
+        (["model.net.max_len=0"], ["model.net.max_len=0: must be greater than 0 (attnlab.models.GPT)"]),
         (["data.tokenizer=words"], ["data.tokenizer", "'char' or 'bpe'"]),
-        (["data.corpus=tinyshakespeare", "data.data_dir=nowhere"], ["data.data_dir=nowhere"]),
+        (["data/source=tinyshakespeare", "data.source.data_dir=nowhere"], ["data.source.data_dir=nowhere"]),
         (["ckpt_path=last"], ["ckpt_path=last", "no checkpoint"]),
     ],
     ids=["unknown-group-option", "dim-not-divisible", "max-len", "tokenizer", "data-dir", "no-last"],
@@ -194,7 +197,9 @@ def test_bad_config_is_one_clear_error(tmp_path, override, needles):
 
 def test_empty_data_file(tmp_path):
     (tmp_path / "input.txt").write_text("")
-    proc = run_cli("train", [*TINY, "data.corpus=tinyshakespeare", f"data.data_dir={tmp_path}"], tmp_path)
+    proc = run_cli(
+        "train", [*TINY, "data/source=tinyshakespeare", f"data.source.data_dir={tmp_path}"], tmp_path
+    )
     assert_user_error(proc, "input.txt", "empty")
 
 
@@ -241,8 +246,8 @@ def test_shakespeare_bpe_run(tmp_path):
         [
             *TINY,
             "data=shakespeare_bpe",
-            f"data.data_dir={data_dir}",
-            "data.bpe_vocab_size=512",
+            f"data.source.data_dir={data_dir}",
+            "data.vocab_size=512",
             "task_name=bpe",
         ],
         tmp_path,
@@ -264,7 +269,7 @@ def test_debug_config_from_the_command_line(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_gives_each_job_its_own_run(tmp_path):
-    proc = run_cli("train", ["-m", *tiny("task_name=sweep"), "model.optimizer.lr=1e-3,3e-3"], tmp_path)
+    proc = run_cli("train", ["-m", *tiny("task_name=sweep"), "model.optim.optimizer.lr=1e-3,3e-3"], tmp_path)
     assert_ok(proc)
     jobs = sorted((tmp_path / "logs/sweep/multiruns").glob("*/[0-9]"))
     assert len(jobs) == 2
@@ -272,7 +277,10 @@ def test_multirun_gives_each_job_its_own_run(tmp_path):
     assert len(wandb_ids) == 2 and all(read_metrics(j)["test/loss"] for j in jobs)
     # W&B: each job named by its overrides, the jobs grouped as one multirun
     wandb = [OmegaConf.load(j / "config.yaml").logger.wandb for j in jobs]
-    assert [w.name.split()[-1] for w in wandb] == ["model.optimizer.lr=0.001", "model.optimizer.lr=0.003"]
+    assert [w.name.split()[-1] for w in wandb] == [
+        "model.optim.optimizer.lr=0.001",
+        "model.optim.optimizer.lr=0.003",
+    ]
     assert all(w.name.startswith("sweep model.net.depth=1") for w in wandb)
     assert wandb[0].group == wandb[1].group == f"sweep multirun {jobs[0].parent.name}"
 
@@ -410,7 +418,12 @@ def test_no_cli_module_imports_torch_or_lightning():
 @pytest.mark.parametrize(
     ("script", "args", "needle"),
     [
-        ("train", ["trainer.max_steps=abc"], "trainer.max_steps='abc': expected an int"),
+        ("train", ["trainer.max_steps=abc"], "trainer.max_steps='abc': must be a valid integer"),
+        (  # a nested net's value, named by its full key
+            "train",
+            ["experiment=clip_fashion_mnist", "model.net.image.dim=0"],
+            "error: model.net.image.dim=0: must be greater than 0 (attnlab.models.VisionTransformer)",
+        ),
         ("generate", ["ckpt_path=last"], "ckpt_path=last: no checkpoint matches"),
         ("eval", ["ckpt_path=nowhere.ckpt"], "ckpt_path=nowhere.ckpt: no such file"),
         (

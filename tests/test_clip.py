@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from attnlab.data.sources import Builtin, Pairs
 from attnlab.models import CLIP, TextTransformer, VisionTransformer
 from attnlab.training.contrastive import clip_loss
 from conftest import write_pairs
@@ -240,11 +241,10 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
 
     folder = write_idx_dataset(tmp_path / "fm", n_train=60, n_test=20)
     data = ImageTextDataModule(
-        source="fashion_mnist",
-        data_dir=str(folder),
+        source=Builtin("fashion_mnist", str(folder)),
         val_size=10,
         batch_size=8,
-        context_length=16,
+        max_len=16,
         vocab_size=300,
     )
     data.setup("fit")
@@ -270,7 +270,7 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
     # the same draw for the same (epoch, index): a resumed run sees the same captions
     drawn = [train.caption((epoch, 0)) for epoch in range(8)]
     assert len(set(drawn)) > 1 and drawn == [train.caption((epoch, 0)) for epoch in range(8)]
-    again = ImageTextDataModule(source="fashion_mnist", data_dir=str(folder), val_size=10, context_length=16)
+    again = ImageTextDataModule(Builtin("fashion_mnist", str(folder)), val_size=10, max_len=16)
     again.load_artifacts(data.artifacts())  # inference rebuilds the same tokenizer and normalisation
     assert again.tokenizer.to_json() == data.tokenizer.to_json() and again.mean == data.mean
 
@@ -281,18 +281,17 @@ def test_pairs_files_load_resize_and_count_cut_captions(tmp_path, suffix, caplog
 
     path = write_pairs(tmp_path / "p", suffix=suffix)
     data = ImageTextDataModule(
-        source="pairs",
-        pairs_file=str(path),
+        source=Pairs(str(path)),
         img_size=8,
         in_chans=3,
         val_size=3,
         batch_size=4,
-        context_length=6,
+        max_len=6,
         vocab_size=300,
     )
     with caplog.at_level("WARNING"):
         data.setup("fit")
-    assert "9 of 9 training captions are longer than data.context_length=6 tokens: cut" in caplog.text
+    assert "9 of 9 training captions are longer than data.max_len=6 tokens: cut" in caplog.text
     images, tokens, labels = next(iter(data.train_dataloader()))
     assert images.shape == (4, 3, 8, 8) and tokens.shape == (4, 6) and (labels == -1).all()
     assert (tokens[:, -1] == 2).all()  # a cut caption still ends in <eot>
@@ -304,16 +303,14 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
     from attnlab.inference.zeroshot import parse_labels, read_templates
 
     path = write_pairs(tmp_path / "m", missing=2)
-    strict = ImageTextDataModule(source="pairs", pairs_file=str(path), img_size=8, val_size=3)
+    strict = ImageTextDataModule(Pairs(str(path)), img_size=8, val_size=3)
     with pytest.raises(
         DataError,
         match=r"2 of 12 listed images are missing or unreadable \(first: .*img0.png\); "
-        "set data.on_bad_record=skip",
+        "set data.source.on_bad_record=skip",
     ):
         strict.setup("fit")
-    lenient = ImageTextDataModule(
-        source="pairs", pairs_file=str(path), img_size=8, val_size=3, on_bad_record="skip"
-    )
+    lenient = ImageTextDataModule(Pairs(str(path), on_bad_record="skip"), img_size=8, val_size=3)
     with caplog.at_level("WARNING"):
         lenient.setup("fit")
     assert (
@@ -322,7 +319,7 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
     empty = tmp_path / "empty.csv"
     empty.write_text("image,caption\nimg.png,a cat\nimg2.png,   \n")
     with pytest.raises(DataError, match=r"empty.csv:3: empty caption"):
-        ImageTextDataModule(source="pairs", pairs_file=str(empty), val_size=1).setup("fit")
+        ImageTextDataModule(Pairs(str(empty)), val_size=1).setup("fit")
     with pytest.raises(ConfigError, match="labels: an empty label list"):
         parse_labels(" , ")
     templates = tmp_path / "t.txt"

@@ -138,7 +138,7 @@ def test_an_offline_wandb_run_is_read_from_its_csv_log_or_through_wandbs_cli(tmp
     (wandb_run,) = find_runs([alone])
     (csv_run,) = find_runs([run_dir])
     assert wandb_run.curves["val/loss"] == csv_run.curves["val/loss"]  # every point, at its step
-    assert wandb_run.config["model.optimizer.lr"] == csv_run.config["model.optimizer.lr"]
+    assert wandb_run.config["model.optim.optimizer.lr"] == csv_run.config["model.optim.optimizer.lr"]
 
     damaged = tmp_path / "damaged" / "offline-run-20260101_000000-x"
     damaged.mkdir(parents=True)
@@ -241,7 +241,7 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
         [
             "-m",
             "seed=1,2",
-            "model.optimizer.lr=1e-3,3e-3",
+            "model.optim.optimizer.lr=1e-3,3e-3",
             *tiny("trainer.max_steps=4", "trainer.val_check_interval=2", "data.val_batches=1"),
             "logger=csv",  # tiny() is quiet already
             "test=false",
@@ -252,7 +252,7 @@ def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_pa
     (multirun,) = (tmp_path / "logs").glob("*/multiruns/*")
     table = compare(parse_args([str(multirun), "--format", "csv", "--metrics", "val/loss"]))
     lines = table.strip().splitlines()
-    assert lines[0].startswith("model.optimizer.lr,runs"), table  # no data.seed column
+    assert lines[0].startswith("model.optim.optimizer.lr,runs"), table  # no data.seed column
     assert sorted(line.split(",")[:2] for line in lines[1:]) == [["0.001", "2"], ["0.003", "2"]]
     figures, draw = [], attnlab.training.plots.curves_figure
     monkeypatch.setattr(

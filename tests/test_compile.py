@@ -1,5 +1,5 @@
-"""``model.compile``: nothing, the whole net, or each repeated block (``regional``), in place, so
-checkpoints keep their names; ``model.compile_mode``: torch.compile's mode."""
+"""``model.optim.compile``: nothing, the whole net, or each repeated block (``regional``), in place, so
+checkpoints keep their names; ``model.optim.compile_mode``: torch.compile's mode."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from attnlab.core.config import check_config, fill_missing
 from attnlab.core.errors import ConfigError
 from attnlab.training import LanguageModelTask
 from attnlab.training.base import repeated_blocks
+from attnlab.training.optim import Optimization
 from conftest import VISION_NETS
 
-GPT = ["experiment=gpt_pydoc_char", "data.corpus=pydoc", "model.net.depth=2", "model.net.n_head=2"]
+GPT = ["experiment=gpt_pydoc_char", "data/source=pydoc", "model.net.depth=2", "model.net.n_head=2"]
 GPT += ["model.net.dim=32", "model.net.max_len=16", "data.batch_size=4"]
 NETS = {  # a net with blocks of each kind regional compiles, and what the data fills in
     "gpt": (GPT, {"vocab_size": 50}),
@@ -37,9 +38,9 @@ def build(kind: str, tmp_path, *overrides: str) -> L.LightningModule:
 
 @pytest.mark.parametrize("kind", ["gpt", "vit"])
 def test_regional_compiles_each_block_in_place_and_checkpoints_keep_their_names(kind, tmp_path):
-    regional = build(kind, tmp_path, "model.compile=regional")
+    regional = build(kind, tmp_path, "model.optim.compile=regional")
     regional.setup("fit")
-    eager = build(kind, tmp_path, "model.compile=false")
+    eager = build(kind, tmp_path, "model.optim.compile=false")
     eager.setup("fit")
     blocks = regional.net.blocks
     assert len(blocks) == 2 and repeated_blocks(regional.net) == list(blocks)
@@ -67,19 +68,20 @@ def test_compile_values_are_checked_in_one_line(tmp_path):
     def check(*overrides: str) -> None:
         check_config(compose_train([*GPT, f"paths.output_dir={tmp_path}", *overrides]))
 
-    with pytest.raises(ConfigError, match=r"^model\.compile='regionl': expected 'regional' or a bool"):
-        check("model.compile=regionl")
+    with pytest.raises(ConfigError, match=r"^model\.optim\.compile='regionl': .*'regional'"):
+        check("model.optim.compile=regionl")
     with pytest.raises(
-        ConfigError, match=r"^model\.compile_mode='fast': expected one of 'default', 'reduce-overhead'"
+        ConfigError, match=r"^model\.optim\.compile_mode='fast': .*'default', 'reduce-overhead'"
     ):
-        check("model.compile=true", "model.compile_mode=fast")
-    check("model.compile=regional", "model.compile_mode=reduce-overhead")
-    net = build("gpt", tmp_path).net
-    with pytest.raises(ConfigError, match=r"^model\.compile_mode=reduce-overhead compiles nothing"):
-        LanguageModelTask(net, torch.optim.AdamW, compile_mode="reduce-overhead")
+        check("model.optim.compile=true", "model.optim.compile_mode=fast")
+    check("model.optim.compile=regional", "model.optim.compile_mode=reduce-overhead")
+    with pytest.raises(ConfigError, match=r"^model\.optim\.compile_mode=reduce-overhead compiles nothing"):
+        Optimization(torch.optim.AdamW, compile_mode="reduce-overhead")
     no_blocks = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))
-    with pytest.raises(ConfigError, match=r"^model\.compile=regional: Sequential has no repeated blocks"):
-        LanguageModelTask(no_blocks, torch.optim.AdamW, compile="regional")
+    with pytest.raises(
+        ConfigError, match=r"^model\.optim\.compile=regional: Sequential has no repeated blocks"
+    ):
+        LanguageModelTask(no_blocks, Optimization(torch.optim.AdamW, compile="regional"))
 
 
 def fit_tiny(model: L.LightningModule, tmp_path) -> L.LightningModule:
@@ -106,9 +108,9 @@ def test_regional_training_compiles_one_code_for_every_block(tmp_path):
 
     torch._dynamo.reset()
     counters.clear()
-    regional = fit_tiny(build("gpt", tmp_path, "model.compile=regional"), tmp_path)
+    regional = fit_tiny(build("gpt", tmp_path, "model.optim.compile=regional"), tmp_path)
     assert counters["stats"]["unique_graphs"] == 1
-    eager = fit_tiny(build("gpt", tmp_path, "model.compile=false"), tmp_path)
+    eager = fit_tiny(build("gpt", tmp_path, "model.optim.compile=false"), tmp_path)
     compiled_state, eager_state = regional.state_dict(), eager.state_dict()
     assert list(compiled_state) == list(eager_state)
     for key, value in eager_state.items():

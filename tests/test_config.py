@@ -53,7 +53,7 @@ def test_experiments_build_their_model_and_data(experiment, tmp_path):
     elif text:
         corpus = "synthetic" if experiment.startswith("nmt_") else "pydoc"  # no download either way
         scratch = ["model.init_from=null"] if experiment.startswith("gpt2_") else []  # not the hub's
-        cfg = composed(f"experiment={experiment}", f"data.corpus={corpus}", *scratch, tmp=tmp_path)
+        cfg = composed(f"experiment={experiment}", f"data/source={corpus}", *scratch, tmp=tmp_path)
     elif bert:
         cfg = composed(f"experiment={experiment}", *bert_overrides(experiment, tmp_path), tmp=tmp_path)
     elif clip:
@@ -182,10 +182,10 @@ def test_the_renamed_configs_build_the_same_shapes(experiment, mlp_width, tmp_pa
 
 def test_gpt_shakespeare_recipe_is_nanogpts(tmp_path):
     cfg = composed("experiment=gpt_shakespeare_char", tmp=tmp_path)
-    net, opt = cfg.model.net, cfg.model.optimizer
+    net, opt = cfg.model.net, cfg.model.optim.optimizer
     assert (net.depth, net.n_head, net.dim, net.max_len, net.dropout) == (4, 4, 128, 64, 0.0)
     assert (cfg.data.batch_size, cfg.trainer.max_steps, cfg.trainer.val_check_interval) == (12, 2000, 250)
-    assert (opt.lr, list(opt.betas), cfg.model.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
+    assert (opt.lr, list(opt.betas), cfg.model.optim.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
     assert cfg.trainer.gradient_clip_val == 1.0 and cfg.data.val_batches == 20
 
 

@@ -15,9 +15,10 @@ import torch
 from attnlab.core.errors import DataError
 from attnlab.data import MaskedLMDataModule, TranslationDataModule
 from attnlab.data.batching import TokenBatchSampler
-from attnlab.data.text.document_shards import DocumentShards, PairStream, ShardDocuments, prepare_documents
+from attnlab.data.sources import Files, Shards
+from attnlab.data.text.document_shards import DocumentShards, ShardDocuments, prepare_documents
 from attnlab.data.text.formats import read_corpus
-from attnlab.data.text.masked_lm import N_SPECIALS, NOT_NEXT
+from attnlab.data.text.masked_lm import N_SPECIALS, NOT_NEXT, PairStream
 from attnlab.data.text.pair_shards import PairShards, prepare_pairs
 from attnlab.data.text.shards import MANIFEST, prepare
 from attnlab.data.text.tokenizers import SubwordTokenizer, WordPieceTokenizer
@@ -54,7 +55,7 @@ def documents(tmp: Path, name: str = "docs", **kwargs) -> DocumentShards:
 
 def in_memory(paths: list[Path], tokenizer: WordPieceTokenizer) -> list:
     """The documents as the in-memory path reads and encodes them (``MaskedLMDataModule._encode``)."""
-    dm = MaskedLMDataModule(files=["unused"])
+    dm = MaskedLMDataModule(Files(["unused"]))
     dm.tokenizer = tokenizer
     return dm._encode([d for p in paths for d in read_corpus(p)])
 
@@ -114,10 +115,10 @@ def test_two_ranks_of_two_workers_share_the_bert_stream_out_once(tmp_path, monke
 @pytest.mark.slow  # two runs of 60 steps: about 40 s on 2 shared cores
 def test_a_bert_trains_from_document_shards_and_resumes_mid_run_exactly(tmp_path):
     documents(tmp_path, vocab_size=120)
-    extra = ["data=bert_shards", f"data.shards_dir={tmp_path / 'docs'}", "data.max_len=32"]
-    full = train("bert_pretrain_sst2", tmp_path, *extra)
+    extra = ["data=bert_shards", f"data.source.path={tmp_path / 'docs'}", "data.max_len=32"]
+    full = train("bert_pretrain_sst2", tmp_path, *extra, source=False)
     (mid,) = (full / "checkpoints").glob("step_000015.ckpt")
-    resumed = train("bert_pretrain_sst2", tmp_path, *extra, f"ckpt_path={mid}")
+    resumed = train("bert_pretrain_sst2", tmp_path, *extra, f"ckpt_path={mid}", source=False)
     want, got = read_metrics(full), read_metrics(resumed)
     assert want["val/loss"][-1][1] < want["val/loss"][0][1]
     for key in ("train/loss", "val/loss", "test/loss"):
@@ -164,7 +165,7 @@ def test_pair_shards_hold_the_pairs_of_any_source_format(tmp_path):
 
 def test_the_translation_data_reads_either_direction_and_batches_as_in_memory(tmp_path):
     prepare_pairs([str(write_parallel(tmp_path / "c")["tsv"])], tmp_path / "s", "de", "en", **PAIRS)
-    dm = TranslationDataModule(shards_dir=str(tmp_path / "s"), src_lang="en", tgt_lang="de", max_len=32)
+    dm = TranslationDataModule(Shards(str(tmp_path / "s")), src_lang="en", tgt_lang="de", max_len=32)
     dm.setup()
     de, en = synthetic_pairs(400, 0)
     assert dm.references("val") == de[:20] and dm.sources("test") == en[20:50]
@@ -200,7 +201,7 @@ def test_a_transformer_trains_from_pair_shards_and_scores_every_test_pair(tmp_pa
         [
             "experiment=nmt_synthetic",
             "data=translation_shards",
-            "data.shards_dir=s",
+            "data.source.path=s",
             "data.max_len=32",
             "data.max_tokens=256",
             "data.num_workers=0",
@@ -267,26 +268,26 @@ def test_damaged_or_mismatched_shards_are_refused_in_one_line(tmp_path):
         DocumentShards(shards.folder)
 
     documents(tmp_path, "ok")
-    dm = MaskedLMDataModule(shards_dir=str(tmp_path / "ok"))
+    dm = MaskedLMDataModule(Shards(str(tmp_path / "ok")))
     dm.load_artifacts({"tokenizer": WordPieceTokenizer.fit(["another text"], 50).to_json()})
     with pytest.raises(DataError, match="made with another tokenizer than the checkpoint's"):
         dm.setup("fit")
     prepare_pairs([str(write_parallel(tmp_path / "c")["tsv"])], tmp_path / "pairs", "de", "en", **PAIRS)
-    dm = TranslationDataModule(shards_dir=str(tmp_path / "pairs"), src_lang="de", tgt_lang="en")
+    dm = TranslationDataModule(Shards(str(tmp_path / "pairs")), src_lang="de", tgt_lang="en")
     dm.load_artifacts({"tokenizer": SubwordTokenizer.fit(["ein hund", "a dog"], 50).to_json()})
     with pytest.raises(DataError, match="made with another tokenizer than the checkpoint's"):
         dm.setup("fit")
     with pytest.raises(DataError, match="holds de-en pairs; data.src_lang and data.tgt_lang must be"):
-        TranslationDataModule(shards_dir=str(tmp_path / "pairs"), src_lang="fr", tgt_lang="en").setup()
+        TranslationDataModule(Shards(str(tmp_path / "pairs")), src_lang="fr", tgt_lang="en").setup()
     (tmp_path / "pairs" / "test.en").write_text("a replaced test set\n")
     with pytest.raises(DataError, match=r"test.en: 20 bytes, but the manifest says 30 lines of text"):
-        TranslationDataModule(shards_dir=str(tmp_path / "pairs")).setup()
+        TranslationDataModule(Shards(str(tmp_path / "pairs"))).setup()
     (tmp_path / "gpt.txt").write_text("some text for a language model\n" * 50)
     prepare([str(tmp_path / "gpt.txt")], tmp_path / "gpt", val_tokens=10, test_tokens=10, progress=False)
     with pytest.raises(
         DataError, match=r"holds token shards \(attnlab-prepare --mode lm\), not document shards"
     ):
-        MaskedLMDataModule(shards_dir=str(tmp_path / "gpt")).setup()
+        MaskedLMDataModule(Shards(str(tmp_path / "gpt"))).setup()
 
 
 def test_the_prepare_command_refuses_in_one_line(tmp_path):

@@ -11,9 +11,10 @@ import torch
 from attnlab.core.errors import AttnlabError, ConfigError, DataError
 from attnlab.data import TextDataModule
 from attnlab.data.download import download, fetch
+from attnlab.data.sources import Builtin
 from attnlab.data.text.language_modeling import RandomWindows
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from conftest import needs_shared
+from conftest import needs_shared, spec_refusal
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40).encode()
 
@@ -49,7 +50,7 @@ def test_checksum_mismatch_keeps_nothing(server, tmp_path):
 
 
 def test_unreachable_source_suggests_data_dir(server, tmp_path):
-    with pytest.raises(DataError, match="data.data_dir"):
+    with pytest.raises(DataError, match="data.source.data_dir"):
         fetch("input.txt", f"{server}/missing.txt", SHA, None, tmp_path / "cache")
 
 
@@ -61,9 +62,10 @@ def test_cached_download_is_reused_and_a_corrupt_cache_refetched(server, tmp_pat
 
 
 def test_datamodule_downloads_from_its_url(server, tmp_path):
-    dm = TextDataModule(
-        cache_dir=str(tmp_path / "cache"), url=f"{server}/input.txt", sha256=SHA, block_size=8, batch_size=2
+    source = Builtin(
+        "tinyshakespeare", cache_dir=str(tmp_path / "cache"), url=f"{server}/input.txt", sha256=SHA
     )
+    dm = TextDataModule(source, max_len=8, batch_size=2)
     dm.prepare_data()
     dm.setup()
     assert dm.tokenizer.decode(dm.train_tokens[:14].tolist()) == "First Citizen:"
@@ -79,30 +81,29 @@ def test_datamodule_downloads_from_its_url(server, tmp_path):
 )
 def test_bad_data_dir_is_named(tmp_path, make, match):
     make(tmp_path)
-    dm = TextDataModule(data_dir=str(tmp_path))
+    dm = TextDataModule(Builtin("tinyshakespeare", data_dir=str(tmp_path)))
     with pytest.raises(DataError, match=match):
         dm.setup()
 
 
 def test_data_dir_that_is_not_a_directory(tmp_path):
     with pytest.raises(DataError, match="not a directory"):
-        TextDataModule(data_dir=str(tmp_path / "nope")).setup()
+        TextDataModule(Builtin("tinyshakespeare", data_dir=str(tmp_path / "nope"))).setup()
 
 
 def test_too_short_corpus_is_refused(tmp_path):
     (tmp_path / "input.txt").write_text("tiny text")
-    with pytest.raises(DataError, match="block_size"):
-        TextDataModule(data_dir=str(tmp_path), block_size=64).setup()
+    with pytest.raises(DataError, match="max_len"):
+        TextDataModule(Builtin("tinyshakespeare", data_dir=str(tmp_path)), max_len=64).setup()
 
 
 @pytest.mark.parametrize(
     "kw",
     [
-        {"block_size": 0},
         {"tokenizer": "words"},
-        {"val_fraction": 1.5},
-        {"test_fraction": 0},
-        {"test_fraction": 0.6, "val_fraction": 0.5},
+        {"val_size": 1.5},
+        {"test_size": 0},
+        {"test_size": 0.6, "val_size": 0.5},
         {"test_stride": 65},
     ],
 )
@@ -111,14 +112,18 @@ def test_bad_data_values(kw):
         TextDataModule(**kw)
 
 
+def test_a_length_must_be_positive():
+    assert "max_len=0: must be greater than 0" in spec_refusal("attnlab.data.TextDataModule", max_len=0)
+
+
 def test_unknown_corpus():
-    with pytest.raises(ConfigError, match="data.corpus"):
-        TextDataModule(corpus="wikipedia").setup()
+    with pytest.raises(ConfigError, match="data.source"):
+        TextDataModule(Builtin("wikipedia")).setup()
 
 
 @pytest.fixture(scope="module")
 def pydoc_dm():
-    dm = TextDataModule(corpus="pydoc", block_size=32, batch_size=5, val_batches=3)
+    dm = TextDataModule(Builtin("pydoc"), max_len=32, batch_size=5, val_batches=3)
     dm.setup()
     return dm
 
@@ -133,7 +138,7 @@ def test_builtin_corpus_windows_are_shifted_by_one(pydoc_dm):
 
 @pytest.mark.parametrize("stride", [None, 32, 7])
 def test_test_split_scores_every_test_token_once(stride):
-    dm = TextDataModule(corpus="pydoc", block_size=32, batch_size=5, test_stride=stride)
+    dm = TextDataModule(Builtin("pydoc"), max_len=32, batch_size=5, test_stride=stride)
     dm.setup()
     loaders = dm.test_dataloader()
     assert len(loaders) == (1 if stride is None else 2)
@@ -181,7 +186,7 @@ def test_bpe_tokenizer_round_trip():
 
 def test_tinyshakespeare_from_shared_data():
     data_dir = needs_shared("tinyshakespeare")
-    dm = TextDataModule(data_dir=str(data_dir))
+    dm = TextDataModule(Builtin("tinyshakespeare", data_dir=str(data_dir)))
     dm.setup()
     assert dm.vocab_size == 65
     assert len(dm.train_tokens) + len(dm.val_tokens) + len(dm.test_tokens) == 1115394
@@ -189,7 +194,7 @@ def test_tinyshakespeare_from_shared_data():
 
 def test_bpe_datamodule_from_shared_data():
     data_dir: Path = needs_shared("tinyshakespeare")
-    dm = TextDataModule(data_dir=str(data_dir), tokenizer="bpe", bpe_vocab_size=512)
+    dm = TextDataModule(Builtin("tinyshakespeare", data_dir=str(data_dir)), tokenizer="bpe", vocab_size=512)
     dm.setup()
     assert dm.vocab_size == 512
     assert len(dm.train_tokens) < 0.6 * 1115394 * 0.9

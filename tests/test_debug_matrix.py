@@ -33,7 +33,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml") if p.stem != "default")
 
 GPT_TINY = [
-    "data.corpus=pydoc",
+    "data/source=pydoc",
     "model.net.depth=1",
     "model.net.n_head=2",
     "model.net.dim=32",
@@ -85,16 +85,16 @@ def tiny_overrides(experiment: str, tmp: Path) -> list[str]:
     if experiment in FLAMINGO_RECIPE:
         return flamingo_overrides(experiment, tmp)
     if experiment.startswith("gpt2_"):  # GPT-2's architecture, tiny, from scratch (not the hub's)
-        return [*GPT_TINY, "data.block_size=16", "model.init_from=null"]
+        return [*GPT_TINY, "data.max_len=16", "model.init_from=null"]
     if not experiment.startswith(("gpt_", "nmt_")):
         return vision_overrides(experiment, tmp)
     if experiment.startswith("gpt_"):
         return GPT_TINY
     arch = "transformer" if "transformer" in experiment or experiment == "nmt_synthetic" else "seq2seq"
     data = (
-        ["data.synthetic_size=200"]
+        ["data.source.train_size=200"]
         if "synthetic" in experiment
-        else [f"data.data_dir={fake_multi30k(tmp / 'm30k')}"]
+        else [f"data.source.data_dir={fake_multi30k(tmp / 'm30k')}"]
     )
     return [*NMT_TINY, *ARCH_TINY[arch], *data]
 

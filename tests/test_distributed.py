@@ -18,6 +18,7 @@ from torchmetrics.utilities.data import dim_zero_sum
 from attnlab.cli.common import compose_train
 from attnlab.core.errors import DataError
 from attnlab.data.batching import RepeatedBatch, TokenBatchSampler
+from attnlab.data.sources import Generated
 from attnlab.data.text.translation import TranslationDataModule, synthetic_pairs
 from conftest import assert_ok, read_metrics, run_cli, tiny
 from test_debug_matrix import tiny_overrides
@@ -143,13 +144,11 @@ def test_batches_are_reshuffled_each_epoch_and_reproducible_from_the_seed(world)
 def synthetic_translation(tmp_path: Path, pairs: int, eval_max_tokens: int) -> TranslationDataModule:
     """A set-up DataModule of ``pairs`` synthetic pairs, batches of at most 64 tokens."""
     dm = TranslationDataModule(
-        corpus="synthetic",
-        synthetic_size=pairs,
+        source=Generated("synthetic", train_size=pairs, cache_dir=str(tmp_path)),
         vocab_size=200,
         max_len=40,
         max_tokens=64,
         eval_max_tokens=eval_max_tokens,
-        cache_dir=str(tmp_path),
     )
     dm.setup()
     return dm
@@ -234,7 +233,7 @@ def test_bleu_of_shards_merged_is_the_bleu_of_the_whole():
 
 # -- trainer=ddp_cpu end to end: whole runs of each family in test_scaleout.py ---------------------
 GPT = [
-    *tiny("trainer.max_steps=30", "model.optimizer.lr=3e-3", "model.scheduler.warmup_steps=5"),
+    *tiny("trainer.max_steps=30", "model.optim.optimizer.lr=3e-3", "model.optim.scheduler.warmup_steps=5"),
     "logger=csv",
 ]
 
@@ -251,7 +250,7 @@ def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path)
             "trainer=ddp_cpu",
             "trainer.max_steps=10",
             "task_name=sweep_ddp",
-            "model.optimizer.lr=1e-3,3e-3",
+            "model.optim.optimizer.lr=1e-3,3e-3",
         ],
         tmp_path,
     )
@@ -266,5 +265,5 @@ def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path)
         job_dir = sweep_dir / job
         log = (job_dir / "sweep_ddp.log").read_text()
         assert log.count("Instantiating model") == 2  # rank 0 and rank 1, both here
-        assert OmegaConf.load(job_dir / "config.yaml").model.optimizer.lr == lr
+        assert OmegaConf.load(job_dir / "config.yaml").model.optim.optimizer.lr == lr
         assert len(read_metrics(job_dir)["val/loss"]) == 1

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from attnlab.core.errors import ConfigError
 from attnlab.nn import Dropout, byte_dropout
+from conftest import spec_refusal
 
 
 def test_keeps_the_expected_fraction_and_preserves_the_mean():
@@ -49,10 +49,9 @@ def test_eval_mode_and_zero_probability_are_the_identity():
     assert Dropout(0.0)(x) is x
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0])
-def test_probability_outside_zero_one_is_a_config_error(p):
-    with pytest.raises(ConfigError, match="dropout must be in"):
-        Dropout(p)
+@pytest.mark.parametrize("p,message", [(-0.1, "greater than or equal to 0"), (1.0, "less than 1")])
+def test_probability_outside_zero_one_is_refused(p, message):
+    assert spec_refusal("attnlab.nn.Dropout", p=p).startswith(f"model.net.p={p}: must be {message}")
 
 
 def test_probabilities_near_one_keep_one_element_in_256():

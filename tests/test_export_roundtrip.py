@@ -4,7 +4,7 @@ hijacked folder behind.
 Round trips: a tiny net of each family with a counterpart (GPT in the default config, BERT, ViT,
 DeiT, Swin, CLIP from scratch and CLIP from an open_clip folder) exported as ``attnlab-export``
 writes it, then loaded into a fresh net of the same config through ``model.init_from``'s own
-path (``load_initial_weights``): the same logits within 1e-5; a CLIP's tokenizer comes back with
+path (``load_init``): the same logits within 1e-5; a CLIP's tokenizer comes back with
 it and ``attnlab-zeroshot init_from=<export>`` reads the folder.
 
 The command: a tiny GPT run's checkpoint (written here, no training) exported in this process:
@@ -23,8 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.training.base import load_initial_weights
-from attnlab.weights.checkpoint import init_artifacts
+from attnlab.weights.init import init_artifacts, load_init
 from conftest import run_main
 
 
@@ -38,7 +37,7 @@ def export_and_back(net: nn.Module, fresh: nn.Module, out: Path, artifacts: dict
     from attnlab.weights.pretrained import export_pretrained
 
     export_pretrained(net.eval(), out, artifacts)
-    load_initial_weights(fresh, str(out))
+    load_init(fresh, str(out))
     return fresh.eval()
 
 

@@ -8,7 +8,10 @@ from functools import partial
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from attnlab.core.config import constructor_errors
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.models import GPT, ConvNet, VisionTransformer
 from attnlab.models.multimodal.flamingo import Flamingo, few_shot_prompt
@@ -20,6 +23,7 @@ from conftest import (
     read_metrics,
     run_cli,
     run_dirs,
+    spec_refusal,
     write_idx_dataset,
 )
 
@@ -97,6 +101,39 @@ def test_only_the_new_layers_learn_and_the_frozen_parts_stay_in_eval_mode():
     print(f"tiny Flamingo: {trained} of {total} parameters trained ({trained / total:.1%})")
 
 
+def test_a_part_refused_is_named_by_its_key():
+    """A bad width of the language model (built inside from ``model.net.lm``) names ``lm.dim``,
+    which the entry points show as ``model.net.lm.dim``; the vision encoder's as ``vision``."""
+    vision, lm = tiny_parts()
+    with pytest.raises(ValueError, match=r"^lm\.dim: must be divisible by n_head \(2\), got 33"):
+        Flamingo(vision, partial(lm, dim=33), VOCAB, 16, 1)
+    with pytest.raises(ValueError, match=r"^vision\.img_size: must be divisible by patch_size \(4\), got 18"):
+        Flamingo(vision, lm, VOCAB, 18, 1)
+    with pytest.raises(ValueError, match=r"^n_head: must divide the language model's width \(32\), got 3$"):
+        Flamingo(vision, lm, VOCAB, 16, 1, n_head=3)
+    part = {"_partial_": True, "depth": 1, "n_head": 2}
+    node = OmegaConf.create(
+        {
+            "_target_": "attnlab.models.Flamingo",
+            "vision": {
+                "_target_": "attnlab.models.VisionTransformer",
+                **part,
+                "num_classes": 0,
+                "patch_size": 4,
+            },
+            "lm": {"_target_": "attnlab.models.GPT", **part, "max_len": 48, "dim": 33},
+            "vocab_size": VOCAB,
+            "img_size": 16,
+            "in_chans": 1,
+        }
+    )
+    with pytest.raises(
+        ConfigError, match=r"^model\.net\.lm\.dim: must be divisible by n_head \(2\), got 33$"
+    ):
+        with constructor_errors("model.net"):
+            instantiate(node)
+
+
 def test_the_resampler_knows_where_each_patch_is():
     """Without the places' features the resampler would pool a bag of patches, the same in any
     order, and no caption could say which item is left of which."""
@@ -110,8 +147,7 @@ def test_the_resampler_knows_where_each_patch_is():
         assert torch.allclose(resampler(swapped)[0], resampler(features)[0], atol=1e-5)
     with pytest.raises(DataError, match="built for 16 patches per image, got 9"):
         resampler(features[:, :9])
-    with pytest.raises(ConfigError, match="model.net.place_bands"):
-        Flamingo(*tiny_parts(), VOCAB, 16, 1, place_bands=0)
+    assert spec_refusal("attnlab.models.Flamingo", place_bands=0).startswith("model.net.place_bands=0: ")
 
 
 def test_region_latents_start_from_the_mean_of_their_region():
@@ -131,7 +167,7 @@ def test_region_latents_start_from_the_mean_of_their_region():
         plain.layers[0].register_forward_pre_hook(lambda _, args: start.update(x=args[0]))
         plain(features)
     assert torch.equal(start["x"][0], start["x"][1])
-    with pytest.raises(ConfigError, match="model.net.n_latents=5: region_latents needs a square"):
+    with pytest.raises(ValueError, match="^n_latents: region_latents needs a square"):
         Flamingo(*tiny_parts(), VOCAB, 16, 1, n_latents=5, region_latents=True)
 
 
@@ -162,8 +198,9 @@ def test_the_feature_cache_encodes_each_image_once_and_changes_nothing():
     cached.train()(images, tokens)[0].sum().backward()
     assert cached.resampler.proj.weight.grad is not None
     assert not any("cache" in name for name in cached.state_dict())
-    with pytest.raises(ConfigError, match="model.net.feature_cache must be >= 0"):
-        tiny_flamingo(feature_cache=-1)
+    assert spec_refusal("attnlab.models.Flamingo", feature_cache=-1).startswith(
+        "model.net.feature_cache=-1: "
+    )
 
 
 def test_a_token_sees_only_the_last_image_before_it():
@@ -196,9 +233,9 @@ def test_decoding_step_by_step_equals_teacher_forcing(positions: str):
         logits, attn = net(images, tokens)
         state = net.start(images)
         for t in range(tokens.size(1)):
-            step_logits, step_attn, state = net.step(tokens[:, t], state)
+            step_logits, state = net.step(tokens[:, t], state)
             torch.testing.assert_close(step_logits, logits[:, t], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(step_attn, attn[:, t], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(state.attn, attn[:, t], atol=1e-5, rtol=1e-5)
     assert net.grid == (4, 4)
 
 
@@ -209,9 +246,9 @@ def test_reorder_follows_the_beams():
         logits, _ = net(images, tokens)
         state = net.start(images)
         for t in range(3):
-            _, _, state = net.step(tokens[:, t], state)
+            _, state = net.step(tokens[:, t], state)
         state = net.reorder(state, torch.tensor([1, 1, 0]))
-        step_logits, _, _ = net.step(tokens[[1, 1, 0], 3], state)
+        step_logits, _ = net.step(tokens[[1, 1, 0], 3], state)
     torch.testing.assert_close(step_logits, logits[[1, 1, 0], 3], atol=1e-5, rtol=1e-5)
 
 
@@ -231,9 +268,9 @@ def test_few_shot_prompt_then_decoding_equals_the_interleaved_sequence():
         full, attn = net(images[None], torch.cat([prompt, answer])[None])
         state = net.start(images[None], prompt=prompt[None])
         for i, token in enumerate(answer):
-            step_logits, step_attn, state = net.step(token[None], state)
+            step_logits, state = net.step(token[None], state)
             torch.testing.assert_close(step_logits, full[:, len(prompt) + i], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(step_attn, attn[:, len(prompt) + i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(state.attn, attn[:, len(prompt) + i], atol=1e-5, rtol=1e-5)
     assert state.image.tolist() == [2]  # the query image
     with pytest.raises(DataError, match="at least one"):
         few_shot_prompt([], query)
@@ -242,8 +279,7 @@ def test_few_shot_prompt_then_decoding_equals_the_interleaved_sequence():
 def test_init_from_fills_each_part_from_its_own_run(tmp_path):
     """``model.init_from={vision: ..., lm: ...}``: the ViT from a classifier's run (its head left
     out: the Flamingo's ViT has none) and the GPT from a language model's run."""
-    from attnlab.core.errors import ConfigError
-    from attnlab.training.base import load_initial_weights
+    from attnlab.weights.init import load_init
 
     torch.manual_seed(3)
     classifier = VisionTransformer(
@@ -255,7 +291,7 @@ def test_init_from_fills_each_part_from_its_own_run(tmp_path):
             {"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}, tmp_path / f"{name}.ckpt"
         )
     net = tiny_flamingo(seed=4)
-    load_initial_weights(net, {"vision": str(tmp_path / "vit.ckpt"), "lm": str(tmp_path / "gpt.ckpt")})
+    load_init(net, {"vision": str(tmp_path / "vit.ckpt"), "lm": str(tmp_path / "gpt.ckpt")})
     vision = {k: v for k, v in classifier.state_dict().items() if not k.startswith("head")}
     assert all(torch.equal(net.vision.state_dict()[k], v) for k, v in vision.items())
     assert all(torch.equal(net.lm.state_dict()[k], v) for k, v in lm.state_dict().items())
@@ -264,7 +300,7 @@ def test_init_from_fills_each_part_from_its_own_run(tmp_path):
     with pytest.raises(
         ConfigError, match=r"model.init_from.text: the net has no such part \(its parts: vision, lm"
     ):
-        load_initial_weights(net, {"text": str(tmp_path / "gpt.ckpt")})
+        load_init(net, {"text": str(tmp_path / "gpt.ckpt")})
 
 
 @pytest.mark.parametrize("preset", ["flamingo", "flamingo_vit"])
@@ -293,7 +329,7 @@ def test_a_convnet_encoder_is_read_cell_by_cell(tmp_path):
     """The paper's vision encoder is a convnet (NFNet): the resampler reads the cells of its last
     map, row-major, each at its place; its weights come from a classifier's run, head left out;
     with the gates at 0 the logits are still the frozen LM's."""
-    from attnlab.training.base import load_initial_weights
+    from attnlab.weights.init import load_init
 
     torch.manual_seed(6)
     convnet = partial(ConvNet, widths=(4, 8, 8), dropout=0.0)
@@ -306,7 +342,7 @@ def test_a_convnet_encoder_is_read_cell_by_cell(tmp_path):
         partial(convnet, num_classes=0), lm, VOCAB, 16, 1, n_latents=4, resampler_depth=1, n_head=2
     )
     assert net.grid == (4, 4) and net.resampler.places.shape[0] == 16  # 16 pixels halved twice
-    load_initial_weights(net, {"vision": str(tmp_path / "c.ckpt")})
+    load_init(net, {"vision": str(tmp_path / "c.ckpt")})
     vision = {k: v for k, v in classifier.state_dict().items() if not k.startswith("head")}
     assert net.vision.state_dict().keys() == vision.keys()
     assert all(torch.equal(net.vision.state_dict()[k], v) for k, v in vision.items())
@@ -337,12 +373,16 @@ def test_the_caption_text_is_every_caption_in_order_in_the_scenes_vocabulary(tmp
     """data=scene_text: the GPT's stream is each caption's ``<bos> words <eos>`` as the captioner's
     batches hold them, one after another; its artifacts are the scenes' (the tokenizer)."""
     from attnlab.data.multimodal.caption_text import CaptionTextDataModule
+    from attnlab.data.sources import Builtin
     from attnlab.data.vision.scenes import ScenesDataModule
 
     scenes = ScenesDataModule(
-        data_dir=str(write_idx_dataset(tmp_path / "idx")), n_train=12, n_val=6, n_test=6
+        Builtin("fashion_mnist", str(write_idx_dataset(tmp_path / "idx"))),
+        train_size=12,
+        val_size=6,
+        test_size=6,
     )
-    data = CaptionTextDataModule(scenes, block_size=8, batch_size=2, val_batches=1)
+    data = CaptionTextDataModule(scenes, max_len=8, batch_size=2, val_batches=1)
     data.setup("fit")
     tok = scenes.tokenizer
     for split, stream in (("train", data.train_tokens), ("test", data.test_tokens)):
@@ -383,7 +423,7 @@ def test_the_vision_part_comes_from_a_clip_or_a_vit_captioners_run(source, tmp_p
     """``model.init_from={vision: <run>}`` where the ViT is a part of that run's net: a CLIP's
     image tower (``image.``) or a Show, Attend and Tell's ViT encoder (``encoder.vit.``)."""
     from attnlab.models import CLIP, ShowAttendTell, TextTransformer
-    from attnlab.training.base import load_initial_weights
+    from attnlab.weights.init import load_init
 
     vit = dict(num_classes=0, img_size=16, in_chans=1, patch_size=4, dim=32, depth=2, n_head=2, stem="conv")
     torch.manual_seed(5)
@@ -399,7 +439,7 @@ def test_the_vision_part_comes_from_a_clip_or_a_vit_captioners_run(source, tmp_p
     vision = partial(VisionTransformer, **{k: v for k, v in vit.items() if k not in ("img_size", "in_chans")})
     lm = partial(GPT, max_len=48, depth=2, n_head=2, dim=32)
     net = Flamingo(vision, lm, VOCAB, 16, 1, n_latents=4, resampler_depth=1, n_head=2)
-    load_initial_weights(net, {"vision": str(tmp_path / "run.ckpt")})
+    load_init(net, {"vision": str(tmp_path / "run.ckpt")})
     theirs = tower.state_dict()
     assert net.vision.state_dict().keys() == theirs.keys()
     assert all(torch.equal(net.vision.state_dict()[k], v) for k, v in theirs.items())

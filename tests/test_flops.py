@@ -50,8 +50,9 @@ from attnlab.training import (
     TranslationTask,
 )
 from attnlab.training.distillation import HardDistillation
+from attnlab.training.optim import Optimization
 
-ADAMW = partial(torch.optim.AdamW, lr=1e-3)
+ADAMW = Optimization(partial(torch.optim.AdamW, lr=1e-3))
 V, PAD = 40, 0
 
 

@@ -2,12 +2,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.core.errors import ConfigError
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.tokenizers import CharTokenizer
+from attnlab.inference.decoding import generate, sample_next
 from attnlab.models import GPT
-from attnlab.models.text.gpt import sample_next
 from attnlab.nn import KVCache
+from conftest import spec_refusal
 
 
 def tiny_gpt(**kw) -> GPT:
@@ -57,8 +57,15 @@ def test_generation_with_cache_equals_generation_without(temperature, top_k, top
     prompt = torch.randint(0, 50, (2, 3))
     # 40 new tokens run well past max_len 16, where the window slides
     outs = [
-        net.generate(
-            prompt, 40, temperature, top_k, top_p, use_cache=c, generator=torch.Generator().manual_seed(7)
+        generate(
+            net,
+            prompt,
+            40,
+            temperature,
+            top_k,
+            top_p,
+            use_cache=c,
+            generator=torch.Generator().manual_seed(7),
         )
         for c in (True, False)
     ]
@@ -83,7 +90,6 @@ def test_top_k_and_top_p_restrict_the_support():
 @pytest.mark.parametrize(
     "kw,field",
     [
-        ({"dim": 30, "n_head": 4}, "dim"),
         ({"max_len": 0}, "max_len"),
         ({"depth": -1}, "depth"),
         ({"mlp_ratio": 0.0}, "mlp_ratio"),
@@ -91,8 +97,13 @@ def test_top_k_and_top_p_restrict_the_support():
     ],
 )
 def test_bad_config_names_the_field(kw, field):
-    with pytest.raises(ConfigError, match=field):
-        tiny_gpt(**kw)
+    args = dict(vocab_size=50, max_len=16, depth=2, n_head=2, dim=32)
+    assert spec_refusal("attnlab.models.GPT", **{**args, **kw}).startswith(f"model.net.{field}=")
+
+
+def test_a_width_the_heads_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="^dim"):
+        tiny_gpt(dim=30, n_head=4)
 
 
 def test_context_longer_than_max_len_is_refused():

@@ -51,7 +51,7 @@ def test_every_experiment_trains_on_a_gpu(experiment, precision, tmp_path):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_architecture_trains_compiled_on_a_gpu(arch, tmp_path):
     experiment = ARCHS[arch][0]
-    train_on_gpu(experiment, tmp_path, "trainer=gpu", "model.compile=true")
+    train_on_gpu(experiment, tmp_path, "trainer=gpu", "model.optim.compile=true")
 
 
 @pytest.mark.parametrize("arch", ["gpt", "deit", "bert"])

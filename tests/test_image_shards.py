@@ -17,7 +17,11 @@ import torch
 from PIL import Image
 
 from attnlab.core.errors import DataError
-from attnlab.data.vision.shards import MANIFEST, ImageShards, ShardStream, prepare_images
+from attnlab.data.shards.folder import MANIFEST
+from attnlab.data.shards.tar import ShardStream
+from attnlab.data.shards.tar import TarShards as ImageShards
+from attnlab.data.sources import StreamedShards
+from attnlab.data.vision.shards import prepare_images
 from conftest import (
     QUIET,
     VISION_NETS,
@@ -90,8 +94,9 @@ def loader_order(stream: ShardStream, n: int, monkeypatch) -> list[list[int]]:
 
 def test_a_vit_trains_on_a_folder_of_mixed_sizes_decoded_lazily(tmp_path):
     data = mixed_folder(tmp_path / "pets")
-    args = [*VIT, "data=image_folder", f"data.data_dir={data}", "data.val_size=4", "data.num_workers=2"]
-    aug = ["data.auto_augment=rand-m9-mstd0.5", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0"]
+    args = [*VIT, "data=image_folder", f"data.source.path={data}", "data.source.val_size=4"]
+    args.append("data.num_workers=2")
+    aug = ["data.auto_augment=rand-m9-mstd0.5", "data.mixup.mixup_alpha=0.2", "data.mixup.cutmix_alpha=1.0"]
     proc = run_cli(
         "train",
         [*args, *aug, "trainer.max_steps=4", "trainer.val_check_interval=2", "task_name=pets"],
@@ -112,7 +117,7 @@ def test_a_vit_trains_on_a_folder_of_mixed_sizes_decoded_lazily(tmp_path):
 def test_shards_hold_open_clip_s_layout_and_a_manifest(tmp_path):
     s = shards(tmp_path)
     manifest = json.loads((s.folder / MANIFEST).read_text())
-    assert manifest["classes"] == ["cat", "dog"] and manifest["kind"] == "cls"
+    assert manifest["classes"] == ["cat", "dog"] and manifest["kind"] == "images"
     assert [s.count(x) for x in ("train", "val", "test")] == [16, 4, 6]
     with tarfile.open(s.splits["train"][0].path) as tar:
         names = tar.getnames()
@@ -152,9 +157,9 @@ def test_a_run_resumed_mid_epoch_continues_with_the_same_batches(tmp_path, sourc
 
     if source == "image_shards":
         shards(tmp_path, per_class=12, records=5)
-        data = [f"data.shards_dir={tmp_path / 'shards'}"]
+        data = [f"data.source.path={tmp_path / 'shards'}"]
     else:
-        data = [f"data.data_dir={mixed_folder(tmp_path / 'pets', 12)}", "data.val_size=4"]
+        data = [f"data.source.path={mixed_folder(tmp_path / 'pets', 12)}", "data.source.val_size=4"]
 
     def train(*extra: str) -> Path:
         status, out = run_main(
@@ -167,7 +172,7 @@ def test_a_run_resumed_mid_epoch_continues_with_the_same_batches(tmp_path, sourc
                 "data.auto_augment=rand-m9-mstd0.5",
                 "task_name=resume",
                 f"paths.root_dir={tmp_path}",
-                "model.compile=false",
+                "model.optim.compile=false",
                 "trainer.max_steps=8",
                 "trainer.val_check_interval=3",
                 "callbacks.model_checkpoint.save_top_k=-1",
@@ -191,7 +196,7 @@ def test_validation_and_test_count_every_record_once_on_any_number_of_ranks(tmp_
     from attnlab.data import ImageFilesDataModule
 
     shards(tmp_path, per_class=10)
-    dm = ImageFilesDataModule(source="shards", shards_dir=str(tmp_path / "shards"), img_size=8, batch_size=4)
+    dm = ImageFilesDataModule(StreamedShards(str(tmp_path / "shards")), img_size=8, batch_size=4)
     dm.setup("fit")
     assert len(dm.splits["test"]) == 6
     seen = []
@@ -218,8 +223,8 @@ def test_an_image_that_does_not_decode_is_named_then_refused_or_skipped(tmp_path
 
     args = vit(
         "data=image_folder",
-        f"data.data_dir={data}",
-        "data.val_size=2",
+        f"data.source.path={data}",
+        "data.source.val_size=2",
         "data.num_workers=0",
         "data.batch_size=6",  # 18 training images: all of them in 3 steps
         "trainer.max_steps=3",
@@ -227,8 +232,8 @@ def test_an_image_that_does_not_decode_is_named_then_refused_or_skipped(tmp_path
         "test=false",
     )
     proc = run_cli("train", args, tmp_path)
-    assert_user_error(proc, "3.jpg: not a readable image", "data.on_bad_record=skip")
-    proc = run_cli("train", [*args, "data.on_bad_record=skip"], tmp_path)
+    assert_user_error(proc, "3.jpg: not a readable image", "data.source.on_bad_record=skip")
+    proc = run_cli("train", [*args, "data.source.on_bad_record=skip"], tmp_path)
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "3.jpg: not a readable image" in out and "skipped (1 so far" in out
@@ -261,7 +266,7 @@ def test_a_corrupt_record_and_an_empty_shard_are_named_then_refused_or_skipped(t
 
     def epoch(policy: str) -> list:
         dm = ImageFilesDataModule(
-            source="shards", shards_dir=str(s.folder), img_size=8, batch_size=2, on_bad_record=policy
+            StreamedShards(str(s.folder), on_bad_record=policy), img_size=8, batch_size=2
         )
         dm.setup("fit")
         it = iter(dm.train_dataloader())
@@ -331,7 +336,7 @@ def test_clip_trains_from_image_caption_shards(tmp_path):
     args = [
         "experiment=clip_pairs",
         "data=image_text_shards",
-        "data.shards_dir=shards/cap",
+        "data.source.path=shards/cap",
         "data.img_size=16",
         "data.num_workers=2",
         *CLIP_TINY,

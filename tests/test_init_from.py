@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from attnlab.core.errors import CheckpointError
 from attnlab.models import VisionTransformer
-from attnlab.training.base import load_initial_weights
 from attnlab.weights.checkpoint import load_checkpoint, metadata
+from attnlab.weights.init import load_init
 from conftest import TINY, run_main
 
 VIT = dict(img_size=28, in_chans=1, patch_size=7, dim=48, depth=2, n_head=3)
@@ -41,7 +41,7 @@ def test_a_gpt_starts_from_a_run_named_by_its_task_with_its_tokenizer(tmp_path):
         tmp_path,
         "tuned",
         "model.init_from=pre",
-        "model.optimizer.lr=0.0",
+        "model.optim.optimizer.lr=0.0",
         "trainer.max_steps=1",
         "test=false",
     )
@@ -66,7 +66,7 @@ def test_a_head_of_another_size_starts_fresh_the_rest_is_copied(tmp_path, caplog
     net = VisionTransformer(**VIT, num_classes=3)
     head = net.head.weight.clone()
     with caplog.at_level(logging.INFO):
-        load_initial_weights(net, path)
+        load_init(net, path)
     assert "head.weight, head.bias differ in size" in caplog.text
     assert torch.equal(net.head.weight, head)
     assert torch.equal(net.pos_embed, source.pos_embed) and torch.equal(
@@ -80,7 +80,7 @@ def test_a_body_tensor_that_does_not_fit_is_refused_by_name(tmp_path):
         CheckpointError,
         match=r"init_from\) does not match.*pos_embed: checkpoint \(1, 17, 24\) vs model \(1, 17, 48",
     ):
-        load_initial_weights(VisionTransformer(**VIT, num_classes=10), path)
+        load_init(VisionTransformer(**VIT, num_classes=10), path)
 
 
 def test_a_clips_image_tower_fills_a_classifier_whose_head_starts_fresh(tmp_path, caplog):
@@ -100,7 +100,7 @@ def test_a_clips_image_tower_fills_a_classifier_whose_head_starts_fresh(tmp_path
     net = VisionTransformer(**VIT, num_classes=3)
     head = net.head.weight.clone()
     with caplog.at_level(logging.INFO):
-        load_initial_weights(net, str(path))
+        load_init(net, str(path))
     assert f"the net is {path}'s image" in caplog.text and "has no head.weight, head.bias" in caplog.text
     assert torch.equal(net.head.weight, head)
     tower = clip.image.state_dict()
@@ -109,4 +109,4 @@ def test_a_clips_image_tower_fills_a_classifier_whose_head_starts_fresh(tmp_path
     with pytest.raises(
         CheckpointError, match=r"init_from\) does not match.*cls_token: checkpoint \(1, 1, 48\)"
     ):
-        load_initial_weights(VisionTransformer(**{**VIT, "dim": 24, "n_head": 2}, num_classes=3), str(path))
+        load_init(VisionTransformer(**{**VIT, "dim": 24, "n_head": 2}, num_classes=3), str(path))

@@ -323,7 +323,7 @@ def test_a_jobs_refused_config_is_its_one_line_in_the_multirun(tmp_path):
     args = [*LOCAL, *small("model.net.dim=30", "model.net.n_head=4"), "task_name=bad"]
     proc = run_cli("train", args, tmp_path)
     assert_user_error(
-        proc, "model.net.dim=30", "error: dim (30) must be a positive multiple of n_head (4)", status=1
+        proc, "model.net.dim=30", "error: model.net.dim: must be divisible by n_head (4), got 30", status=1
     )
     (sweep,) = (tmp_path / "logs" / "bad" / "multiruns").iterdir()
     assert [p.name for p in sweep.iterdir() if not p.name.startswith(".")] == [

@@ -74,8 +74,6 @@ def test_fourier_features_hand_computed_and_as_the_papers_code():
 def test_each_element_holds_the_neighbourhood_of_its_pixel():
     """neighbourhood=3: the element of pixel (i, j) holds the 3 x 3 pixels around it, channel by
     channel, row by row, zeros past the border, then the same position features; even sides refused."""
-    from attnlab.core.errors import ConfigError
-
     torch.manual_seed(0)
     images = torch.randn(2, 2, 6, 5)
     net = Perceiver(**{**TINY, "in_chans": 2, "img_size": 6}, neighbourhood=3)
@@ -89,8 +87,10 @@ def test_each_element_holds_the_neighbourhood_of_its_pixel():
     assert torch.equal(inputs[..., 18:], alone[..., 2:])  # the same position features
     assert torch.equal(inputs[..., [4, 13]], alone[..., :2])  # each channel's centre: the pixel
     assert net(images).shape == (2, 10)
-    with pytest.raises(ConfigError, match="model.net.neighbourhood must be odd"):
+    with pytest.raises(ValueError, match="^neighbourhood: must be odd"):
         Perceiver(**TINY, neighbourhood=2)
+    with pytest.raises(ValueError, match=r"^cross_heads: must divide dim \(32\), got 3$"):
+        Perceiver(**TINY, cross_heads=3)
 
 
 def test_the_output_does_not_depend_on_the_order_of_the_pixels():
@@ -150,7 +150,7 @@ def test_a_tiny_perceiver_run_learns_where_the_light_is(tmp_path):
             "task_name=quadrants",
             f"paths.root_dir={tmp_path}",
             *QUIET,
-            f"data.data_dir={data}",
+            f"data.source.data_dir={data}",
             "data.val_size=40",
             "data.batch_size=32",
             "data.crop_padding=0",  # no augmentation: a flip moves the bright quadrant, the class
@@ -158,8 +158,8 @@ def test_a_tiny_perceiver_run_learns_where_the_light_is(tmp_path):
             *VISION_NETS["perceiver"],
             "model.net.cross_heads=2",  # finds the bright quadrant sooner than one head
             "model.plot_images=0",
-            "model.optimizer.lr=1e-2",
-            "model.scheduler.warmup_steps=5",
+            "model.optim.optimizer.lr=1e-2",
+            "model.optim.scheduler.warmup_steps=5",
             "trainer.max_steps=100",
             "trainer.val_check_interval=25",
             "trainer.log_every_n_steps=5",
@@ -194,13 +194,13 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
     from torch.utils.data import DataLoader
 
     from attnlab.training import ImageClassificationTask
+    from attnlab.training.optim import Optimization
 
     torch.manual_seed(0)
     net = Perceiver(**{**TINY, "num_classes": 4, "img_size": 8, "n_latents": 4})
     task = ImageClassificationTask(
         net,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3),
-        weight_decay=0.0,
+        Optimization(lambda p: torch.optim.AdamW(p, lr=5e-3)),
         plot_images=0,
         multilabel=True,
     )
@@ -226,8 +226,9 @@ def test_multilabel_classification_learns_which_quadrants_are_bright():
 
 def test_multilabel_loss_is_binary_cross_entropy_with_smoothed_targets():
     from attnlab.training import ImageClassificationTask
+    from attnlab.training.optim import Optimization
 
-    task = ImageClassificationTask(Perceiver(**TINY), optimizer=torch.optim.AdamW, multilabel=True)
+    task = ImageClassificationTask(Perceiver(**TINY), Optimization(torch.optim.AdamW), multilabel=True)
     logits, targets = torch.randn(3, 10), torch.randint(0, 2, (3, 10)).float()
     expected = F.binary_cross_entropy_with_logits(logits, targets * 0.9 + 0.05)
     assert torch.allclose(task.loss(logits, targets, label_smoothing=0.1), expected)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnlab.cli.compare import compare, parse_args
-from attnlab.core.errors import ConfigError
+from attnlab.inference.decoding import generate
 from attnlab.models import GPT
 from attnlab.nn import (
     ALiBi,
@@ -31,6 +31,7 @@ from conftest import (
     run_cli,
     run_dirs,
     run_main,
+    spec_refusal,
     tiny,
 )
 
@@ -234,7 +235,7 @@ def test_generation_with_the_cache_gives_the_tokens_of_recomputing(variant: tupl
     gpt, prompt = tiny_gpt(*variant), torch.randint(40, (2, 3))
     for temperature in (0.0, 1.0):
         with_cache, without = (
-            gpt.generate(prompt, 40, temperature, use_cache=c, generator=torch.Generator().manual_seed(1))
+            generate(gpt, prompt, 40, temperature, use_cache=c, generator=torch.Generator().manual_seed(1))
             for c in (True, False)
         )
         assert torch.equal(with_cache, without)
@@ -276,23 +277,29 @@ def test_nope_tells_positions_apart_by_its_start_token(attention: str):
 
 
 def test_learned_positions_refuse_inputs_past_their_table():
-    with pytest.raises(ConfigError, match="17 tokens exceeds the 16 learned positions"):
+    with pytest.raises(ValueError, match="17 tokens exceeds the 16 learned positions"):
         tiny_gpt("learned", "full", max_len=16)(torch.zeros(1, 17, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
-        ({"positions": "alibi", "attention": "linear"}, "linear attention never forms"),
-        ({"positions": "xpos"}, "model.net.positions"),
-        ({"attention": "flash"}, "model.net.attention"),
-        ({"attention": "sliding", "window": 0}, "model.net.window"),
-        ({"attention": "linear", "feature_map": "relu"}, "model.net.feature_map"),
+        ({"positions": "xpos"}, "model.net.positions="),
+        ({"attention": "flash"}, "model.net.attention="),
+        ({"attention": "sliding", "window": 0}, "model.net.window="),
+        ({"attention": "linear", "feature_map": "relu"}, "model.net.feature_map="),
     ],
 )
 def test_bad_choices_name_the_field(kw: dict, needle: str):
-    with pytest.raises(ConfigError, match=needle):
-        GPT(40, max_len=16, depth=1, n_head=2, dim=16, **kw)
+    args = dict(vocab_size=40, max_len=16, depth=1, n_head=2, dim=16)
+    assert spec_refusal("attnlab.models.GPT", **args, **kw).startswith(needle)
+
+
+def test_linear_attention_refuses_positions_that_bias_the_scores():
+    with pytest.raises(
+        ValueError, match="^positions: alibi biases attention scores, which linear attention never forms"
+    ):
+        GPT(40, max_len=16, depth=1, n_head=2, dim=16, positions="alibi", attention="linear")
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:9], ids=variant_id)
@@ -301,8 +308,8 @@ def test_each_variant_trains_through_the_cli(variant: tuple[str, str], tmp_path:
     positions, attention = variant
     args = tiny(
         "trainer.max_steps=30",
-        "model.scheduler.warmup_steps=3",
-        "model.optimizer.lr=3e-3",
+        "model.optim.scheduler.warmup_steps=3",
+        "model.optim.optimizer.lr=3e-3",
         "trainer.log_every_n_steps=1",
         f"model.net.positions={positions}",
         f"model.net.attention={attention}",
@@ -335,8 +342,8 @@ def test_eval_at_longer_windows_and_learned_positions_past_their_table(tmp_path:
     assert_ok(proc)
     assert "length x2 (32 tokens) skipped" in proc.stdout + proc.stderr
     assert "eval/test/ppl_x1" in read_metrics(learned.parent.parent)
-    proc = run_cli("eval", [f"ckpt_path={learned}", "+data.block_size=32", *limits], tmp_path)
-    assert_user_error(proc, "32 tokens exceeds the 16 learned positions (model.net.max_len)")
+    proc = run_cli("eval", [f"ckpt_path={learned}", "+data.max_len=32", *limits], tmp_path)
+    assert_user_error(proc, "data.max_len=32: a sequence of 32 tokens exceeds the 16 learned positions")
     assert math.isfinite(metrics["eval/test/ppl_x4"][-1][1])
     # the extrapolation plot: perplexity against the number in each metric's name, a line per run
     figures = plot_figures(monkeypatch)

@@ -34,7 +34,7 @@ def test_fp16_with_a_gradient_scaler_trains_the_recipe_and_clips(tmp_path: Path)
     optimizer under a gradient scaler (it unscales inside its step). The optimizer is then built
     unfused, and the run trains. fp16 autocast runs on the CPU too, so CI checks it."""
     cfg = compose_train([*TINY, f"paths.output_dir={tmp_path}", f"paths.root_dir={tmp_path}"])
-    assert cfg.model.optimizer.fused and cfg.trainer.gradient_clip_val
+    assert cfg.model.optim.optimizer.fused and cfg.trainer.gradient_clip_val
     data = instantiate(cfg.data)
     data.prepare_data()
     data.setup("fit")

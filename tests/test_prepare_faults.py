@@ -13,6 +13,7 @@ import pytest
 
 from attnlab.cli import prepare as cli
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.data.shards import writer as shard_writer
 from attnlab.data.text import document_shards, pair_shards, shards
 from attnlab.data.text.translation import synthetic_pairs
 
@@ -131,14 +132,14 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial(tmp_path, capsys, monkeyp
     # a real full device: numpy's tofile loses a short write without an error; the size check sees it
     if not Path("/dev/full").exists():
         return
-    start = shards.start_partial
+    start = shard_writer.start_partial
 
     def onto_dev_full(out: Path) -> Path:
         partial = start(out)
         (partial / "val_00000.bin").symlink_to("/dev/full")
         return partial
 
-    monkeypatch.setattr(shards, "start_partial", onto_dev_full)
+    monkeypatch.setattr(shard_writer, "start_partial", onto_dev_full)
     out = tmp_path / "dev_full"
     code, _, err = run(capsys, corpus, "--out", str(out), "--val-tokens", "100", "--test-tokens", "100")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -173,7 +174,7 @@ def test_an_unwritable_out_is_one_line(tmp_path, capsys, monkeypatch):
 def test_a_second_prepare_into_the_same_out_is_refused_and_stale_partials_go(tmp_path, capsys):
     corpus, out = text_file(tmp_path / "c.txt"), tmp_path / "out"
     args = (corpus, "--out", str(out), "--val-tokens", "100", "--test-tokens", "100")
-    with shards._lock(out):  # another prepare holds it: flock is per open file, so this process too
+    with shard_writer._lock(out):  # another prepare holds it: flock is per open file, so this process too
         message = f"{out}: another attnlab-prepare is writing it; wait for its end or choose another --out"
         refused(capsys, message, *args)
         assert (tmp_path / "out.lock").exists()

@@ -17,7 +17,7 @@ from PIL import Image
 from attnlab.cli.common import config_dir
 from attnlab.data.text.tokenizers import tokenizer_from_json
 from attnlab.inference.runs import TrainedRun
-from attnlab.weights.checkpoint import init_artifacts
+from attnlab.weights.init import init_artifacts
 from conftest import QUIET, clip_overrides, run_cli, run_dirs, run_main, vision_overrides, write_open_clip
 
 

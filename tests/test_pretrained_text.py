@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from attnlab.cli.common import compose_train
+from attnlab.inference.decoding import generate
 from conftest import (
     QUIET,
     assert_ok,
@@ -69,7 +70,7 @@ def task_from(experiment: str, *overrides: str):
     """The task ``attnlab-train`` would build (``model.init_from`` loaded in its constructor),
     its tokenizer filled in from the weights' folder as ``build_datamodule`` does."""
     from attnlab.data.text.tokenizers import tokenizer_from_json
-    from attnlab.weights.checkpoint import init_artifacts
+    from attnlab.weights.init import init_artifacts
 
     out = tempfile.mkdtemp()
     cfg = compose_train([f"experiment={experiment}", f"paths.output_dir={out}", *overrides])
@@ -97,7 +98,7 @@ def test_gpt2_imported_gives_transformers_logits_and_greedy_tokens(gpt2_dir):
     ids = torch.tensor([tokenizer.encode("But soft, what light through yonder window breaks?")[:20]])
     with torch.no_grad():
         torch.testing.assert_close(task.net(ids), hf(ids).logits, atol=1e-5, rtol=0)
-        ours = task.net.generate(ids[:, :4], max_new_tokens=12, temperature=0)
+        ours = generate(task.net, ids[:, :4], max_new_tokens=12, temperature=0)
         theirs = hf.generate(ids[:, :4], max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert ours.tolist() == theirs.tolist()
 
@@ -179,7 +180,7 @@ def test_gpt2_recipe_fine_tunes_and_exports_to_transformers(gpt2_dir, tmp_path):
 
     data = write_shakespeare(tmp_path / "shakespeare")
     args = ["experiment=gpt2_finetune_shakespeare", f"model.init_from={gpt2_dir}", *GPT_SIZES]
-    args += [f"data.data_dir={data}", "data.block_size=16", "sample.max_new_tokens=5", *FAST]
+    args += [f"data.source.data_dir={data}", "data.max_len=16", "sample.max_new_tokens=5", *FAST]
     assert_ok(run_cli("train", args, tmp_path))
     (run,) = run_dirs(tmp_path, "gpt2_finetune_shakespeare")
     ckpt = run / "checkpoints" / "last.ckpt"
@@ -208,7 +209,7 @@ def test_bert_recipe_fine_tunes_and_exports_to_transformers_and_onnx(bert_dir, t
     from attnlab.inference.runs import TrainedRun
 
     args = ["experiment=bert_hf_finetune_sst2", f"model.init_from={bert_dir}", *BERT_SIZES]
-    args += [f"data.data_dir={write_sst2(tmp_path / 'sst2')}", "model.plot_sentences=0", *FAST]
+    args += [f"data.source.data_dir={write_sst2(tmp_path / 'sst2')}", "model.plot_sentences=0", *FAST]
     assert_ok(run_cli("train", args, tmp_path))
     (run,) = run_dirs(tmp_path, "bert_hf_finetune_sst2")
     ckpt = run / "checkpoints" / "last.ckpt"
@@ -239,7 +240,7 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
     pickle_dir = tmp_path / "pickled"
     pickle_dir.mkdir()
     torch.save({"w": torch.zeros(2), "plan": random.Random(0)}, pickle_dir / "pytorch_model.bin")
-    base = ["experiment=gpt2_finetune_shakespeare", f"data.data_dir={data}", "data.block_size=16", *FAST]
+    base = ["experiment=gpt2_finetune_shakespeare", f"data.source.data_dir={data}", "data.max_len=16", *FAST]
     cases = [
         ([f"model.init_from={tmp_path / 'nowhere'}", *GPT_SIZES], "no such file or directory"),
         (["model.init_from=gpt2", *GPT_SIZES], "could not be fetched from the Hugging Face hub"),
@@ -250,10 +251,13 @@ def test_bad_weights_are_one_line(gpt2_dir, bert_dir, tmp_path, monkeypatch):
         ),
         ([f"model.init_from={pickle_dir}", *GPT_SIZES], "a pickle that holds more than tensors"),
         ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.net.positions=rope"], "GPT-2 has learned"),
-        ([f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.freeze=[embedding]"], "'embedding' names no"),
         (
-            [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.lr_decay=1.5"],
-            "model.lr_decay must be in (0, 1]",
+            [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.optim.freeze=[embedding]"],
+            "'embedding' names no",
+        ),
+        (
+            [f"model.init_from={gpt2_dir}", *GPT_SIZES, "model.optim.lr_decay=1.5"],
+            "model.optim.lr_decay=1.5: must be less than or equal to 1",
         ),
     ]
     for overrides, needle in cases:
@@ -288,9 +292,9 @@ def test_layer_wise_lr_decay_and_freezing(bert_dir):
         "bert_hf_finetune_sst2",
         f"model.init_from={bert_dir}",
         *BERT_SIZES,
-        "model.lr_decay=0.5",
-        "model.freeze=[embed,blocks.0]",
-        "model.scheduler=null",
+        "model.optim.lr_decay=0.5",
+        "model.optim.freeze=[embed,blocks.0]",
+        "model.optim.scheduler=null",
     )
     task.train()
     opt = task.configure_optimizers()["optimizer"]

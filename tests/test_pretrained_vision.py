@@ -289,7 +289,7 @@ def finetune(tmp_path: Path, family: str, init_from: Path, *overrides: str):
     args = [
         f"experiment={family}_finetune_cifar10",
         f"model.init_from={init_from}",
-        f"data.data_dir={data}",
+        f"data.source.data_dir={data}",
         "data.img_size=32",
         "data.crop_padding=2",
         "data.batch_size=4",
@@ -329,9 +329,9 @@ def test_clip_starts_from_an_open_clip_folder(tmp_path):
         "train",
         [
             "experiment=clip_pairs",
-            f"data.pairs_file={pairs}",
+            f"data.source.path={pairs}",
             "data.img_size=32",
-            "data.context_length=16",
+            "data.max_len=16",
             "data.batch_size=4",
             "data.val_size=4",
             f"model.init_from={tmp_path / 'open_clip'}",
@@ -438,7 +438,7 @@ def test_a_net_with_no_counterpart_is_refused_before_anything_is_written(tmp_pat
 
 def test_a_timm_folder_has_no_tokenizer_to_warn_about(tmp_path, caplog):
     """An image classifier takes no text: no "has no tokenizer files" notice (a CLIP still gets it)."""
-    from attnlab.weights.checkpoint import init_artifacts
+    from attnlab.weights.init import init_artifacts
 
     folder = saved(timm_reference("vit"), tmp_path / "timm")
     with caplog.at_level(logging.WARNING):

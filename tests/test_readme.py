@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from attnlab.data.multimodal.image_text_shards import prepare_image_text
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.document_shards import prepare_documents
 from attnlab.data.text.pair_shards import prepare_pairs
@@ -216,8 +217,8 @@ def tiny_for(experiment: str, data: Path, args: tuple[str, ...] = ()) -> list[st
         return tiny_overrides(experiment, data)
     if experiment == "gpt_shakespeare_char" or any(a.startswith("data=shakespeare") for a in args):
         # the recipe's block of 64 kept: the README's data.test_stride=32 is within it
-        keep = [o for o in GPT_TINY if not o.startswith(("data.corpus=", "model.net.max_len="))]
-        return [*keep, f"data.data_dir={write_shakespeare(data)}"]
+        keep = [o for o in GPT_TINY if not o.startswith(("data/source=", "model.net.max_len="))]
+        return [*keep, f"data.source.data_dir={write_shakespeare(data)}"]
     return list(GPT_TINY)
 
 
@@ -239,6 +240,15 @@ def without_replaced(
     if beside_prerequisite:  # the teacher / pre-trained encoder is the run trained before
         packages.append(PREREQUISITE[experiment][1])
     keys = {key_of(a) for a in args}
+    if "data.source.path" in keys:  # a folder or shards of the line's own: no built-in set's files
+        folder = "data=image_folder" in args  # its validation split is carved from the folder
+        tiny = [o.replace("data.val_size=", "data.source.val_size=") if folder else o for o in tiny]
+        drop = (
+            "data.source.data_dir",
+            *(() if folder else ("data.val_size",) * ("data=image_shards" in args)),
+        )
+        tiny = [o for o in tiny if key_of(o) not in drop]
+    packages = [p for p in packages if p != "data.source"]  # data/source=mnist keeps the fake files
     return [
         o
         for o in tiny
@@ -270,13 +280,13 @@ def write_inputs(args: tuple[str, ...], cwd: Path) -> None:
         name = a.partition("=")[2] or a  # key=file, or a file given by position
         if name in writers and not (cwd / name).exists():
             writers[name](cwd / name)
-    shards = next((a.partition("=")[2] for a in args if a.startswith("data.shards_dir=")), None)
+    shards = next((a.partition("=")[2] for a in args if a.startswith("data.source.path=shards")), None)
     if shards and not (cwd / shards).exists():  # what attnlab-prepare would have written there
         data = next((a.partition("=")[2] for a in args if a.startswith("data=")), "token_shards")
         if data == "image_shards":
             image_shards.prepare_images(write_image_folder(cwd / "shard_images"), cwd / shards, val_size=4)
         elif data in ("image_text_shards", "captions_folder"):
-            image_shards.prepare_pairs(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
+            prepare_image_text(write_pairs(cwd / "shard_pairs", n=24), cwd / shards, val_size=6)
         elif data == "bert_shards":
             writers["documents.txt"](cwd / "documents.txt")
             docs = [str(cwd / "documents.txt")]
@@ -312,9 +322,7 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
     out = []
     for a in cmd.args:
         key, eq, value = a.partition("=")
-        if key in ("data.data_dir", "data.captions.data_dir") and (
-            value == "..." or value.startswith("../shared/data/")
-        ):
+        if key in SHARED_DATA_KEYS and (value == "..." or value.startswith("../shared/data/")):
             continue
         if key == "model.init_from" and cmd.experiment in PRETRAINED:
             folder = cwd / f"hf_{cmd.experiment}"
@@ -346,6 +354,14 @@ def concrete(cmd: Command, cwd: Path) -> list[str]:
     return out
 
 
+# where a line names the shared data (replaced by the tiny overrides' fake data), before and after
+# the data source became a node of its own (data.source)
+SHARED_DATA_KEYS = (
+    "data.data_dir",
+    "data.captions.data_dir",
+    "data.source.data_dir",
+    "data.captions.source.data_dir",
+)
 # the recipes that start from a model on the Hugging Face hub: the tiny overrides' random one here
 FROM_HUB = ("vit_finetune_cifar10", "deit_finetune_cifar10", "swin_finetune_cifar10")
 
@@ -390,7 +406,13 @@ class Workspaces:
         """A learning-rate multirun of the default experiment beside the ViT's and DeiT's runs."""
         if "compare" not in self.dirs:
             cwd = self.factory.mktemp("compare")
-            argv = ["-m", "model.optimizer.lr=1e-3,3e-3", *QUIET, *tiny_for(DEFAULT_EXPERIMENT, cwd), *SHORT]
+            argv = [
+                "-m",
+                "model.optim.optimizer.lr=1e-3,3e-3",
+                *QUIET,
+                *tiny_for(DEFAULT_EXPERIMENT, cwd),
+                *SHORT,
+            ]
             check(*run_in(cwd, "train", argv), "the multirun compared")
             for experiment in ("vit_fashion_mnist", "deit_fashion_mnist"):
                 (cwd / "logs" / experiment).symlink_to(self(experiment) / "logs" / experiment)

@@ -1,4 +1,4 @@
-"""Shards read from object storage (``data.shards_dir=s3://...``; ``gs://`` and ``https://`` too),
+"""Shards read from object storage (``data.source.path=s3://...``; ``gs://`` and ``https://`` too),
 served here by a local S3-compatible server (moto's): the same bytes, batches, per-rank split and
 resume as from disk, each shard's sha256 checked as it streams; a changed shard, a wrong scheme, a
 missing bucket or folder, an unreachable endpoint: one line, exit status 2."""
@@ -19,11 +19,13 @@ import torch
 from attnlab.core.errors import DataError
 from attnlab.data import MaskedLMDataModule, TranslationDataModule
 from attnlab.data.remote import RemotePath
+from attnlab.data.shards.tar import BadRecords, ShardRecords
+from attnlab.data.shards.tar import TarShards as ImageShards
+from attnlab.data.sources import Shards
 from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
 from attnlab.data.text.pair_shards import PairShards
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards
 from attnlab.data.text.translation import read_parallel
-from attnlab.data.vision.shards import BadRecords, ImageShards, ShardRecords
 from conftest import QUIET, read_metrics, run_main
 from test_image_shards import VIT, key_stream, loader_order
 from test_image_shards import shards as image_shards
@@ -75,7 +77,7 @@ def s3():
 
 
 def windows(shards: TokenShards, n: int) -> list[torch.Tensor]:
-    stream = ShardWindows(shards, block_size=8, batch_size=4, seed=3)
+    stream = ShardWindows(shards, max_len=8, batch_size=4, seed=3)
     return [stream.batch(i)[0] for i in range(n)]
 
 
@@ -107,15 +109,15 @@ def test_token_document_and_pair_shards_read_from_s3_as_from_disk(s3, tmp_path):
         *pairs.text_files("test", "de", "en")
     )
 
-    # the data modules take the URL as data.shards_dir: the same first training batch either way
+    # the data modules take the URL as data.source.path: the same first training batch either way
     for make_module, folder, url in (
         (
-            lambda d: MaskedLMDataModule(shards_dir=d, max_len=16, max_tokens=64),
+            lambda d: MaskedLMDataModule(Shards(d), max_len=16, max_tokens=64),
             docs.folder,
             remote_docs.folder,
         ),
         (
-            lambda d: TranslationDataModule(shards_dir=d, max_len=32, max_tokens=128),
+            lambda d: TranslationDataModule(Shards(d), max_len=32, max_tokens=128),
             pairs.folder,
             remote_pairs.folder,
         ),
@@ -206,7 +208,7 @@ def test_a_gpt_trains_from_s3_token_shards_and_resumes_mid_run_exactly(s3, tmp_p
     args = [
         "experiment=gpt_pydoc_char",
         "data=token_shards",
-        f"data.shards_dir={url}",  # read by a loader worker process (data.num_workers: 1)
+        f"data.source.path={url}",  # read by a loader worker process (data.num_workers: 1)
         "model.net.depth=1",
         "model.net.n_head=2",
         "model.net.dim=32",
@@ -229,7 +231,7 @@ def test_a_vit_trains_from_s3_tar_shards_and_resumes_mid_epoch_exactly(s3, tmp_p
     args = [
         *VIT,
         "data=image_shards",
-        f"data.shards_dir={url}",
+        f"data.source.path={url}",
         "data.num_workers=2",  # two worker processes, each streaming its lane from the server
         "trainer.max_steps=8",
         "trainer.limit_test_batches=1",
@@ -249,14 +251,14 @@ def error_lines(args: list[str], tmp: Path) -> tuple[int, list[str], str]:
 
 
 def gpt(url: str) -> list[str]:
-    return ["experiment=gpt_pydoc_char", "data=token_shards", f"data.shards_dir={url}", "model.net.depth=1"]
+    return ["experiment=gpt_pydoc_char", "data=token_shards", f"data.source.path={url}", "model.net.depth=1"]
 
 
 def test_a_shard_changed_on_the_server_is_one_line_and_exit_status_2(s3, tmp_path):
     folder = token_folder(tmp_path)
     zero_100_bytes(folder / "train_00001.bin")  # the size its manifest says, other bytes
     url = s3.upload(folder, "changed")
-    status, lines, out = error_lines([*gpt(url), "data.block_size=16"], tmp_path)
+    status, lines, out = error_lines([*gpt(url), "data.max_len=16"], tmp_path)
     assert status == 2 and len(lines) == 1, out[-2000:]
     assert f"{url}/train_00001.bin: its sha256 differs from the manifest's" in lines[0]
     assert "Traceback" not in out
@@ -296,8 +298,8 @@ def test_a_wrong_url_a_missing_bucket_or_folder_or_an_unreachable_endpoint_is_on
     import s3fs
 
     cases = {
-        "ftp://host/shards": "data.shards_dir=ftp://host/shards: ftp:// is not a storage shards are",
-        "s3://": "data.shards_dir=s3://: names no bucket or host; give s3://<bucket or host>/<folder>",
+        "ftp://host/shards": "data.source.path=ftp://host/shards: ftp:// is not a storage shards are",
+        "s3://": "data.source.path=s3://: names no bucket or host; give s3://<bucket or host>/<folder>",
         f"s3://{BUCKET}-missing/shards": "no such bucket (",
         f"s3://{BUCKET}/no/such/folder": f"s3://{BUCKET}/no/such/folder: no manifest.json; prepare it",
     }

@@ -26,7 +26,9 @@ FAMILIES = [
 ]
 
 
-def train(experiment: str, tmp: Path, *extra: str) -> Path:
+def train(experiment: str, tmp: Path, *extra: str, source: bool = True) -> Path:
+    """``source=False``: without the tiny data's ``data.source`` (``extra`` names another)."""
+    data = [o for o in tiny_overrides(experiment, tmp / "data") if source or not o.startswith("data.source.")]
     status, out = run_main(
         "train",
         [
@@ -34,7 +36,7 @@ def train(experiment: str, tmp: Path, *extra: str) -> Path:
             "task_name=resume",
             f"paths.root_dir={tmp}",
             *QUIET,
-            *tiny_overrides(experiment, tmp / "data"),
+            *data,
             "trainer.max_steps=60",
             "trainer.val_check_interval=15",
             "trainer.check_val_every_n_epoch=null",

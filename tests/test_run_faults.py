@@ -64,19 +64,19 @@ def test_a_truncated_image_in_an_image_folder_is_one_line_from_the_workers(tmp_p
         [
             "experiment=vit_fashion_mnist",
             "data=image_folder",
-            f"data.data_dir={root}",
+            f"data.source.path={root}",
             "data.img_size=16",
-            "data.val_size=2",
+            "data.source.val_size=2",
             "data.num_workers=1",
-            "data.mean=[0.5]",
-            "data.std=[0.5]",
+            "data.normalize.mean=[0.5]",
+            "data.normalize.std=[0.5]",
             f"paths.root_dir={tmp_path}",
             *QUIET,
             *tiny,
             "test=false",
         ],
     )
-    assert_one_line(status, out, f"error: {bad}: not a readable image", "data.on_bad_record=skip")
+    assert_one_line(status, out, f"error: {bad}: not a readable image", "data.source.on_bad_record=skip")
     assert "worker process" not in out
 
 
@@ -118,13 +118,13 @@ def test_lengths_takes_a_list_or_one_number_and_refuses_the_rest():
             length_multiples(bad)
 
 
-def test_lengths_on_a_run_without_block_size_says_it_needs_a_language_model(tmp_path):
+def test_lengths_on_a_run_without_max_len_says_it_needs_a_language_model(tmp_path):
     from attnlab.cli.eval import test_at_lengths
 
     run = SimpleNamespace(path=tmp_path / "vit.ckpt")
     data = OmegaConf.create({"_target_": "attnlab.data.FashionMNISTDataModule", "batch_size": 8})
     with pytest.raises(
-        ConfigError, match=r"lengths needs a language model: .*vit.ckpt's data .*no data.block_size"
+        ConfigError, match=r"lengths needs a language model: .*vit.ckpt's data .*no data.max_len"
     ):
         test_at_lengths(OmegaConf.create({}), run, data, tmp_path, [1, 2])
 
@@ -133,22 +133,22 @@ def test_lengths_on_a_run_without_block_size_says_it_needs_a_language_model(tmp_
 
 
 def test_non_finite_weights_from_init_from_are_refused(tmp_path, monkeypatch):
-    from attnlab.training.base import load_initial_weights
+    from attnlab.weights.init import load_init
 
     net = nn.Linear(2, 2)
     state = {"net.weight": torch.full((2, 2), math.nan), "net.bias": torch.zeros(2)}
     torch.save({"state_dict": state}, tmp_path / "nan.ckpt")  # one of our runs' checkpoints
     with pytest.raises(CheckpointError, match=r"model.init_from=.*nan.ckpt: weight holds NaN or infinite"):
-        load_initial_weights(net, str(tmp_path / "nan.ckpt"))
+        load_init(net, str(tmp_path / "nan.ckpt"))
 
     def infinite(net: nn.Module, source: str) -> None:  # another library's saved model
         with torch.no_grad():
             net.bias[1] = math.inf
 
-    monkeypatch.setattr("attnlab.weights.pretrained.load_pretrained", infinite)
+    monkeypatch.setattr("attnlab.weights.init.load_pretrained", infinite)
     (tmp_path / "hf").mkdir()
     with pytest.raises(CheckpointError, match=r"model.init_from=.*hf: bias holds NaN or infinite"):
-        load_initial_weights(nn.Linear(2, 2), str(tmp_path / "hf"))
+        load_init(nn.Linear(2, 2), str(tmp_path / "hf"))
 
 
 def test_a_nan_training_loss_stops_the_run_and_keeps_the_checkpoints_before(tmp_path, monkeypatch):
@@ -173,7 +173,7 @@ def test_a_nan_training_loss_stops_the_run_and_keeps_the_checkpoints_before(tmp_
             "task_name=nan",
         ],
     )
-    assert_one_line(status, out, "train/loss is nan at step 3", "lower model.optimizer.lr", "are kept")
+    assert_one_line(status, out, "train/loss is nan at step 3", "lower model.optim.optimizer.lr", "are kept")
     (last,) = tmp_path.glob("logs/nan/runs/*/checkpoints/last.ckpt")  # the run folder is kept
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["global_step"] == 2
@@ -206,7 +206,7 @@ def test_a_refused_run_leaves_no_run_folder(tmp_path):
             "task_name=refused",
         ],
     )
-    assert_one_line(status, out, "model.net.mlp_ratio must be a number > 0")
+    assert_one_line(status, out, "model.net.mlp_ratio=0: must be greater than 0")
     assert (tmp_path / "logs" / "refused" / "runs").is_dir()
     assert not list((tmp_path / "logs" / "refused" / "runs").iterdir())
 

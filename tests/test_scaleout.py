@@ -112,14 +112,14 @@ VALIDATE_EVERY_3 = ["trainer.val_check_interval=3", "trainer.check_val_every_n_e
 # the synthetic translation task, 30 steps of 512 target tokens (256 per process), validated every 10
 NMT = [
     "experiment=nmt_synthetic",
-    "data.synthetic_size=600",
+    "data.source.train_size=600",
     "data.eval_max_tokens=512",
     "data.max_tokens=256",
     "model.net.dim=32",
     "model.net.mlp_ratio=2.0",
     "model.net.enc_depth=1",
     "model.net.dec_depth=1",
-    "model.scheduler.warmup_steps=5",
+    "model.optim.scheduler.warmup_steps=5",
     "model.beam_size=2",
     "model.plot_sentences=1",
     "trainer.max_steps=30",
@@ -155,8 +155,8 @@ def whole_runs(tmp: Path) -> dict[str, list[str]]:
         # GPT, 30 steps of a global batch of 32 windows, validated every 10 steps on 512 windows
         "gpt_two": tiny(
             "trainer.max_steps=30",
-            "model.optimizer.lr=3e-3",
-            "model.scheduler.warmup_steps=5",
+            "model.optim.optimizer.lr=3e-3",
+            "model.optim.scheduler.warmup_steps=5",
             "data.batch_size=16",
             "data.val_batches=32",
         ),
@@ -164,8 +164,8 @@ def whole_runs(tmp: Path) -> dict[str, list[str]]:
             name: [
                 f"experiment={name}",
                 *model,
-                f"data.data_dir={multi30k}",
-                f"data.cache_dir={tmp}",
+                f"data.source.data_dir={multi30k}",
+                f"data.source.cache_dir={tmp}",
                 "data.vocab_size=100",
                 "data.max_tokens=256",
                 "model.beam_size=2",
@@ -180,7 +180,7 @@ def whole_runs(tmp: Path) -> dict[str, list[str]]:
         "vit_two": [
             "experiment=vit_fashion_mnist",
             *VISION_NETS["vit"],
-            f"data.data_dir={write_idx_dataset(tmp / 'fashion_mnist')}",
+            f"data.source.data_dir={write_idx_dataset(tmp / 'fashion_mnist')}",
             "model.plot_images=2",
             "data.batch_size=8",
             "data.val_size=10",
@@ -219,7 +219,7 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
             f"experiment={experiment}",
             *tiny_overrides(experiment, tmp / arch),
             *exact,
-            "model.scheduler=null",
+            "model.optim.scheduler=null",
             "seed=1",
             f"paths.root_dir={tmp}",
             f"paths.output_dir={tmp / arch}",
@@ -237,7 +237,7 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
         if len(batches) == STEPS:
             break
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    model["compile"] = False
+    model["optim"]["compile"] = False
     file = tmp / f"{arch}.pt"
     saved = {"model": model, "state": task.state_dict(), "batches": batches, "dir": str(tmp)}
     torch.save({**saved, "data": OmegaConf.to_container(cfg.data, resolve=True)}, file)
@@ -425,7 +425,7 @@ def test_two_processes_train_like_one_on_the_same_global_batches(two_processes, 
     assert len(one) == len(two) == STEPS
     tolerance = TOLERANCE.get(arch, 1e-5)
     assert two == pytest.approx(one, rel=tolerance), (one, two)
-    saved["model"]["optimizer"]["lr"] = 0.0  # the same batches without learning: the steps matter
+    saved["model"]["optim"]["optimizer"]["lr"] = 0.0  # the same batches without learning: the steps matter
     frozen = fit_fixed(saved, ["trainer=cpu"], 0, 1)
     assert max(abs(a - b) / abs(a) for a, b in zip(one, frozen, strict=True)) > 10 * tolerance
 
@@ -478,7 +478,7 @@ def test_trainer_configs_compose_with_their_strategies():
 
 
 def test_checkpoints_of_compiled_and_eager_nets_load_either_way(tmp_path):
-    """``model.compile=true`` compiles the net in place, so its state dict keeps the eager names
+    """``model.optim.compile=true`` compiles the net in place, so its state dict keeps the eager names
     (no ``_orig_mod.`` prefix): a checkpoint of either loads into the other."""
     cfg = compose_train(
         [
@@ -489,9 +489,9 @@ def test_checkpoints_of_compiled_and_eager_nets_load_either_way(tmp_path):
         ]
     )
     fill_missing(cfg.model.net, {"vocab_size": 50}, "model.net")
-    compiled = instantiate(cfg.model, compile=True)
+    compiled = instantiate(cfg.model, optim={"compile": True})
     compiled.setup("fit")
-    eager = instantiate(cfg.model, compile=False)
+    eager = instantiate(cfg.model, optim={"compile": False})
     eager.setup("fit")
     assert compiled.net._compiled_call_impl is not None and eager.net._compiled_call_impl is None
     assert list(compiled.state_dict()) == list(eager.state_dict())

@@ -16,6 +16,7 @@ from attnlab.cli.common import config_dir
 from attnlab.core.errors import ConfigError
 from attnlab.data import ScenesDataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
+from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.scenes import GAP, RELATIONS, Scenes, make_scenes
 from attnlab.training.caption_metrics import bleu4, cider, grounding_hit, parse_scene, scene_exact_match
@@ -129,7 +130,8 @@ def data_module(tmp: Path, *overrides: str):
             "train",
             overrides=[f"paths.output_dir={tmp}", "data=scenes", *(f"data.{o}" for o in overrides)],
         )
-    cfg.data.update(data_dir=str(idx), n_train=16, n_val=8, n_test=8, batch_size=4)
+    cfg.data.source.data_dir = str(idx)
+    cfg.data.update(train_size=16, val_size=8, test_size=8, batch_size=4)
     dm = instantiate(cfg.data)
     dm.setup("fit")
     return dm
@@ -244,7 +246,12 @@ def test_grounding_hit_on_a_constructed_map():
 
 
 def test_scenes_of_the_real_fashion_mnist(tmp_path):
-    dm = ScenesDataModule(data_dir=str(needs_shared("fashion_mnist")), n_train=100, n_val=20, n_test=20)
+    dm = ScenesDataModule(
+        Builtin("fashion_mnist", str(needs_shared("fashion_mnist"))),
+        train_size=100,
+        val_size=20,
+        test_size=20,
+    )
     dm.setup("fit")
     assert len(dm.splits["train"].pool) == len(dm.splits["val"].pool) == 30_000
     assert not set(dm.splits["train"].pool.tolist()) & set(dm.splits["val"].pool.tolist())

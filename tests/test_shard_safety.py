@@ -18,21 +18,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import attnlab.data.text.shards as token_module
+import attnlab.data.shards.folder as token_module
 from attnlab.core.errors import DataError
+from attnlab.data.multimodal.image_text_shards import prepare_image_text as prepare_image_pairs
+from attnlab.data.shards.tar import BadRecords, ShardRecords, ShardStream
+from attnlab.data.shards.tar import TarShards as ImageShards
+from attnlab.data.sources import StreamedShards
 from attnlab.data.text.document_shards import DocumentShards, ShardDocuments, prepare_documents
 from attnlab.data.text.pair_shards import PairShards, ShardSide, prepare_pairs
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards, prepare
 from attnlab.data.text.translation import synthetic_pairs
-from attnlab.data.vision.shards import (
-    BadRecords,
-    ImageShards,
-    ShardRecords,
-    ShardStream,
-    prepare_images,
-    write_shards,
-)
-from attnlab.data.vision.shards import prepare_pairs as prepare_image_pairs
+from attnlab.data.vision.shards import prepare_images, write_shards
 from conftest import QUIET, run_main, write_pairs
 
 WORDS = "the a film cast plot dog ran quickly over slow red house tree was good bad and".split()
@@ -161,7 +157,7 @@ def test_token_shards_of_another_sha256_are_refused_as_first_read_and_each_is_ha
     real = token_module.verify_file
     monkeypatch.setattr(token_module, "verify_file", lambda p, *a: calls.append(p) or real(p, *a))
     assert len(shards.read_split("val")) == 300
-    windows = ShardWindows(shards, block_size=8, batch_size=4, seed=0)
+    windows = ShardWindows(shards, max_len=8, batch_size=4, seed=0)
     for index in range(20):
         windows.batch(index)
     shards.read_split("val")
@@ -175,7 +171,7 @@ def test_token_shards_of_another_sha256_are_refused_as_first_read_and_each_is_ha
     zero_100_bytes(train)
     shards = TokenShards(folder)  # the size is right: opening the folder passes
     with pytest.raises(DataError, match=r"train_00001.bin: its sha256 differs from the manifest's; corrupt"):
-        ShardWindows(shards, block_size=8, batch_size=4, seed=0)
+        ShardWindows(shards, max_len=8, batch_size=4, seed=0)
 
 
 def test_document_and_pair_shards_of_another_sha256_are_refused_as_first_read(tmp_path):
@@ -230,8 +226,8 @@ def test_a_run_on_changed_token_shards_stops_in_one_line_before_training(tmp_pat
     args = [
         "experiment=gpt_pydoc_char",
         "data=token_shards",
-        f"data.shards_dir={folder}",
-        "data.block_size=16",
+        f"data.source.path={folder}",
+        "data.max_len=16",
         "model.net.depth=1",
         f"paths.root_dir={tmp_path}",
         "trainer.max_steps=2",
@@ -299,6 +295,46 @@ def test_a_token_id_outside_the_vocabulary_is_named_before_it_reaches_an_embeddi
         TokenShards(folder)
 
 
+# ---- one container: its manifest names the kind, those written before still read ------------------
+
+
+def test_each_kind_is_named_in_its_manifest_and_a_folder_of_another_is_refused_in_one_line(tmp_path):
+    folders = {kind: build(tmp_path) for kind, (build, _, _, _) in KINDS.items()}
+    for kind, folder in folders.items():
+        assert json.loads((folder / MANIFEST).read_text())["kind"] == kind
+    with pytest.raises(
+        DataError, match=r"holds image shards \(attnlab-prepare --mode images\), not pair shards"
+    ):
+        PairShards(folders["images"])
+    with pytest.raises(DataError, match=r"holds document shards \(attnlab-prepare --mode bert\), not image"):
+        ImageShards(folders["documents"])
+
+    # manifests written before: token shards named no kind, image shards their label's field
+    edit_manifest(folders["tokens"], lambda m: m.pop("kind"))
+    assert TokenShards(folders["tokens"]).kind == "tokens"
+    edit_manifest(folders["images"], lambda m: m.update(kind="cls"))
+    assert ImageShards(folders["images"]).kind == "images"
+    edit_manifest(folders["images"], lambda m: m.update(kind="txt"))
+    assert ImageShards(folders["images"]).kind == "image_text"
+
+
+def test_the_container_imports_no_modality():
+    import ast
+
+    import attnlab.data.shards as container
+
+    for path in Path(container.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bad = [
+                n
+                for n in names
+                if n.startswith(("attnlab.data.text", "attnlab.data.vision", "attnlab.data.multimodal"))
+            ]
+            assert not bad, (path.name, bad)
+
+
 # ---- image shards: reproducible, and their writer's errors ----------------------------------------
 
 
@@ -356,6 +392,6 @@ def test_a_class_index_that_is_no_integer_says_what_it_holds(tmp_path):
     record = lambda cls: (Path("0.png"), {"png": png, "cls": cls})  # noqa: E731
     meta = {"kind": "cls", "classes": ["cat", "dog"]}
     write_shards({"train": [record(b"0"), record(b"1")], "val": [record(b"cat")]}, tmp_path / "s", meta)
-    dm = ImageFilesDataModule(source="shards", shards_dir=str(tmp_path / "s"), img_size=8, batch_size=2)
+    dm = ImageFilesDataModule(StreamedShards(str(tmp_path / "s")), img_size=8, batch_size=2)
     with pytest.raises(DataError, match=r"val-000000.tar: record 000000002: .cls holds 'cat', not a class"):
         dm.setup("fit")  # the validation images are read for their mean and std

@@ -1,4 +1,4 @@
-"""Token shards (``attnlab-prepare``, ``data.shards_dir``): a corpus tokenised once onto disk, read
+"""Token shards (``attnlab-prepare``, ``data.source.path``): a corpus tokenised once onto disk, read
 a window at a time, resumable, shared out between ranks and workers; bad input gets one line."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnlab.core.errors import DataError
+from attnlab.data.sources import Shards
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards, prepare
 from attnlab.data.text.tokenizers import CharTokenizer
@@ -70,7 +71,7 @@ def test_parallel_and_bpe_prepares(tmp_path):
 def test_windows_are_slices_of_the_shards_and_a_stream_restarts_at_any_batch(tmp_path):
     shards = make(tmp_path)
     train = [torch.from_numpy(shards.read(s, 0, s.tokens).astype(np.int64)) for s in shards.splits["train"]]
-    stream = ShardWindows(shards, block_size=32, batch_size=4, seed=7)
+    stream = ShardWindows(shards, max_len=32, batch_size=4, seed=7)
     batches = [b for b, _ in zip(stream, range(6), strict=False)]
     for x, y in batches:
         assert x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
@@ -79,7 +80,7 @@ def test_windows_are_slices_of_the_shards_and_a_stream_restarts_at_any_batch(tmp
             assert any((t.unfold(0, 33, 1) == window).all(1).any() for t in train), (
                 "a window that is no slice of a shard"
             )
-    resumed = ShardWindows(shards, block_size=32, batch_size=4, seed=7)
+    resumed = ShardWindows(shards, max_len=32, batch_size=4, seed=7)
     resumed.start = 4
     again = [b for b, _ in zip(resumed, range(2), strict=False)]
     for (x, y), (x2, y2) in zip(batches[4:], again, strict=True):
@@ -88,7 +89,7 @@ def test_windows_are_slices_of_the_shards_and_a_stream_restarts_at_any_batch(tmp
 
 def test_two_ranks_of_two_workers_share_the_stream_out_once(tmp_path, monkeypatch):
     shards = make(tmp_path)
-    stream = ShardWindows(shards, block_size=16, batch_size=2, seed=3)
+    stream = ShardWindows(shards, max_len=16, batch_size=2, seed=3)
     reference = {i: stream.batch(i)[0] for i in range(16)}
     seen = []
     for rank in range(2):
@@ -105,7 +106,7 @@ def test_two_ranks_of_two_workers_share_the_stream_out_once(tmp_path, monkeypatc
 
 def test_a_gpt_trains_from_shards_and_resumes_mid_run_exactly(tmp_path):
     make(tmp_path)
-    extra = ["data=token_shards", f"data.shards_dir={tmp_path / 'shards'}"]
+    extra = ["data=token_shards", "data/source=shards", f"data.source.path={tmp_path / 'shards'}"]
     full = train("gpt_pydoc_char", tmp_path, *extra)
     losses = [v for _, v in read_metrics(full)["val/loss"]]
     assert losses[-1] < losses[0]
@@ -155,7 +156,7 @@ def test_shards_of_another_tokenizer_than_the_checkpoint_s_are_refused(tmp_path)
     from attnlab.data import TextDataModule
 
     make(tmp_path)
-    dm = TextDataModule(shards_dir=str(tmp_path / "shards"), block_size=16)
+    dm = TextDataModule(Shards(str(tmp_path / "shards")), max_len=16)
     dm.load_artifacts({"tokenizer": CharTokenizer("abc").to_json()})
     with pytest.raises(DataError, match="made with another tokenizer"):
         dm.setup("fit")
@@ -180,7 +181,7 @@ def test_the_prepare_command_reports_and_refuses_in_one_line(tmp_path):
         [
             "experiment=gpt_pydoc_char",
             "data=token_shards",
-            "data.shards_dir=shards",
+            "data.source.path=shards",
             "model.net.depth=1",
             *quiet,
         ],

@@ -32,7 +32,7 @@ from conftest import assert_ok, cli_env, run_cli, tiny
 def test_search_spaces_read_hydras_optuna_sweeper_syntax():
     space, fixed = search_space(
         {
-            "model.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
+            "model.optim.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
             "model.net.dropout": "interval(0.0, 0.3)",
             "model.net.depth": "range(2, 8, 2)",
             "data.batch_size": "tag(int, interval(8, 64))",
@@ -40,7 +40,7 @@ def test_search_spaces_read_hydras_optuna_sweeper_syntax():
             "trainer.max_steps": 100,
         }
     )
-    assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
+    assert space["model.optim.optimizer.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
     assert space["model.net.dropout"] == FloatDistribution(0.0, 0.3)
     assert space["model.net.depth"] == IntDistribution(2, 6, step=2)  # range's stop is excluded
     assert space["data.batch_size"] == IntDistribution(8, 64)
@@ -70,7 +70,7 @@ def test_a_trial_left_running_is_failed_as_interrupted_and_its_parameters_queued
 def test_trials_run_train_with_the_sampled_values_in_their_own_directory(tmp_path):
     cmd = trial_command(
         ["experiment=gpt_pydoc_char"],
-        {"model.optimizer.lr": 0.001, "model.net.bias": True, "data.name": "it's"},
+        {"model.optim.optimizer.lr": 0.001, "model.net.bias": True, "data.name": "it's"},
         tmp_path / "3",
         "sqlite:////x/optuna.db",
         3,
@@ -78,7 +78,7 @@ def test_trials_run_train_with_the_sampled_values_in_their_own_directory(tmp_pat
     assert cmd[:3] == [sys.executable, "-m", "attnlab.cli.train"]
     assert cmd[3:7] == [
         "experiment=gpt_pydoc_char",
-        "model.optimizer.lr=0.001",
+        "model.optim.optimizer.lr=0.001",
         "model.net.bias=true",
         "data.name='it\\'s'",
     ]
@@ -99,9 +99,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("+sweep.params.model.optimizer.eps=interval(3e-3, 1e-4)", "`low <= high` must hold"),
+        ("+sweep.params.model.optim.optimizer.eps=interval(3e-3, 1e-4)", "`low <= high` must hold"),
         (
-            "+sweep.params.model.optimizer.eps=tag(log, interval(0, 1e-3))",
+            "+sweep.params.model.optim.optimizer.eps=tag(log, interval(0, 1e-3))",
             "`low > 0` must hold for `log=True`",
         ),
         ("sweep.sampler._target_=optuna.samplers.FooSampler", "sweep.sampler: Error locating target"),
@@ -205,12 +205,12 @@ def test_search_spaces_given_on_the_command_line_need_no_quotes():
             "hparams_search=gpt_optuna",
             "~sweep.params",
             "+sweep.params.model.net.n_head=choice(4, 3)",
-            "+sweep.params.model.optimizer.lr='interval(1e-4, 1e-3)'",
+            "+sweep.params.model.optim.optimizer.lr='interval(1e-4, 1e-3)'",
         ]
     )
     space, _ = search_space(compose_train(args).sweep.params)  # Hydra left them to the driver
     assert space["model.net.n_head"] == CategoricalDistribution([4, 3])
-    assert space["model.optimizer.lr"] == FloatDistribution(1e-4, 1e-3)
+    assert space["model.optim.optimizer.lr"] == FloatDistribution(1e-4, 1e-3)
 
 
 # Six learning rates, each tried once in a seeded order: one is invalid (AdamW refuses it), the tiny
@@ -218,10 +218,10 @@ def test_search_spaces_given_on_the_command_line_need_no_quotes():
 SWEEP = [
     "hparams_search=gpt_optuna",
     "experiment=gpt_pydoc_char",
-    *tiny("trainer.max_steps=20", "model.scheduler.warmup_steps=5", "logger=csv", "test=false"),
+    *tiny("trainer.max_steps=20", "model.optim.scheduler.warmup_steps=5", "logger=csv", "test=false"),
     "sweep.n_trials=6",
     "~sweep.params",
-    "+sweep.params.model.optimizer.lr='choice(3e-3, 1e-3, 1e-6, 2e-6, -1.0, 5e-3)'",
+    "+sweep.params.model.optim.optimizer.lr='choice(3e-3, 1e-3, 1e-6, 2e-6, -1.0, 5e-3)'",
     "sweep.sampler._target_=optuna.samplers.BruteForceSampler",
     "~sweep.sampler.n_startup_trials",
     "sweep.pruner.n_startup_trials=2",
@@ -258,23 +258,23 @@ def test_a_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
     trials = study.get_trials()
     done = [t for t in trials if counted(t)]
     assert len(done) == 6 and len(trials) == 7  # six finished + the interrupted one
-    assert sorted(t.params["model.optimizer.lr"] for t in done) == [-1.0, 1e-6, 2e-6, 1e-3, 3e-3, 5e-3]
+    assert sorted(t.params["model.optim.optimizer.lr"] for t in done) == [-1.0, 1e-6, 2e-6, 1e-3, 3e-3, 5e-3]
     assert trials[3].user_attrs["interrupted"] and trials[4].user_attrs["rerun_of"] == 3  # queued first
     assert trials[4].params == trials[3].params
     for n, mtime in finished.items():  # finished trials were not run again
         assert (sweep_dir / str(n) / "trial.log").stat().st_mtime == mtime
     failed = [t for t in done if t.state == TrialState.FAIL]
-    assert len(failed) == 1 and failed[0].params["model.optimizer.lr"] == -1.0
+    assert len(failed) == 1 and failed[0].params["model.optim.optimizer.lr"] == -1.0
     assert "Invalid learning rate" in failed[0].user_attrs["error"]
     assert any(t.state == TrialState.PRUNED for t in done)
-    assert all(t.state == TrialState.COMPLETE for t in done if t.params["model.optimizer.lr"] >= 1e-3)
+    assert all(t.state == TrialState.COMPLETE for t in done if t.params["model.optim.optimizer.lr"] >= 1e-3)
     assert "best: trial" in resumed.stdout
     assert "trial 6/6 done: " in resumed.stdout and "(best so far " in resumed.stdout
 
     table = run_cli("compare", [str(sweep_dir), "--format", "csv", "--metrics", "val/loss_best"], tmp_path)
     assert_ok(table)
     header, *rows = table.stdout.strip().splitlines()
-    assert header.startswith("model.optimizer.lr,")
+    assert header.startswith("model.optim.optimizer.lr,")
     assert len(rows) == 7  # every trial, the failed one too (it wrote no metrics)
     assert sum(",fail," in row for row in rows) == 1 and sum(",interrupted," in row for row in rows) == 1
 
@@ -332,7 +332,7 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    args = tiny("logger=tensorboard", "model.optimizer.lr=0.002", "task_name=tb")
+    args = tiny("logger=tensorboard", "model.optim.optimizer.lr=0.002", "task_name=tb")
     assert_ok(run_cli("train", args, tmp_path))
     (events,) = (tmp_path / "logs" / "tb" / "runs").glob("*/tensorboard")
     acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
@@ -342,7 +342,7 @@ def test_tensorboard_hparams_tab_gets_each_runs_hyperparameters_and_final_metric
     metrics = {m.name.tag for m in experiment.metric_infos}
     assert {"test/loss", "val/loss_best"} <= metrics
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-    assert start.session_start_info.hparams["model.optimizer.lr"].number_value == 0.002
+    assert start.session_start_info.hparams["model.optim.optimizer.lr"].number_value == 0.002
     assert start.session_start_info.hparams["model.net.dim"].number_value == 32
     logged = set(start.session_start_info.hparams)  # what was trained, not how it was logged
     assert "seed" in logged and not any(k.startswith(("callbacks.", "logger.", "paths.")) for k in logged)

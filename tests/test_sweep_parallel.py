@@ -32,7 +32,7 @@ from pathlib import Path
 
 args = sys.argv[1:]
 run_dir = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1].strip("'"))
-lr = float(next(a for a in args if a.startswith("model.optimizer.lr=")).split("=", 1)[1])
+lr = float(next(a for a in args if a.startswith("model.optim.optimizer.lr=")).split("=", 1)[1])
 (run_dir / "started").write_text(str(time.time()))
 start = time.time()
 
@@ -58,7 +58,7 @@ if os.environ.get("FAKE_TRIAL_RANK"):  # a process of the trial's own, as DDP's 
     code = "import os; print(sorted(os.sched_getaffinity(0)), os.environ.get('OMP_NUM_THREADS'))"
     probe["rank"] = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
 (run_dir / "probe.json").write_text(json.dumps(probe))
-(run_dir / "config.yaml").write_text(f"model:\n  optimizer:\n    lr: {lr}\n")
+(run_dir / "config.yaml").write_text(f"model:\n  optim:\n    optimizer:\n      lr: {lr}\n")
 (run_dir / "csv").mkdir()
 (run_dir / "csv" / "metrics.csv").write_text(f"step,val/loss_best\n1,{lr}\n")
 """
@@ -88,7 +88,7 @@ main()
 """
 
 
-SPACE = {"model.optimizer.lr": CategoricalDistribution([1.0, 2.0, 3.0, 4.0])}
+SPACE = {"model.optim.optimizer.lr": CategoricalDistribution([1.0, 2.0, 3.0, 4.0])}
 
 
 def fake_trials(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +121,7 @@ def test_n_jobs_runs_trials_at_once_on_their_own_cores_and_the_same_grid(tmp_pat
         assert sorted(line.partition(" done: val/loss_best ")[0] for line in lines) == [
             f"trial {k}/4" for k in range(1, 5)
         ]
-        ran[n_jobs] = {t.number: t.params["model.optimizer.lr"] for t in trials}
+        ran[n_jobs] = {t.number: t.params["model.optim.optimizer.lr"] for t in trials}
     # the gate draws the values of one trial at a time, in the order of the trials
     assert ran[1] == ran[2] and sorted(ran[1].values()) == [1.0, 2.0, 3.0, 4.0]
 
@@ -169,8 +169,8 @@ def test_a_ddp_trials_processes_stay_inside_its_cores(tmp_path, monkeypatch):
     fake_trials(monkeypatch)
     monkeypatch.setenv("FAKE_TRIAL_RANK", "1")
     (slot,) = device_slots(1, 2, "cpu", 2)
-    study = open_study(tmp_path, "minimize", optuna.samplers.GridSampler({"model.optimizer.lr": [1.0]}))
-    space = {"model.optimizer.lr": CategoricalDistribution([1.0])}
+    study = open_study(tmp_path, "minimize", optuna.samplers.GridSampler({"model.optim.optimizer.lr": [1.0]}))
+    space = {"model.optim.optimizer.lr": CategoricalDistribution([1.0])}
     run_sweep(study, space, [], tmp_path, "val/loss_best", 1, lambda line: None, slots=[slot])
     probe = probes(tmp_path)[0]
     assert probe["affinity"] == list(slot.cores) and len(slot.cores) == 2 and probe["omp"] == "1"
@@ -190,7 +190,7 @@ def test_a_sweep_of_real_trials_with_n_jobs_2(tmp_path):
         "sweep.n_trials=2",
         "sweep.n_jobs=2",
         "~sweep.params",
-        "+sweep.params.model.optimizer.lr='choice(3e-3, 1e-3)'",
+        "+sweep.params.model.optim.optimizer.lr='choice(3e-3, 1e-3)'",
         "sweep.sampler._target_=optuna.samplers.BruteForceSampler",
         "~sweep.sampler.n_startup_trials",
         f"sweep.dir={sweep_dir}",
@@ -220,7 +220,7 @@ def test_ctrl_c_during_two_trials_queues_both_and_resume_runs_them(tmp_path, mon
         "sweep.n_trials=3",
         "sweep.n_jobs=2",
         "~sweep.params",
-        "+sweep.params.model.optimizer.lr=choice(1.0, 2.0, 3.0)",
+        "+sweep.params.model.optim.optimizer.lr=choice(1.0, 2.0, 3.0)",
         "sweep.sampler._target_=optuna.samplers.BruteForceSampler",
         "~sweep.sampler.n_startup_trials",
         f"sweep.dir={sweep_dir}",
@@ -245,7 +245,7 @@ def test_ctrl_c_during_two_trials_queues_both_and_resume_runs_them(tmp_path, mon
     status, out = run_main("sweep", [f"resume={sweep_dir}"])
     assert status == 0 and "trial 0 was interrupted" not in out, out[-3000:]  # already recorded
     done = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
-    assert sorted(t.params["model.optimizer.lr"] for t in done) == [1.0, 2.0, 3.0]
+    assert sorted(t.params["model.optim.optimizer.lr"] for t in done) == [1.0, 2.0, 3.0]
     assert sorted(t.user_attrs.get("rerun_of", -1) for t in done)[1:] == [0, 1]
 
 

@@ -31,7 +31,7 @@ from attnlab.experiments.sweep import Driver, check_same_search, open_study, stu
 from conftest import cli_env, run_main, tiny
 from test_sweep_parallel import DRIVER, HELD_TRIAL, fake_trials
 
-LR = "model.optimizer.lr"
+LR = "model.optim.optimizer.lr"
 VALUES = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 SPACE = {LR: CategoricalDistribution(VALUES)}
 

@@ -13,10 +13,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from attnlab.cli.common import config_dir
-from attnlab.core.errors import ConfigError
 from attnlab.core.hardware import cpu_matmul_flops, gpu_peak_flops, peak_flops
 from attnlab.training.callbacks import Throughput
-from conftest import QUIET, VISION_NETS, assert_ok, run_cli, run_dirs, tiny, write_image_folder
+from conftest import QUIET, VISION_NETS, assert_ok, run_cli, run_dirs, spec_refusal, tiny, write_image_folder
 
 
 def throughput_columns(run: Path) -> dict[str, list[float]]:
@@ -56,8 +55,8 @@ def test_a_vision_run_logs_images_per_second_tflops_and_mfu(tmp_path):
     args = [
         "experiment=vit_fashion_mnist",
         "data=image_folder",
-        f"data.data_dir={folder}",
-        "data.val_size=4",
+        f"data.source.path={folder}",
+        "data.source.val_size=4",
         "data.batch_size=4",
         "model.net.patch_size=4",
         "model.plot_images=0",
@@ -114,5 +113,5 @@ def test_a_cpus_peak_is_measured_once_and_leaves_the_random_streams_alone():
 
 def test_a_peak_of_ones_own_must_be_positive():
     assert Throughput(peak_tflops=989.4).peak_tflops == 989.4
-    with pytest.raises(ConfigError, match=r"callbacks.throughput.peak_tflops must be a number > 0, got 0"):
-        Throughput(peak_tflops=0)
+    refusal = spec_refusal("attnlab.training.callbacks.Throughput", peak_tflops=0)
+    assert "peak_tflops=0: must be greater than 0" in refusal

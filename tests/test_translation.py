@@ -14,13 +14,14 @@ from torchmetrics.text import SacreBLEUScore
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.batching import TokenBatchSampler
+from attnlab.data.sources import Builtin, Generated
 from attnlab.data.text import translation as tr
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, read_parallel, synthetic_pairs
 from attnlab.inference.decoding import beam_search, greedy_decode
 from attnlab.models import Seq2Seq, Transformer
 from attnlab.nn import AdditiveAttention, MultiplicativeAttention
-from conftest import assert_ok, needs_shared, read_metrics, run_cli, run_dirs
+from conftest import assert_ok, needs_shared, read_metrics, run_cli, run_dirs, spec_refusal
 
 V, PAD, BOS, EOS = 40, 0, 2, 3
 
@@ -88,14 +89,21 @@ def test_additive_attention_is_bahdanaus_formula():
     torch.testing.assert_close(w, scores.squeeze(-1).softmax(-1))
 
 
-def test_dot_attention_with_mismatched_sizes_is_a_config_error():
-    with pytest.raises(ConfigError, match="dot attention needs"):
+def test_dot_attention_with_mismatched_sizes_is_refused():
+    with pytest.raises(ValueError, match="^dot attention needs the decoder state size"):
         MultiplicativeAttention(8, 6, "dot")
 
 
+def test_dot_attention_names_the_decoder_size_it_needs():
+    with pytest.raises(
+        ValueError, match=r"^dec_hidden: dot attention needs .* 2 \* enc_hidden \(16\), got 12"
+    ):
+        Seq2Seq(V, attention="dot", enc_hidden=8, dec_hidden=12)
+
+
 def test_unknown_attention_type_is_a_config_error():
-    with pytest.raises(ConfigError, match="model.net.attention must be one of"):
-        Seq2Seq(V, attention="concat")
+    message = spec_refusal("attnlab.models.Seq2Seq", vocab_size=V, attention="concat")
+    assert message.startswith("model.net.attention='concat': must be 'additive', 'general' or 'dot'")
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -131,8 +139,11 @@ def test_step_by_step_decoding_equals_the_teacher_forced_pass(make):
     net = make()
     src, tgt = sources(), torch.randint(4, V, (4, 6))
     full = net(src, tgt)
-    state = net.start(src)
-    steps = torch.stack([net.step(tgt[:, t], state) for t in range(tgt.size(1))], dim=1)
+    state, steps = net.start(src), []
+    for t in range(tgt.size(1)):
+        logits, state = net.step(tgt[:, t], state)
+        steps.append(logits)
+    steps = torch.stack(steps, dim=1)
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-4)
     scored = tgt != 5
     torch.testing.assert_close(net(src, tgt, scored), full[scored])
@@ -256,7 +267,9 @@ def test_parallel_files_of_different_lengths_name_both_files(tmp_path):
     (d / "val.en").write_text("one line\n")
     with pytest.raises(DataError, match=r"val.de has 20 lines, .*val.en has 1"):
         read_parallel(d / "val.de", d / "val.en")
-    dm = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "cache"), vocab_size=100)
+    dm = TranslationDataModule(
+        Builtin("multi30k", data_dir=str(d), cache_dir=str(tmp_path / "cache")), vocab_size=100
+    )
     with pytest.raises(DataError, match="parallel files differ in length"):
         dm.setup()
 
@@ -268,7 +281,9 @@ def test_missing_or_empty_corpus_files_are_data_errors(tmp_path, damage):
         (d / "train.de").unlink()
     else:
         (d / "train.de").write_text("")
-    dm = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "cache"), vocab_size=100)
+    dm = TranslationDataModule(
+        Builtin("multi30k", data_dir=str(d), cache_dir=str(tmp_path / "cache")), vocab_size=100
+    )
     with pytest.raises(DataError, match="train.de"):
         dm.setup()
 
@@ -283,7 +298,10 @@ def test_long_pairs_are_dropped_from_training_and_truncated_in_test(tmp_path, ca
         {"train": (de, en), "val": synthetic_pairs(20, 1), "test_2016_flickr": (de_t, en_t)},
     )
     dm = TranslationDataModule(
-        data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100, max_len=40, max_tokens=200
+        Builtin("multi30k", data_dir=str(d), cache_dir=str(tmp_path / "c")),
+        vocab_size=100,
+        max_len=40,
+        max_tokens=200,
     )
     with caplog.at_level("WARNING"):
         dm.setup()
@@ -294,16 +312,21 @@ def test_long_pairs_are_dropped_from_training_and_truncated_in_test(tmp_path, ca
 
 
 def test_a_tokenizer_that_does_not_match_is_refused():
-    dm = TranslationDataModule(corpus="synthetic")
+    dm = TranslationDataModule(Generated("synthetic"))
     with pytest.raises(DataError, match="not a translation vocabulary"):
         dm.load_artifacts({"tokenizer": CharTokenizer.fit("abc").to_json()})
 
 
 def test_direction_is_chosen_by_config(tmp_path):
     d = fake_multi30k(tmp_path / "m30k")
-    fwd = TranslationDataModule(data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100)
+    fwd = TranslationDataModule(
+        Builtin("multi30k", data_dir=str(d), cache_dir=str(tmp_path / "c")), vocab_size=100
+    )
     back = TranslationDataModule(
-        data_dir=str(d), cache_dir=str(tmp_path / "c"), vocab_size=100, src_lang="en", tgt_lang="de"
+        Builtin("multi30k", data_dir=str(d), cache_dir=str(tmp_path / "c")),
+        vocab_size=100,
+        src_lang="en",
+        tgt_lang="de",
     )
     fwd.setup(), back.setup()
     assert fwd.sources("val") == back.references("val") and fwd.references("val") == back.sources("val")
@@ -334,7 +357,7 @@ def test_multi30k_downloads_gunzips_and_checks_sha256(tmp_path, monkeypatch):
     try:
         monkeypatch.setattr(tr, "MULTI30K_URL", f"http://127.0.0.1:{httpd.server_port}/{{name}}.gz")
         monkeypatch.setattr(tr, "MULTI30K_SHA256", sums)
-        dm = TranslationDataModule(cache_dir=str(tmp_path / "cache"), vocab_size=100)
+        dm = TranslationDataModule(Builtin("multi30k", cache_dir=str(tmp_path / "cache")), vocab_size=100)
         dm.prepare_data()
         dm.setup()
         assert (tmp_path / "cache" / "multi30k" / "train.de").read_bytes() == (raw / "train.de").read_bytes()
@@ -343,7 +366,9 @@ def test_multi30k_downloads_gunzips_and_checks_sha256(tmp_path, monkeypatch):
         monkeypatch.setattr(tr, "MULTI30K_SHA256", sums_bad)
         (tmp_path / "cache" / "multi30k" / "val.en").unlink()
         with pytest.raises(DataError, match="checksum mismatch"):
-            TranslationDataModule(cache_dir=str(tmp_path / "cache"), vocab_size=100).prepare_data()
+            TranslationDataModule(
+                Builtin("multi30k", cache_dir=str(tmp_path / "cache")), vocab_size=100
+            ).prepare_data()
         assert not (tmp_path / "cache" / "multi30k" / "val.en").exists()
     finally:
         httpd.shutdown()
@@ -438,8 +463,8 @@ def test_bahdanau_learns_the_synthetic_task(tmp_path):
         "model.net.dec_hidden=128",
         "model.net.attn_dim=64",
         "model.net.dropout=0.0",
-        "model.optimizer.lr=3e-3",
-        "model.scheduler.warmup_steps=20",
+        "model.optim.optimizer.lr=3e-3",
+        "model.optim.scheduler.warmup_steps=20",
         "trainer.max_steps=260",  # val BLEU 98.7 at step 221 and 99.7 at 258 (test 99.6)
         "task_name=bahdanau",
         "model.compile_loss=true",
@@ -454,7 +479,7 @@ def test_bahdanau_learns_the_synthetic_task(tmp_path):
 def test_unknown_attention_type_from_the_command_line(tmp_path):
     proc = run_cli("train", [*SEQ2SEQ_TINY, "model.net.attention=concat"], tmp_path)
     assert proc.returncode == 2
-    assert "model.net.attention must be one of" in proc.stdout + proc.stderr
+    assert "model.net.attention='concat': must be 'additive', 'general' or 'dot'" in proc.stdout + proc.stderr
 
 
 def test_testing_after_fit_keeps_the_averaged_weights():

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from attnlab.data.sources import Generated
 from attnlab.data.text.tokenizers import CharTokenizer, SubwordTokenizer
 from attnlab.data.text.translation import TranslationDataModule, cached_tokenizer, synthetic_pairs
 
@@ -28,7 +29,7 @@ def test_a_cached_vocabulary_is_read_back(tmp_path):
 )
 def test_a_cache_of_another_kind_or_damaged_is_trained_over(tmp_path, caplog, content, why):
     data = TranslationDataModule(
-        corpus="synthetic", cache_dir=str(tmp_path), vocab_size=60, synthetic_size=20
+        Generated("synthetic", train_size=20, cache_dir=str(tmp_path)), vocab_size=60
     )
     src, tgt = synthetic_pairs(20, seed=0)
     (path,) = data._bpe_cache_path(src, tgt)

@@ -15,6 +15,7 @@ import torch
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data import ImageClassificationDataModule
+from attnlab.data.sources import Builtin
 from attnlab.data.vision import datasets
 from attnlab.data.vision.classification import random_crop_flip
 from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, load_image_folder, read_image
@@ -136,8 +137,9 @@ def test_read_image_converts_channels(tmp_path):
 
 def test_datamodule_split_normalisation_and_mixup(tmp_path):
     folder = write_idx_dataset(tmp_path / "fm")
-    kwargs = dict(dataset="fashion_mnist", data_dir=str(folder), val_size=10, batch_size=8, seed=3)
-    dm = ImageClassificationDataModule(**kwargs, mixup_alpha=0.8, cutmix_alpha=1.0, random_erasing=0.5)
+    kwargs = dict(source=Builtin("fashion_mnist", str(folder)), val_size=10, batch_size=8, seed=3)
+    mixup = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}
+    dm = ImageClassificationDataModule(**kwargs, mixup=mixup, random_erasing=0.5)
     dm.setup("fit")
     assert len(dm.splits["train"]) == 50 and len(dm.splits["val"]) == 10 and len(dm.splits["test"]) == 20
     assert dm.model_kwargs() == {"num_classes": 10, "img_size": 28, "in_chans": 1}
@@ -177,7 +179,11 @@ def test_batch_crop_and_flip_are_per_image_shifts_and_mirrors():
 def test_datamodule_resizes_once_and_keeps_checkpoint_statistics(tmp_path):
     folder = write_idx_dataset(tmp_path / "fm")
     dm = ImageClassificationDataModule(
-        "mnist", str(folder), val_size=10, img_size=32, crop_padding=2, rand_augment="rand-m9-mstd0.5-inc1"
+        Builtin("mnist", str(folder)),
+        val_size=10,
+        img_size=32,
+        crop_padding=2,
+        rand_augment="rand-m9-mstd0.5-inc1",
     )
     dm.load_artifacts({"mean": [0.5], "std": [0.25]})
     dm.setup("fit")
@@ -186,17 +192,17 @@ def test_datamodule_resizes_once_and_keeps_checkpoint_statistics(tmp_path):
 
 
 def test_datamodule_bad_values_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="data.dataset must be one of"):
-        ImageClassificationDataModule("imagenet")
+    with pytest.raises(ConfigError, match="data.source.name must be one of"):
+        ImageClassificationDataModule(Builtin("imagenet"))
     with pytest.raises(ConfigError, match="data.batch_size must be even"):
-        ImageClassificationDataModule(batch_size=7, mixup_alpha=0.2)
+        ImageClassificationDataModule(batch_size=7, mixup={"mixup_alpha": 0.2})
     with pytest.raises(ConfigError, match="data.rand_augment='nonsense'"):
         dm = ImageClassificationDataModule(
-            "mnist", str(write_idx_dataset(tmp_path / "m")), val_size=5, rand_augment="nonsense"
+            Builtin("mnist", str(write_idx_dataset(tmp_path / "m"))), val_size=5, rand_augment="nonsense"
         )
         dm.setup("fit")
     with pytest.raises(ConfigError, match="data.val_size"):
-        ImageClassificationDataModule("mnist", str(tmp_path / "m"), val_size=60).setup("fit")
+        ImageClassificationDataModule(Builtin("mnist", str(tmp_path / "m")), val_size=60).setup("fit")
 
 
 def test_real_fashion_mnist_files_decode():

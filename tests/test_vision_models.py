@@ -6,7 +6,6 @@ import pytest
 import timm
 import torch
 
-from attnlab.core.errors import ConfigError
 from attnlab.models import ConvNet, DistilledVisionTransformer, SwinTransformer, TimmModel, VisionTransformer
 from attnlab.nn import ConvStem
 from attnlab.nn.window_attention import (
@@ -17,6 +16,7 @@ from attnlab.nn.window_attention import (
     window_reverse,
 )
 from attnlab.weights.timm_vision import load_timm_weights
+from conftest import spec_refusal
 
 VIT = dict(num_classes=10, img_size=28, in_chans=1, patch_size=7, dim=48, depth=2, n_head=3)
 SWIN = dict(
@@ -136,10 +136,10 @@ def test_conv_stem_gives_the_patch_tokens_row_by_row():
     x2[:, :, :4, :4] += 1.0
     changed = (vit.patch_embed(x2) - tokens).abs().amax(dim=(0, 2)).view(7, 7) > 0
     assert changed[0, 0] and not changed[4:].any() and not changed[:, 4:].any()  # a 4-token reach
-    with pytest.raises(ConfigError, match=r"patch_size \(7\) must be a power of two"):
+    with pytest.raises(ValueError, match=r"^patch_size: must be a power of two >= 2 for a conv stem, got 7"):
         VisionTransformer(**{**VIT, "stem": "conv"})
-    with pytest.raises(ConfigError, match="model.net.stem must be one of 'patch', 'conv'"):
-        VisionTransformer(**{**VIT, "stem": "hybrid"})
+    message = spec_refusal("attnlab.models.VisionTransformer", **{**VIT, "stem": "hybrid"})
+    assert message.startswith("model.net.stem='hybrid': must be 'patch', 'conv' or 'conv_full'")
 
 
 def test_full_resolution_conv_stem_sees_the_image_before_the_first_stride():
@@ -167,8 +167,8 @@ def test_swin_conv_stem_feeds_the_windows_a_normalised_map():
     assert tokens.shape == (2, 256, 24)
     torch.testing.assert_close(tokens.mean(-1), torch.zeros(2, 256), atol=1e-5, rtol=0)
     assert swin(x).shape == (2, 10) and swin.forward_features(x).shape == (2, 16, 96)
-    with pytest.raises(ConfigError, match="model.net.stem must be one of 'patch', 'conv'"):
-        SwinTransformer(**{**SWIN, "stem": "hybrid"})
+    message = spec_refusal("attnlab.models.SwinTransformer", **{**SWIN, "stem": "hybrid"})
+    assert message.startswith("model.net.stem='hybrid': must be 'patch', 'conv' or 'conv_full'")
 
 
 def test_convnet_keeps_resolution_in_its_first_stage():
@@ -177,12 +177,12 @@ def test_convnet_keeps_resolution_in_its_first_stage():
     assert net.forward_features(x).shape == (2, 32, 7, 7)
     assert net.forward_head(net.forward_features(x), pre_logits=True).shape == (2, 32)
     assert net(x).shape == (2, 10)
-    with pytest.raises(ConfigError, match=r"widths\[1\] must be a positive integer"):
-        ConvNet(num_classes=10, img_size=28, in_chans=1, widths=(8, 0))
+    message = spec_refusal("attnlab.models.ConvNet", num_classes=10, img_size=28, in_chans=1, widths=[8, 0])
+    assert message.startswith("model.net.widths=[8, 0]: must be greater than 0 at [1]")
     headless = ConvNet(num_classes=0, img_size=28, in_chans=1, widths=(8, 16, 32)).eval()
     assert headless(x).shape == (2, 32) and not any(k.startswith("head") for k in headless.state_dict())
-    with pytest.raises(ConfigError, match=r"model.net.num_classes must be >= 0 \(0: no head\), got -1"):
-        ConvNet(num_classes=-1, img_size=28, in_chans=1)
+    message = spec_refusal("attnlab.models.ConvNet", num_classes=-1, img_size=28, in_chans=1)
+    assert message.startswith("model.net.num_classes=-1: must be greater than or equal to 0")
 
 
 def test_window_partition_round_trip():
@@ -241,18 +241,26 @@ def test_first_swin_block_output_of_a_far_window_ignores_a_changed_pixel():
 
 
 def test_bad_sizes_are_config_errors():
-    with pytest.raises(ConfigError, match="img_size.*divisible by model.net.patch_size"):
+    with pytest.raises(ValueError, match=r"^img_size: must be divisible by patch_size \(5\), got 28"):
         VisionTransformer(**{**VIT, "patch_size": 5})
-    with pytest.raises(ConfigError, match=r"window_size \(3\) does not divide the feature map of stage 1"):
+    with pytest.raises(
+        ValueError, match=r"^window_size: must divide the feature map of stage 1 \(16x16 tokens\), got 3"
+    ):
         SwinTransformer(**{**SWIN, "window_size": 3})
-    with pytest.raises(ConfigError, match="not a timm model"):
+    with pytest.raises(ValueError, match=r"^n_head: one entry per stage of depths \(3\), got 2$"):
+        SwinTransformer(**{**SWIN, "n_head": (2, 4)})
+    with pytest.raises(ValueError, match=r"^n_head: stage 2's width 48 is not divisible by its 5 heads$"):
+        SwinTransformer(**{**SWIN, "n_head": (2, 5, 8)})
+    with pytest.raises(ValueError, match="^name: 'no_such_net' is not a timm model"):
         TimmModel("no_such_net", num_classes=10, img_size=32, in_chans=3)
 
 
 def test_a_timm_model_too_deep_for_the_image_size_is_refused_at_build_time():
     """ConvNeXt's four downsamplings leave nothing of a 28x28 image: refused with one line when
     the net is built, not at the first (compiled) training step with a long traceback."""
-    with pytest.raises(ConfigError, match=r"'convnext_atto' cannot take 28x28 images .* raise data.img_size"):
+    with pytest.raises(
+        ValueError, match=r"^name: 'convnext_atto' cannot take 28x28 images .* raise the data's img_size"
+    ):
         TimmModel("convnext_atto", num_classes=10, img_size=28, in_chans=1)
     assert TimmModel("convnext_atto", num_classes=10, img_size=32, in_chans=1).model.training
 

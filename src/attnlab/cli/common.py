@@ -16,6 +16,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -64,11 +65,17 @@ def compose_train(overrides: list[str]) -> DictConfig:
 
 
 def user_error(e: BaseException) -> AttnlabError | None:
-    """The AttnlabError behind ``e``, if any (Hydra wraps errors raised by constructors)."""
+    """The AttnlabError behind ``e``, if any (Hydra wraps errors raised by constructors); a
+    constructor's ``ValueError`` while Hydra instantiates a node, named by the node's key
+    (``model.net.image.dim: must be divisible by n_head (4), got 100``: ``refusal``)."""
+    from attnlab.core.config import refusal
+
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, AttnlabError):
             return unwrap_worker_error(e)
+        if isinstance(e, InstantiationException) and (err := refusal(e)) is not None:
+            return err
         if isinstance(e, MissingMandatoryValue):  # a ``???`` in the config that nobody set
             return ConfigError(f"{e.full_key} is required: give {e.full_key}=... on the command line")
         seen.add(id(e))

@@ -5,7 +5,7 @@ trials of a sweep with the machine each ran on.
 examples:
     attnlab-compare logs/gpt_pydoc_char/multiruns/2026-11-25_10-00-00-000000
     attnlab-compare logs/vit_fashion_mnist logs/deit_fashion_mnist --metrics test/acc --sort test/acc
-    attnlab-compare logs/... --where model.optimizer.lr=0.001 --best --format md
+    attnlab-compare logs/... --where model.optim.optimizer.lr=0.001 --best --format md
     attnlab-compare logs/... --plot val/loss --out val_loss.png
     attnlab-compare logs/gpt_long_context --plot cost/train_ms_per_token --x model.net.max_len
     attnlab-compare logs/gpt_positions --plot 'eval/test/ppl_x*'     # against each name's number
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def matches(config: dict, where: list[str]) -> bool:
     for cond in where:
         if "=" not in cond:
-            raise ConfigError(f"--where {cond!r}: expected KEY=VALUE, e.g. model.optimizer.lr=0.001")
+            raise ConfigError(f"--where {cond!r}: expected KEY=VALUE, e.g. model.optim.optimizer.lr=0.001")
         key, value = cond.split("=", 1)
         if str(config.get(key)) != value:
             return False

@@ -62,7 +62,12 @@ def test(trainer: L.Trainer, run: TrainedRun, data_cfg: DictConfig) -> dict[str,
         datamodule.load_artifacts(run.artifacts)
     datamodule.prepare_data()
     datamodule.setup("test")
-    trainer.test(run.task(), datamodule=datamodule)
+    from attnlab.nn.embedding import PastTheTable
+
+    try:
+        trainer.test(run.task(), datamodule=datamodule)
+    except PastTheTable as e:  # the data's windows, longer than the net's learned positions
+        raise ConfigError(f"data.max_len={data_cfg.get('max_len')}: {e}") from e
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
@@ -76,7 +81,7 @@ def length_multiples(value: object) -> list[int]:
     if not given or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in given):
         raise ConfigError(
             "lengths must be a list of positive integers (multiples of a language model's "
-            f"data.block_size), e.g. lengths=[1,2,4], got {value}"
+            f"data.max_len), e.g. lengths=[1,2,4], got {value}"
         )
     return given
 
@@ -85,20 +90,27 @@ def test_at_lengths(
     cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path, lengths: list[int]
 ) -> dict[str, float]:
     """A language model tested with windows of each multiple in ``lengths`` of the length it was
-    trained on (``data.block_size``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
+    trained on (``data.max_len``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
     extrapolation study). A length the model cannot take (learned positions past their table) is
     skipped, saying why; if it can take none, that is the error."""
+    from hydra.utils import get_class
     from lightning.pytorch.loggers import CSVLogger
 
-    base = data_cfg.get("block_size")
+    from attnlab.data.text.language_modeling import TextDataModule
+
+    try:  # only a language model's data cuts windows of max_len (a translation pair's is a limit)
+        windows = issubclass(get_class(str(data_cfg.get("_target_"))), TextDataModule)
+    except Exception:
+        windows = False
+    base = data_cfg.get("max_len") if windows else None
     if base is None:
         raise ConfigError(
             f"lengths needs a language model: {run.path}'s data ({data_cfg.get('_target_')}) has no "
-            "data.block_size to multiply; leave lengths out"
+            "data.max_len window to multiply; leave lengths out"
         )
     metrics, skipped = {}, []
     for m in lengths:
-        data = OmegaConf.merge(data_cfg, {"block_size": base * m})
+        data = OmegaConf.merge(data_cfg, {"max_len": base * m})
         logger = CSVLogger(save_dir=out, name="csv", version=f"x{m}")
         try:
             found = test(build_trainer(cfg, logger=logger, callbacks=[]), run, data)

@@ -91,7 +91,7 @@ def staged(out: Path) -> Iterator[Path]:
     that fails (an unwritable folder, a full disk) one line naming ``out``."""
     from safetensors import SafetensorError
 
-    from attnlab.data.text.shards import start_partial  # prepare's: the same folder, cleaned alike
+    from attnlab.data.shards.writer import start_partial  # prepare's: the same folder, cleaned alike
 
     partial = out.with_name(out.name + ".partial")
     try:

@@ -13,8 +13,8 @@ from attnlab.cli.common import (
     quote_free_text,
     trained_net,
 )
-from attnlab.core.checks import is_int, is_number
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import is_int, is_number
 
 
 def check_options(cfg: DictConfig) -> None:

@@ -5,14 +5,14 @@ pairs written into tar shards (webdataset's layout, as open_clip reads them).
 examples:
   attnlab-prepare ../shared/data/tinyshakespeare/input.txt --out shards/shakespeare_char
   attnlab-prepare 'corpus/**/*.txt' --out shards/corpus_bpe --tokenizer bpe --vocab-size 8192 --workers 2
-  attnlab-train experiment=gpt_shakespeare_char data.shards_dir=shards/shakespeare_char
+  attnlab-train experiment=gpt_shakespeare_char data=token_shards data.source.path=shards/shakespeare_char
 
   attnlab-prepare --mode bert 'wiki/*.txt' --out shards/wiki --vocab-size 8000 --val-docs 2000
-  attnlab-train experiment=bert_pretrain_sst2 data=bert_shards data.shards_dir=shards/wiki
+  attnlab-train experiment=bert_pretrain_sst2 data=bert_shards data.source.path=shards/wiki
 
   attnlab-prepare --mode translation wmt.tsv --src-lang de --tgt-lang en --out shards/de_en
   attnlab-prepare --mode translation corpus/train --src-lang de --tgt-lang en --out shards/de_en
-  attnlab-train experiment=nmt_transformer_multi30k data=translation_shards data.shards_dir=shards/de_en
+  attnlab-train experiment=nmt_transformer_multi30k data=translation_shards data.source.path=shards/de_en
 
   attnlab-prepare --mode images path/to/image_folder --out shards/pets     # train/<class>/<image>
   attnlab-prepare --mode pairs captions.csv --out shards/captions          # image,caption rows
@@ -174,11 +174,13 @@ def prepare_text(args: argparse.Namespace, options: dict) -> str:
 
 
 def prepare_images(args: argparse.Namespace, options: dict) -> str:
-    from attnlab.data.text.shards import writing
-    from attnlab.data.vision import shards
+    from attnlab.data.shards.writer import writing
 
+    if args.mode == "images":
+        from attnlab.data.vision.shards import prepare_images as write
+    else:
+        from attnlab.data.multimodal.image_text_shards import prepare_image_text as write
     t0 = time.perf_counter()
-    write = shards.prepare_images if args.mode == "images" else shards.prepare_pairs
     with writing(Path(args.out)):  # one prepare at a time into --out; a failed one leaves nothing
         manifest = write(args.inputs[0], args.out, **options)
     seconds = time.perf_counter() - t0

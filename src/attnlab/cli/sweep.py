@@ -29,9 +29,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from attnlab.cli.common import compose_config, compose_train, exit_on_user_error, quote_free_text
-from attnlab.core.checks import is_int
 from attnlab.core.config import constructor_errors, refuse_renamed_overrides
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import is_int
 from attnlab.core.targets import check_targets
 from attnlab.experiments.study import SHARED, normalize_url, open_storage, shown
 from attnlab.experiments.sweep import (

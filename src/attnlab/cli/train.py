@@ -88,7 +88,7 @@ def refuse_a_sweep(cfg: DictConfig) -> None:
 
 def name_wandb_run(cfg: DictConfig) -> None:
     """A readable W&B name where the config leaves it null: the task and the command line's
-    overrides (``gpt_pydoc_char seed=2 model.optimizer.lr=0.003``), not W&B's random words; and
+    overrides (``gpt_pydoc_char seed=2 model.optim.optimizer.lr=0.003``), not W&B's random words; and
     the jobs of one multirun in a group of their own (``<task> multirun <time>``)."""
     wandb = cfg.logger.wandb
     given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
@@ -129,7 +129,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from attnlab.core.cpu import tune_cpu_for_training
     from attnlab.core.distributed import cluster_plugins, relaunch_this_multirun_job
-    from attnlab.core.hardware import machine_info
     from attnlab.training.callbacks import WeightAveraging
     from attnlab.training.wandb_mode import ensure_wandb_mode
     from attnlab.weights.checkpoint import AtomicCheckpointIO, check_fits
@@ -157,16 +156,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_fits(model, ckpt["state_dict"], ckpt_path)
         del ckpt
 
-    machine = machine_info()
-    if trainer_rank_zero():
-        (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
-    log.info(
-        "machine: %s, %s threads, native bf16 %s, GPUs %s",
-        machine["cpu"],
-        machine["torch_threads"],
-        machine["cpu_native_bf16"],
-        machine["gpus"] or "none",
-    )
+    machine = record_machine(out)
     callbacks = build_callbacks(cfg, datamodule, machine)
     loggers = setup_loggers(cfg, out)
     relaunch_this_multirun_job()
@@ -182,6 +172,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         finish(cfg, model, loggers, metrics, out, sample)
     return metrics
+
+
+def record_machine(out: Path) -> dict[str, Any]:
+    """The machine the run trains on, written to ``machine.yaml`` beside its checkpoints."""
+    from attnlab.core.hardware import machine_info
+
+    machine = machine_info()
+    if trainer_rank_zero():
+        (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
+    log.info(
+        "machine: %s, %s threads, native bf16 %s, GPUs %s",
+        machine["cpu"],
+        machine["torch_threads"],
+        machine["cpu_native_bf16"],
+        machine["gpus"] or "none",
+    )
+    return machine
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
@@ -235,7 +242,7 @@ def forget_rows_from(metrics: Path, step: int) -> None:
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
     """The data, set up for fitting, with a resumed or pre-trained run's tokenizer; what the data
     decides about the net (vocabulary, classes, image size) filled into ``model.net``."""
-    from attnlab.weights.checkpoint import init_artifacts, resolve_init_from
+    from attnlab.weights.init import init_artifacts, resolve_init_from
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule = instantiate(cfg.data)
@@ -339,7 +346,9 @@ def fit_and_test(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, ckp
 def closing_sample(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any) -> str | None:
     """A language model's closing sample (``sample``), drawn by every process: a sharded net
     needs them all."""
-    if not (cfg.get("sample") and hasattr(model.net, "generate")):
+    from attnlab.models.text.gpt import GPT
+
+    if not (cfg.get("sample") and isinstance(model.net, GPT)):
         return None
     from attnlab.core.distributed import unsharded
     from attnlab.inference.generation import generate_text

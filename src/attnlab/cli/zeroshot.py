@@ -109,13 +109,13 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
         raise CheckpointError(f"checkpoint {run.path}: its data has no classes to classify into")
     data_cfg = run.config.data.copy()
     if cfg.data_dir is not None:
-        with open_dict(data_cfg):
-            data_cfg.data_dir = str(cfg.data_dir)
+        with open_dict(data_cfg.source):  # a built-in set's files (issue 58: data.source.data_dir)
+            data_cfg.source.data_dir = str(cfg.data_dir)
     data = instantiate(data_cfg)
     data.load_artifacts(run.artifacts)
     data.setup("test")
     classes = run.artifacts["classes"]
-    classifier = class_embeddings(net, data.tokenizer, data.context_length, classes, templates)
+    classifier = class_embeddings(net, data.tokenizer, data.max_len, classes, templates)
     device = next(net.parameters()).device
     features, labels = [], []
     loader = data.test_dataloader() if cfg.split == "test" else data.val_dataloader()

@@ -29,9 +29,9 @@ def keep_freed_memory() -> bool:
 
     torch's CPU allocator is plain malloc, which by default maps each block over its mmap
     threshold afresh and unmaps it on free, so every training step faults in (and the kernel
-    zeroes) the same activations again: ~40k page faults a step for the Multi30k Transformer.
-    Serving blocks up to 32 MiB from the heap and not trimming it cut that by a third and the
-    step time by ~5% here. Returns whether the settings took (False off glibc).
+    zeroes) the same activations again. Serving blocks up to 32 MiB from the heap and not
+    trimming it cuts those faults (figures: benchmarks/RESULTS.md). Returns whether the settings
+    took (False off glibc).
     """
     libc = glibc()
     if libc is None:
@@ -64,9 +64,8 @@ def tune_cpu_for_training() -> None:
     """Flush denormal floats to zero and keep freed memory (``keep_freed_memory``).
 
     Adam's moments of rarely seen embedding rows decay through the denormal range, where each
-    float operation costs ~100x. With both settings the Multi30k Transformer's sixth epoch took
-    ~80 s instead of ~95 s here (its steps still slow somewhat over a run, less so). The freed
-    memory kept is released every few dozen steps (``attnlab.training.callbacks.ReleaseFreedMemory``).
+    float operation costs far more (figures: benchmarks/RESULTS.md). The freed memory kept is
+    released every few dozen steps (``attnlab.training.callbacks.ReleaseFreedMemory``).
     """
     torch.set_flush_denormal(True)
     keep_freed_memory()

@@ -3,10 +3,11 @@
 Entry points catch these, print the message alone and exit with status 2, so a
 user sees one line naming the field or file at fault instead of a traceback.
 
-Which to raise: one of these wherever the value came from a user (a config key, a command-line
-option, a data or checkpoint file), with the key or file in the message; ``ValueError`` only for
-a caller's mistake that no config can cause (a tensor of the wrong shape passed to a layer,
-an internal record of an unknown kind), which is a bug to see with its traceback.
+Which to raise: one of these wherever the value came from a user (a command-line option, a data
+or checkpoint file), with the key or file in the message. A constructor (``nn/``, ``models/``)
+knows no config keys: a value alone is refused by its annotation (``attnlab.core.specs``), a rule
+tying two values by a plain ``ValueError`` starting with the argument's name, which the entry
+points name by the node's key (``attnlab.core.config.refusal``). Any other ``ValueError`` is a bug.
 """
 
 

@@ -2,7 +2,7 @@
 
 bf16 pays only where the hardware multiplies in it: GPUs from Ampere on, and CPUs with AMX or
 AVX512-BF16. Elsewhere torch's CPU bf16 matmul falls back to a generic kernel far slower than
-fp32 (README, "Same command, same model, any machine", has the figures), so a bf16 recipe would
+fp32 (docs/runs.md, "Same command, same model, any machine", has the figures), so a bf16 recipe would
 crawl there.
 """
 

@@ -1,42 +1,58 @@
-"""The signature of a ``_target_`` read from its source file, without importing it.
+"""A ``_target_``'s signature and annotations read from its source, without importing it (the
+config check before torch loads: ``check_config(cfg, imports=False)``).
 
-``attnlab-train`` checks a config's values against the constructors they go to before anything
-is built (``attnlab.core.config.check_config``). Importing those constructors loads torch and
-Lightning, which takes longer than the rest of a failing command; reading their ``def`` from the
-source finds most wrong values (``trainer.max_steps=abc``) before that. The reading is cautious:
-wherever the source does not say plainly what the signature is (a name bound twice, a class
-without its own ``__init__``, a decorated class, an extension module), it gives up and the check
-that imports the target, which runs next anyway, decides.
+Where the source does not say plainly what the signature is (a name bound twice, a class without
+its own ``__init__``, a decorated class, an extension module) the reading gives up, and the check
+that imports the target decides. An annotation's names come from a light module (the standard
+library, ``annotated_types``, ``attnlab.core.specs``: imported), or from the module-level
+assignment that binds them (``AttentionImpl = Literal[...]``: followed); any other (a class of a
+heavy package) stands for any value (``Unseen``).
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
+import builtins
+import copy
+import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from functools import cache
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
 # stands for a default value that is not None: only "is the default None" matters to the check
 NOT_NONE = object()
-MAX_HOPS = 12  # re-exports followed (``lightning.pytorch.Trainer`` is two)
+MAX_HOPS = 12  # re-exports and aliases followed (``lightning.pytorch.Trainer`` is two)
+ANNOTATIONS = __future__.annotations.compiler_flag  # annotations kept as text
+LIGHT = ("annotated_types", "typing_extensions", "attnlab.core.specs")  # imported to evaluate names
 
 
-def static_signature(target: str) -> tuple[inspect.Signature, dict[str, Any], str] | None:
-    """``target``'s signature (its annotations as source text), the names its module imports from
-    the standard library (to evaluate them), and where it is defined (``module.Name``); None where
-    the source does not say it plainly."""
-    parts = target.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:i])
-        source = module_source(module)
-        if source is not None:
-            if i != len(parts) - 1:  # an attribute of an attribute (Class.method): not followed
-                return None
-            return _signature_in(module, source, parts[-1], MAX_HOPS)
-    return None
+class Unseen:
+    """A name not evaluated, and any use of it (``Run[int]``, ``np.ndarray``, ``Run | None``): any
+    value, while the rest of an annotation is checked (``list[Run]``: a list)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # not a type: copy, pickle and typing probe these
+            raise AttributeError(name)
+        return self
+
+    def __getitem__(self, item: Any) -> Any:
+        return self
+
+    def __or__(self, other: Any) -> Any:
+        return self
+
+    __ror__ = __call__ = __or__  # (callable: typing takes it as a type argument)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.any_schema()
 
 
 def module_source(module: str) -> Path | None:
@@ -44,36 +60,20 @@ def module_source(module: str) -> Path | None:
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: located, not run
+        for i in range(len(rest)):
+            spec = spec and PathFinder.find_spec(
+                ".".join([top, *rest[: i + 1]]), spec.submodule_search_locations
+            )
     except (ImportError, ValueError):
         return None
-    if spec is None:
-        return None
-    if not rest:
-        return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
-    folders = [Path(p) for p in spec.submodule_search_locations or []]
-    path = None
-    for part in rest:
-        path, inner = None, []
-        for folder in folders:
-            if (folder / part / "__init__.py").is_file():
-                path, inner = folder / part / "__init__.py", [folder / part]
-                break
-            if (folder / f"{part}.py").is_file():
-                path, inner = folder / f"{part}.py", []
-                break
-            if (folder / part).is_dir():  # a namespace package
-                inner = [folder / part]
-                break
-        folders = inner
-        if path is None and not folders:
-            return None
-    return path
+    return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
 
 
 @cache
-def _parse(path: Path) -> ast.Module | None:
+def _parse(module: str) -> tuple[Path, ast.Module] | None:
+    source = module_source(module)
     try:
-        return ast.parse(path.read_text(encoding="utf-8"))
+        return (source, ast.parse(source.read_text(encoding="utf-8"))) if source else None
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
 
@@ -91,12 +91,12 @@ def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             if any(name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)} for t in targets):
                 found.append(stmt)
-        elif isinstance(stmt, ast.If):
-            found += _bindings(stmt.body, name) + _bindings(stmt.orelse, name)
-        elif isinstance(stmt, ast.Try):
-            found += _bindings(stmt.body, name) + _bindings(stmt.orelse, name)
-            for handler in stmt.handlers:
-                found += _bindings(handler.body, name)
+        elif isinstance(stmt, ast.Try) or (
+            isinstance(stmt, ast.If) and "TYPE_CHECKING" not in ast.unparse(stmt.test)
+        ):
+            # (a name only type checkers import has no value at run time: the full check's ``Unseen``)
+            blocks = [stmt.body, stmt.orelse, *(h.body for h in getattr(stmt, "handlers", []))]
+            found += [s for block in blocks for s in _bindings(block, name)]
     return found
 
 
@@ -104,31 +104,85 @@ def _absolute(module: str, source: Path, stmt: ast.ImportFrom) -> str | None:
     """The module a ``from ... import`` names, relative imports made absolute."""
     if not stmt.level:
         return stmt.module
-    package = module if source.name == "__init__.py" else module.rpartition(".")[0]
-    parts = package.split(".")
+    parts = (module if source.name == "__init__.py" else module.rpartition(".")[0]).split(".")
     if stmt.level - 1 >= len(parts):
         return None
     base = ".".join(parts[: len(parts) - (stmt.level - 1)])
     return f"{base}.{stmt.module}" if stmt.module else base
 
 
-def _signature_in(
-    module: str, source: Path, name: str, hops: int
-) -> tuple[inspect.Signature, dict[str, Any], str] | None:
-    tree = _parse(source)
-    if tree is None or hops == 0:
+def _light(module: str) -> bool:
+    return module.split(".")[0] in sys.stdlib_module_names or module.startswith(LIGHT)
+
+
+def _binding(module: str, name: str, hops: int) -> tuple[str, str, ast.stmt] | None:
+    """The module, the name and the one statement that bind ``name`` there, re-exports followed."""
+    parsed = _parse(module)
+    if parsed is None or hops == 0:
         return None
+    source, tree = parsed
     bound = _bindings(tree.body, name)
     if len(bound) != 1:
         return None
     stmt = bound[0]
-    if isinstance(stmt, ast.ImportFrom):
+    if isinstance(stmt, ast.ImportFrom) and not _light(origin := _absolute(module, source, stmt) or ""):
         alias = next(a for a in stmt.names if (a.asname or a.name) == name)
-        origin = _absolute(module, source, stmt)
-        origin_source = module_source(origin) if origin else None
-        if origin is None or origin_source is None:
-            return None
-        return _signature_in(origin, origin_source, alias.name, hops - 1)
+        return _binding(origin, alias.name, hops - 1) if origin else None
+    return module, name, stmt
+
+
+def unseen(name: str) -> Unseen:
+    """A name an evaluation does not know: ``Unseen``, or a builtin (``KeyError``: Python's turn)."""
+    if hasattr(builtins, name):
+        raise KeyError(name)
+    return Unseen()
+
+
+class _Names(dict):  # an evaluation's names, each looked up as it is read
+    def __init__(self, lookup: Callable[[str], Any]) -> None:
+        super().__init__()
+        self.lookup = lookup
+
+    def __missing__(self, name: str) -> Any:
+        return self.lookup(name)
+
+
+def evaluate(expression: str, lookup: Callable[[str], Any]) -> Any:
+    """A source expression (an annotation) evaluated, each name it reads from ``lookup``."""
+    return eval(expression, {"__builtins__": builtins}, _Names(lookup))
+
+
+@cache
+def _value(module: str, name: str, hops: int = MAX_HOPS) -> Any:
+    """The value ``name`` has in ``module`` where the source says it plainly, else ``Unseen``."""
+    parsed = _parse(module)
+    found = _binding(module, name, hops) if parsed and _bindings(parsed[1].body, name) else None
+    if found is None:
+        return unseen(name)
+    module, name, stmt = found
+    try:
+        alias = next(
+            (a for a in getattr(stmt, "names", []) if (a.asname or a.name.split(".")[0]) == name), None
+        )
+        if isinstance(stmt, ast.ImportFrom):  # from a light module
+            return getattr(importlib.import_module(_absolute(module, _parse(module)[0], stmt)), alias.name)
+        if isinstance(stmt, ast.Import) and _light(alias.name):
+            top = importlib.import_module(alias.name)
+            return top if alias.asname else sys.modules[alias.name.split(".")[0]]
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and hops > 1:
+            return evaluate(ast.unparse(stmt.value), lambda n: _value(module, n, hops - 1))
+    except Exception:  # an expression the reading cannot evaluate: any value
+        pass
+    return Unseen()
+
+
+def static_signature(target: str) -> tuple[inspect.Signature, dict[str, Any]] | None:
+    """``target``'s signature and its annotations evaluated; None where the source does not say
+    them plainly (``Class.method`` is not followed)."""
+    module, _, name = target.rpartition(".")
+    if module_source(module) is None or (found := _binding(module, name, MAX_HOPS)) is None:
+        return None
+    module, name, stmt = found
     if isinstance(stmt, ast.ClassDef):
         if stmt.decorator_list or stmt.keywords:  # a dataclass, a metaclass: another signature
             return None
@@ -140,55 +194,32 @@ def _signature_in(
         signature = _from_def(stmt, drop_self=False)
     else:
         return None
-    return signature, _stdlib_names(tree), f"{module}.{name}"
+    return signature, {
+        p.name: _hint(p.annotation, module)
+        for p in signature.parameters.values()
+        if p.annotation is not p.empty
+    }
+
+
+def _hint(annotation: str, module: str) -> Any:
+    try:
+        return evaluate(annotation, lambda n: _value(module, n))
+    except Exception:  # e.g. a forward reference in quotes: left to the full check
+        return Any
 
 
 def _from_def(fn: ast.FunctionDef | ast.AsyncFunctionDef, drop_self: bool) -> inspect.Signature:
-    """The signature of a ``def``; decorators are taken to keep it (``functools.wraps``)."""
-    P = inspect.Parameter
-    a = fn.args
-
-    def param(arg: ast.arg, kind: Any, default: ast.expr | None = None) -> inspect.Parameter:
-        annotation = ast.unparse(arg.annotation) if arg.annotation is not None else P.empty
-        value = P.empty
-        if default is not None:
-            value = None if isinstance(default, ast.Constant) and default.value is None else NOT_NONE
-        return P(arg.arg, kind, default=value, annotation=annotation)
-
-    positional = [*a.posonlyargs, *a.args]
-    defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
-    params = [
-        param(arg, P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD, d)
-        for i, (arg, d) in enumerate(zip(positional, defaults, strict=True))
-    ]
-    if drop_self and params:
-        params = params[1:]
-    if a.vararg is not None:
-        params.append(param(a.vararg, P.VAR_POSITIONAL))
-    params += [param(arg, P.KEYWORD_ONLY, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
-    if a.kwarg is not None:
-        params.append(param(a.kwarg, P.VAR_KEYWORD))
-    return inspect.Signature(params)
-
-
-def _stdlib_names(tree: ast.Module) -> dict[str, Any]:
-    """The names a module imports from the standard library at its top level (``Optional``,
-    ``Literal``, ``Path``, ...), imported here: enough to evaluate most annotations. Names from
-    anywhere else are left out (they would load the packages this module avoids)."""
-    names: dict[str, Any] = {}
-    for stmt in tree.body:
-        try:
-            if isinstance(stmt, ast.Import):
-                for a in stmt.names:
-                    if a.name.split(".")[0] in sys.stdlib_module_names:
-                        top = __import__(a.name)
-                        names[a.asname or a.name.split(".")[0]] = sys.modules[a.name] if a.asname else top
-            elif isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
-                if stmt.module.split(".")[0] in sys.stdlib_module_names and stmt.module != "__future__":
-                    mod = importlib.import_module(stmt.module)
-                    for a in stmt.names:
-                        if hasattr(mod, a.name):
-                            names[a.asname or a.name] = getattr(mod, a.name)
-        except ImportError:
-            continue
-    return names
+    """The signature of a ``def`` (decorators are taken to keep it: ``functools.wraps``), made by
+    running it without its body, annotations as text, each default not None as ``NOT_NONE``."""
+    args = copy.deepcopy(fn.args)
+    none = lambda d: d is None or (isinstance(d, ast.Constant) and d.value is None)  # noqa: E731
+    args.defaults = [ast.Constant(None) if none(d) else ast.Name("_", ast.Load()) for d in args.defaults]
+    args.kw_defaults = [d if none(d) else ast.Name("_", ast.Load()) for d in args.kw_defaults]
+    stub = ast.FunctionDef("f", args, [ast.Pass()], [], None, type_params=[])
+    namespace = {"_": NOT_NONE}
+    exec(
+        compile(ast.fix_missing_locations(ast.Module([stub], [])), "<signature>", "exec", ANNOTATIONS),
+        namespace,
+    )
+    sig = inspect.signature(namespace["f"])
+    return sig.replace(parameters=list(sig.parameters.values())[1:]) if drop_self else sig

@@ -8,7 +8,10 @@ the entry points prefix with the node's full key (``model.net.image.dim: ...``).
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
 
 from annotated_types import Ge, Gt, Interval
 
@@ -18,3 +21,27 @@ PositiveFloat = Annotated[float, Gt(0)]
 NonNegativeFloat = Annotated[float, Ge(0)]
 Probability = Annotated[float, Interval(ge=0, le=1)]
 DropRate = Annotated[float, Interval(ge=0, lt=1)]  # dropout: 1 would zero every activation
+
+
+@contextmanager
+def nested(name: str) -> Iterator[None]:
+    """Name a sub-net's refusal by its argument: ``with nested("lm"): self.lm = lm(...)`` turns a
+    ``ValueError`` ``"dim: ..."`` raised inside into ``"lm.dim: ..."`` (``model.net.lm.dim``)."""
+    try:
+        yield
+    except ValueError as e:
+        if type(e) is not ValueError:  # a ConfigError, or some other subclass: as raised
+            raise
+        message = str(e)
+        named = re.fullmatch(r"\w+(\.\w+|\[\d+\])*", message.partition(": ")[0])
+        raise ValueError(f"{name}.{message}" if named else f"{name}: {message}") from e
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (a config's ``true``/``false`` parse as bools, which are ints)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from attnlab.core.errors import ConfigError
 
@@ -25,8 +25,19 @@ ALLOWED_CALLABLES = frozenset(
         "attnlab.training.callbacks.ema_with_warmup",
         "attnlab.training.distillation.HardDistillation",
         "attnlab.training.distillation.load_teacher",
+        "attnlab.training.optim.Optimization",
         "attnlab.training.schedules.warmup_cosine",
         "attnlab.core.distributed.module_classes",
+        "attnlab.data.sources.Builtin",
+        "attnlab.data.sources.CaptionShards",
+        "attnlab.data.sources.Captions",
+        "attnlab.data.sources.Files",
+        "attnlab.data.sources.Folder",
+        "attnlab.data.sources.Generated",
+        "attnlab.data.sources.Pairs",
+        "attnlab.data.sources.Shards",
+        "attnlab.data.sources.SplitFiles",
+        "attnlab.data.sources.StreamedShards",
         "torch.optim.swa_utils.get_ema_multi_avg_fn",
     }
 )
@@ -156,6 +167,46 @@ def translate_moved(config: DictConfig) -> list[str]:
         elif isinstance(node, ListConfig):
             nodes.extend(node)
     return list(done)
+
+
+# the task's optimisation keys, moved into one spec (issue 58): model.<key> -> model.optim.<key>;
+# refused on the command line (``attnlab.core.config``), translated in a saved run's config
+MOVED_KEYS = {
+    f"model.{k}": f"model.optim.{k}"
+    for k in ("optimizer", "scheduler", "weight_decay", "lr_decay", "freeze", "compile", "compile_mode")
+}
+# the data keys that moved into data.source, data.mixup and data.normalize (issue 58); val_size,
+# which some DataModules still take (ImageFiles': data.source.val_size), is left to its signature
+SOURCE_KEYS = ("on_bad_record", "shuffle_batches", "fit_captions", "url", "sha256", "images_dir", "image_key")
+MOVED_KEYS |= {f"data.{k}": f"data.source.{k}" for k in (*SOURCE_KEYS, "caption_key")}
+MOVED_KEYS |= {f"data.{k}": "data.source.path" for k in ("shards_dir", "pairs_file", "captions_file")}
+MOVED_KEYS |= {"data.files": "data.source.names", "data.synthetic_size": "data.source.train_size"}
+MOVED_KEYS |= {
+    f"data.{k}": f"data.source.{k}" for k in ("data_dir", "cache_dir", "train_file", "val_file", "test_file")
+}
+MOVED_KEYS |= {f"data.{k}": f"data.normalize.{k}" for k in ("mean", "std")}
+MOVED_KEYS |= {f"data.{k}": f"data.mixup.{k}" for k in ("mixup_alpha", "cutmix_alpha")}
+MOVED_KEYS |= {"data.mixup_prob": "data.mixup.prob", "data.mixup_switch_prob": "data.mixup.switch_prob"}
+
+
+def moved_key(key: str) -> str | None:
+    """The new name of ``key`` (``model.optimizer.lr`` -> ``model.optim.optimizer.lr``), or None."""
+    old = next((o for o in MOVED_KEYS if key == o or key.startswith(o + ".")), None)
+    return None if old is None else MOVED_KEYS[old] + key[len(old) :]
+
+
+def translate_moved_keys(model: DictConfig) -> list[str]:
+    """Move a saved run's optimisation keys (``model.weight_decay``) into ``model.optim``, in
+    place; return the move (none: empty)."""
+    old = [k for k in map(str, model.keys()) if f"model.{k}" in MOVED_KEYS]
+    if not old or "optim" in model:
+        return []
+    raw = OmegaConf.to_container(model, resolve=False)
+    with open_dict(model):
+        model.optim = {"_target_": "attnlab.training.optim.Optimization", **{k: raw[k] for k in old}}
+        for k in old:
+            del model[k]
+    return ["model.{" + ",".join(old) + "} -> model.optim.*"]
 
 
 def check_targets(config: Any, source: str, key: str = "") -> None:

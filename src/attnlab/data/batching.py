@@ -154,8 +154,8 @@ class TokenBatchSampler(DistributedSampler):
 
 
 def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
-    """(B, T) ids, padded to the longest. (Rounding T up to a multiple of 8 was measured here:
-    18% fewer target tokens/s, the extra padding costing more than the shapes save.)"""
+    """(B, T) ids, padded to the longest. (Not to a multiple of 8: the extra padding costs more
+    than the shapes save; benchmarks/RESULTS.md.)"""
     out = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s, dtype=torch.long)

@@ -59,7 +59,8 @@ def fetch(
     cache_dir: str | os.PathLike,
     gunzip: bool = False,
 ) -> Path:
-    """Path to ``filename``: from ``data_dir`` when given (offline), else cached or downloaded.
+    """Path to ``filename``: from ``data_dir`` (``data.source.data_dir``) when given (offline), else
+    cached or downloaded.
 
     Files in ``data_dir`` are the user's own and are not checksummed (a corpus may be edited on
     purpose); downloads always are.
@@ -67,9 +68,11 @@ def fetch(
     if data_dir is not None:
         path = Path(data_dir).expanduser() / filename
         if not Path(data_dir).expanduser().is_dir():
-            raise DataError(f"data.data_dir={data_dir} is not a directory (expected it to hold {filename})")
+            raise DataError(
+                f"data.source.data_dir={data_dir} is not a directory (expected it to hold {filename})"
+            )
         if not path.is_file():
-            raise DataError(f"data.data_dir={data_dir} has no file {filename} (expected {path})")
+            raise DataError(f"data.source.data_dir={data_dir} has no file {filename} (expected {path})")
         return check_not_empty(path)
     path = Path(cache_dir).expanduser() / filename
     if path.is_file() and (sha256 is None or sha256sum(path) == sha256):
@@ -77,7 +80,7 @@ def fetch(
     try:
         return download(url, path, sha256, gunzip=gunzip)
     except DataError as e:
-        raise DataError(f"{e}. Offline? Set data.data_dir to a directory holding {filename}") from e
+        raise DataError(f"{e}. Offline? Set data.source.data_dir to a directory holding {filename}") from e
 
 
 def check_not_empty(path: Path) -> Path:

@@ -1,7 +1,7 @@
 """Shards read from object storage: a prepared folder given as an ``s3://``, ``gs://`` or
 ``https://`` URL is read through fsspec (s3fs, gcsfs, aiohttp), as a local folder is read from disk.
 
-``location`` turns ``data.shards_dir`` into a ``Path`` or a ``RemotePath``; the shard readers use
+``location`` turns a shards source's ``path`` into a ``Path`` or a ``RemotePath``; the shard readers use
 the few things of ``Path`` that both have (``/``, ``name``, ``open``, ``read_bytes``,
 ``read_text``) and, for what a local file does with ``numpy.fromfile`` or a seek, the functions
 here (``file_size``, ``read_array``, ``read_arrays``, ``read_ranges``): a remote file answers

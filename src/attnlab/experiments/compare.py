@@ -60,6 +60,8 @@ IGNORED_KEYS = {
     "trainer.accelerator",
     "data.data_dir",
     "data.cache_dir",
+    "data.source.data_dir",
+    "data.source.cache_dir",
     "model.plot_dir",
     "trainer.default_root_dir",
     "model.net.plot_dir",
@@ -73,7 +75,7 @@ WANDB_UNREAD = "upload it with `wandb sync <dir>` and compare on W&B, or log wit
 @dataclass
 class Run:
     path: Path
-    config: dict[str, Any]  # flattened: "model.optimizer.lr" -> 0.001
+    config: dict[str, Any]  # flattened: "model.optim.optimizer.lr" -> 0.001
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def final(self, metric: str) -> float | None:

@@ -49,8 +49,8 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from attnlab.core.checks import is_int
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import is_int
 from attnlab.experiments.compare import load_run
 from attnlab.experiments.study import STUDY, open_storage, storage_url, trial_id
 
@@ -87,7 +87,7 @@ def distribution(key: str, value: Any) -> BaseDistribution | None:
 
 def search_space(params: Mapping[str, Any]) -> tuple[dict[str, BaseDistribution], list[str]]:
     """``sweep.params`` as Optuna distributions, and the plain values as fixed overrides. Keys are
-    dotted (``model.optimizer.lr: ...``) or nested (``+sweep.params.model.optimizer.lr=...``)."""
+    dotted (``model.optim.optimizer.lr: ...``) or nested (``+sweep.params.model.optim.optimizer.lr=...``)."""
     space, fixed = {}, []
     for key, value in flat(params).items():
         dist = distribution(key, value)

@@ -1,44 +1,24 @@
-"""Captioning images with a trained captioner: greedy or beam search over the captioning contract
-(``start(images) -> state``, ``step(tokens, state) -> (logits, attn, state)``, ``reorder(state,
-index) -> state``), and the attention each word of the caption paid to the image.
+"""Captioning images with a trained captioner (the ``Captioner`` contract): greedy or beam search
+(``attnlab.inference.decoding``, the translation's), and the attention each word of the caption
+paid to the image.
 
-The search itself is ``attnlab.inference.decoding``'s, the one translation uses; a captioner is
-seen through it by ``_Decoder``. The attention of the chosen words comes from one teacher-forced
-pass over them afterwards (the net's ``forward``), which gives the step-by-step weights exactly
-(``tests/test_captioning.py``): no search has to carry a map per hypothesis.
+The attention of the chosen words comes from one teacher-forced pass over them afterwards (the
+net's ``forward``), which gives the step-by-step weights exactly (``tests/test_captioning.py``):
+no search has to carry a map per hypothesis.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnlab.inference.decoding import beam_search, greedy_decode
-
-
-class _Decoder:
-    """A captioner under ``decoding.py``'s protocol: ``step`` gives the logits only and
-    ``reorder`` changes the state in place (the captioner's state, boxed in a dict)."""
-
-    def __init__(self, net: nn.Module) -> None:
-        self.net = net
-
-    def start(self, images: Tensor) -> dict[str, Any]:
-        return {"net": self.net.start(images)}
-
-    def step(self, tokens: Tensor, box: dict[str, Any]) -> Tensor:
-        logits, _, box["net"] = self.net.step(tokens, box["net"])
-        return logits
-
-    def reorder(self, box: dict[str, Any], index: Tensor) -> None:
-        box["net"] = self.net.reorder(box["net"], index)
+from attnlab.models.contracts import Captioner
 
 
 @torch.no_grad()
 def caption_batch(
-    net: nn.Module,
+    net: Captioner,
     images: Tensor,
     bos: int,
     eos: int,
@@ -50,15 +30,14 @@ def caption_batch(
     at most ``max_len``) and the (L, S) attention each of its L words paid to the image's S
     positions. ``beam_size`` 1 is greedy decoding; beams rank finished captions by log-probability
     over GNMT's length penalty of ``alpha`` (0: total log-probability)."""
-    decoder = _Decoder(net)
     if beam_size == 1:
-        ids = greedy_decode(decoder, images, bos, eos, max_len)
+        ids = greedy_decode(net, images, bos, eos, max_len)
     else:
-        ids = beam_search(decoder, images, bos, eos, max_len, beam_size, alpha)
+        ids = beam_search(net, images, bos, eos, max_len, beam_size, alpha)
     return list(zip(ids, word_attention(net, images, ids, bos), strict=True))
 
 
-def word_attention(net: nn.Module, images: Tensor, captions: list[list[int]], bos: int) -> list[Tensor]:
+def word_attention(net: Captioner, images: Tensor, captions: list[list[int]], bos: int) -> list[Tensor]:
     """The (L, S) attention of each caption's L words, by teacher forcing ``[BOS] + caption``."""
     longest = max((len(c) for c in captions), default=0)
     tokens = torch.full((len(captions), longest + 1), bos, dtype=torch.long, device=images.device)

@@ -1,15 +1,15 @@
-"""Greedy and batched beam-search decoding for encoder-decoder models (used by the translation
-task's validation and test, and by ``attnlab-translate``).
-
-A model decodes through three methods: ``start(src) -> state``, ``step(tokens, state) ->
-logits`` (the next-token logits (B, V) after the newest tokens (B,)) and ``reorder(state,
-index)`` (keep the rows at ``index``). ``Transformer`` and ``Seq2Seq`` both provide them.
+"""Greedy decoding, batched beam search and sampling, written once against the ``Decoder``
+contract (``attnlab.models.contracts``: ``start``, ``step``, ``reorder``), which GPT, Seq2Seq,
+the Transformer, Show-Attend-Tell and Flamingo follow. Translation, captioning and text
+generation all decode here.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from attnlab.models.contracts import Decoder
 
 
 def max_output_len(src: Tensor, pad_id: int, a: float, b: int, cap: int) -> int:
@@ -19,7 +19,7 @@ def max_output_len(src: Tensor, pad_id: int, a: float, b: int, cap: int) -> int:
 
 
 @torch.no_grad()
-def greedy_decode(net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int) -> list[list[int]]:
+def greedy_decode(net: Decoder, src: Tensor, bos: int, eos: int, max_len: int) -> list[list[int]]:
     """The most likely next token at each step, until <eos> or ``max_len`` tokens."""
     b = src.size(0)
     state = net.start(src)
@@ -27,7 +27,8 @@ def greedy_decode(net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int)
     out = torch.zeros(b, 0, dtype=torch.long, device=src.device)
     done = torch.zeros(b, dtype=torch.bool, device=src.device)
     for _ in range(max_len):
-        tokens = net.step(tokens, state).argmax(-1)
+        logits, state = net.step(tokens, state)
+        tokens = logits.argmax(-1)
         out = torch.cat([out, tokens[:, None]], dim=1)
         done |= tokens == eos
         if done.all():
@@ -46,7 +47,7 @@ def length_penalty(length: int, alpha: float) -> float:
 
 @torch.no_grad()
 def beam_search(
-    net: nn.Module, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
+    net: Decoder, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
 ) -> list[list[int]]:
     """Batched beam search; returns the best hypothesis of each source, without <eos>.
 
@@ -57,15 +58,15 @@ def beam_search(
     is exactly greedy decoding.
     """
     b, k, dev = src.size(0), beam_size, src.device
-    state = net.start(src)
-    net.reorder(state, torch.arange(b, device=dev).repeat_interleave(k))
+    state = net.reorder(net.start(src), torch.arange(b, device=dev).repeat_interleave(k))
     scores = torch.full((b, k), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: keep one
     seqs = torch.zeros(b, k, 0, dtype=torch.long, device=dev)
     tokens = torch.full((b * k,), bos, dtype=torch.long, device=dev)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]
     for t in range(max_len):
-        logp = torch.log_softmax(net.step(tokens, state).float(), dim=-1)  # (B*K, V)
+        logits, state = net.step(tokens, state)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
         v = logp.size(-1)
         cand = (scores[:, :, None] + logp.view(b, k, v)).view(b, k * v)
         top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2K)
@@ -82,7 +83,7 @@ def beam_search(
         tokens = top_tok.gather(1, pick)
         kept = seqs.gather(1, beam[:, :, None].expand(-1, -1, seqs.size(2)))  # (B, K, t)
         seqs = torch.cat([kept, tokens[:, :, None]], dim=2)
-        net.reorder(state, (beam + torch.arange(b, device=dev)[:, None] * k).view(-1))
+        state = net.reorder(state, (beam + torch.arange(b, device=dev)[:, None] * k).view(-1))
         tokens = tokens.view(-1)
         if all(len(f) >= k for f in finished):
             break
@@ -97,7 +98,7 @@ def beam_search(
 
 
 def translate_batch(
-    net: nn.Module,
+    net: Decoder,
     src: Tensor,
     pad: int,
     bos: int,
@@ -114,3 +115,51 @@ def translate_batch(
     if beam_size == 1:
         return greedy_decode(net, src, bos, eos, max_len)
     return beam_search(net, src, bos, eos, max_len, beam_size, alpha)
+
+
+@torch.no_grad()
+def generate(
+    net: Decoder,
+    idx: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """A language model's (GPT's) continuation of ``idx`` (B, T) by ``max_new_tokens`` sampled
+    tokens: (B, T + max_new_tokens). The context is all of ``idx`` but its last token, which is
+    the first step's; ``use_cache`` False recomputes the window at every step."""
+    state = net.start(idx[:, :-1], use_cache=use_cache)
+    tokens = idx[:, -1]
+    for _ in range(max_new_tokens):
+        logits, state = net.step(tokens, state)
+        tokens = sample_next(logits, temperature, top_k, top_p, generator)[:, 0]
+        idx = torch.cat([idx, tokens[:, None]], dim=1)
+    return idx
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Sample one token id per row of ``logits`` (B, V), (B, 1); temperature 0 means greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token once the ones before it already cover top_p (always keep the first)
+        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer
+from attnlab.inference.decoding import generate
+from attnlab.models.text.gpt import GPT
 
 
 def generate_text(
-    net: nn.Module,
+    net: GPT,
     tokenizer: CharTokenizer | BPETokenizer,
     prompt: str,
     max_new_tokens: int,
@@ -30,7 +31,7 @@ def generate_text(
     was_training = net.training
     net.eval()
     try:
-        out = net.generate(idx, max_new_tokens, temperature, top_k, top_p, use_cache, gen)
+        out = generate(net, idx, max_new_tokens, temperature, top_k, top_p, use_cache, gen)
     finally:
         net.train(was_training)
     return [tokenizer.decode(row.tolist()) for row in out]

@@ -13,7 +13,8 @@ from torch import nn
 from attnlab.core.config import translate_renamed
 from attnlab.core.errors import CheckpointError
 from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
-from attnlab.core.targets import check_targets, translate_moved
+from attnlab.core.targets import check_targets, translate_moved, translate_moved_keys
+from attnlab.data.sources import translate_flat
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.weights.checkpoint import check_fits, load_checkpoint, metadata, require_task
 
@@ -39,10 +40,15 @@ class TrainedRun:
         # names those the old way; its weights are named as now, so the translated config builds
         # the same model
         read_as = translate_moved(self.config)
+        if self.config.get("data") is not None:  # its source as flat keys (before issue 58)
+            read_as += translate_flat(self.config.data)
         # the saved config is input, not code: nothing in it is built unless attnlab allows it
         check_targets(self.config, str(self.path))
-        if self.config.get("model") is not None:
-            read_as += translate_renamed(self.config.model, "model")
+        if self.config.get("model") is not None:  # one optimisation spec since issue 58
+            read_as += translate_moved_keys(self.config.model)
+        for part in ("model", "data"):  # the data keys got the model's vocabulary in issue 58
+            if self.config.get(part) is not None:
+                read_as += translate_renamed(self.config[part], part)
         if read_as:
             log.warning("%s was saved by an older attnlab, read as: %s", self.path, ", ".join(read_as))
         self.artifacts: dict[str, Any] = meta["artifacts"]

@@ -9,7 +9,6 @@ from attnlab.nn.attention import (
 from attnlab.nn.blocks import MLP, AttentionWeights, TransformerBlock
 from attnlab.nn.dropout import Dropout, byte_dropout
 from attnlab.nn.embedding import (
-    STEMS,
     ConvStem,
     LearnedPositions,
     PatchEmbedding,
@@ -28,7 +27,6 @@ from attnlab.nn.window_attention import WindowAttention
 
 __all__ = [
     "MLP",
-    "STEMS",
     "ALiBi",
     "GlobalLocalAttention",
     "LinearAttention",

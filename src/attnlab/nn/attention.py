@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.errors import ConfigError
 from attnlab.core.hardware import native_bf16_cpu
+from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.nn.flash_pieces import BLOCK, flash_pieces, pieces_apply
 from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
 
 AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
-IMPLS = get_args(AttentionImpl)
 
 log = logging.getLogger(__name__)
 _announced: set[tuple] = set()
@@ -84,8 +83,8 @@ def choose_impl(impl: AttentionImpl, q: Tensor, need_weights: bool, fused_only: 
     if q.device.type == "cuda" and fused_only and not dropout:
         choice = "flex"
     elif q.device.type == "cpu" and _compute_dtype(q) == torch.bfloat16 and _native_bf16():
-        # measured: under bf16 the explicit path is faster on CPUs with native bf16, and 3-4x
-        # slower on CPUs without it, where SDPA's kernels upcast
+        # measured (benchmarks/RESULTS.md): under bf16 the explicit path is faster on CPUs with
+        # native bf16, and slower on CPUs without it, where SDPA's kernels upcast
         choice = "math"
     else:
         choice = "sdpa"
@@ -235,24 +234,20 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self,
-        dim: int,
-        n_head: int,
-        dropout: float = 0.0,
+        dim: PositiveInt,
+        n_head: PositiveInt,
+        dropout: DropRate = 0.0,
         bias: bool = True,
         impl: AttentionImpl = "auto",
-        kv_dim: int | None = None,
+        kv_dim: PositiveInt | None = None,
     ) -> None:
         super().__init__()
-        if n_head <= 0 or dim <= 0 or dim % n_head != 0:
-            raise ConfigError(f"dim ({dim}) must be a positive multiple of n_head ({n_head})")
-        if impl not in IMPLS:
-            raise ConfigError(f"attn_impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if dim % n_head != 0:
+            raise ValueError(f"dim: must be divisible by n_head ({n_head}), got {dim}")
         if impl == "flex" and dropout > 0:
-            raise ConfigError(
+            raise ValueError(
                 f"attn_impl=flex has no attention dropout: set it to 0 (got {dropout}) or use sdpa"
             )
-        if kv_dim is not None and kv_dim <= 0:
-            raise ConfigError(f"kv_dim must be positive, got {kv_dim}")
         self.dim, self.n_head, self.dropout, self.impl = dim, n_head, dropout, impl
         if kv_dim is None:
             self.in_proj = nn.Linear(dim, 3 * dim, bias=bias)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple
 
 from timm.layers import DropPath, QuickGELU
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice
 from attnlab.nn.attention import KVCache, MultiHeadAttention
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.positions import RelativePositions
@@ -20,9 +19,8 @@ from attnlab.nn.positions import RelativePositions
 Activation = Literal["gelu", "gelu_tanh", "quick_gelu"]
 
 
-def activation(where: str, name: Activation) -> Callable[[], nn.Module]:
-    """The activation layer ``name`` names (``where``: the config node, for the error)."""
-    check_choice(where, "act", name, get_args(Activation))
+def activation(name: Activation) -> Callable[[], nn.Module]:
+    """The activation layer ``name`` names."""
     return {"gelu": nn.GELU, "gelu_tanh": partial(nn.GELU, approximate="tanh"), "quick_gelu": QuickGELU}[name]
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate
 
 
 def byte_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -34,10 +34,8 @@ def byte_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
 class Dropout(nn.Module):
     """``nn.Dropout`` with the cheaper CPU mask of ``byte_dropout``."""
 
-    def __init__(self, p: float = 0.5) -> None:
+    def __init__(self, p: DropRate = 0.5) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {p}")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice
-from attnlab.core.errors import ConfigError
+from attnlab.core.errors import AttnlabError
 from attnlab.nn.dropout import Dropout
 
 
@@ -56,6 +55,11 @@ class SinusoidalPositions(nn.Module):
         return sinusoids(torch.arange(start, start + t, device=self.pe.device), self.dim)
 
 
+class PastTheTable(AttnlabError, ValueError):
+    """A sequence longer than a position table: an input error, one line at any entry point
+    (``attnlab-eval`` names ``data.max_len``)."""
+
+
 class LearnedPositions(nn.Module):
     """One learned vector per position (GPT, BERT, ViT); there are none past ``max_len``."""
 
@@ -66,10 +70,10 @@ class LearnedPositions(nn.Module):
 
     def forward(self, t: int, start: int = 0) -> Tensor:
         if start + t > self.max_len:
-            raise ConfigError(
+            raise PastTheTable(
                 f"a sequence of {start + t} tokens exceeds the {self.max_len} learned positions "
-                "(model.net.max_len): learned positions stop at their table; sinusoidal, rope, "
-                "alibi, t5 or none go past it"
+                "(max_len): learned positions stop at their table; sinusoidal, rope, alibi, t5 or "
+                "none go past it"
             )
         return self.emb(torch.arange(start, start + t, device=self.emb.weight.device))  # (T, C)
 
@@ -184,9 +188,7 @@ class ConvStem(nn.Module):
         super().__init__()
         check_divisible(img_size, patch_size)
         if patch_size < 2 or patch_size & (patch_size - 1):
-            raise ConfigError(
-                f"model.net.patch_size ({patch_size}) must be a power of two >= 2 for a conv stem"
-            )
+            raise ValueError(f"patch_size: must be a power of two >= 2 for a conv stem, got {patch_size}")
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.grid_size = img_size // patch_size
         self.num_patches = self.grid_size**2
@@ -207,7 +209,6 @@ class ConvStem(nn.Module):
 
 
 Stem = Literal["patch", "conv", "conv_full"]
-STEMS = get_args(Stem)
 
 
 def patch_embedding(
@@ -222,19 +223,16 @@ def patch_embedding(
     """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
     papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution);
     ``bias=False``: a patch projection without bias (CLIP's)."""
-    check_choice("model.net", "stem", stem, STEMS)
     if stem == "patch":
         return PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer, bias)
     if not bias:
-        raise ConfigError("model.net.patch_bias=false is for stem=patch (a conv stem's layers keep theirs)")
+        raise ValueError("patch_bias: false is for stem=patch (a conv stem's layers keep theirs)")
     return ConvStem(img_size, patch_size, in_chans, dim, norm_layer, full_resolution=stem == "conv_full")
 
 
 def check_divisible(img_size: int, patch_size: int) -> None:
     if img_size % patch_size != 0:
-        raise ConfigError(
-            f"model.net.img_size ({img_size}) must be divisible by model.net.patch_size ({patch_size})"
-        )
+        raise ValueError(f"img_size: must be divisible by patch_size ({patch_size}), got {img_size}")
 
 
 def check_image_shape(x: Tensor, in_chans: int, img_size: int) -> None:

@@ -20,12 +20,13 @@ not a purely relative one.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.core.checks import check_choice
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
 
@@ -49,6 +50,7 @@ def taylor_feature_map(x: Tensor) -> Tensor:
     return torch.cat([torch.ones_like(x[..., :1]), x, pairs], dim=-1)
 
 
+FeatureMap = Literal["elu", "taylor"]
 FEATURE_MAPS = {"elu": elu_feature_map, "taylor": taylor_feature_map}
 
 
@@ -101,9 +103,8 @@ class LinearAttention(MultiHeadAttention):
     (1 + d + d(d+1)/2 features: closer to softmax, dearer per token). ``dropout`` is unused:
     there are no attention weights to drop."""
 
-    def __init__(self, dim: int, n_head: int, *args, feature_map: str = "elu", **kwargs) -> None:
+    def __init__(self, dim: int, n_head: int, *args, feature_map: FeatureMap = "elu", **kwargs) -> None:
         super().__init__(dim, n_head, *args, **kwargs)
-        check_choice("model.net", "feature_map", feature_map, tuple(FEATURE_MAPS))
         self.feature_map = FEATURE_MAPS[feature_map]
 
     def new_cache(self) -> LinearAttentionState:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.core.checks import check_positive
+from attnlab.core.specs import PositiveInt
 from attnlab.nn.attention import (
     AttentionImpl,
     KVCache,
@@ -54,14 +54,13 @@ class SlidingWindowAttention(MultiHeadAttention):
         self,
         dim: int,
         n_head: int,
-        window: int,
+        window: PositiveInt,
         dropout: float = 0.0,
         bias: bool = True,
         impl: AttentionImpl = "auto",
         n_global: int = 0,
     ) -> None:
         super().__init__(dim, n_head, dropout, bias, impl)
-        check_positive("model.net", window=window)
         self.window, self.n_global = window, n_global
 
     def new_cache(self) -> LocalKVCache:
@@ -146,11 +145,10 @@ class GlobalLocalAttention(SlidingWindowAttention):
         self,
         dim: int,
         n_head: int,
-        window: int,
-        n_global: int,
+        window: PositiveInt,
+        n_global: PositiveInt,
         dropout: float = 0.0,
         bias: bool = True,
         impl: AttentionImpl = "auto",
     ) -> None:
-        check_positive("model.net", n_global=n_global)
         super().__init__(dim, n_head, window, dropout, bias, impl, n_global=n_global)

@@ -15,15 +15,12 @@ attention layers ask it for what they need (``MultiHeadAttention.forward(positio
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice
-
 Positions = Literal["learned", "sinusoidal", "rope", "alibi", "t5", "none"]
-POSITIONS = get_args(Positions)
 
 
 class RelativePositions(nn.Module):
@@ -142,7 +139,6 @@ class T5RelativeBias(RelativePositions):
 def relative_positions(kind: Positions, head_dim: int, n_head: int, causal: bool) -> RelativePositions | None:
     """The ``RelativePositions`` a model's ``positions`` names, or ``None`` for the absolute ones
     (added to the embeddings) and for "none"."""
-    check_choice("model.net", "positions", kind, POSITIONS)
     if kind == "rope":
         return Rotary(head_dim)
     if kind == "alibi":

@@ -10,11 +10,11 @@ context (B, K) and the weights (B, S), which sum to one and are zero at padding.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from attnlab.core.errors import ConfigError
 
 
 def _attend(scores: Tensor, values: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
@@ -43,12 +43,10 @@ class AdditiveAttention(nn.Module):
 
 
 class MultiplicativeAttention(nn.Module):
-    def __init__(self, query_dim: int, key_dim: int, kind: str = "general") -> None:
+    def __init__(self, query_dim: int, key_dim: int, kind: Literal["general", "dot"] = "general") -> None:
         super().__init__()
-        if kind not in ("general", "dot"):
-            raise ConfigError(f"multiplicative attention must be 'general' or 'dot', got {kind!r}")
         if kind == "dot" and query_dim != key_dim:
-            raise ConfigError(
+            raise ValueError(
                 f"dot attention needs the decoder state size ({query_dim}) to equal the encoder "
                 f"output size ({key_dim}); use 'general' or change the sizes"
             )

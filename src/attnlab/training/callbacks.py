@@ -21,10 +21,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from attnlab import __version__
-from attnlab.core.checks import check_positive_number
 from attnlab.core.cpu import release_freed_memory
 from attnlab.core.errors import ConfigError
 from attnlab.core.memory import peak_memory_mb, reset_peak_memory
+from attnlab.core.specs import PositiveFloat
+from attnlab.models.text.gpt import GPT
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class FiniteLoss(L.Callback):
             return
         what = f"{value} at step {int(step)}" if step >= 0 else f"not finite by step {trainer.global_step}"
         raise ConfigError(
-            f"train/loss is {what}: the training diverged; lower model.optimizer.lr (or set "
+            f"train/loss is {what}: the training diverged; lower model.optim.optimizer.lr (or set "
             "trainer.gradient_clip_val), or check the data; the checkpoints written before are kept"
         )
 
@@ -336,25 +337,24 @@ class TrainingCost(L.Callback):
         if self._tokens:
             metrics["cost/train_ms_per_token"] = ms / self._tokens
         net = getattr(pl_module, "net", None)
-        if hasattr(net, "new_caches") and getattr(net, "max_len", 0) > self.new_tokens:
+        if isinstance(net, GPT) and net.max_len > self.new_tokens:
             metrics["cost/generate_ms_per_token"] = self._generation_ms(net, pl_module)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         log.info("training cost: %s", ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
     @torch.no_grad()
-    def _generation_ms(self, net: torch.nn.Module, pl_module: L.LightningModule) -> float:
+    def _generation_ms(self, net: GPT, pl_module: L.LightningModule) -> float:
         was_training = net.training
         net.eval()
         idx = torch.randint(net.vocab_size, (1, net.max_len), device=pl_module.device)
         start = net.max_len - self.new_tokens
-        caches = net.new_caches()
-        net(idx[:, :start], caches)
+        _, state = net.step(idx[:, start - 1], net.start(idx[:, : start - 1]))  # the context, one pass
         times = []
         for j in range(start, net.max_len):
             self._sync(pl_module)
             t0 = time.perf_counter()
-            net(idx[:, j : j + 1], caches)
+            _, state = net.step(idx[:, j], state)
             self._sync(pl_module)
             times.append(time.perf_counter() - t0)
         net.train(was_training)
@@ -503,9 +503,7 @@ class Throughput(L.Callback):
             (a GPU the table lacks).
     """
 
-    def __init__(self, peak_tflops: float | None = None) -> None:
-        if peak_tflops is not None:
-            check_positive_number("callbacks.throughput", peak_tflops=peak_tflops)
+    def __init__(self, peak_tflops: PositiveFloat | None = None) -> None:
         self.peak_tflops = peak_tflops
         self.peak: float | None = None
         self.counting = True

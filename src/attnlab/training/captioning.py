@@ -1,15 +1,15 @@
 """Image captioning: cross-entropy with Show, Attend and Tell's doubly stochastic attention
 regulariser; BLEU-4, CIDEr, exact match and grounding of decoded captions; attention pictures.
 
-Any net of the captioning contract trains here (``ShowAttendTell``, the Flamingo-style model):
-``forward(images, tokens) -> (logits, attn)`` under teacher forcing, ``start/step/reorder`` for
-decoding (``attnlab.inference.captioning``), ``grid`` the h x w layout of attn's S positions.
+Any ``Captioner`` (``attnlab.models.contracts``: ``ShowAttendTell``, the Flamingo-style model)
+trains here: ``forward(images, tokens) -> (logits, attn)`` under teacher forcing, the ``Decoder``
+contract for decoding (``attnlab.inference.captioning``), ``grid`` the h x w layout of attn's S
+positions.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric
 
-from attnlab.core.checks import check_positive
 from attnlab.core.distributed import unsharded
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, NonNegativeFloat, PositiveInt
 from attnlab.inference.captioning import caption_batch
 from attnlab.nn.flops import Count, Flops
 from attnlab.training import caption_metrics
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.base import Task, gather_objects
+from attnlab.training.optim import Optimization
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class CaptioningTask(Task):
 
     Args:
         net: the captioner.
-        optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode: see ``Task``.
+        optim, init_from: see ``Task``.
         attention_reg: weight of the doubly stochastic penalty (0: off).
         label_smoothing: of the training targets.
         beam_size: test-time beams (1: greedy); ``length_penalty`` is GNMT's alpha.
@@ -66,30 +66,17 @@ class CaptioningTask(Task):
     def __init__(
         self,
         net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        weight_decay: float = 0.0,
-        compile: CompileScope = False,
+        optim: Optimization,
         init_from: str | dict[str, str] | None = None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
-        attention_reg: float = 0.01,
-        label_smoothing: float = 0.0,
-        beam_size: int = 3,
+        attention_reg: NonNegativeFloat = 0.01,
+        label_smoothing: DropRate = 0.0,
+        beam_size: PositiveInt = 3,
         length_penalty: float = 0.0,
-        max_len: int = 32,
+        max_len: PositiveInt = 32,
         plot_images: int = 2,
         plot_dir: str | None = None,
-        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
-        check_positive("model", beam_size=beam_size, max_len=max_len)
-        if attention_reg < 0:
-            raise ConfigError(f"model.attention_reg must be >= 0 (0: off), got {attention_reg}")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        super().__init__(net, optim, init_from)
         self.attention_reg, self.label_smoothing = attention_reg, label_smoothing
         self.beam_size, self.length_penalty, self.max_len = beam_size, length_penalty, max_len
         self.plot_images, self.plot_dir = plot_images, plot_dir
@@ -129,8 +116,7 @@ class CaptioningTask(Task):
         if self.attention_reg:
             reg = doubly_stochastic_penalty(attn, scored)
             loss = nll + self.attention_reg * reg
-            every = self.trainer.log_every_n_steps
-            if every and (self.global_step + 1) % every == 0:
+            if self.logs_this_step():
                 self.log("train/attention_reg", reg)
         self.log_train_loss(loss, batch_size=target.size(0))
         return loss
@@ -183,7 +169,7 @@ class CaptioningTask(Task):
                 self.log(f"{stage}/{name}", metric.compute(), prog_bar=name == "exact_match")
         for metric in self.scores.values():
             metric.reset()
-        pairs = sorted(gather(self._pairs))
+        pairs = sorted(gather_objects(self._pairs))
         self._pairs = []
         hyps, refs = [h for _, h, _ in pairs], [r for _, _, r in pairs]
         scores = {"bleu4": caption_metrics.bleu4(hyps, refs), "cider": caption_metrics.cider(hyps, refs)}
@@ -223,29 +209,24 @@ class CaptioningTask(Task):
     def _plot_attention(self) -> None:
         if not self.plot_images or self._shown is None:
             return
-        from attnlab.training.plots import caption_attention_figure  # matplotlib only when plotting
+        from attnlab.training.plots import (
+            caption_attention_figure,
+            publish_figure,
+        )  # matplotlib when plotting
 
         tok, images = self._tokenizer, self._shown
         with unsharded(self.net):
             out = caption_batch(self.net, images, tok.bos_id, tok.eos_id, self.max_len)
         if not self.trainer.is_global_zero:
             return
-        figures = []
+        figures, paths = [], []
         for i, (ids, attn) in enumerate(out):
             words = [tok.decode([t]) or "?" for t in ids]
-            fig = caption_attention_figure(visible(images[i]).cpu(), words, attn, self.net.grid)
-            if self.plot_dir:
-                path = Path(self.plot_dir) / f"step{self.global_step:06d}_img{i}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fig.savefig(path, dpi=80)
-            figures.append(fig)
-        for lg in self.loggers:
-            if hasattr(lg, "log_image") and figures:
-                lg.log_image(key="val/caption_attention", images=figures, step=self.global_step)
-        import matplotlib.pyplot as plt
-
-        for fig in figures:
-            plt.close(fig)
+            figures.append(caption_attention_figure(visible(images[i]).cpu(), words, attn, self.net.grid))
+            paths.append(
+                Path(self.plot_dir) / f"step{self.global_step:06d}_img{i}.png" if self.plot_dir else None
+            )
+        publish_figure(self, "val/caption_attention", figures, paths)
 
 
 def visible(image: Tensor) -> Tensor:
@@ -253,13 +234,3 @@ def visible(image: Tensor) -> Tensor:
     image = image.float()
     lo, hi = image.amin(), image.amax()
     return (image - lo) / (hi - lo).clamp_min(1e-12)
-
-
-def gather(items: list[Any]) -> list[Any]:
-    """Every process's ``items``, concatenated (each process gets all); a collective call under DDP."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(items)
-    parts: list[list[Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part or []]

@@ -5,7 +5,6 @@ top-1/top-5 accuracy, per-class accuracy and a confusion matrix, attention pictu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +20,13 @@ from torchmetrics.classification import (
     MultilabelF1Score,
 )
 
-from attnlab.core.checks import check_probability
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate
+from attnlab.models.contracts import PatchAttention
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.base import Task
 from attnlab.training.distillation import HardDistillation
+from attnlab.training.optim import Optimization
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ class ImageClassificationTask(Task):
     class right) are logged, at test also ``test/f1_class/<class>``.
 
     Args:
-        net: the classifier (``VisionTransformer``, ``SwinTransformer``, ``TimmModel``, ...).
-        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        net, optim, init_from: see ``Task``; ``net``: the classifier (``VisionTransformer``, ...).
         label_smoothing: of the training targets.
         distillation: a ``HardDistillation`` (the net must have a distillation token).
         plot_images: validation images whose attention is drawn at each validation (nets with
@@ -65,24 +65,15 @@ class ImageClassificationTask(Task):
     def __init__(
         self,
         net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        weight_decay: float = 0.05,
-        compile: CompileScope = False,
+        optim: Optimization,
         init_from: str | None = None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
-        label_smoothing: float = 0.0,
+        label_smoothing: DropRate = 0.0,
         distillation: HardDistillation | None = None,
         plot_images: int = 4,
         plot_dir: str | None = None,
         multilabel: bool = False,
-        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
-        check_probability("model", label_smoothing=label_smoothing)
+        super().__init__(net, optim, init_from)
         if distillation is not None:
             if multilabel:
                 raise ConfigError(
@@ -213,7 +204,7 @@ class ImageClassificationTask(Task):
         return list(classes) if classes else [str(i) for i in range(self.net.num_classes)]
 
     def _save_confusion(self, matrix: Tensor, classes: list[str]) -> None:
-        from attnlab.training.plots import confusion_matrix_figure  # matplotlib only when plotting
+        from attnlab.training.plots import confusion_matrix_figure, publish_figure  # matplotlib when plotting
 
         out = Path(self.trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -221,20 +212,14 @@ class ImageClassificationTask(Task):
         rows += [",".join([name, *map(str, matrix[i].tolist())]) for i, name in enumerate(classes)]
         (out / "confusion_matrix.csv").write_text("\n".join(rows) + "\n")
         fig = confusion_matrix_figure(matrix, classes)
-        fig.savefig(out / "confusion_matrix.png", dpi=100)
-        for lg in self.loggers:
-            if hasattr(lg, "log_image"):
-                lg.log_image(key="test/confusion_matrix", images=[fig])
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+        publish_figure(self, "test/confusion_matrix", fig, out / "confusion_matrix.png", step=False)
         log.info("confusion matrix written to %s", out / "confusion_matrix.csv")
 
     @torch.no_grad()
     def _plot_attention(self) -> None:
-        if not self.plot_images or self.multilabel or not hasattr(self.net, "patch_attention"):
+        if not self.plot_images or self.multilabel or not isinstance(self.net, PatchAttention):
             return
-        from attnlab.training.plots import attention_overlay_figure
+        from attnlab.training.plots import attention_overlay_figure, publish_figure
 
         data = self.trainer.datamodule
         split = data.splits["val"]
@@ -252,13 +237,5 @@ class ImageClassificationTask(Task):
             for t, p in zip([int(y) for _, y in items], predicted, strict=True)
         ]
         fig = attention_overlay_figure(raw.float() / 255, maps, captions)
-        if self.plot_dir:
-            path = Path(self.plot_dir) / f"step{self.global_step:06d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(path, dpi=90)
-        for lg in self.loggers:
-            if hasattr(lg, "log_image"):
-                lg.log_image(key="val/attention", images=[fig], step=self.global_step)
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+        path = Path(self.plot_dir) / f"step{self.global_step:06d}.png" if self.plot_dir else None
+        publish_figure(self, "val/attention", fig, path)

@@ -3,9 +3,7 @@ classification through prompt templates, and image-text retrieval."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +15,8 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.base import Task
+from attnlab.training.optim import Optimization
 
 
 def gather_with_grad(x: Tensor) -> Tensor:
@@ -90,7 +89,7 @@ class ContrastiveTask(Task):
 
     Args:
         net: the ``CLIP``.
-        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        optim, init_from: see ``Task``.
         plot_pairs: test pairs in the similarity picture (0: none).
         plot_dir: where the picture goes (also to W&B).
     """
@@ -98,20 +97,12 @@ class ContrastiveTask(Task):
     def __init__(
         self,
         net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        weight_decay: float = 0.1,
-        compile: CompileScope = False,
+        optim: Optimization,
         init_from: str | None = None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
         plot_pairs: int = 8,
         plot_dir: str | None = None,
-        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
+        super().__init__(net, optim, init_from)
         self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
         self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
         self.val_acc_best.persistent(True)
@@ -126,8 +117,7 @@ class ContrastiveTask(Task):
         images, tokens, _ = batch
         loss = clip_loss(*self(images, tokens))
         self.log_train_loss(loss)
-        every = self.trainer.log_every_n_steps
-        if every and (self.global_step + 1) % every == 0:
+        if self.logs_this_step():
             self.log("train/logit_scale", self.net.scale())
         return loss
 
@@ -147,7 +137,7 @@ class ContrastiveTask(Task):
         data = self.trainer.datamodule
         if not getattr(data, "classes", None):
             return None
-        return class_embeddings(self.net, data.tokenizer, data.context_length, data.classes, data.templates)
+        return class_embeddings(self.net, data.tokenizer, data.max_len, data.classes, data.templates)
 
     def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor]) -> None:
         images, tokens, labels = batch
@@ -210,7 +200,7 @@ class ContrastiveTask(Task):
 
     @torch.no_grad()
     def _plot_similarities(self) -> None:
-        from attnlab.training.plots import similarity_figure
+        from attnlab.training.plots import publish_figure, similarity_figure
 
         data = self.trainer.datamodule
         split = data.splits["test"]
@@ -222,13 +212,5 @@ class ContrastiveTask(Task):
         fig = similarity_figure(
             raw.float() / 255, [c for _, c, _ in items], (images @ texts.t()).float().cpu()
         )
-        if self.plot_dir:
-            path = Path(self.plot_dir) / "similarity.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(path, dpi=90)
-        for lg in self.loggers:
-            if hasattr(lg, "log_image"):
-                lg.log_image(key="test/similarity", images=[fig])
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+        path = Path(self.plot_dir) / "similarity.png" if self.plot_dir else None
+        publish_figure(self, "test/similarity", fig, path, step=False)

@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_probability
 from attnlab.core.errors import CheckpointError, ConfigError
+from attnlab.core.run_paths import find_last
+from attnlab.core.specs import DropRate
+from attnlab.models.contracts import DistillationHeads
+from attnlab.weights.checkpoint import require_task
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +31,13 @@ class HardDistillation:
         alpha: weight of the distillation term (DeiT: 0.5).
     """
 
-    def __init__(self, teacher: nn.Module, alpha: float = 0.5) -> None:
-        check_probability("model.distillation", alpha=alpha)
+    def __init__(self, teacher: nn.Module, alpha: DropRate = 0.5) -> None:
         self.teacher = teacher.eval().requires_grad_(False)
         self.alpha = alpha
 
     def check_student(self, student: nn.Module) -> None:
         """The teacher must see the same images and predict the same classes as the student."""
-        if not hasattr(student, "forward_heads"):
+        if not isinstance(student, DistillationHeads):
             raise ConfigError(
                 "model.distillation needs a student with a distillation token "
                 f"(attnlab.models.DistilledVisionTransformer), got {type(student).__name__}"
@@ -84,13 +86,12 @@ def load_teacher(
     - ``timm_name`` with ``weights``: a timm model and a state dict file for it (``.pth`` or
       ``.safetensors``), whose classes and input size must be those of the student's data.
     """
-    from attnlab.inference.runs import TrainedRun
-    from attnlab.models.vision.timm_model import TimmModel
-    from attnlab.training.classification import ImageClassificationTask
-    from attnlab.weights.checkpoint import find_last
-
     if sum(x is not None for x in (run, ckpt_path, timm_name)) != 1:
         raise ConfigError("model.distillation.teacher: set exactly one of run, ckpt_path and timm_name")
+    if timm_name is not None:
+        return timm_teacher(timm_name, weights)
+    from attnlab.inference.runs import TrainedRun
+
     if run is not None:
         try:
             ckpt_path = str(find_last(Path(log_dir), f"{run}/runs/*/checkpoints/last.ckpt"))
@@ -99,14 +100,17 @@ def load_teacher(
                 f"model.distillation.teacher.run={run}: no checkpoint of a run of that task under "
                 f"{log_dir}; train the teacher first"
             ) from None
-    if ckpt_path is not None:
-        run = TrainedRun(
-            ckpt_path,
-            Path(log_dir),
-            (ImageClassificationTask,),
-            need="model.distillation.teacher needs an image classifier",
-        )
-        return _checked_classifier(run.net(), ckpt_path)
+    trained = TrainedRun(str(ckpt_path), Path(log_dir))
+    need = "model.distillation.teacher needs an image classifier"
+    require_task(trained.meta, trained.path, ("ImageClassificationTask",), need)
+    return _checked_classifier(trained.net(), str(ckpt_path))
+
+
+def timm_teacher(timm_name: str, weights: str | None) -> nn.Module:
+    """A timm classifier with the trained ``weights`` (a state dict file), its classes and input
+    channels read off them."""
+    from attnlab.models.vision.timm_model import TimmModel
+
     if weights is None:
         raise ConfigError(
             "model.distillation.teacher.weights: a timm teacher needs trained weights "

@@ -4,9 +4,7 @@ sentences (every layer and head, and [CLS]'s attention over the tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -14,18 +12,22 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, Metric, MinMetric
 
 from attnlab.core.distributed import unsharded
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.nn.flops import Count, Flops
+from attnlab.training.base import Task
+from attnlab.training.optim import Optimization
 
 Batch = dict[str, Tensor]
 
 
 class EncoderTask(Task):
     """A task around ``net.encoder`` (a ``Bert``) whose subclasses say which metrics to keep
-    (``make_metrics``), how a batch updates them (``evaluate``) and which validation value is
+    (``make_metrics``), the training loss (``train_loss``), how a batch updates the metrics
+    (``evaluate``), what the net takes (``inputs``) and which validation value is
     "best" (``best``: (name, "min" | "max")); logged as ``<stage>/<name>`` and ``val/<name>_best``.
 
     Args:
-        net, optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        net, optim, init_from: see ``Task``; ``init_from``: a pre-training run's checkpoint gives a
+            fine-tuned net its encoder (the head starts fresh) and, through the data, its tokenizer.
         plot_sentences: validation examples whose attention is drawn after each validation.
         plot_dir: where the pictures go (also to W&B).
     """
@@ -35,20 +37,12 @@ class EncoderTask(Task):
     def __init__(
         self,
         net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None,
-        weight_decay: float,
-        compile: CompileScope,
-        init_from: str | None,
-        plot_sentences: int,
-        plot_dir: str | None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
-        compile_mode: CompileMode = "default",
+        optim: Optimization,
+        init_from: str | None = None,
+        plot_sentences: int = 2,
+        plot_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
+        super().__init__(net, optim, init_from)
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})
         self.val_best = MinMetric() if self.best[1] == "min" else MaxMetric()
@@ -56,6 +50,25 @@ class EncoderTask(Task):
 
     def make_metrics(self) -> dict[str, Metric]:
         raise NotImplementedError
+
+    def train_loss(self, batch: Batch) -> Tensor:
+        raise NotImplementedError
+
+    def inputs(self, batch: Batch) -> tuple[Tensor, ...]:
+        """What the net takes from ``batch``."""
+        return batch["ids"], batch["segments"]
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = self.train_loss(batch)
+        self.log_train_loss(loss)
+        return loss
+
+    items = "tokens"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+
+    def step_work(self, batch: Batch) -> tuple[Count, Flops]:
+        """The tokens (padding left out) and the model FLOPs (``attnlab.nn.flops``) of a
+        training step on ``batch``."""
+        return (batch["ids"] != self.net.encoder.pad_id).sum(), self.net.flops(*self.inputs(batch))
 
     def evaluate(self, batch: Batch, metrics: nn.ModuleDict) -> None:
         raise NotImplementedError
@@ -94,7 +107,7 @@ def draw_attention(task: L.LightningModule, encoder: nn.Module, n: int, plot_dir
     """Draw the first ``n`` validation examples of the task's data (``examples(n)``)."""
     if not n:
         return
-    from attnlab.training.plots import alignment_figure, cls_attention_figure  # matplotlib only when plotting
+    from attnlab.training.plots import alignment_figure, cls_attention_figure, publish_figure
 
     data = task.trainer.datamodule
     for i, (ids, segments, _) in enumerate(data.examples(n)):
@@ -107,13 +120,5 @@ def draw_attention(task: L.LightningModule, encoder: nn.Module, n: int, plot_dir
         cls = torch.stack([w[0, :, 0].mean(0) for w in weights]).float().cpu()  # (layers, T)
         figures = {"heads": alignment_figure(maps, tokens, tokens), "cls": cls_attention_figure(cls, tokens)}
         for kind, fig in figures.items():
-            if plot_dir:
-                path = Path(plot_dir) / f"step{task.global_step:06d}_sentence{i}_{kind}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fig.savefig(path, dpi=80)
-            for lg in task.loggers:
-                if hasattr(lg, "log_image"):
-                    lg.log_image(key=f"val/attention_{kind}_{i}", images=[fig], step=task.global_step)
-        import matplotlib.pyplot as plt
-
-        plt.close("all")
+            path = Path(plot_dir) / f"step{task.global_step:06d}_sentence{i}_{kind}.png" if plot_dir else None
+            publish_figure(task, f"val/attention_{kind}_{i}", fig, path)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MinMetric
 
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.base import Task
+from attnlab.training.optim import Optimization
 
 
 class LanguageModelTask(Task):
@@ -22,25 +20,11 @@ class LanguageModelTask(Task):
     when the data gives a second, sliding-window test loader).
 
     Args:
-        net: the language model (e.g. ``attnlab.models.GPT``).
-        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        net, optim, init_from: see ``Task``; ``net``: the language model (e.g. ``attnlab.models.GPT``).
     """
 
-    def __init__(
-        self,
-        net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        weight_decay: float = 0.0,
-        compile: CompileScope = False,
-        init_from: str | None = None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
-        compile_mode: CompileMode = "default",
-    ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
+    def __init__(self, net: nn.Module, optim: Optimization, init_from: str | None = None) -> None:
+        super().__init__(net, optim, init_from)
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
         self.val_loss_best = MinMetric()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Annotated, Any, Literal
 
 import lightning as L
 import torch
+from annotated_types import Interval
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -56,7 +58,7 @@ def param_groups(
     """Decay matrices and embeddings; leave biases, norm gains and what the model declares in
     ``no_weight_decay()`` alone (as nanoGPT, timm). With ``lr_decay``, one group per depth too,
     its learning rate scaled by ``lr_decay ** (depth + 1 - layer)`` (``lr_scale``, applied by
-    ``build_optimizers``): the head at the full rate, each block below it ``lr_decay`` times less.
+    ``Optimization.configure``): the head at the full rate, each block below it ``lr_decay`` times less.
     Frozen parameters (``requires_grad`` off) are in no group."""
     excluded = no_weight_decay(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -106,50 +108,87 @@ def freeze(net: nn.Module, patterns: list[str]) -> None:
         if not hits:
             names = sorted({n.split(".")[0] for n, _ in net.named_parameters()})
             raise ConfigError(
-                f"model.freeze: {pattern!r} names no parameters of the net (a dotted prefix such as "
+                f"model.optim.freeze: {pattern!r} names no parameters of the net (a dotted prefix such as "
                 f"{', '.join(names)} or blocks.0)"
             )
         for p in hits:
             p.requires_grad_(False)
     if patterns:
         frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
-        log.info("model.freeze=%s: %d parameters frozen", list(patterns), frozen)
+        log.info("model.optim.freeze=%s: %d parameters frozen", list(patterns), frozen)
 
 
-def build_optimizers(
-    module: nn.Module,
-    optimizer: Callable[..., torch.optim.Optimizer],
-    scheduler: Callable[..., Any] | None,
-    weight_decay: float,
-    grad_scaler: bool = False,
-    lr_decay: float | None = None,
-) -> dict[str, Any]:
-    """The configured optimizer (and scheduler) for ``module``.
+# model.optim.compile: what torch.compile compiles: nothing, the whole net, or each repeated block
+CompileScope = bool | Literal["regional"]
+# model.optim.compile_mode: torch.compile's mode ("reduce-overhead": CUDA graphs, small models on a GPU)
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# model.optim.lr_decay: each block's rate this times the rate of the one above it
+LrDecay = Annotated[float, Interval(gt=0, le=1)]
 
-    Range errors the constructors raise (torch's ``ValueError("Invalid learning rate: -1.0")``)
-    become a ``ConfigError`` naming the config node; the types were checked before the run.
-    With a gradient scaler (``16-mixed``) a fused optimizer is built unfused: it would unscale
-    the gradients inside its step, after Lightning clips them, and Lightning refuses that.
-    ``lr_decay``: layer-wise learning-rate decay (``param_groups``), applied to each group's rate
-    before the scheduler takes them as its base rates.
+
+class Optimization:
+    """``model.optim``: how every task trains its net.
+
+    Args:
+        optimizer: partial optimizer, called with the parameter groups (``param_groups``).
+        scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
+        weight_decay: on weight matrices and embeddings only (not biases, norms, ``no_weight_decay()``).
+        lr_decay: layer-wise learning-rate decay for fine-tuning: each block ``lr_decay`` times the
+            rate of the one above it, the head at the full rate; ``None``: one rate.
+        freeze: parameters never trained, as dotted prefixes of their names (``[embed, blocks.0]``).
+        compile: ``torch.compile`` at setup: ``False``; ``True``, the whole net; ``"regional"``,
+            each repeated block, the same code for every block: a shorter cold start. Either keeps
+            the state dict's names (``attnlab.training.base.compile_net``).
+        compile_mode: ``torch.compile``'s mode; ``"reduce-overhead"`` replays CUDA graphs, which
+            cuts the launch cost of a small model's many short kernels on a GPU (none on a CPU).
     """
-    if lr_decay is not None and not (isinstance(lr_decay, (int, float)) and 0 < lr_decay <= 1):
-        raise ConfigError(f"model.lr_decay must be in (0, 1] or null, got {lr_decay!r}")
-    with constructor_errors("model.optimizer"):
-        opt = optimizer(param_groups(module, weight_decay, lr_decay))
-        if grad_scaler and opt.defaults.get("fused"):
-            log.info(
-                "model.optimizer.fused=true -> false: 16-mixed scales the gradients, and they are "
-                "unscaled before clipping only for an unfused optimizer"
+
+    def __init__(
+        self,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        weight_decay: float = 0.0,
+        lr_decay: LrDecay | None = None,
+        freeze: list[str] | None = None,
+        compile: CompileScope = False,
+        compile_mode: CompileMode = "default",
+    ) -> None:
+        if compile_mode != "default" and compile is False:
+            raise ConfigError(
+                f"model.optim.compile_mode={compile_mode} compiles nothing with model.optim.compile=false: "
+                "set true or regional"
             )
-            opt = optimizer(param_groups(module, weight_decay, lr_decay), fused=False)
-    for group in opt.param_groups:
-        group["lr"] *= group["lr_scale"]
-    if scheduler is None:
-        return {"optimizer": opt}
-    with constructor_errors("model.scheduler"):
-        sched = scheduler(opt)
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.weight_decay, self.lr_decay, self.freeze = weight_decay, lr_decay, list(freeze or [])
+        self.compile, self.compile_mode = compile, compile_mode
+
+    def configure(self, module: nn.Module, grad_scaler: bool = False) -> dict[str, Any]:
+        """The optimizer (and scheduler) for ``module``, as Lightning's ``configure_optimizers``
+        returns them.
+
+        Range errors the constructors raise (torch's ``ValueError("Invalid learning rate: -1.0")``)
+        become a ``ConfigError`` naming the config node; the types were checked before the run.
+        With a gradient scaler (``16-mixed``) a fused optimizer is built unfused: it would unscale
+        the gradients inside its step, after Lightning clips them, and Lightning refuses that.
+        Each group's rate is scaled by its ``lr_scale`` (``lr_decay``) before the scheduler takes
+        the rates as its base rates.
+        """
+        groups = partial(param_groups, module, self.weight_decay, self.lr_decay)
+        with constructor_errors("model.optim.optimizer"):
+            opt = self.optimizer(groups())
+            if grad_scaler and opt.defaults.get("fused"):
+                log.info(
+                    "model.optim.optimizer.fused=true -> false: 16-mixed scales the gradients, and "
+                    "they are unscaled before clipping only for an unfused optimizer"
+                )
+                opt = self.optimizer(groups(), fused=False)
+        for group in opt.param_groups:
+            group["lr"] *= group["lr_scale"]
+        if self.scheduler is None:
+            return {"optimizer": opt}
+        with constructor_errors("model.optim.scheduler"):
+            sched = self.scheduler(opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def clip_gradients(

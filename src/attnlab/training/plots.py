@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -177,3 +180,29 @@ def caption_attention_figure(image: Tensor, words: list[str], attn: Tensor, grid
         ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+DPI = 90  # every picture a run saves
+
+
+def publish_figure(
+    task: Any,
+    key: str,
+    figures: Figure | list[Figure],
+    paths: Path | list[Path | None] | None = None,
+    step: bool = True,
+) -> None:
+    """Save ``figures`` (each to its path, where one is given), show them to every logger that
+    takes images (W&B) under ``key``, at the task's step unless ``step`` is False, and close them."""
+    figures = figures if isinstance(figures, list) else [figures]
+    paths = paths if isinstance(paths, list) else [paths] * len(figures)
+    for fig, path in zip(figures, paths, strict=True):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=DPI)
+    at = {"step": task.global_step} if step else {}
+    for lg in task.loggers if figures else []:
+        if hasattr(lg, "log_image"):
+            lg.log_image(key=key, images=figures, **at)
+    for fig in figures:
+        plt.close(fig)

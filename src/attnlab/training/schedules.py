@@ -11,17 +11,21 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from attnlab.core.checks import is_int, is_number
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import is_int, is_number
 
 
 def check_steps(name: str, value: int, low: int) -> None:
-    """``model.scheduler.<name>`` must be an integer >= ``low``."""
+    """``model.optim.scheduler.<name>`` must be an integer >= ``low``."""
     if not is_int(value) or value < low:
         bound = "a non-negative" if low == 0 else "a positive"
         # total_steps follows trainer.max_steps unless set, and -1 there means "no limit"
-        why = " (set it, or model.scheduler=null, when trainer.max_steps=-1)" if name == "total_steps" else ""
-        raise ConfigError(f"model.scheduler.{name}={value!r}: must be {bound} integer{why}")
+        why = (
+            " (set it, or model.optim.scheduler=null, when trainer.max_steps=-1)"
+            if name == "total_steps"
+            else ""
+        )
+        raise ConfigError(f"model.optim.scheduler.{name}={value!r}: must be {bound} integer{why}")
 
 
 class WarmupCosine:
@@ -48,7 +52,7 @@ def warmup_cosine(
     check_steps("total_steps", total_steps, 1)
     ratio = min_lr_ratio
     if not is_number(ratio) or not 0 <= ratio <= 1:
-        raise ConfigError(f"model.scheduler.min_lr_ratio={ratio!r}: must be in [0, 1]")
+        raise ConfigError(f"model.optim.scheduler.min_lr_ratio={ratio!r}: must be in [0, 1]")
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 

@@ -14,10 +14,11 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.core.distributed import unsharded
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.inference.decoding import translate_batch
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import CompileMode, CompileScope, Task
+from attnlab.training.base import Task, gather_objects
+from attnlab.training.optim import Optimization
 
 log = logging.getLogger(__name__)
 
@@ -45,48 +46,36 @@ class TranslationTask(Task):
 
     Args:
         net: the translation model.
-        optimizer, scheduler, weight_decay, compile, compile_mode: see ``Task``.
+        optim, init_from: see ``Task``.
         label_smoothing: for the training loss.
         beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
         max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
         val_bleu: decode the validation set each validation (greedy) to score BLEU.
         plot_sentences: how many validation sentences to plot and show.
         plot_dir: where the alignment PNGs go (``null``: no files).
-        compile_loss: ``torch.compile`` the training loss. Eager, the log-softmax over the
-            vocabulary and its backward pass over (tokens, V) in fp32 took ~40% of a Transformer
-            step on CPU; compiled into fused loops it is ~6x cheaper (and ~20 s to compile).
+        compile_loss: ``torch.compile`` the training loss: eager, the fp32 log-softmax over the
+            vocabulary and its backward are a large share of a CPU step, which fused loops cut
+            (benchmarks/RESULTS.md).
     """
 
     def __init__(
         self,
         net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        weight_decay: float = 0.0,
-        label_smoothing: float = 0.1,
-        beam_size: int = 5,
+        optim: Optimization,
+        init_from: str | None = None,
+        label_smoothing: DropRate = 0.1,
+        beam_size: PositiveInt = 5,
         length_penalty: float = 1.0,
         max_len_a: float = 1.5,
         max_len_b: int = 10,
         val_bleu: bool = True,
         plot_sentences: int = 3,
         plot_dir: str | None = None,
-        compile: CompileScope = False,
-        init_from: str | None = None,
-        lr_decay: float | None = None,
-        freeze: list[str] | None = None,
         compile_loss: bool = False,
-        compile_mode: CompileMode = "default",
     ) -> None:
-        super().__init__(
-            net, optimizer, scheduler, weight_decay, compile, init_from, lr_decay, freeze, compile_mode
-        )
+        super().__init__(net, optim, init_from)
         self.compile_loss = compile_loss
         self._train_loss_fn = cross_entropy
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
-        if beam_size < 1:
-            raise ConfigError(f"model.beam_size must be >= 1, got {beam_size}")
         self.label_smoothing = label_smoothing
         self.beam_size, self.length_penalty = beam_size, length_penalty
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
@@ -119,12 +108,7 @@ class TranslationTask(Task):
         """The translations of all processes (of ``indices`` only, when given), by sentence index.
         Every process must call it (a collective call under DDP); each gets the whole dict."""
         mine = self._hyps if indices is None else {i: self._hyps[i] for i in indices if i in self._hyps}
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return dict(mine)
-        parts: list[dict[int, str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        return {i: h for part in parts if part for i, h in part.items()}
+        return dict(gather_objects(list(mine.items())))
 
     def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
         tok = self._data.tokenizer
@@ -236,11 +220,11 @@ class TranslationTask(Task):
     def _plot_alignments(self, hyps: dict[int, str]) -> None:
         if not self.plot_sentences:
             return
-        from attnlab.training.plots import alignment_figure  # matplotlib only when plotting
+        from attnlab.training.plots import alignment_figure, publish_figure  # matplotlib only when plotting
 
         data, tok = self._data, self._data.tokenizer
         split = data.splits["val"]
-        images = []
+        images, paths = [], []
         for i in range(min(self.plot_sentences, len(split))):
             hyp_ids = tok.encode(hyps[i]) if i in hyps else split.tgt[i]
             src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
@@ -250,16 +234,10 @@ class TranslationTask(Task):
                 continue
             src_tokens = [tok.tokenizer.id_to_token(t) for t in src[0].tolist()]
             out_tokens = [tok.tokenizer.id_to_token(t) for t in hyp_ids] + ["<eos>"]
-            fig = alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
-            if self.plot_dir:
-                path = Path(self.plot_dir) / f"step{self.global_step:06d}_sent{i}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fig.savefig(path, dpi=80)
-            images.append(fig)
-        for lg in self.loggers:
-            if hasattr(lg, "log_image"):
-                lg.log_image(key="val/alignments", images=images, step=self.global_step)
-        import matplotlib.pyplot as plt
-
-        for fig in images:
-            plt.close(fig)
+            images.append(
+                alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
+            )
+            paths.append(
+                Path(self.plot_dir) / f"step{self.global_step:06d}_sent{i}.png" if self.plot_dir else None
+            )
+        publish_figure(self, "val/alignments", images, paths)

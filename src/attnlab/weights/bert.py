@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnlab.models.text.bert import BertClassifier, BertPreTraining
 from attnlab.weights.hf_files import (
     Mapped,
     load_mapped,
@@ -81,7 +82,7 @@ def pretraining_state_from_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
 def load_hf_weights(model: nn.Module, hf_model: nn.Module) -> nn.Module:
     """Copy a transformers ``BertModel`` or ``BertForPreTraining`` into our ``Bert`` or
     ``BertPreTraining`` of the same configuration (every tensor must fit)."""
-    convert = pretraining_state_from_hf if hasattr(model, "mlm") else encoder_state_from_hf
+    convert = pretraining_state_from_hf if isinstance(model, BertPreTraining) else encoder_state_from_hf
     model.load_state_dict(convert(hf_model.state_dict()))
     return model
 
@@ -208,7 +209,7 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
     }
-    if hasattr(net, "num_classes"):
+    if isinstance(net, BertClassifier):
         classes = artifacts.get("classes") or [str(i) for i in range(net.num_classes)]
         config["id2label"] = {str(i): str(c) for i, c in enumerate(classes)}
         config["label2id"] = {str(c): i for i, c in enumerate(classes)}

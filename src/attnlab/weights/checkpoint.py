@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 import zipfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from attnlab.core.errors import CheckpointError
-from attnlab.core.run_paths import find_last, is_sharded, model_names
+from attnlab.core.run_paths import is_sharded, model_names
 
 log = logging.getLogger(__name__)
 
@@ -172,137 +171,6 @@ def require_task(meta: dict[str, Any], path: Path | str, tasks: tuple[str, ...],
     task, net = recorded_model(meta)
     if task not in tasks:
         raise CheckpointError(f"checkpoint {path} holds a {task} ({net}); {need} ({' or '.join(tasks)})")
-
-
-def is_run_checkpoint(spec: str) -> bool:
-    """Whether ``model.init_from`` names one of our runs: a ``.ckpt`` file, a sharded checkpoint
-    folder, or a task name; anything else is another library's saved model."""
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path.suffix == ".ckpt" or is_sharded(path)
-    return path.suffix == ".ckpt" or "/" not in spec
-
-
-def resolve_pretrained(spec: str, log_dir: Path) -> Path:
-    """``model.init_from`` naming one of our runs: a checkpoint file, or the name of a task whose
-    newest run's ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
-    path = Path(spec).expanduser()
-    if path.is_file() or is_sharded(path):
-        return path
-    if "/" not in spec and not spec.endswith(".ckpt"):
-        try:
-            return find_last(log_dir, f"{spec}/runs/*/checkpoints/last.ckpt")
-        except CheckpointError:
-            raise CheckpointError(
-                f"model.init_from={spec}: no run of that task under {log_dir} "
-                "(pre-train first) and no such file"
-            ) from None
-    raise CheckpointError(f"model.init_from={spec}: no such file")
-
-
-def pretrained_artifacts(path: Path, task: str) -> dict[str, Any]:
-    """The data artifacts a run started from another run's weights takes over: the tokenizer, not
-    the classes. ``task`` (the configured task's class name) starts from runs of its own task,
-    and a text classifier from a pre-training run too."""
-    meta = metadata(load_checkpoint(path), path)
-    tasks = ("MaskedLMTask", "TextClassificationTask") if task == "TextClassificationTask" else (task,)
-    require_task(meta, path, tasks, f"model.init_from needs a {' or '.join(tasks)} run to start from")
-    artifacts = meta["artifacts"]
-    return {"tokenizer": artifacts["tokenizer"]} if "tokenizer" in artifacts else {}
-
-
-def resolve_init_from(spec: str | Mapping[str, str], log_dir: Path) -> Path | dict[str, str]:
-    """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
-    another library's saved model, a folder or file, or, when nothing here has that name, a
-    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online.
-    A mapping ``{part: spec}`` (parts of the net) gives each part's path."""
-    if isinstance(spec, Mapping):
-        return {str(part): str(resolve_init_from(str(source), log_dir)) for part, source in spec.items()}
-    try:
-        if is_run_checkpoint(spec):
-            return resolve_pretrained(spec, log_dir)
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise CheckpointError(f"model.init_from={spec}: no such file or directory")
-        return path
-    except CheckpointError as e:
-        if spec.endswith(".ckpt") or Path(spec).expanduser().exists() or not is_hub_name(spec):
-            raise
-        return download_from_hub(spec, str(e))
-
-
-def is_hub_name(spec: str) -> bool:
-    """Whether ``spec`` could name a Hugging Face hub repository (``name`` or ``owner/name``)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(spec)
-    except HFValidationError:
-        return False
-    return not spec.startswith((".", "/", "~"))
-
-
-def download_from_hub(repo_id: str, not_here: str) -> Path:
-    """The hub repository's weights, config and tokenizer files (safetensors, JSON and text only:
-    never a pickle or code), fetched into Hugging Face's cache; offline or unknown: one line
-    that also says what ``not_here`` found missing locally."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json", "*.txt"])
-    except Exception as e:  # offline, unknown repository, gated, network: all one line
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise CheckpointError(
-            f"{not_here}; and {repo_id!r} could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {reason})"
-        ) from e
-    log.info("model.init_from=%s: the hub's files in %s", repo_id, folder)
-    return Path(folder)
-
-
-def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]:
-    """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
-    task ``target`` (``cfg.model._target_``): a run's, or that of another library's folder
-    (``attnlab.data.text.tokenizers.import_tokenizer``). Parts of a net (``{part: path}``) come
-    from runs of other tasks (a Flamingo's GPT from a language model's run): the tokenizer of the
-    part that has one, whatever its task."""
-    if isinstance(path, Mapping):
-        return part_artifacts(path)
-    if is_run_checkpoint(path):
-        return pretrained_artifacts(Path(path), target.rsplit(".", 1)[-1])
-    from attnlab.data.text.tokenizers import import_tokenizer
-
-    tokenizer = import_tokenizer(Path(path))
-    if tokenizer is None:
-        if not target.endswith(".ImageClassificationTask"):  # an image classifier has no text
-            log.warning(
-                "model.init_from=%s has no tokenizer files: the data fits a tokenizer of its own", path
-            )
-        return {}
-    log.info("model.init_from=%s: its %s tokenizer (%d tokens)", path, tokenizer.kind, tokenizer.vocab_size)
-    return {"tokenizer": tokenizer.to_json()}
-
-
-def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
-    """The tokenizer of the one part in ``{part: path}`` whose run or folder has one (none: {});
-    parts with different tokenizers are refused: the data can follow only one."""
-    found: dict[str, dict[str, Any]] = {}
-    for part, path in paths.items():
-        if is_run_checkpoint(path):
-            artifacts = metadata(load_checkpoint(Path(path)), Path(path))["artifacts"]
-            # a run without text records none, or None (the scenes as labels)
-            artifacts = {"tokenizer": artifacts["tokenizer"]} if artifacts.get("tokenizer") else {}
-        else:
-            artifacts = init_artifacts(path, "")
-        if artifacts:
-            found[str(part)] = artifacts
-            log.info("model.init_from.%s=%s: its tokenizer goes to the data", part, path)
-    if len({str(a["tokenizer"]) for a in found.values()}) > 1:
-        raise CheckpointError(
-            f"model.init_from: the parts {', '.join(found)} come with different tokenizers; "
-            "train them on the same text"
-        )
-    return next(iter(found.values()), {})
 
 
 def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:

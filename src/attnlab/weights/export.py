@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from attnlab.core.errors import CheckpointError
+from attnlab.models.text.bert import BertClassifier
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,12 @@ def example_input(task: str, net: nn.Module, artifacts: dict[str, Any]) -> torch
     if task == "ImageClassificationTask":
         size = artifacts["img_size"]
         return torch.randn(2, artifacts["in_chans"], size, size)
-    vocab = net.vocab_size if hasattr(net, "vocab_size") else net.encoder.vocab_size
-    return torch.randint(1, vocab, (2, 8))
+    return torch.randint(1, text_model(net).vocab_size, (2, 8))
+
+
+def text_model(net: nn.Module) -> nn.Module:
+    """What sets a text net's vocabulary and length: a BERT classifier's encoder, or the net."""
+    return net.encoder if isinstance(net, BertClassifier) else net
 
 
 def export_onnx(net: nn.Module, task: str, artifacts: dict[str, Any], out_dir: Path) -> Path:
@@ -45,8 +50,7 @@ def export_onnx(net: nn.Module, task: str, artifacts: dict[str, Any], out_dir: P
     batch = torch.export.Dim("batch", min=1, max=1024)
     dims = {0: batch}
     if name == "ids":
-        max_len = net.max_len if hasattr(net, "max_len") else net.encoder.max_len
-        dims[1] = torch.export.Dim("length", min=2, max=max_len)
+        dims[1] = torch.export.Dim("length", min=2, max=text_model(net).max_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
     program = torch.onnx.export(

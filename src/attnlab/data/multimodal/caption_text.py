@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from attnlab.data.base import DataModule
+from attnlab.data.sources import Source
 from attnlab.data.text.language_modeling import TextDataModule
 
 log = logging.getLogger(__name__)
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 
 class CaptionTextDataModule(TextDataModule):
     """Each split's captions as a captioner reads them (``<bos> words <eos>``, the caption data's
-    word tokenizer), one after another in one stream cut into windows of ``block_size`` tokens
+    word tokenizer), one after another in one stream cut into windows of ``max_len`` tokens
     (``TextDataModule``'s batches, validation and test). A GPT trained here reads the tokens of
     the captioner's batches, and contexts of several captions: a Flamingo's few-shot prompts.
     The artifacts are the caption data's own, so the tokenizer goes on to the captioner with the
@@ -25,13 +26,13 @@ class CaptionTextDataModule(TextDataModule):
     Args:
         captions: a captioning DataModule with a ``tokenizer`` (``encode_captions``) and
             ``caption_texts(split)`` (``data=scenes``).
-        block_size, batch_size, val_batches, test_stride, num_workers, seed: ``TextDataModule``'s.
+        max_len, batch_size, val_batches, test_stride, num_workers, seed: ``TextDataModule``'s.
     """
 
     def __init__(
         self,
         captions: DataModule,
-        block_size: int = 128,
+        max_len: int = 128,
         batch_size: int = 64,
         val_batches: int = 20,
         test_stride: int | None = None,
@@ -39,7 +40,8 @@ class CaptionTextDataModule(TextDataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__(
-            block_size=block_size,
+            source=Source(f"captions of {type(captions).__name__}"),
+            max_len=max_len,
             batch_size=batch_size,
             val_batches=val_batches,
             test_stride=test_stride,
@@ -47,7 +49,6 @@ class CaptionTextDataModule(TextDataModule):
             seed=seed,
         )
         self.captions = captions
-        self.corpus = f"captions of {type(captions).__name__}"
 
     def artifacts(self) -> dict[str, Any]:
         return self.captions.artifacts()
@@ -69,7 +70,7 @@ class CaptionTextDataModule(TextDataModule):
         self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
         log.info(
             "%s: %d train / %d val / %d test tokens, vocab %d (words)",
-            self.corpus,
+            self.source.where,
             len(self.train_tokens),
             len(self.val_tokens),
             len(self.test_tokens),

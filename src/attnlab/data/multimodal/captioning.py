@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.multimodal.image_text import ImageTextDataModule, square
 from attnlab.data.sampling import Key
+from attnlab.data.sources import Captions, CaptionShards
 from attnlab.data.text.tokenizers import WordTokenizer
 from attnlab.data.vision.classification import channel_stats, normalize
 from attnlab.data.vision.datasets import unreadable_image
@@ -70,7 +71,7 @@ def read_coco(path: Path) -> Listing:
 def read_captions(path: Path, images_dir: Path) -> tuple[list[Path], list[list[str]]]:
     """The listed images (checked: present and of an image format) and each one's captions."""
     if not path.is_file():
-        raise DataError(f"data.captions_file={path}: no such file")
+        raise DataError(f"data.source.path={path}: no such file")
     listing = read_coco(path) if path.suffix == ".json" else read_flickr8k(path)
     if not listing:
         raise DataError(f"{path}: no captions")
@@ -122,12 +123,11 @@ class CaptionsFolderDataModule(ImageTextDataModule):
     first ``fit_captions`` of shards) and kept in the checkpoint.
 
     Args:
-        captions_file: a Flickr8k-style token file or a COCO ``captions_*.json``.
-        images_dir: where its images are (``null``: the captions file's folder).
-        shards_dir, fit_captions: a folder written by ``attnlab-prepare --mode pairs`` instead (or
-            its ``s3://``, ``gs://`` or ``https://`` URL).
+        source: ``Captions(path, images_dir)`` (a Flickr8k-style token file or a COCO
+            ``captions_*.json``) or ``CaptionShards(path)`` (written by ``attnlab-prepare --mode
+            pairs``).
         img_size, in_chans: images are converted, their shorter side resized and the centre cropped.
-        val_size, test_size: images held out of a captions file.
+        val_size, test_size: images held out of a captions file (shards: their own).
         batch_size, num_workers, seed: loaders.
         max_len: the most tokens of a caption, ``<bos>`` and ``<eos>`` included (longer ones are cut).
         vocab_size, min_frequency: the most words in the vocabulary (specials included), and how
@@ -136,10 +136,7 @@ class CaptionsFolderDataModule(ImageTextDataModule):
 
     def __init__(
         self,
-        captions_file: str | None = None,
-        images_dir: str | None = None,
-        shards_dir: str | None = None,
-        fit_captions: int = 100_000,
+        source: Captions | CaptionShards,
         img_size: int = 64,
         in_chans: int = 3,
         val_size: int = 500,
@@ -151,48 +148,40 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         num_workers: int = 2,
         seed: int = 1337,
     ) -> None:
-        if (captions_file is None) == (shards_dir is None):
-            raise ConfigError(
-                "data.captions_file (a Flickr8k token file or COCO captions json) or data.shards_dir "
-                "(image-caption tar shards): one of them, not both"
-            )
         super().__init__(
-            source="shards" if shards_dir else "pairs",
-            pairs_file=captions_file,
-            shards_dir=shards_dir,
-            fit_captions=fit_captions,
+            source=source,
             img_size=img_size,
             in_chans=in_chans,
             val_size=val_size,
             batch_size=batch_size,
-            context_length=max_len,
+            max_len=max_len,
             vocab_size=vocab_size,
             num_workers=num_workers,
             seed=seed,
         )
-        self.images_dir, self.test_size, self.min_frequency = images_dir, test_size, min_frequency
+        self.test_size, self.min_frequency = test_size, min_frequency
 
     def model_kwargs(self) -> dict[str, Any]:
         return {
             "vocab_size": self.tokenizer.vocab_size,
-            "max_len": self.context_length,
+            "max_len": self.max_len,
             "pad_id": self.tokenizer.pad_id,
             "img_size": self.img_size,
             "in_chans": self.in_chans,
         }
 
     def artifacts(self) -> dict[str, Any]:
-        return {**super().artifacts(), "max_len": self.context_length}
+        return {**super().artifacts(), "max_len": self.max_len}
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        corpus = self._setup_shards() if self.source == "shards" else self._setup_files()
+        corpus = self._setup_shards() if isinstance(self.source, CaptionShards) else self._setup_files()
         if self.tokenizer is None:
             self.tokenizer = WordTokenizer.fit(corpus, self.vocab_size, self.min_frequency)
         log.info(
             "%s: %d train / %d val / %d test examples, a %d-word vocabulary",
-            self.shards_dir or self.pairs_file,
+            self.source.where,
             len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
             len(self.splits["val"]),
             len(self.splits["test"]),
@@ -200,8 +189,8 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         )
 
     def _setup_files(self) -> list[str]:
-        path = Path(self.pairs_file)
-        paths, captions = read_captions(path, Path(self.images_dir) if self.images_dir else path.parent)
+        path, images = Path(self.source.path), self.source.images_dir
+        paths, captions = read_captions(path, Path(images) if images else path.parent)
         held = self.val_size + self.test_size
         if held >= len(paths):
             raise ConfigError(f"data.val_size + data.test_size ({held}): {path} has only {len(paths)} images")
@@ -231,7 +220,7 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         are left out; shard records have no index (-1), and the batch then no ``idx``."""
         images, captions, idx = zip(*[x for x in items if x is not None], strict=True)
         first = [c if isinstance(c, str) else c[0] for c in captions]
-        tokens, _ = self.tokenizer.encode_captions(first, self.context_length)
+        tokens, _ = self.tokenizer.encode_captions(first, self.max_len)
         batch = {"image": torch.stack(images), "tokens": tokens, "captions": list(captions)}
         if min(idx) >= 0:
             batch["idx"] = torch.tensor(idx)

@@ -15,30 +15,29 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab.core.checks import check_choice, check_positive, check_probability
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal import captions as cap
-from attnlab.data.remote import location
 from attnlab.data.sampling import Key, example_seed
-from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
-from attnlab.data.vision.datasets import load_idx_dataset
-from attnlab.data.vision.shards import (
+from attnlab.data.shards.tar import (
     BadRecords,
-    ImageShards,
     Record,
     ShardRecords,
     ShardStream,
-    decode_image,
-    image_bytes,
+    TarShards,
     read_shard,
     stream_loader,
 )
+from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
+from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
+from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
+from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.data.vision.shards import decode_image, image_bytes
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("fashion_mnist", "mnist", "pairs", "shards")
+IDX_DATASETS = ("fashion_mnist", "mnist")
 
 
 class GeneratedCaptions(Dataset):
@@ -99,7 +98,7 @@ class CaptionedFiles(Dataset):
 def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str, int]]:
     """(image, caption, line) rows of a CSV (with a header) or JSONL file."""
     if not path.is_file():
-        raise DataError(f"data.pairs_file={path}: no such file")
+        raise DataError(f"data.source.path={path}: no such file")
     rows = []
     with path.open(encoding="utf-8", newline="") as f:
         if path.suffix == ".jsonl":
@@ -128,29 +127,18 @@ def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, 
 class ImageTextDataModule(DataModule):
     """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP.
 
-    Sources: "fashion_mnist" / "mnist" (the IDX files; captions from the label and measured
-    attributes, ``attnlab.data.multimodal.captions``; the held-out prompt templates and the class
-    names serve zero-shot evaluation), "pairs" (``pairs_file``: CSV with a header, or JSONL;
-    image paths relative to the file; labels unknown, so no zero-shot) or "shards" (``shards_dir``:
-    tar shards of ``key.jpg`` + ``key.txt`` from ``attnlab-prepare --mode pairs``, streamed in training as
-    ``ImageFilesDataModule`` streams them; the tokenizer is fitted on the first
-    ``fit_captions`` training captions).
-
     Args:
-        source: see above.
-        data_dir, cache_dir, url: the IDX files (as ``ImageClassificationDataModule``).
-        pairs_file, test_file: the "pairs" rows; test rows default to the validation split.
-        image_key, caption_key: the columns (fields) of a pairs file.
-        shards_dir, fit_captions: the "shards" folder (or its ``s3://``, ``gs://`` or ``https://``
-            URL); how many captions fit the tokenizer.
-        on_bad_record: "error" or "skip": listed images that are missing or unreadable, shard
-            records that do not decode, shards that break off (one line naming the file and
-            record; with "skip" a warning, counted, the rest trained on).
+        source: ``Builtin("fashion_mnist" | "mnist")`` (the IDX files; captions from the label
+            and measured attributes, ``attnlab.data.multimodal.captions``; the held-out prompt
+            templates and the class names serve zero-shot evaluation), ``Pairs(path)`` (labels
+            unknown, so no zero-shot) or ``CaptionShards(path)`` (tar shards of ``key.jpg`` +
+            ``key.txt`` from ``attnlab-prepare --mode pairs``, streamed in training as
+            ``ImageFilesDataModule`` streams them).
         img_size, in_chans: pairs images are converted and resized to these (the IDX sources keep
             their own: 28x28, one channel).
-        val_size: items carved (seeded) out of the training split.
+        val_size: items carved (seeded) out of the training split (shards: their own).
         batch_size: pairs per batch.
-        context_length: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are
+        max_len: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are
             cut. It fills the text tower's position table (``model.net.text.max_len``) unless set.
         vocab_size: of the byte-level BPE fitted on the training captions.
         crop_padding, hflip: training augmentation of the images.
@@ -159,67 +147,31 @@ class ImageTextDataModule(DataModule):
 
     def __init__(
         self,
-        source: str = "fashion_mnist",
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        url: str | None = None,
-        pairs_file: str | None = None,
-        test_file: str | None = None,
-        image_key: str = "image",
-        caption_key: str = "caption",
-        shards_dir: str | None = None,
-        fit_captions: int = 100_000,
-        on_bad_record: str = "error",
-        img_size: int = 64,
-        in_chans: int = 3,
-        val_size: int = 5000,
-        batch_size: int = 128,
-        context_length: int = 24,
-        vocab_size: int = 512,
+        source: Builtin | Pairs | Captions | CaptionShards | None = None,
+        img_size: PositiveInt = 64,
+        in_chans: PositiveInt = 3,
+        val_size: PositiveInt = 5000,
+        batch_size: PositiveInt = 128,
+        max_len: PositiveInt = 24,
+        vocab_size: PositiveInt = 512,
         crop_padding: int = 0,
-        hflip: float = 0.0,
+        hflip: DropRate = 0.0,
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        check_choice("data", "source", source, SOURCES)
-        check_choice("data", "on_bad_record", on_bad_record, ("skip", "error"))
-        check_positive(
-            "data",
-            img_size=img_size,
-            in_chans=in_chans,
-            val_size=val_size,
-            batch_size=batch_size,
-            context_length=context_length,
-            vocab_size=vocab_size,
-        )
-        check_probability("data", hflip=hflip)
-        if context_length < 3:
+        source = source or Builtin("fashion_mnist")
+        if isinstance(source, Builtin) and source.name not in IDX_DATASETS:
             raise ConfigError(
-                f"data.context_length must be >= 3 (<sot>, a token, <eot>), got {context_length}"
+                f"data.source.name must be one of {', '.join(map(repr, IDX_DATASETS))}, got {source.name!r}"
             )
-        if source == "shards" and shards_dir is None:
-            raise ConfigError(
-                "data.shards_dir: a folder written by attnlab-prepare --mode pairs is needed with "
-                "data.source=shards"
-            )
-        if source == "pairs" and pairs_file is None:
-            raise ConfigError(
-                "data.pairs_file: a CSV or JSONL file of image-caption rows is needed with data.source=pairs"
-            )
-        self.source, self.data_dir, self.cache_dir, self.url = source, data_dir, cache_dir, url
-        self.pairs_file, self.test_file, self.image_key, self.caption_key = (
-            pairs_file,
-            test_file,
-            image_key,
-            caption_key,
-        )
-        self.on_bad_record, self.img_size, self.in_chans = on_bad_record, img_size, in_chans
-        if shards_dir is not None:
-            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
-        self.shards_dir, self.fit_captions, self.bad = shards_dir, fit_captions, BadRecords(on_bad_record)
-        self.shards: ImageShards | None = None
-        self.val_size, self.batch_size, self.context_length = val_size, batch_size, context_length
+        self.on_bad_record = getattr(source, "on_bad_record", "error")  # Pairs' and shards'
+        if max_len < 3:
+            raise ConfigError(f"data.max_len must be >= 3 (<sot>, a token, <eot>), got {max_len}")
+        self.source, self.img_size, self.in_chans = source, img_size, in_chans
+        self.bad = BadRecords(self.on_bad_record)
+        self.shards: TarShards | None = None
+        self.val_size, self.batch_size, self.max_len = val_size, batch_size, max_len
         self.vocab_size, self.crop_padding, self.hflip = vocab_size, crop_padding, hflip
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: CaptionTokenizer | None = None
@@ -237,7 +189,7 @@ class ImageTextDataModule(DataModule):
             "image": {"img_size": self.img_size, "in_chans": self.in_chans},
             "text": {
                 "vocab_size": self.tokenizer.vocab_size,
-                "max_len": self.context_length,  # the text tower's position table
+                "max_len": self.max_len,  # the text tower's position table
                 "pad_id": CaptionTokenizer.pad_id,
             },
         }
@@ -245,7 +197,7 @@ class ImageTextDataModule(DataModule):
     def artifacts(self) -> dict[str, Any]:
         return {
             "tokenizer": self.tokenizer.to_json(),
-            "context_length": self.context_length,
+            "context_length": self.max_len,  # the artifacts' name (saved runs, exports, open_clip)
             "classes": self.classes,
             "templates": self.templates,
             "img_size": self.img_size,
@@ -263,29 +215,28 @@ class ImageTextDataModule(DataModule):
     # --- loading ---------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        if (
-            self.source in ("fashion_mnist", "mnist") and self.data_dir is None
-        ):  # download once, on one process
-            load_idx_dataset(self.source, None, self.cache_dir, self.url)
+        src = self.source
+        if isinstance(src, Builtin) and src.data_dir is None:  # download once, on one process
+            load_idx_dataset(src.name, None, src.cache_dir, src.url)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        setups = {"pairs": self._setup_pairs, "shards": self._setup_shards}
-        corpus = setups.get(self.source, self._setup_generated)()
+        setups = {Pairs: self._setup_pairs, CaptionShards: self._setup_shards}
+        corpus = setups.get(type(self.source), self._setup_generated)()
         if self.tokenizer is None:
             self.tokenizer = CaptionTokenizer.fit(corpus, self.vocab_size)
-        _, self.truncated = self.tokenizer.encode_captions(corpus, self.context_length)
+        _, self.truncated = self.tokenizer.encode_captions(corpus, self.max_len)
         if self.truncated:
             log.warning(
-                "%d of %d training captions are longer than data.context_length=%d tokens: cut",
+                "%d of %d training captions are longer than data.max_len=%d tokens: cut",
                 self.truncated,
                 len(corpus),
-                self.context_length,
+                self.max_len,
             )
         log.info(
             "%s: %d train / %d val / %d test pairs, a %d-token caption vocabulary",
-            self.source,
+            self.source.where,
             len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
             len(self.splits["val"]),
             len(self.splits["test"]),
@@ -301,10 +252,11 @@ class ImageTextDataModule(DataModule):
         return order[self.val_size :], order[: self.val_size]
 
     def _setup_generated(self) -> list[str]:
-        data = load_idx_dataset(self.source, self.data_dir, self.cache_dir, self.url)
+        src = self.source
+        data = load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
         self.in_chans, self.img_size = data.train_images.size(1), data.train_images.size(-1)  # as stored
         train, val = self._split(len(data.train_labels))
-        self.classes = cap.class_phrases(self.source, data.classes)
+        self.classes = cap.class_phrases(src.name, data.classes)
         values = cap.measure(data.train_images)
         cuts = cap.tertile_cuts(values[train], data.train_labels[train], len(self.classes))
         levels = cap.attribute_levels(values, data.train_labels, cuts)
@@ -341,25 +293,26 @@ class ImageTextDataModule(DataModule):
             what = f"{where}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
             what += f" (first: {bad[0]})"
             if self.on_bad_record == "error":
-                raise DataError(f"{what}; set data.on_bad_record=skip to leave them out")
+                raise DataError(f"{what}; set data.source.on_bad_record=skip to leave them out")
             log.warning("%s: skipped", what)
         if not paths:
             raise DataError(f"{where}: none of the listed images can be read")
         return paths, texts
 
     def _setup_pairs(self) -> list[str]:
-        path = Path(self.pairs_file)
-        paths, texts = self._readable(read_pairs(path, self.image_key, self.caption_key), path.parent, path)
+        src = self.source
+        path = Path(src.path)
+        paths, texts = self._readable(read_pairs(path, src.image_key, src.caption_key), path.parent, path)
         train, val = self._split(len(paths))
         files = [
             CaptionedFiles([paths[i] for i in idx], [texts[i] for i in idx], self.img_size, self.in_chans)
             for idx in (train.tolist(), val.tolist())
         ]
         self.splits = {"train": files[0], "val": files[1], "test": files[1]}
-        if self.test_file is not None:
-            test = Path(self.test_file)
+        if src.test_file is not None:
+            test = Path(src.test_file)
             tpaths, ttexts = self._readable(
-                read_pairs(test, self.image_key, self.caption_key), test.parent, test
+                read_pairs(test, src.image_key, src.caption_key), test.parent, test
             )
             self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
         if self.mean is None:
@@ -369,13 +322,13 @@ class ImageTextDataModule(DataModule):
         return files[0].captions
 
     def _setup_shards(self) -> list[str]:
-        self.shards = ImageShards(self.shards_dir)
-        if self.shards.kind != "txt":
+        self.shards = TarShards(self.source.path)
+        if self.shards.kind != "image_text":
             raise DataError(
-                f"{self.shards_dir}: not image-caption shards (key.jpg + key.txt); see its manifest"
+                f"{self.source.path}: not image-caption shards (key.jpg + key.txt); see its manifest"
             )
         if not self.shards.count("val"):
-            raise DataError(f"{self.shards_dir}: no validation records (prepare with --val-size > 0)")
+            raise DataError(f"{self.source.path}: no validation records (prepare with --val-size > 0)")
         for split in ("val", "test"):
             if self.shards.count(split):
                 self.splits[split] = ShardRecords(self.shards.splits[split], self.decode_record, self.bad)
@@ -394,10 +347,10 @@ class ImageTextDataModule(DataModule):
             for record in read_shard(shard, 0, self.bad):
                 if "txt" in record:
                     out.append(record["txt"].decode("utf-8", errors="replace").strip())
-                if len(out) >= self.fit_captions:
+                if len(out) >= self.source.fit_captions:
                     return out
         if not out:
-            raise DataError(f"{self.shards_dir}: no training captions")
+            raise DataError(f"{self.source.path}: no training captions")
         return out
 
     def decode_record(self, record: Record, where: str, seed: int | None = None) -> tuple[Tensor, str, int]:
@@ -416,7 +369,7 @@ class ImageTextDataModule(DataModule):
 
     def collate(self, items: list[tuple[Tensor, str, int] | None]) -> tuple[Tensor, Tensor, Tensor]:
         images, texts, labels = zip(*[x for x in items if x is not None], strict=True)  # None: skipped
-        tokens, _ = self.tokenizer.encode_captions(list(texts), self.context_length)
+        tokens, _ = self.tokenizer.encode_captions(list(texts), self.max_len)
         return torch.stack(images), tokens, torch.tensor(labels)
 
     def normalize(self, images: Tensor) -> Tensor:
@@ -429,7 +382,7 @@ class ImageTextDataModule(DataModule):
         return self.normalize(images), tokens, labels
 
     def train_dataloader(self) -> DataLoader:
-        if self.source == "shards":
+        if isinstance(self.source, CaptionShards):
             rank, world = self.rank_world()
             stream = ShardStream(
                 self.shards.splits["train"],
@@ -440,6 +393,7 @@ class ImageTextDataModule(DataModule):
                 lanes=self.num_workers,
                 rank=rank,
                 world=world,
+                shuffle_batches=self.source.shuffle_batches,
                 on_bad_record=self.on_bad_record,
             )
             stream.start = self.train_batches_consumed

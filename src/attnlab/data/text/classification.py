@@ -13,10 +13,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from attnlab.core.checks import check_positive
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, TokenBatchSampler, pad
+from attnlab.data.sources import SplitFiles
 from attnlab.data.text.formats import read_conll, read_tsv
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -38,14 +39,11 @@ def collate(split: list[Item], pad_id: int, idx: list[int]) -> dict[str, Tensor]
 
 
 class LabelledTextDataModule(DataModule):
-    """What sentence and token classification share: splits from three files in ``data_dir``,
-    the tokenizer (a pre-trained model's, or WordPiece trained on the training split), batches.
+    """What sentence and token classification share: splits from three files, the tokenizer (a
+    pre-trained model's, or WordPiece trained on the training split), batches.
 
     Args:
-        train_file, val_file, test_file: file names in ``data_dir`` (or known downloads). Select
-            models on ``val_file``; ``test_file`` is scored once, at the end.
-        data_dir: directory holding them.
-        cache_dir: where downloads are kept.
+        source: ``SplitFiles(train_file, val_file, test_file, data_dir)``.
         vocab_size: WordPiece vocabulary trained when no pre-trained tokenizer is given.
         max_len: inputs are cut to this many tokens, specials included.
         max_tokens: tokens per batch, padding included: batches hold examples of similar
@@ -57,26 +55,20 @@ class LabelledTextDataModule(DataModule):
 
     def __init__(
         self,
-        train_file: str,
-        val_file: str,
-        test_file: str,
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        vocab_size: int = 8000,
-        max_len: int = 64,
-        max_tokens: int = 2048,
+        source: SplitFiles,
+        vocab_size: PositiveInt = 8000,
+        max_len: PositiveInt = 64,
+        max_tokens: PositiveInt = 2048,
         class_names: list[str] | None = None,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        check_positive("data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens)
         if max_tokens < max_len:
             raise ConfigError(
                 f"data.max_tokens ({max_tokens}) must hold an example of data.max_len ({max_len})"
             )
-        self.files = {"train": train_file, "val": val_file, "test": test_file}
-        self.data_dir, self.cache_dir = data_dir, cache_dir
+        self.source, self.files = source, source.files
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.classes: list[str] | None = list(class_names) if class_names else None
         self.num_workers, self.seed = num_workers, seed
@@ -119,7 +111,7 @@ class LabelledTextDataModule(DataModule):
             self.classes = list(artifacts["classes"])
 
     def _path(self, split: str) -> Path:
-        return data_file(self.files[split], self.data_dir, self.cache_dir)
+        return data_file(self.files[split], self.source.data_dir, self.source.cache_dir)
 
     def prepare_data(self) -> None:
         for split in self.files:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.download import fetch
+from attnlab.data.sources import Builtin
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def python_docs() -> str:
     except ImportError as e:  # some distributions strip it
         raise DataError(
             "corpus 'pydoc' needs the pydoc_data module of the Python standard library, "
-            "which this Python lacks; use data.corpus=tinyshakespeare with data.data_dir"
+            "which this Python lacks; use data/source=tinyshakespeare with data.source.data_dir"
         ) from e
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
@@ -52,28 +52,26 @@ def read_text(path: Path) -> str:
     return text
 
 
-def load_corpus(
-    name: str,
-    data_dir: str | os.PathLike | None,
-    cache_dir: str | os.PathLike,
-    url: str | None = None,
-    sha256: str | None = None,
-) -> str:
-    """Text of corpus ``name``; ``url``/``sha256`` override its download source (tests, mirrors)."""
+def load_corpus(source: Builtin) -> str:
+    """Text of the corpus ``source`` names; its ``url``/``sha256`` override the download (tests,
+    mirrors)."""
+    name, data_dir = source.name, source.data_dir
     if name in BUILTIN:
         if data_dir is not None:
-            log.warning("corpus %r ships with Python; data.data_dir=%s is not used", name, data_dir)
+            log.warning("corpus %r ships with Python; data.source.data_dir=%s is not used", name, data_dir)
         return python_docs()
     if name not in REMOTE:
         raise ConfigError(
-            f"data.corpus={name!r} is not a known corpus; expected one of {sorted(REMOTE) + list(BUILTIN)}"
+            f"data.source.name={name!r} is not a known corpus; "
+            f"expected one of {sorted(REMOTE) + list(BUILTIN)}"
         )
     src = REMOTE[name]
+    url = source.url
     path = fetch(
         src.filename,
         url or src.url,
-        src.sha256 if url is None else sha256,
+        src.sha256 if url is None else source.sha256,
         data_dir,
-        Path(cache_dir) / name,
+        Path(source.cache_dir) / name,
     )
     return read_text(path)

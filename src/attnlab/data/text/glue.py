@@ -1,4 +1,4 @@
-"""Where the GLUE SST-2 files come from when they are not in ``data.data_dir``."""
+"""Where the GLUE SST-2 files come from when they are not in the data's ``data_dir``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def data_file(name: str, data_dir: str | os.PathLike | None, cache_dir: str | os
         if data_dir is None:
             raise DataError(
                 f"data file {name} is not a known download ({sorted(REMOTE)}); "
-                "set data.data_dir to the directory holding it"
+                "set data.source.data_dir to the directory holding it"
             )
         return fetch(name, "", None, data_dir, cache_dir)
     url, sha256 = REMOTE[name]

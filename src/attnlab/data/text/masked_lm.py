@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-from attnlab.core.checks import check_positive
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, TokenBatchSampler, pad
-from attnlab.data.remote import location
+from attnlab.data.sampling import stream_batch_numbers
+from attnlab.data.sources import Files, Shards
+from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
@@ -109,6 +111,44 @@ def masked_batch(
     }
 
 
+class PairStream(IterableDataset):
+    """Endless MLM + NSP batches from ``docs`` (a list, or ``ShardDocuments``), built as the
+    in-memory path builds them (``make_pair``, ``masked_batch``): batch ``n`` draws documents
+    uniformly, with replacement, and its cuts, partners and masks from generators seeded by
+    ``(seed, n)``, as many pairs as ``max_tokens`` holds with padding. A resumed run (``start``)
+    sees the batches the uninterrupted one would have, and ranks and loader workers interleave
+    the batch numbers (``stream_batch_numbers``)."""
+
+    def __init__(
+        self,
+        docs: Sequence[Document],
+        max_len: int,
+        max_tokens: int,
+        vocab_size: int,
+        mask_prob: float,
+        seed: int,
+    ) -> None:
+        self.docs, self.max_len, self.max_tokens = docs, max_len, max_tokens
+        self.vocab_size, self.mask_prob, self.seed = vocab_size, mask_prob, seed
+        self.start = 0
+
+    def batch(self, index: int) -> dict[str, Tensor]:
+        seed = self.seed * 1_000_003 + index
+        rng, items, longest = random.Random(seed), [], 0
+        while True:
+            pair = make_pair(self.docs, rng.randrange(len(self.docs)), rng, self.max_len)
+            longest_if_added = max(longest, len(pair[0]))
+            if items and longest_if_added * (len(items) + 1) > self.max_tokens:
+                break
+            items.append(pair)
+            longest = longest_if_added
+        return masked_batch(items, self.vocab_size, self.mask_prob, torch.Generator().manual_seed(seed))
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        for index in stream_batch_numbers(self.start):
+            yield self.batch(index)
+
+
 @dataclass
 class SegmentPairs:
     """Batches of pairs, one per document index, masked: ``pairs([i, j, ...])``.
@@ -159,68 +199,54 @@ class MaskedLMDataModule(DataModule):
     """BERT pre-training (MLM + NSP) on a text corpus.
 
     Args:
-        files: corpus files in ``data_dir``: plain text (one sentence per line, documents
-            separated by blank lines) or GLUE ``.tsv`` (each row's ``sentence``, its label unread).
-        data_dir: directory holding them; without it the known SST-2 files are downloaded.
-        cache_dir: where downloads are kept.
+        source: ``Files(names)``: plain text (one sentence per line, documents separated by
+            blank lines) or GLUE ``.tsv`` (each row's ``sentence``, its label unread), split and
+            tokenised here; or ``Shards(path)``: document shards made by ``attnlab-prepare --mode
+            bert`` (a corpus of any size), training pairs built from documents read from disk as
+            they are drawn (``PairStream``), their held-out documents and WordPiece used.
         vocab_size: size of the WordPiece vocabulary trained on the training documents.
         max_len: longest pair in tokens, specials included.
         max_tokens: tokens per batch, padding included: batches hold documents of similar
             length (few short pairs padded to a long one), as many as fit.
         mask_prob: share of the ordinary tokens chosen for prediction.
-        val_fraction: share of the documents held out (seeded) for validation.
-        test_fraction: share of the documents held out (seeded) for the test, scored once after
+        val_size: share of the documents held out (seeded) for validation.
+        test_size: share of the documents held out (seeded) for the test, scored once after
             training.
         val_docs: at most this many documents of each held-out split are scored (their pairs
             and masks the same every time).
         num_workers: DataLoader workers.
         seed: of the validation split and its fixed masks (and of the training stream from shards).
-        shards_dir: a folder of document shards made by ``attnlab-prepare --mode bert`` (a corpus
-            of any size; a local path or an ``s3://``, ``gs://`` or ``https://`` URL): training
-            pairs are built from documents read from disk as they are drawn (``PairStream``),
-            validation and test are the shards' held-out documents, and the
-            tokenizer is the one they were made with; ``files``, ``vocab_size`` and the fractions
-            are then not used.
     """
 
     def __init__(
         self,
-        files: list[str] | None = None,
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        vocab_size: int = 8000,
-        max_len: int = 64,
-        max_tokens: int = 4096,
+        source: Files | Shards,
+        vocab_size: PositiveInt = 8000,
+        max_len: PositiveInt = 64,
+        max_tokens: PositiveInt = 4096,
         mask_prob: float = 0.15,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        val_docs: int = 2000,
+        val_size: float = 0.05,
+        test_size: float = 0.05,
+        val_docs: PositiveInt = 2000,
         num_workers: int = 0,
         seed: int = 1234,
-        shards_dir: str | None = None,
     ) -> None:
         super().__init__()
-        check_positive(
-            "data", vocab_size=vocab_size, max_len=max_len, max_tokens=max_tokens, val_docs=val_docs
-        )
-        if not files and shards_dir is None:
-            raise ConfigError("data.files must name at least one corpus file (or set data.shards_dir)")
+        if isinstance(source, Files) and not source.names:
+            raise ConfigError("data.source.names must name at least one corpus file")
         if max_len < 5:
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
         if max_tokens < max_len:
             raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
-        if not all(0.0 < f < 1.0 for f in (mask_prob, val_fraction, test_fraction)):
+        if not all(0.0 < f < 1.0 for f in (mask_prob, val_size, test_size)):
             raise ConfigError(
-                f"data.mask_prob ({mask_prob}), data.val_fraction ({val_fraction}) and "
-                f"data.test_fraction ({test_fraction}) must be between 0 and 1"
+                f"data.mask_prob ({mask_prob}), data.val_size ({val_size}) and "
+                f"data.test_size ({test_size}) must be between 0 and 1"
             )
-        self.files, self.data_dir, self.cache_dir = list(files or []), data_dir, cache_dir
-        if shards_dir is not None:
-            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
-        self.shards_dir = shards_dir
+        self.source = source
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_docs_scored = mask_prob, val_docs
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.val_size, self.test_size = val_size, test_size
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
         self.train_docs: Sequence[Document] | None = None
@@ -237,24 +263,25 @@ class MaskedLMDataModule(DataModule):
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
-        if self.shards_dir is None:
-            for name in self.files:
-                data_file(name, self.data_dir, self.cache_dir)
+        if isinstance(self.source, Files):
+            for name in self.source.names:
+                data_file(name, self.source.data_dir, self.source.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_docs is not None:
             return
-        if self.shards_dir is not None:
+        if isinstance(self.source, Shards):
             return self._setup_shards()
-        docs = [d for name in self.files for d in read_corpus(data_file(name, self.data_dir, self.cache_dir))]
+        src = self.source
+        docs = [d for name in src.names for d in read_corpus(data_file(name, src.data_dir, src.cache_dir))]
         if len(docs) < 3:
             raise DataError(
-                f"the corpus ({', '.join(self.files)}) holds {len(docs)} document(s); "
+                f"the corpus ({self.source.where}) holds {len(docs)} document(s); "
                 "pre-training needs at least three (training, validation, test)"
             )
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        n_val = max(1, int(len(docs) * self.val_fraction))
-        n_test = max(1, int(len(docs) * self.test_fraction))
+        n_val = max(1, int(len(docs) * self.val_size))
+        n_test = max(1, int(len(docs) * self.test_size))
         val, test = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val : n_val + n_test]]
         train = [docs[i] for i in order[n_val + n_test :]]
         if self.tokenizer is None:
@@ -268,12 +295,12 @@ class MaskedLMDataModule(DataModule):
         self.train_docs, self.val_docs, self.test_docs = map(self._encode, (train, val, test))
         if not (self.train_docs and self.val_docs and self.test_docs):
             raise DataError(
-                f"the corpus ({', '.join(self.files)}) has too few documents of two or more "
+                f"the corpus ({self.source.where}) has too few documents of two or more "
                 "tokens for a training, a validation and a test split"
             )
         log.info(
             "corpus %s: %d train / %d val / %d test documents, vocab %d",
-            ", ".join(self.files),
+            self.source.where,
             len(self.train_docs),
             len(self.val_docs),
             len(self.test_docs),
@@ -281,9 +308,7 @@ class MaskedLMDataModule(DataModule):
         )
 
     def _setup_shards(self) -> None:
-        from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
-
-        shards = DocumentShards(self.shards_dir)
+        shards = DocumentShards(self.source.path)
         if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
             raise DataError(
                 f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
@@ -299,7 +324,7 @@ class MaskedLMDataModule(DataModule):
             )
         log.info(
             "shards %s: %d train / %d val / %d test documents, vocab %d",
-            self.shards_dir,
+            self.source.path,
             len(self.train_docs),
             len(self.val_docs),
             len(self.test_docs),
@@ -334,9 +359,7 @@ class MaskedLMDataModule(DataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        if self.shards_dir is not None:
-            from attnlab.data.text.document_shards import PairStream
-
+        if isinstance(self.source, Shards):
             stream = PairStream(
                 self.train_docs,
                 self.max_len,

@@ -1,23 +1,19 @@
-"""Parallel corpora of any size (``attnlab-prepare --mode translation``, ``data=translation_shards``):
-pairs tokenised once with a joint BPE into flat arrays on disk, read a sentence at a time.
+"""Parallel corpora (``attnlab-prepare --mode translation``, kind ``pairs``): pairs tokenised once
+with a joint BPE, read a sentence at a time.
 
-A source is a TSV file (``source<TAB>target`` per line, further columns ignored), a JSONL file (one
-object per line, keyed by the two languages: ``{"de": "...", "en": "..."}``) or a prefix naming two
-line-aligned files ``<prefix>.<src>`` and ``<prefix>.<tgt>`` (fairseq's and Moses' convention).
-The first ``val_pairs`` pairs validate and the next ``test_pairs`` are the test split: they are
-kept as text (``val.<lang>``, ``test.<lang>``, read whole at setup: they are small, and BLEU needs
-the references as written). The rest train: each shard holds, per language, ``<name>.<lang>.tokens``
-(the token ids of its sentences end to end) and ``<name>.<lang>.offsets`` (int64: sentence ``k`` is
-``tokens[o[k]:o[k + 1]]``). Training holds only a length per pair (for the token-budget batches),
-no sentence as a Python object.
+A source is a TSV file (``source<TAB>target``, further columns ignored), a JSONL file (``{"de":
+"...", "en": "..."}`` per line) or a prefix of two line-aligned files ``<prefix>.<src>`` and
+``<prefix>.<tgt>``. The first ``val_pairs`` pairs validate and the next ``test_pairs`` are the test
+split, kept as text (``val.<lang>``, ``test.<lang>``: BLEU needs the references as written). The
+rest train: per shard and language ``<name>.<lang>.tokens`` (ids end to end) and
+``<name>.<lang>.offsets`` (int64); training holds only a length per pair.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, zip_longest
 from pathlib import Path
@@ -26,24 +22,16 @@ from typing import Any
 import numpy as np
 
 from attnlab.core.errors import ConfigError, DataError
-from attnlab.data.remote import RemotePath, location, read_array
-from attnlab.data.text.shards import (
-    _pool,
-    _progress,
-    check_file,
-    check_free,
-    check_vocab_size,
-    file_sha256,
-    manifest_file,
-    manifest_vocab,
+from attnlab.data.remote import RemotePath
+from attnlab.data.shards.folder import Location, check_file, file_sha256
+from attnlab.data.shards.writer import (
+    ShardWriter,
+    check_count,
+    parallel,
     prepares,
-    publish,
-    read_manifest,
-    start_partial,
-    token_dtype,
-    tokenizer_sha256,
-    verify_file,
+    progress_bar,
 )
+from attnlab.data.text.shards import TextShards, check_vocab_size, source_files, text_manifest, token_dtype
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 
 Pair = tuple[str, str]
@@ -112,13 +100,7 @@ def pair_sources(inputs: Sequence[str], src: str, tgt: str) -> list[tuple[str, l
     out: list[tuple[str, list[Path]]] = []
     for name in inputs:
         if name.endswith((".tsv", ".jsonl")):
-            found = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else [name]
-            if not found:
-                raise DataError(f"{name}: no file matches")
-            for f in map(Path, found):
-                if not f.is_file():
-                    raise DataError(f"{f}: not a file")
-                out.append(("tsv" if f.suffix == ".tsv" else "jsonl", [f]))
+            out += [("tsv" if f.suffix == ".tsv" else "jsonl", [f]) for f in source_files([name])]
         else:
             files = [Path(f"{name}.{src}"), Path(f"{name}.{tgt}")]
             for f in files:
@@ -163,42 +145,24 @@ class PairEncoder:
         return out
 
 
-class PairWriter:
+class PairWriter(ShardWriter):
     """Tokenised blocks of training pairs into shards of about ``shard_tokens`` tokens."""
 
-    def __init__(self, folder: Path, langs: tuple[str, str], dtype: str, shard_tokens: int) -> None:
-        self.folder, self.langs, self.dtype, self.shard_tokens = folder, langs, dtype, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self.files: dict[str, Any] = {}
+    def __init__(self, folder: Path, langs: tuple[str, str], shard_tokens: int) -> None:
+        super().__init__(folder, "train", [f"{lang}.{p}" for lang in langs for p in ("tokens", "offsets")])
+        self.langs, self.shard_tokens = langs, shard_tokens
 
     def write(self, sides: list[tuple[np.ndarray, np.ndarray]]) -> None:
         if not self.files or sum(self.shards[-1]["tokens"].values()) >= self.shard_tokens:
-            self._next()
+            self.open(pairs=0, tokens=dict.fromkeys(self.langs, 0))
+            for lang in self.langs:
+                super().write(f"{lang}.offsets", np.zeros(1, dtype=np.int64))
         shard = self.shards[-1]
         for lang, (ids, lengths) in zip(self.langs, sides, strict=True):
-            ids.tofile(self.files[f"{lang}.tokens"])
-            (shard["tokens"][lang] + np.cumsum(lengths)).astype(np.int64).tofile(
-                self.files[f"{lang}.offsets"]
-            )
+            super().write(f"{lang}.tokens", ids)
+            super().write(f"{lang}.offsets", (shard["tokens"][lang] + np.cumsum(lengths)).astype(np.int64))
             shard["tokens"][lang] += len(ids)
         shard["pairs"] += len(sides[0][1])
-
-    def _next(self) -> None:
-        self.close()
-        name = f"train_{len(self.shards):05d}"
-        parts = [f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets")]
-        self.files = {p: open(self.folder / f"{name}.{p}", "wb") for p in parts}  # noqa: SIM115
-        for lang in self.langs:
-            np.zeros(1, dtype=np.int64).tofile(self.files[f"{lang}.offsets"])
-        self.shards.append({"name": name, "pairs": 0, "tokens": dict.fromkeys(self.langs, 0)})
-
-    def close(self) -> None:
-        if self.files:
-            for f in self.files.values():
-                f.close()
-            shard = self.shards[-1]
-            shard["sha256"] = {p: file_sha256(self.folder / f"{shard['name']}.{p}") for p in self.files}
-            self.files = {}
 
 
 def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_bytes: int) -> SubwordTokenizer:
@@ -216,7 +180,7 @@ def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_byt
 @prepares
 def prepare_pairs(
     inputs: Sequence[str],
-    out_dir: str | os.PathLike,
+    partial: Path,
     src_lang: str,
     tgt_lang: str,
     vocab_size: int = 8000,
@@ -230,38 +194,30 @@ def prepare_pairs(
 ) -> dict[str, Any]:
     """Tokenise the parallel corpus ``inputs`` name into pair shards in ``out_dir``; return the
     manifest. Written into ``<out_dir>.partial`` and moved into place at the end."""
-    out = Path(out_dir)
-    check_free(out)
     if not (src_lang and tgt_lang) or src_lang == tgt_lang:
         raise ConfigError(
             f"--src-lang and --tgt-lang must name two languages, got {src_lang!r}, {tgt_lang!r}"
         )
-    for name, value in (("val_pairs", val_pairs), ("test_pairs", test_pairs)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer (a split to score), got {value!r}")
-    if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ConfigError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
+    check_count("val_pairs", val_pairs, why=" (a split to score)")
+    check_count("test_pairs", test_pairs, why=" (a split to score)")
+    check_count("shard_tokens", shard_tokens)
     langs = (src_lang, tgt_lang)
     sources = pair_sources(inputs, *langs)
-    partial = start_partial(out)
 
+    held = {"val": val_pairs, "test": test_pairs}
     tok = fit_joint_bpe(
         islice(read_pairs(sources, *langs), val_pairs + test_pairs, None), vocab_size, sample_bytes
     )
     dtype = token_dtype(tok.vocab_size)
-    writer = PairWriter(partial, langs, dtype, shard_tokens)
-    held_out: dict[str, Any] = {}
-    total = sum(f.stat().st_size for _, files in sources for f in files)
-    with _progress(progress, total) as advance, _pool(workers) as pool:
+    writer = PairWriter(partial, langs, shard_tokens)
+    files = [f for _, fs in sources for f in fs]
+    with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
         stream = read_pairs(sources, *langs)
-        for split, n in (("val", val_pairs), ("test", test_pairs)):
-            held_out[split] = write_text(partial, split, langs, stream, n, advance)
-        blocks = _blocks(stream, block_pairs, advance)
-        encoder = PairEncoder(tok.to_json(), dtype)
-        for sides in pool.imap(encoder, blocks) if pool else map(encoder, blocks):
+        held_out = {split: write_text(partial, split, langs, stream, n, advance) for split, n in held.items()}
+        for sides in imap(PairEncoder(tok.to_json(), dtype), _blocks(stream, block_pairs, advance)):
             writer.write(sides)
     writer.close()
-    for split, n in (("val", val_pairs), ("test", test_pairs)):
+    for split, n in held.items():
         if held_out[split]["pairs"] < n:
             raise DataError(
                 f"{', '.join(inputs)}: too few pairs for {val_pairs} validation and {test_pairs} test pairs"
@@ -271,23 +227,12 @@ def prepare_pairs(
             f"{', '.join(inputs)}: no pairs left for training after {val_pairs} validation and "
             f"{test_pairs} test pairs"
         )
-    manifest = {
-        "version": 1,
-        "kind": "pairs",
-        "langs": list(langs),
-        "tokenizer": tok.to_json(),
-        "tokenizer_sha256": tokenizer_sha256(tok.to_json()),
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype,
-        "splits": {"train": writer.shards, **held_out},
-        "sources": [{"path": str(f), "bytes": f.stat().st_size} for _, files in sources for f in files],
-    }
-    publish(partial, out, manifest)
-    return manifest
+    splits = {"train": writer.shards, **held_out}
+    return text_manifest("pairs", tok, dtype, splits, files, langs=list(langs))
 
 
 def write_text(
-    folder: Path, split: str, langs: tuple[str, str], stream: Iterator[tuple[Pair, int]], n: int, advance
+    folder: Path, split: str, langs: tuple[str, str], stream: Iterator, n: int, advance: Callable
 ) -> dict[str, Any]:
     """The next ``n`` pairs as two line-aligned text files ``<split>.<lang>`` (a line break inside
     a JSONL sentence becomes a space)."""
@@ -309,7 +254,7 @@ def write_text(
     }
 
 
-def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance) -> Iterator[list[Pair]]:
+def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance: Callable) -> Iterator[list[Pair]]:
     while block := list(islice(stream, size)):
         advance(sum(n for _, n in block))
         yield [p for p, _ in block]
@@ -320,74 +265,49 @@ def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance) -> Iterator[
 
 @dataclass(frozen=True)
 class PairShard:
-    folder: Path | RemotePath
     name: str
+    paths: dict[str, Location]
     pairs: int
     tokens: dict[str, int]
     sha256: dict[str, str]
 
-    def path(self, lang: str, part: str) -> Path | RemotePath:
-        return self.folder / f"{self.name}.{lang}.{part}"
+    def path(self, lang: str, part: str) -> Location:
+        return self.paths[f"{lang}.{part}"]
 
 
-class PairShards:
-    """A folder from ``prepare_pairs`` (local, or at an ``s3://``, ``gs://`` or ``https://`` URL):
-    its languages, tokenizer, training shards and held-out text, checked against the manifest: at
-    opening, every file inside the folder and of its size; the first time this process reads a
-    file (``verify``), its sha256 and the token ids against the vocabulary."""
+class PairShards(TextShards):
+    """A folder of pair shards: its languages, tokenizer, training shards and held-out text, every
+    file inside the folder and of its size; each checked (sha256, ids) the first time this
+    process reads it."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
-        self.folder = location(folder)
-        manifest = read_manifest(self.folder, "pairs")
-        try:
-            self.langs: tuple[str, str] = tuple(manifest["langs"])
-            self.dtype = np.dtype(manifest["dtype"])
-            if self.dtype not in (np.uint16, np.uint32):
-                raise ValueError(f"dtype {manifest['dtype']!r}, not uint16 or uint32")
-            self.tokenizer_json: str = manifest["tokenizer"]
-            entries = manifest["splits"]["train"]
-            self.train = [self._shard(i, e) for i, e in enumerate(entries)]
-            self.held_out = {s: manifest["splits"][s] for s in HELD_OUT}
-            self.text_sha256 = {
-                (s, lang): self.held_out[s]["sha256"][lang] for s in HELD_OUT for lang in self.langs
+        super().__init__(folder, "pairs")
+        with self.reading():
+            self.langs: tuple[str, str] = tuple(self.manifest["langs"])
+            parts = tuple(f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets"))
+            self.train = [
+                PairShard(e["name"], p, int(e["pairs"]), e["tokens"], h)
+                for e, p, h in self.shards("train", parts)
+            ]
+            self.held_out = {s: self.manifest["splits"][s] for s in HELD_OUT}
+            self.text = {
+                (s, lang): (
+                    self.file(f"{s}.{lang}", f"langs ({lang!r})"),
+                    self.held_out[s]["sha256"][lang],
+                )
+                for s in HELD_OUT
+                for lang in self.langs
             }
-            for s, lang in self.text_sha256:
-                manifest_file(self.folder, f"{s}.{lang}", f"langs ({lang!r})")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(
-                f"{self.folder / 'manifest.json'}: not a readable manifest ({type(e).__name__}: {e})"
-            ) from None
-        self.vocab_size = manifest_vocab(self.folder, self.tokenizer_json)
-        self.verified: set[Path | RemotePath] = set()  # files whose sha256 (and ids) this process checked
+            for (s, lang), (path, _) in self.text.items():
+                entry = self.held_out[s]
+                check_file(path, int(entry["bytes"][lang]), f"{entry['pairs']} lines of text")
         for shard in self.train:
             if shard.pairs == 0:
                 raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
             for lang in self.langs:
-                n = int(shard.tokens[lang])
-                check_file(shard.path(lang, "tokens"), n * self.dtype.itemsize, f"{n} tokens of {self.dtype}")
-                check_file(
-                    shard.path(lang, "offsets"), (shard.pairs + 1) * 8, f"{shard.pairs} sentence offsets"
-                )
-        for split, entry in self.held_out.items():
-            for lang in self.langs:
-                what = f"{entry['pairs']} lines of text"
-                check_file(self.folder / f"{split}.{lang}", int(entry["bytes"][lang]), what)
+                self.check_tokens(shard.path(lang, "tokens"), int(shard.tokens[lang]))
+                self.check_offsets(shard.path(lang, "offsets"), shard.pairs, "sentence")
         self.ends = np.cumsum([s.pairs for s in self.train])
-
-    def _shard(self, i: int, e: dict[str, Any]) -> PairShard:
-        parts = [f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets")]
-        for part in parts:  # each of its files inside the folder
-            manifest_file(self.folder, f"{e['name']}.{part}", f"splits.train[{i}].name")
-        sha256 = {part: e["sha256"][part] for part in parts}
-        return PairShard(self.folder, e["name"], int(e["pairs"]), e["tokens"], sha256)
-
-    def _verify(self, path: Path | RemotePath, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
-        """Check a file (sha256; with ``ids``, its token ids) unless this process did."""
-        if path in self.verified:
-            return path.read_bytes() if keep else b""
-        data = verify_file(path, sha256, self.dtype if ids else None, self.vocab_size, keep)
-        self.verified.add(path)
-        return data
 
     def verify(self, lang: str) -> None:
         """Check the training shards of one language (before the loader's workers start, so that
@@ -396,14 +316,11 @@ class PairShards:
             self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
             self._verify(shard.path(lang, "offsets"), shard.sha256[f"{lang}.offsets"])
 
-    def tokenizer(self) -> SubwordTokenizer:
-        return tokenizer_from_json(self.tokenizer_json)
-
-    def text_files(self, split: str, src: str, tgt: str) -> tuple[Path | RemotePath, Path | RemotePath]:
+    def text_files(self, split: str, src: str, tgt: str) -> tuple[Location, Location]:
         """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
         for lang in (src, tgt):
-            self._verify(self.folder / f"{split}.{lang}", self.text_sha256[split, lang])
-        return self.folder / f"{split}.{src}", self.folder / f"{split}.{tgt}"
+            self._verify(*self.text[split, lang])
+        return self.text[split, src][0], self.text[split, tgt][0]
 
     def lengths(self, lang: str) -> np.ndarray:
         """Each training sentence's length in tokens, in ``lang`` (int32, one per pair)."""
@@ -420,8 +337,8 @@ class PairShards:
         k = int(np.searchsorted(self.ends, i, side="right"))
         shard, j = self.train[k], i - (int(self.ends[k - 1]) if k else 0)
         self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
-        a, b = read_array(shard.path(lang, "offsets"), np.dtype(np.int64), 2, 8 * j).tolist()
-        return read_array(shard.path(lang, "tokens"), self.dtype, b - a, a * self.dtype.itemsize).tolist()
+        a, b = self.offsets(shard.path(lang, "offsets"), j, 2).tolist()
+        return self.ids(shard.path(lang, "tokens"), a, b - a).tolist()
 
 
 class ShardSide(Sequence):

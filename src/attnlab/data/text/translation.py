@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from attnlab.core.checks import check_positive
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
-from attnlab.data.remote import location
+from attnlab.data.sources import Builtin, Generated, Shards, Source
 from attnlab.data.text.pair_shards import PairShards, ShardSide
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 
@@ -141,74 +141,56 @@ class TranslationDataModule(DataModule):
     """A parallel corpus, in either direction, with a joint BPE vocabulary.
 
     Args:
-        corpus: "multi30k" (Task 1, files ``{train,val,test_2016_flickr}.{de,en}``; downloaded
-            with sha256 checks, or read from ``data_dir``) or "synthetic" (generated, no download).
-        src_lang, tgt_lang: translation direction, e.g. "de" -> "en".
-        data_dir: directory holding the corpus files; no download when set.
-        cache_dir: where downloads and (when ``data_dir`` is read-only) the BPE model are kept.
+        source: ``Builtin("multi30k")`` (Task 1, files ``{train,val,test_2016_flickr}.{de,en}``;
+            downloaded with sha256 checks, or read from its ``data_dir``), ``Generated("synthetic")``
+            (made in code), or ``Shards(path)``: pair shards made by ``attnlab-prepare --mode
+            translation`` (a corpus of any size), training pairs read from disk as batches need
+            them, validation and test the folder's held-out text, the tokenizer the folder's.
+        src_lang, tgt_lang: translation direction, e.g. "de" -> "en" (shards: their two languages).
         vocab_size: joint BPE vocabulary size, trained on the training split of both languages
-            and cached in ``cache_dir``.
+            and cached in the source's ``cache_dir``.
         max_tokens: token budget of a training batch (padding included, longer side).
         eval_max_tokens: token budget of a validation/test batch.
         max_len: longest sentence in tokens: longer training pairs are dropped and longer
             evaluation sources truncated (both counted in a warning).
-        synthetic_size: training pairs of the synthetic corpus (validation and test get 1/10).
         num_workers: DataLoader workers.
         seed: seed of the batch order.
-        shards_dir: a folder of pair shards made by ``attnlab-prepare --mode translation`` (a
-            corpus of any size; a local path or an ``s3://``, ``gs://`` or ``https://`` URL):
-            training pairs are read from disk as batches need them, only their lengths held in
-            memory; validation and test are the folder's held-out text.
-            ``src_lang``/``tgt_lang`` must be its two languages, in either order; ``corpus``,
-            ``data_dir`` and ``vocab_size`` are then not used (the tokenizer is the folder's).
     """
 
     def __init__(
         self,
-        corpus: str = "multi30k",
+        source: Source | None = None,
         src_lang: str = "de",
         tgt_lang: str = "en",
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        vocab_size: int = 8000,
-        max_tokens: int = 4096,
-        eval_max_tokens: int = 8192,
-        max_len: int = 128,
-        synthetic_size: int = 5000,
+        vocab_size: PositiveInt = 8000,
+        max_tokens: PositiveInt = 4096,
+        eval_max_tokens: PositiveInt = 8192,
+        max_len: PositiveInt = 128,
         num_workers: int = 0,
         seed: int = 1337,
-        shards_dir: str | None = None,
     ) -> None:
         super().__init__()
-        if corpus not in SPLITS:
-            raise ConfigError(f"data.corpus must be one of {sorted(SPLITS)}, got {corpus!r}")
-        langs = {"multi30k": ("de", "en"), "synthetic": ("de", "en")}[corpus]
-        if shards_dir is None and {src_lang, tgt_lang} != set(langs):
-            raise ConfigError(
-                f"data.src_lang/data.tgt_lang must be {langs[0]!r} and {langs[1]!r} in either order "
-                f"for corpus {corpus!r}, got {src_lang!r} -> {tgt_lang!r}"
-            )
-        check_positive(
-            "data",
-            vocab_size=vocab_size,
-            max_tokens=max_tokens,
-            eval_max_tokens=eval_max_tokens,
-            max_len=max_len,
-            synthetic_size=synthetic_size,
-        )
+        source = source or Builtin("multi30k")
+        if not isinstance(source, Shards):
+            if (type(source), source.name) not in ((Builtin, "multi30k"), (Generated, "synthetic")):
+                raise ConfigError(
+                    "data.source must be Builtin('multi30k'), Generated('synthetic') or Shards(path), "
+                    f"got {type(source).__name__}({source.name!r})"
+                )
+            if {src_lang, tgt_lang} != {"de", "en"}:
+                raise ConfigError(
+                    "data.src_lang/data.tgt_lang must be 'de' and 'en' in either order "
+                    f"for source {source.name!r}, got {src_lang!r} -> {tgt_lang!r}"
+                )
         if max_tokens < max_len + 2:
             raise ConfigError(
                 f"data.max_tokens ({max_tokens}) must be at least data.max_len + 2 ({max_len + 2})"
             )
-        self.corpus, self.src_lang, self.tgt_lang = corpus, src_lang, tgt_lang
-        self.data_dir, self.cache_dir = data_dir, cache_dir
+        self.source, self.src_lang, self.tgt_lang = source, src_lang, tgt_lang
         self.vocab_size_wanted = vocab_size
         self.max_tokens, self.eval_max_tokens = max_tokens, eval_max_tokens
-        self.max_len, self.synthetic_size = max_len, synthetic_size
+        self.max_len = max_len
         self.num_workers, self.seed = num_workers, seed
-        if shards_dir is not None:
-            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
-        self.shards_dir = shards_dir
         self.tokenizer: SubwordTokenizer | None = None
         self.splits: dict[str, ParallelSplit] = {}
         self.train_lengths: np.ndarray | None = None  # from shards: the training pairs' lengths
@@ -240,7 +222,7 @@ class TranslationDataModule(DataModule):
 
     # -- loading -----------------------------------------------------------------------------
     def _split_name(self, stage: str) -> str:
-        return dict(zip(("train", "val", "test"), SPLITS[self.corpus], strict=True))[stage]
+        return dict(zip(("train", "val", "test"), SPLITS[self.source.name], strict=True))[stage]
 
     def _files(self, split: str) -> tuple[Path, Path]:
         paths = []
@@ -252,8 +234,8 @@ class TranslationDataModule(DataModule):
                     name,
                     url,
                     MULTI30K_SHA256[name],
-                    self.data_dir,
-                    Path(self.cache_dir) / "multi30k",
+                    self.source.data_dir,
+                    Path(self.source.cache_dir) / "multi30k",
                     gunzip=True,
                 )
             )
@@ -261,8 +243,9 @@ class TranslationDataModule(DataModule):
 
     def _read(self, stage: str) -> tuple[list[str], list[str]]:
         split = self._split_name(stage)
-        if self.corpus == "synthetic":
-            n = self.synthetic_size if stage == "train" else max(1, self.synthetic_size // 10)
+        if isinstance(self.source, Generated):
+            size = self.source.train_size
+            n = size if stage == "train" else max(1, size // 10)
             src, tgt = synthetic_pairs(n, seed={"train": 0, "val": 1, "test": 2}[stage])
             return (src, tgt) if self.src_lang == "de" else (tgt, src)
         src_path, tgt_path = self._files(split)
@@ -272,7 +255,7 @@ class TranslationDataModule(DataModule):
         return src, tgt
 
     def prepare_data(self) -> None:
-        if self.corpus == "multi30k" and self.shards_dir is None:
+        if isinstance(self.source, Builtin):
             for split in SPLITS["multi30k"]:
                 self._files(split)
 
@@ -281,8 +264,8 @@ class TranslationDataModule(DataModule):
         h = hashlib.sha256()
         for line in sorted([*train_src, *train_tgt]):  # the same for both directions
             h.update(line.encode() + b"\n")
-        name = f"bpe_{self.corpus}_{self.vocab_size_wanted}_{h.hexdigest()[:12]}.json"
-        return [Path(self.cache_dir).expanduser() / name]  # never written into the user's data_dir
+        name = f"bpe_{self.source.name}_{self.vocab_size_wanted}_{h.hexdigest()[:12]}.json"
+        return [Path(self.source.cache_dir).expanduser() / name]  # never written into the user's data_dir
 
     def _fit_tokenizer(self, src: list[str], tgt: list[str]) -> SubwordTokenizer:
         candidates = self._bpe_cache_path(src, tgt)
@@ -305,7 +288,7 @@ class TranslationDataModule(DataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        if self.shards_dir is not None:
+        if isinstance(self.source, Shards):
             return self._setup_shards()
         raw = {s: self._read(s) for s in ("train", "val", "test")}
         if self.tokenizer is None:
@@ -313,12 +296,12 @@ class TranslationDataModule(DataModule):
         for s, (src_text, tgt_text) in raw.items():
             self.splits[s] = self._encode(s, src_text, tgt_text)
         tr = self.splits["train"]
-        self._log(self.corpus, len(tr), sum(map(len, tr.tgt)) / len(tr))
+        self._log(self.source.name, len(tr), sum(map(len, tr.tgt)) / len(tr))
 
     def _setup_shards(self) -> None:
         """Validation and test from the folder's text (read and encoded whole, as in memory);
         training pairs read from its shards when a batch needs them (``ShardSide``)."""
-        shards = PairShards(self.shards_dir)
+        shards = PairShards(self.source.path)
         if {self.src_lang, self.tgt_lang} != set(shards.langs):
             raise DataError(
                 f"{shards.folder}: holds {shards.langs[0]}-{shards.langs[1]} pairs; data.src_lang and "

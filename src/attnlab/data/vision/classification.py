@@ -17,15 +17,40 @@ from timm.data.random_erasing import RandomErasing
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab.core.checks import check_choice, check_positive, check_probability
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.sampling import Key, ResumableSampler, example_seed, seeded_globals
-from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset, load_image_folder
+from attnlab.data.sources import Builtin
+from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mnist", "fashion_mnist", "cifar10", "image_folder")
+DATASETS = ("mnist", "fashion_mnist", "cifar10")
+# timm's Mixup per batch (``data.mixup``): both alphas 0 turn it off
+NO_MIXUP = {"mixup_alpha": 0.0, "cutmix_alpha": 0.0, "prob": 1.0, "switch_prob": 0.5}
+
+
+def mixup_args(mixup: dict[str, float] | None, batch_size: int) -> dict[str, float]:
+    """``data.mixup`` as timm's ``Mixup`` arguments, checked (``None``: off)."""
+    args = {**NO_MIXUP, **(mixup or {})}
+    if set(args) != set(NO_MIXUP):
+        raise ConfigError(f"data.mixup takes {', '.join(NO_MIXUP)}, got {', '.join(mixup)}")
+    if args["mixup_alpha"] < 0 or args["cutmix_alpha"] < 0 or not 0 <= args["prob"] <= 1:
+        raise ConfigError(
+            "data.mixup.mixup_alpha and data.mixup.cutmix_alpha must be >= 0 and data.mixup.prob in "
+            f"[0, 1], got {args['mixup_alpha']}, {args['cutmix_alpha']}, {args['prob']}"
+        )
+    if (args["mixup_alpha"] or args["cutmix_alpha"]) and batch_size % 2:
+        raise ConfigError(
+            f"data.batch_size must be even with mixup/cutmix (pairs are mixed), got {batch_size}"
+        )
+    return args
+
+
+def make_mixup(args: dict[str, float], num_classes: int) -> Mixup | None:
+    on = args["mixup_alpha"] or args["cutmix_alpha"]
+    return Mixup(**args, label_smoothing=0.0, num_classes=num_classes) if on else None
 
 
 class RandAugment:
@@ -130,11 +155,9 @@ class ImageClassificationDataModule(DataModule):
     mixup/cutmix run on whole batches after they reach the device.
 
     Args:
-        dataset: "mnist", "fashion_mnist" (the IDX files), "cifar10" (torchvision) or
-            "image_folder" (``data_dir/train/<class>/<image>``, optional ``data_dir/test/...``).
-        data_dir: directory with the files (no download when set).
-        cache_dir: where downloads are kept.
-        url: override the download location of the IDX files (a base URL).
+        source: ``Builtin("mnist" | "fashion_mnist")`` (the IDX files; its ``url`` a base URL
+            to download them from) or ``Builtin("cifar10")`` (torchvision). (An image folder:
+            ``ImageFilesDataModule``, which reads any size and count.)
         img_size: resize images to this side once, at setup; ``None`` keeps the native size.
         val_size: images carved (seeded) out of the training split to validate and select on.
         batch_size: images per batch.
@@ -142,55 +165,39 @@ class ImageClassificationDataModule(DataModule):
         hflip: probability of a horizontal flip (0 for digits).
         rand_augment: a timm RandAugment string, e.g. "rand-m9-mstd0.5-inc1", or ``None``.
         random_erasing: probability of timm's random erasing per image.
-        mixup_alpha, cutmix_alpha: timm's Mixup; both 0 turns it off.
-        mixup_prob: probability of mixing a batch; mixup_switch_prob: of cutmix instead of mixup.
+        mixup: timm's ``Mixup`` arguments (``mixup_alpha``, ``cutmix_alpha``, ``prob`` of mixing a
+            batch, ``switch_prob`` of cutmix instead); ``None`` or both alphas 0: off.
         num_workers: DataLoader workers.
         seed: of the validation split and the shuffling.
     """
 
     def __init__(
         self,
-        dataset: str = "fashion_mnist",
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        url: str | None = None,
-        img_size: int | None = None,
-        val_size: int = 5000,
-        batch_size: int = 128,
+        source: Builtin | None = None,
+        img_size: PositiveInt | None = None,
+        val_size: PositiveInt = 5000,
+        batch_size: PositiveInt = 128,
         crop_padding: int = 0,
-        hflip: float = 0.0,
+        hflip: DropRate = 0.0,
         rand_augment: str | None = None,
-        random_erasing: float = 0.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5,
+        random_erasing: DropRate = 0.0,
+        mixup: dict[str, float] | None = None,
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        check_choice("data", "dataset", dataset, DATASETS)
-        check_positive("data", val_size=val_size, batch_size=batch_size)
-        if img_size is not None:
-            check_positive("data", img_size=img_size)
-        check_probability("data", hflip=hflip, random_erasing=random_erasing)
-        if crop_padding < 0 or mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= mixup_prob <= 1:
+        source = source or Builtin("fashion_mnist")
+        if source.name not in DATASETS:
             raise ConfigError(
-                "data.crop_padding, data.mixup_alpha and data.cutmix_alpha must be >= 0 and "
-                f"data.mixup_prob in [0, 1], got {crop_padding}, {mixup_alpha}, {cutmix_alpha}, "
-                f"{mixup_prob}"
+                f"data.source.name must be one of {', '.join(map(repr, DATASETS))}, got {source.name!r}"
             )
-        if (mixup_alpha or cutmix_alpha) and batch_size % 2:
-            raise ConfigError(
-                f"data.batch_size must be even with mixup/cutmix (pairs are mixed), got {batch_size}"
-            )
-        self.dataset, self.data_dir, self.cache_dir, self.url = dataset, data_dir, cache_dir, url
+        if crop_padding < 0:
+            raise ConfigError(f"data.crop_padding must be >= 0, got {crop_padding}")
+        self.mixup_args = mixup_args(mixup, batch_size)
+        self.source = source
         self.img_size, self.val_size, self.batch_size = img_size, val_size, batch_size
         self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
         self.random_erasing = random_erasing
-        self.mixup_args = dict(
-            mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob
-        )
         self.num_workers, self.seed = num_workers, seed
         self.classes: list[str] | None = None
         self.mean: list[float] | None = None
@@ -227,14 +234,13 @@ class ImageClassificationDataModule(DataModule):
     # --- loading ---------------------------------------------------------------------------
 
     def _load(self) -> ImageSplits:
-        if self.dataset in ("mnist", "fashion_mnist"):
-            return load_idx_dataset(self.dataset, self.data_dir, self.cache_dir, self.url)
-        if self.dataset == "cifar10":
-            return load_cifar10(self.data_dir, self.cache_dir)
-        return load_image_folder(self.data_dir)
+        src = self.source
+        if src.name == "cifar10":
+            return load_cifar10(src.data_dir, src.cache_dir)
+        return load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
 
     def prepare_data(self) -> None:
-        if self.dataset != "image_folder" and self.data_dir is None:  # download once, on one process
+        if self.source.data_dir is None:  # download once, on one process
             self._load()
 
     def setup(self, stage: str | None = None) -> None:
@@ -258,13 +264,12 @@ class ImageClassificationDataModule(DataModule):
         if data.test_images is not None:
             self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
         else:
-            log.warning("%s has no test split: the test stage scores the validation split", self.data_dir)
+            log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
             self.splits["test"] = self.splits["val"]
-        if self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]:
-            self.mixup = Mixup(**self.mixup_args, label_smoothing=0.0, num_classes=len(self.classes))
+        self.mixup = make_mixup(self.mixup_args, len(self.classes))
         log.info(
             "%s: %d train / %d val / %d test images of %s, %d classes",
-            self.dataset,
+            self.source.where,
             len(train),
             len(val),
             len(self.splits["test"]),

@@ -19,6 +19,8 @@ from attnlab.data.vision.idx import read_idx
 
 log = logging.getLogger(__name__)
 
+KEY = "data.source.data_dir"  # where a built-in set's files are read from instead of downloaded
+
 
 @dataclass
 class ImageSplits:
@@ -140,7 +142,7 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
     if data_dir is not None:
         folder = Path(data_dir).expanduser() / CIFAR10_FOLDER
         if not folder.is_dir():
-            raise DataError(f"data.data_dir={data_dir} has no {CIFAR10_FOLDER}/ folder (expected {folder})")
+            raise DataError(f"{KEY}={data_dir} has no {CIFAR10_FOLDER}/ folder (expected {folder})")
         return read_cifar_batches(folder)
     from torchvision.datasets import CIFAR10
 
@@ -148,7 +150,7 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
         CIFAR10(cache_dir, train=True, download=True)
     except (RuntimeError, OSError) as e:
         raise DataError(
-            f"could not download CIFAR-10 into {cache_dir}: {e}. Offline? Set data.data_dir to "
+            f"could not download CIFAR-10 into {cache_dir}: {e}. Offline? Set {KEY} to "
             f"a directory holding {CIFAR10_FOLDER}/"
         ) from e
     return read_cifar_batches(Path(cache_dir) / CIFAR10_FOLDER)
@@ -200,11 +202,11 @@ def scan_image_folder(root: str | None) -> tuple[dict[str, tuple[list[Path], lis
     """The files and labels of an ImageFolder tree: ``root/train/<class>/<image>`` and, optionally,
     ``root/test/<class>/...`` (whose class folders must be among train's); nothing decoded."""
     if root is None:
-        raise DataError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
+        raise DataError("data.source.path must name an ImageFolder directory (root/train/<class>/<image>)")
     base = Path(root).expanduser()
     train_dir = base / "train"
     if not train_dir.is_dir():
-        raise DataError(f"data.data_dir={root}: no train/ folder (expected {train_dir}/<class>/<image>)")
+        raise DataError(f"data.source.path={root}: no train/ folder (expected {train_dir}/<class>/<image>)")
     classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
     if not classes:
         raise DataError(f"{train_dir}: no class folders")

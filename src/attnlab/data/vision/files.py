@@ -1,5 +1,5 @@
 """Image classification from files of any size and count: an ImageFolder tree (paths only held in
-memory) or tar shards (``attnlab.data.vision.shards``), each image decoded when a loader worker
+memory) or tar shards (``attnlab.data.shards.tar``), each image decoded when a loader worker
 draws it and augmented by timm's training transform (random resized crop, flip, AutoAugment /
 RandAugment / TrivialAugment); normalisation, random erasing and mixup/cutmix run on whole batches
 on the device, as ``ImageClassificationDataModule`` does for the in-memory sets."""
@@ -20,35 +20,32 @@ from timm.data.random_erasing import RandomErasing
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from attnlab.core.checks import check_choice, check_positive, check_probability
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.data.base import DataModule
-from attnlab.data.remote import location
 from attnlab.data.sampling import Key, example_seed, seeded_globals
-from attnlab.data.vision.classification import channel_stats, image_loader, normalize
-from attnlab.data.vision.datasets import scan_image_folder
-from attnlab.data.vision.shards import (
+from attnlab.data.shards.tar import (
     BadRecords,
-    ImageShards,
     Record,
     ShardRecords,
     ShardStream,
-    decode_image,
-    image_bytes,
+    TarShards,
     read_shard,
     stream_loader,
 )
+from attnlab.data.sources import Folder, StreamedShards
+from attnlab.data.vision.classification import channel_stats, image_loader, make_mixup, mixup_args, normalize
+from attnlab.data.vision.datasets import scan_image_folder
+from attnlab.data.vision.shards import decode_image, image_bytes
 
 log = logging.getLogger(__name__)
-
-SOURCES = ("folder", "shards")
 
 
 def carve(files: list[Path], labels: list[int], val_size: int, seed: int) -> dict[str, tuple[list, list]]:
     """A seeded validation split of ``val_size`` files out of a training split."""
     if val_size >= len(files):
         raise ConfigError(
-            f"data.val_size ({val_size}) must be smaller than the training split ({len(files)} images)"
+            f"data.source.val_size ({val_size}) must be smaller than the training split ({len(files)} images)"
         )
     order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
     pick = lambda idx: ([files[i] for i in idx], [labels[i] for i in idx])  # noqa: E731
@@ -165,15 +162,14 @@ def collate_readable(items: list[Any]) -> Any:
 class ImageFilesDataModule(DataModule):
     """Labelled images of any size and count, decoded lazily in the loader workers.
 
-    Sources: "folder" (``data_dir/train/<class>/<image>``, optional ``data_dir/test/...``; a
-    seeded validation split of ``val_size`` images is carved from train, and the training order
-    is ``ResumableSampler``'s) or "shards" (``shards_dir``, a folder or an ``s3://``, ``gs://`` or
-    ``https://`` URL: tar shards written by
-    ``attnlab-prepare --mode images``, with their own val and test splits; training streams them,
-    ``ShardStream``). Validation and test are exact under any number of ranks.
+    Validation and test are exact under any number of ranks.
 
     Args:
-        source, data_dir, shards_dir, val_size: see above.
+        source: ``Folder(path)`` (``path/train/<class>/<image>``, optional ``path/test/...``; a
+            seeded validation split of its ``val_size`` images carved from train, the training
+            order ``ResumableSampler``'s) or ``StreamedShards(path)`` (tar shards written by
+            ``attnlab-prepare --mode images``, with their own val and test splits; training
+            streams them, ``ShardStream``).
         img_size: the side of the (square) images the model sees; ``None``: the shorter side of
             the first validation image.
         in_chans: 1 (grayscale) or 3 (RGB); ``None``: from the first validation image.
@@ -182,73 +178,45 @@ class ImageFilesDataModule(DataModule):
         hflip: probability of a horizontal flip.
         auto_augment: a timm policy: "rand-m9-mstd0.5" (RandAugment), TrivialAugment
             (``TRIVIAL_AUGMENT``), "augmix-m5-w3", "original" (AutoAugment), or ``None``.
-        mean, std: per-channel normalisation; ``None``: measured on the validation images.
-        random_erasing, mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: as
-            ``ImageClassificationDataModule`` (per batch, on the device).
+        normalize: per-channel ``mean`` and ``std``; ``None`` (either): measured on the
+            validation images.
+        random_erasing, mixup: as ``ImageClassificationDataModule`` (per batch, on the device).
         num_workers: loader workers (each decodes; the shards' training stream gives each a lane).
-        shuffle_batches: the shards' records are shuffled within blocks of this many batches.
-        on_bad_record: "error" (stop, one line naming the file and record) or "skip" (that line
-            as a warning, counted; the batch is one image smaller).
         seed: of the validation split, the training order and the augmentation.
     """
 
     def __init__(
         self,
-        source: str = "folder",
-        data_dir: str | None = None,
-        shards_dir: str | None = None,
-        val_size: int = 1000,
-        img_size: int | None = None,
+        source: Folder | StreamedShards,
+        img_size: PositiveInt | None = None,
         in_chans: int | None = None,
-        batch_size: int = 128,
+        batch_size: PositiveInt = 128,
         scale: tuple[float, float] = (0.35, 1.0),
-        hflip: float = 0.5,
+        hflip: DropRate = 0.5,
         auto_augment: str | None = None,
-        mean: list[float] | None = None,
-        std: list[float] | None = None,
-        random_erasing: float = 0.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5,
+        normalize: dict[str, list[float] | None] | None = None,
+        random_erasing: DropRate = 0.0,
+        mixup: dict[str, float] | None = None,
         num_workers: int = 0,
-        shuffle_batches: int = 4,
-        on_bad_record: str = "error",
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        check_choice("data", "source", source, SOURCES)
-        check_choice("data", "on_bad_record", on_bad_record, ("error", "skip"))
-        check_positive("data", val_size=val_size, batch_size=batch_size, shuffle_batches=shuffle_batches)
-        if img_size is not None:
-            check_positive("data", img_size=img_size)
         if in_chans not in (None, 1, 3):
             raise ConfigError(f"data.in_chans must be 1, 3 or null, got {in_chans!r}")
-        check_probability("data", hflip=hflip, random_erasing=random_erasing)
         if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
             raise ConfigError(f"data.scale must be [low, high] with 0 < low <= high <= 1, got {list(scale)}")
-        if (mixup_alpha or cutmix_alpha) and batch_size % 2:
-            raise ConfigError(
-                f"data.batch_size must be even with mixup/cutmix (pairs are mixed), got {batch_size}"
-            )
-        if source == "folder" and data_dir is None:
-            raise ConfigError("data.data_dir must name an ImageFolder directory (root/train/<class>/<image>)")
-        if source == "shards" and shards_dir is None:
-            raise ConfigError("data.shards_dir must name a folder written by attnlab-prepare --mode images")
-        if shards_dir is not None:
-            location(shards_dir, "data.shards_dir")  # a URL's scheme and package, checked here
-        self.source, self.data_dir, self.shards_dir, self.val_size = source, data_dir, shards_dir, val_size
+        self.mixup_args = mixup_args(mixup, batch_size)
+        self.source = source
         self.img_size, self.in_chans, self.batch_size = img_size, in_chans, batch_size
         self.scale, self.hflip, self.auto_augment = list(scale), hflip, auto_augment
-        self.mean, self.std, self.random_erasing = mean, std, random_erasing
-        self.mixup_args = dict(
-            mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob
-        )
-        self.num_workers, self.shuffle_batches, self.seed = num_workers, shuffle_batches, seed
-        self.bad = BadRecords(on_bad_record)
+        self.mean, self.std = (normalize or {}).get("mean"), (normalize or {}).get("std")
+        if self.mean is None or self.std is None:
+            self.mean = self.std = None
+        self.random_erasing, self.num_workers, self.seed = random_erasing, num_workers, seed
+        self.bad = BadRecords(source.on_bad_record)
         self.classes: list[str] | None = None
         self.splits: dict[str, Dataset] = {}
-        self.shards: ImageShards | None = None
+        self.shards: TarShards | None = None
         self.mixup: Mixup | None = None
 
     # --- what the model and inference need -------------------------------------------------
@@ -276,9 +244,9 @@ class ImageFilesDataModule(DataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        train = self._setup_folder() if self.source == "folder" else self._setup_shards()
+        train = self._setup_folder() if isinstance(self.source, Folder) else self._setup_shards()
         if "test" not in self.splits:
-            log.warning("%s has no test split: the test stage scores the validation split", self.data_dir)
+            log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
             self.splits["test"] = self.splits["val"]
         if self.mean is None:
             val = self.splits["val"]
@@ -290,11 +258,10 @@ class ImageFilesDataModule(DataModule):
         )
         if train is not None:
             self.splits["train"] = ImageFiles(*train, self.train_transform, self.bad, self.seed)
-        if self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]:
-            self.mixup = Mixup(**self.mixup_args, label_smoothing=0.0, num_classes=len(self.classes))
+        self.mixup = make_mixup(self.mixup_args, len(self.classes))
         log.info(
             "%s: %d train / %d val / %d test images at %dx%d, %d channel(s), %d classes",
-            self.data_dir or self.shards_dir,
+            self.source.where,
             len(self.splits["train"]) if train is not None else self.shards.count("train"),
             len(self.splits["val"]),
             len(self.splits["test"]),
@@ -306,8 +273,8 @@ class ImageFilesDataModule(DataModule):
 
     def _setup_folder(self) -> tuple[list[Path], list[int]]:
         """The val and test splits of the folder; returns the training files and labels."""
-        found, self.classes = scan_image_folder(self.data_dir)
-        files = {**carve(*found["train"], self.val_size, self.seed), **found}
+        found, self.classes = scan_image_folder(self.source.path)
+        files = {**carve(*found["train"], self.source.val_size, self.seed), **found}
         first = files["val"][0][0]
         self._fix_size(first.read_bytes(), str(first))
         for split in ("val", "test"):
@@ -317,14 +284,14 @@ class ImageFilesDataModule(DataModule):
 
     def _setup_shards(self) -> None:
         """The val and test splits of the shards (training streams them: ``train_dataloader``)."""
-        self.shards = ImageShards(self.shards_dir)
-        if self.shards.kind != "cls" or not self.shards.classes:
+        self.shards = TarShards(self.source.path)
+        if self.shards.kind != "images" or not self.shards.classes:
             raise DataError(
-                f"{self.shards_dir}: not classification shards (key.jpg + key.cls); see its manifest"
+                f"{self.source.path}: not classification shards (key.jpg + key.cls); see its manifest"
             )
         self.classes = self.shards.classes
         if not self.shards.count("val"):
-            raise DataError(f"{self.shards_dir}: no validation records (prepare with --val-size > 0)")
+            raise DataError(f"{self.source.path}: no validation records (prepare with --val-size > 0)")
         first = next(read_shard(self.shards.splits["val"][0], 0, self.bad))
         self._fix_size(image_bytes(first), f"{first['__url__']}: record {first['__key__']}")
         for split in ("val", "test"):
@@ -384,7 +351,7 @@ class ImageFilesDataModule(DataModule):
         return x, labels
 
     def train_dataloader(self) -> DataLoader:
-        if self.source == "folder":
+        if isinstance(self.source, Folder):
             sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
             return image_loader(
                 self.splits["train"], self.batch_size, self.num_workers, sampler, collate_readable
@@ -399,7 +366,7 @@ class ImageFilesDataModule(DataModule):
             lanes=self.num_workers,
             rank=rank,
             world=world,
-            shuffle_batches=self.shuffle_batches,
+            shuffle_batches=self.source.shuffle_batches,
             on_bad_record=self.bad.policy,
         )
         stream.start = self.train_batches_consumed

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab.core.checks import check_choice, check_positive
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
+from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, image_loader, normalize
 from attnlab.data.vision.datasets import load_idx_dataset
@@ -228,11 +229,11 @@ class ScenesDataModule(DataModule):
     item whose centre lies in that cell of a g x g grid over the canvas (which classes are where).
 
     Args:
-        source: "fashion_mnist" or "mnist" (the IDX files, read as ``data=fashion_mnist`` reads them).
-        data_dir, cache_dir, url: where the IDX files are (``ImageClassificationDataModule``'s).
+        source: ``Builtin("fashion_mnist" | "mnist")`` (the IDX files, read as
+            ``data=fashion_mnist`` reads them).
         canvas: the scenes' side in pixels.
         items: the fewest and most items in a scene.
-        n_train, n_val, n_test: scenes per split.
+        train_size, val_size, test_size: scenes per split.
         target: "caption" or "labels".
         label_grid: for ``target="labels"``, the side of the grid of cells each class is named in
             (1: the whole canvas, which classes are in the scene; 2: which are in each quadrant).
@@ -241,40 +242,31 @@ class ScenesDataModule(DataModule):
 
     def __init__(
         self,
-        source: str = "fashion_mnist",
-        data_dir: str | None = None,
-        cache_dir: str = "data",
-        url: str | None = None,
-        canvas: int = 64,
+        source: Builtin | None = None,
+        canvas: PositiveInt = 64,
         items: tuple[int, int] = (2, 4),
-        n_train: int = 20_000,
-        n_val: int = 500,
-        n_test: int = 2000,
-        target: str = "caption",
-        label_grid: int = 1,
-        batch_size: int = 64,
+        train_size: PositiveInt = 20_000,
+        val_size: PositiveInt = 500,
+        test_size: PositiveInt = 2000,
+        target: Literal["caption", "labels"] = "caption",
+        label_grid: PositiveInt = 1,
+        batch_size: PositiveInt = 64,
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        check_choice("data", "source", source, tuple(CLASS_PHRASES))
-        check_choice("data", "target", target, ("caption", "labels"))
-        check_positive(
-            "data",
-            canvas=canvas,
-            n_train=n_train,
-            n_val=n_val,
-            n_test=n_test,
-            label_grid=label_grid,
-            batch_size=batch_size,
-        )
+        source = source or Builtin("fashion_mnist")
+        if source.name not in CLASS_PHRASES:
+            raise ConfigError(
+                f"data.source.name must be one of {', '.join(map(repr, CLASS_PHRASES))}, got {source.name!r}"
+            )
         if len(items) != 2:
             raise ConfigError(f"data.items must be [min, max], got {list(items)}")
-        self.source, self.data_dir, self.cache_dir, self.url = source, data_dir, cache_dir, url
+        self.source = source
         self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
-        self.sizes = {"train": n_train, "val": n_val, "test": n_test}
+        self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.phrases = CLASS_PHRASES[source]  # what captions call each class
+        self.phrases = CLASS_PHRASES[source.name]  # what captions call each class
         self.label_grid = label_grid
         self.classes = grid_label_names(self.phrases, label_grid)  # the labels' names
         self.tokenizer: WordTokenizer | None = None
@@ -312,13 +304,15 @@ class ScenesDataModule(DataModule):
     # --- loading ---------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        if self.data_dir is None:  # download once, on one process
-            load_idx_dataset(self.source, None, self.cache_dir, self.url)
+        src = self.source
+        if src.data_dir is None:  # download once, on one process
+            load_idx_dataset(src.name, None, src.cache_dir, src.url)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        data = load_idx_dataset(self.source, self.data_dir, self.cache_dir, self.url)
+        src = self.source
+        data = load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
         order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
         half = len(order) // 2
         sources = {  # (images, labels, the pool's indices in them)
@@ -347,7 +341,7 @@ class ScenesDataModule(DataModule):
             self.max_len = max(self.max_len or 0, longest + 2)
         log.info(
             "scenes of %s: %d train / %d val / %d test, %d-%d items on %dx%d%s",
-            self.source,
+            self.source.where,
             *self.sizes.values(),
             *self.items,
             self.canvas,

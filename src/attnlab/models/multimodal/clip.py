@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice, check_positive, check_probability
+from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
@@ -39,7 +39,6 @@ class TextTransformer(nn.Module):
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on the embeddings and each residual branch.
         pad_id: the padding token (captions are right-padded).
-        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         act: the MLPs' activation, "gelu" or "quick_gelu" (OpenAI's CLIP weights).
         pool: which token's state is the caption's feature: "last" (the last non-padding one)
             or "argmax" (the one of highest id: open_clip's, where end-of-text has the highest
@@ -48,30 +47,19 @@ class TextTransformer(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_len: int = 32,
-        dim: int = 128,
-        depth: int = 4,
-        n_head: int = 4,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
+        vocab_size: PositiveInt,
+        max_len: PositiveInt = 32,
+        dim: PositiveInt = 128,
+        depth: PositiveInt = 4,
+        n_head: PositiveInt = 4,
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: DropRate = 0.0,
         pad_id: int = 0,
         attn_impl: AttentionImpl = "auto",
         act: Activation = "gelu",
         pool: TextPool = "last",
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net.text",
-            vocab_size=vocab_size,
-            max_len=max_len,
-            dim=dim,
-            depth=depth,
-            n_head=n_head,
-        )
-        check_probability("model.net.text", dropout=dropout)
-        check_choice("model.net.text", "pool", pool, get_args(TextPool))
-        act_layer = activation("model.net.text", act)
         self.vocab_size, self.max_len, self.dim, self.pad_id = vocab_size, max_len, dim, pad_id
         self.pool = pool
         self.embed = TokenEmbedding(vocab_size, dim, LearnedPositions(dim, max_len), dropout)
@@ -82,7 +70,7 @@ class TextTransformer(nn.Module):
                 int(dim * mlp_ratio),
                 dropout=dropout,
                 attn_layer=partial(MultiHeadAttention, impl=attn_impl),
-                act_layer=act_layer,
+                act_layer=activation(act),
             )
             for _ in range(depth)
         )
@@ -133,9 +121,8 @@ class CLIP(nn.Module):
         embed_dim: width of the shared space.
     """
 
-    def __init__(self, image: nn.Module, text: TextTransformer, embed_dim: int = 128) -> None:
+    def __init__(self, image: nn.Module, text: TextTransformer, embed_dim: PositiveInt = 128) -> None:
         super().__init__()
-        check_positive("model.net", embed_dim=embed_dim)
         self.image, self.text, self.embed_dim = image, text, embed_dim
         self.image_proj = nn.Linear(image.num_features, embed_dim, bias=False)
         self.text_proj = nn.Linear(text.dim, embed_dim, bias=False)

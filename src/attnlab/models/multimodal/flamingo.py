@@ -16,15 +16,15 @@ a Perceiver Resampler and gated cross-attention layers, the only parts trained.
 Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
 ``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
 attends only to the latents of the last image at or before it (the paper's masking), a token
-before any image to none. A row of one image (B, C, H, W), the captioning contract's, is seen by
+before any image to none. A row of one image (B, C, H, W), a ``Captioner``'s, is seen by
 every token, whatever follows. The marker is BOS by default: a caption ``[BOS] words [EOS]`` is an
 (image, text) chunk, and few-shot prompting puts example chunks before the query image's
 (``few_shot_prompt``).
 
-It is a captioning net (``attnlab.training.captioning``): ``forward``, ``start``, ``step``,
-``reorder`` and ``grid``. The attention of a word over the image patches is the gated
-cross-attention over the latents composed with the resampler's attention over the patches, each
-averaged over heads and layers.
+It is a ``Captioner`` (``attnlab.models.contracts``), which ``attnlab.training.captioning``
+trains. The attention of a word over the image patches is the gated cross-attention over the
+latents composed with the resampler's attention over the patches, each averaged over heads and
+layers.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_positive, check_positive_number
-from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.errors import DataError
+from attnlab.core.specs import NonNegativeInt, PositiveFloat, PositiveInt, nested
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.convnet import ConvNet
 from attnlab.models.vision.vit import VisionTransformer
@@ -111,12 +111,9 @@ class PerceiverResampler(nn.Module):
         region_latents: bool = False,
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net", in_dim=in_dim, resampler_depth=depth, n_latents=n_latents, place_bands=n_bands
-        )
         if region_latents and math.isqrt(n_latents) ** 2 != n_latents:
-            raise ConfigError(
-                f"model.net.n_latents={n_latents}: region_latents needs a square (one latent per region)"
+            raise ValueError(
+                f"n_latents: region_latents needs a square (one latent per region), got {n_latents}"
             )
         self.grid, self.region_latents = grid, region_latents
         places = fourier_features(grid, grid, n_bands, (grid / 2, grid / 2))  # (S, 2 + 4 * n_bands)
@@ -241,6 +238,7 @@ class FlamingoState:
     image: Tensor  # (B,) long
     patch_attn: Tensor  # (B, N, L, S)
     interleaved: bool  # markers move a row to its next image (else its one image is seen)
+    attn: Tensor | None = None  # the last step's attention over its image's patches (B, S)
 
 
 class Flamingo(nn.Module):
@@ -270,31 +268,32 @@ class Flamingo(nn.Module):
         self,
         vision: Callable[..., VisionEncoder],
         lm: Callable[..., GPT],
-        vocab_size: int,
-        img_size: int,
-        in_chans: int,
-        n_latents: int = 16,
-        resampler_depth: int = 2,
-        n_head: int = 4,
-        mlp_ratio: float = 2.0,
-        place_bands: int = 4,
-        cross_every: int = 1,
+        vocab_size: PositiveInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
+        n_latents: PositiveInt = 16,
+        resampler_depth: PositiveInt = 2,
+        n_head: PositiveInt = 4,
+        mlp_ratio: PositiveFloat = 2.0,
+        place_bands: PositiveInt = 4,
+        cross_every: PositiveInt = 1,
         image_token: int = 1,
         region_latents: bool = False,
-        feature_cache: int = 0,
+        feature_cache: NonNegativeInt = 0,
     ) -> None:
         super().__init__()
-        check_positive("model.net", cross_every=cross_every)
-        if feature_cache < 0:
-            raise ConfigError(f"model.net.feature_cache must be >= 0 (0: off), got {feature_cache}")
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        vision, lm = vision(img_size=img_size, in_chans=in_chans), lm(vocab_size=vocab_size)
+        with nested("vision"):
+            vision = vision(img_size=img_size, in_chans=in_chans)
+        with nested("lm"):
+            lm = lm(vocab_size=vocab_size)
         self.vision = vision.eval().requires_grad_(False)
         self.lm = lm.eval().requires_grad_(False)
         self.feature_cache = FeatureCache(feature_cache)
         self.register_load_state_dict_post_hook(Flamingo._forget_features)
         self.image_token, self.n_latents = image_token, n_latents
         dim = lm.norm.normalized_shape[0]
+        if dim % n_head:
+            raise ValueError(f"n_head: must divide the language model's width ({dim}), got {n_head}")
         with torch.no_grad():  # the encoder's grid of features, read off a blank image
             grid = math.isqrt(self.features(torch.zeros(1, in_chans, img_size, img_size)).size(1))
         self.resampler = PerceiverResampler(
@@ -379,7 +378,7 @@ class Flamingo(nn.Module):
         image = (tokens == self.image_token).long().cumsum(1) + (-1 if first is None else first[:, None])
         if (image >= n_images).any():
             raise DataError(
-                f"model.net.image_token: a sequence marks more images (token {self.image_token}) than "
+                f"image_token: a sequence marks more images (token {self.image_token}) than "
                 f"the {n_images} it was given"
             )
         return image
@@ -453,18 +452,20 @@ class Flamingo(nn.Module):
             return state.image[:, None].expand_as(tokens)
         return self.image_of_tokens(tokens, state.patch_attn.size(1), state.image)
 
-    def step(self, tokens: Tensor, state: FlamingoState) -> tuple[Tensor, Tensor, FlamingoState]:
-        """One token per row (B,) -> logits (B, V), its attention over the patches (B, S), state."""
+    def step(self, tokens: Tensor, state: FlamingoState) -> tuple[Tensor, FlamingoState]:
+        """One token per row (B,) -> logits (B, V) and the state, its ``attn`` the token's
+        attention over the patches (B, S)."""
         image = self._advance(tokens[:, None], state)  # (B, 1)
         logits, xattn = self._decode(tokens[:, None], image, state.patch_attn.size(1), state=state)
-        state.image = image[:, 0]
-        return logits[:, 0], self._on_patches(xattn, state.patch_attn)[:, 0], state
+        state.image, state.attn = image[:, 0], self._on_patches(xattn, state.patch_attn)[:, 0]
+        return logits[:, 0], state
 
     def reorder(self, state: FlamingoState, index: Tensor) -> FlamingoState:
         """Keep the rows at ``index`` (B',) (beam search)."""
         for cache in [*state.caches, *state.cross]:
             cache.reorder(index)
         state.image, state.patch_attn = state.image[index], state.patch_attn[index]
+        state.attn = None if state.attn is None else state.attn[index]
         return state
 
 

@@ -9,17 +9,19 @@ ViT's patch tokens). Each step, with the previous state h_{t-1}:
     h_t     = LSTM([E y_{t-1}; z_t], h_{t-1})
     p(y_t)  = softmax(L_o(E y_{t-1} + L_h h_t + L_z z_t))     the deep output layer
 
-with h_0, c_0 from the mean feature. The net follows the captioning contract every captioner here
-follows (``forward``, ``start``, ``step``, ``reorder``, ``grid``), which ``CaptioningTask`` trains
-and ``attnlab.inference.captioning`` decodes.
+with h_0, c_0 from the mean feature. The net is a ``Captioner`` (``attnlab.models.contracts``),
+which ``CaptioningTask`` trains and ``attnlab.inference.captioning`` decodes.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice, check_positive, check_probability
+from attnlab.core.specs import DropRate, PositiveInt
+from attnlab.models.vision.vit import VisionTransformer
 from attnlab.nn import Dropout, flops
 from attnlab.nn.embedding import conv_bn_relu
 from attnlab.nn.flops import Flops
@@ -63,8 +65,6 @@ class ViTEncoder(nn.Module):
 
     def __init__(self, img_size: int, in_chans: int, dim: int, depth: int, patch_size: int, n_head: int):
         super().__init__()
-        from attnlab.models.vision.vit import VisionTransformer
-
         self.vit = VisionTransformer(
             0, img_size, in_chans, patch_size=patch_size, dim=dim, depth=depth, n_head=n_head, stem="conv"
         )
@@ -99,34 +99,23 @@ class ShowAttendTell(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        img_size: int,
-        in_chans: int,
+        vocab_size: PositiveInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
         pad_id: int = 0,
-        encoder: str = "cnn",
-        enc_dim: int = 128,
-        enc_depth: int = 3,
-        patch_size: int = 8,
-        n_head: int = 4,
-        dim: int = 128,
-        hidden: int = 256,
-        attn_dim: int = 128,
-        dropout: float = 0.2,
+        encoder: Literal["cnn", "vit"] = "cnn",
+        enc_dim: PositiveInt = 128,
+        enc_depth: PositiveInt = 3,
+        patch_size: PositiveInt = 8,
+        n_head: PositiveInt = 4,
+        dim: PositiveInt = 128,
+        hidden: PositiveInt = 256,
+        attn_dim: PositiveInt = 128,
+        dropout: DropRate = 0.2,
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net",
-            vocab_size=vocab_size,
-            img_size=img_size,
-            in_chans=in_chans,
-            enc_dim=enc_dim,
-            enc_depth=enc_depth,
-            dim=dim,
-            hidden=hidden,
-            attn_dim=attn_dim,
-        )
-        check_choice("model.net", "encoder", encoder, ("cnn", "vit"))
-        check_probability("model.net", dropout=dropout)
+        if encoder == "vit" and enc_dim % n_head:
+            raise ValueError(f"enc_dim: must be divisible by n_head ({n_head}), got {enc_dim}")
         self.vocab_size, self.pad_id = vocab_size, pad_id
         if encoder == "cnn":
             self.encoder: nn.Module = ConvEncoder(img_size, in_chans, enc_dim, enc_depth)
@@ -145,7 +134,7 @@ class ShowAttendTell(nn.Module):
         self.embed.weight.data[pad_id] = 0.0
         self.out.weight = self.embed.weight
 
-    # -- the captioning contract ------------------------------------------------------------------
+    # -- the ``Captioner`` contract (``attnlab.models.contracts``) ---------------------------------
     def start(self, images: Tensor) -> State:
         """Encode (B, C, H, W) images once: the features (B, S, D), their attention keys and the
         LSTM's first state from the mean feature."""
@@ -155,11 +144,11 @@ class ShowAttendTell(nn.Module):
         pad = torch.zeros(feats.shape[:2], dtype=torch.bool, device=feats.device)  # every position counts
         return {"feats": feats, "keys": self.attn.prepare(feats), "pad": pad, "h": h, "c": c}
 
-    def step(self, tokens: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
-        """The next word's logits (B, V) after ``tokens`` (B,), the attention (B, S) that chose it,
-        and the new state (the old one is left as it was)."""
-        out, attn, state = self._step(self.drop(self.embed(tokens)), state)
-        return self.out(self.drop(out)), attn, state
+    def step(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
+        """The next word's logits (B, V) after ``tokens`` (B,) and the new state, whose ``attn``
+        is the attention (B, S) that chose it (the old state is left as it was)."""
+        out, state = self._step(self.drop(self.embed(tokens)), state)
+        return self.out(self.drop(out)), state
 
     def reorder(self, state: State, index: Tensor) -> State:
         """The rows ``index`` (B',) of every tensor: beam search keeps and copies hypotheses."""
@@ -172,9 +161,9 @@ class ShowAttendTell(nn.Module):
         emb = self.drop(self.embed(tokens))  # (B, T, E)
         outs, attns = [], []
         for t in range(tokens.size(1)):
-            out, attn, state = self._step(emb[:, t], state)
+            out, state = self._step(emb[:, t], state)
             outs.append(out)
-            attns.append(attn)
+            attns.append(state["attn"])
         # the output layer once over every step: one large matmul instead of T small ones
         return self.out(self.drop(torch.stack(outs, 1))), torch.stack(attns, 1)
 
@@ -195,15 +184,15 @@ class ShowAttendTell(nn.Module):
         word = word + flops.linear_layer(self.out_h, b) + flops.linear_layer(self.out_z, b)
         return start + word * t + flops.linear_layer(self.out, b * t)
 
-    def _step(self, e: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
+    def _step(self, e: Tensor, state: State) -> tuple[Tensor, State]:
         """One word from its input embedding (B, E): the deep output (B, E) before the output
-        matrix, the attention weights (B, S), the new state."""
+        matrix and the new state, with the attention weights (B, S) as ``attn``."""
         h = state["h"]
         context, alpha = self.attn(h, state["feats"], state["pad"], state["keys"])  # (B, D), (B, S)
         z = torch.sigmoid(self.f_beta(h)) * context
         h, c = self.cell(torch.cat([e, z], -1), (h, state["c"]))
         out = e + self.out_h(h) + self.out_z(z)
-        return out, alpha, {**state, "h": h, "c": c}
+        return out, {**state, "h": h, "c": c, "attn": alpha}
 
     def extra_repr(self) -> str:
         return f"grid={self.grid}"

@@ -10,11 +10,12 @@ exact GELU) so that ``attnlab.weights.bert`` maps its weights onto ours.
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
+from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops
@@ -72,39 +73,26 @@ class Bert(nn.Module):
         n_segments: segment ids (2: sentence A and B).
         dropout: on the embeddings and each residual branch.
         attn_dropout: on the attention weights.
-        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         positions: "learned" (BERT's), or relative ones inside the attention (docs/positions.md):
             "rope", "alibi" (symmetric: the distance either way) or "t5" (buckets both ways).
     """
 
     def __init__(
         self,
-        vocab_size: int,
+        vocab_size: PositiveInt,
         pad_id: int = 0,
-        dim: int = 256,
-        depth: int = 4,
-        n_head: int = 4,
-        mlp_ratio: float = 4.0,
-        max_len: int = 128,
-        n_segments: int = 2,
-        dropout: float = 0.1,
-        attn_dropout: float = 0.1,
+        dim: PositiveInt = 256,
+        depth: PositiveInt = 4,
+        n_head: PositiveInt = 4,
+        mlp_ratio: PositiveFloat = 4.0,
+        max_len: PositiveInt = 128,
+        n_segments: PositiveInt = 2,
+        dropout: DropRate = 0.1,
+        attn_dropout: DropRate = 0.1,
         attn_impl: AttentionImpl = "auto",
-        positions: str = "learned",
+        positions: Literal["learned", "rope", "alibi", "t5"] = "learned",
     ) -> None:
         super().__init__()
-        check_choice("model.net.encoder", "positions", positions, ("learned", "rope", "alibi", "t5"))
-        check_positive(
-            "model.net.encoder",
-            vocab_size=vocab_size,
-            dim=dim,
-            depth=depth,
-            n_head=n_head,
-            max_len=max_len,
-            n_segments=n_segments,
-        )
-        check_positive_number("model.net.encoder", mlp_ratio=mlp_ratio)
-        check_probability("model.net.encoder", dropout=dropout, attn_dropout=attn_dropout)
         self.vocab_size, self.pad_id, self.dim, self.max_len = vocab_size, pad_id, dim, max_len
         self.embed = BertEmbeddings(
             vocab_size, dim, max_len, n_segments, dropout, pad_id, learned_positions=positions == "learned"
@@ -205,9 +193,8 @@ class BertPreTraining(nn.Module):
 class BertClassifier(nn.Module):
     """The encoder, dropout and a linear layer to ``num_classes``; the subclasses say what it reads."""
 
-    def __init__(self, encoder: Bert, num_classes: int, dropout: float = 0.1) -> None:
+    def __init__(self, encoder: Bert, num_classes: PositiveInt, dropout: DropRate = 0.1) -> None:
         super().__init__()
-        check_positive("model.net", num_classes=num_classes)
         self.encoder, self.num_classes = encoder, num_classes
         self.drop = Dropout(dropout)
         self.head = nn.Linear(encoder.dim, num_classes)

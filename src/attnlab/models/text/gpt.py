@@ -22,13 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import (
     LearnedPositions,
     MultiHeadAttention,
@@ -40,21 +39,19 @@ from attnlab.nn import (
 from attnlab.nn.attention import AttentionImpl, KVCache
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
-from attnlab.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
+from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
 from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
 from attnlab.nn.positions import Positions, relative_positions
 
 Attention = Literal["full", "sliding", "global_local", "linear"]
-ATTENTIONS = get_args(Attention)
+FeatureMap = Literal["elu", "taylor"]  # the keys of nn.linear_attention.FEATURE_MAPS
 Cache = KVCache | LinearAttentionState
 
 
 def causal_attention_layer(
-    attention: Attention, window: int, n_global: int, impl: AttentionImpl, feature_map: str = "elu"
+    attention: Attention, window: int, n_global: int, impl: AttentionImpl, feature_map: FeatureMap = "elu"
 ) -> Callable[..., nn.Module]:
     """The attention layer ``attention`` names, as a constructor for ``TransformerBlock``."""
-    check_choice("model.net", "attention", attention, ATTENTIONS)
-    check_choice("model.net", "feature_map", feature_map, tuple(FEATURE_MAPS))
     if attention == "sliding":
         return partial(SlidingWindowAttention, window=window, impl=impl)
     if attention == "global_local":
@@ -62,6 +59,13 @@ def causal_attention_layer(
     if attention == "linear":
         return partial(LinearAttention, feature_map=feature_map)
     return partial(MultiHeadAttention, impl=impl)
+
+
+def init_normal(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 class GPT(nn.Module):
@@ -77,7 +81,6 @@ class GPT(nn.Module):
         mlp_ratio: MLP hidden width over ``dim`` (GPT-2's 4).
         dropout: dropout on embeddings, attention weights and residual branches.
         bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
-        attn_impl: "auto", "sdpa", "flex" or "math" attention (see ``attnlab.nn.attention``).
         act: the MLP's activation: "gelu" (nanoGPT), "gelu_tanh" (GPT-2's approximation, for
             its weights) or "quick_gelu".
         positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
@@ -92,35 +95,28 @@ class GPT(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_len: int = 64,
-        depth: int = 4,
-        n_head: int = 4,
-        dim: int = 128,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
+        vocab_size: PositiveInt,
+        max_len: PositiveInt = 64,
+        depth: PositiveInt = 4,
+        n_head: PositiveInt = 4,
+        dim: PositiveInt = 128,
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: DropRate = 0.0,
         bias: bool = False,
         attn_impl: AttentionImpl = "auto",
         act: Activation = "gelu",
         positions: Positions = "learned",
         attention: Attention = "full",
-        window: int = 32,
-        n_global: int = 4,
-        feature_map: str = "elu",
+        window: PositiveInt = 32,
+        n_global: PositiveInt = 4,
+        feature_map: FeatureMap = "elu",
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net",
-            vocab_size=vocab_size,
-            max_len=max_len,
-            depth=depth,
-            n_head=n_head,
-            dim=dim,
-            window=window,
-            n_global=n_global,
-        )
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        check_probability("model.net", dropout=dropout)
+        if attention == "linear" and positions in ("alibi", "t5"):
+            raise ValueError(
+                f"positions: {positions} biases attention scores, which linear attention never "
+                "forms: use learned, sinusoidal, rope or none"
+            )
         self.vocab_size, self.max_len = vocab_size, max_len
         absolute = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(positions)
         # fixed sinusoids (amplitude 1) would drown token vectors of GPT's small init: the
@@ -134,45 +130,35 @@ class GPT(nn.Module):
         )
         # one instance for every block (T5 shares its bias table across layers)
         self.positions = relative_positions(positions, dim // n_head, n_head, causal=True)
-        if attention == "linear" and positions in ("alibi", "t5"):
-            raise ConfigError(
-                f"model.net.positions={positions} biases attention scores, which linear attention "
-                "never forms: use learned, sinusoidal, rope or none"
-            )
-        attn_layer = causal_attention_layer(attention, window, n_global, attn_impl, feature_map)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                dim,
-                n_head,
-                int(mlp_ratio * dim),
-                dropout=dropout,
-                attn_dropout=dropout,
-                bias=bias,
-                attn_layer=attn_layer,
-                norm_layer=partial(nn.LayerNorm, bias=bias),
-                act_layer=activation("model.net", act),
-            )
-            for _ in range(depth)
+        block = partial(
+            TransformerBlock,
+            dim,
+            n_head,
+            int(mlp_ratio * dim),
+            dropout=dropout,
+            attn_dropout=dropout,
+            bias=bias,
+            attn_layer=causal_attention_layer(attention, window, n_global, attn_impl, feature_map),
+            norm_layer=partial(nn.LayerNorm, bias=bias),
+            act_layer=activation(act),
         )
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
         self.norm = nn.LayerNorm(dim, bias=bias)
         # NoPE: a window cut mid-text gives the causal mask nothing to count from, so a learned
         # start token (the BOS that NoPE studies' sequences begin with) opens each sequence; the
         # share of attention it draws falls with the position, which later layers can read
         self.start_token = nn.Parameter(torch.zeros(dim)) if positions == "none" else None
-        self.apply(self._init_weights)
+        self._init_weights(depth)
+
+    def _init_weights(self, depth: int) -> None:
+        """nanoGPT's: normal(0, 0.02) weights, zero biases, the residual projections scaled by
+        1/sqrt(2 * depth) (GPT-2)."""
+        self.apply(init_normal)
         if self.start_token is not None:
             nn.init.normal_(self.start_token, mean=0.0, std=0.02)
-        # GPT-2: scale the residual projections by 1/sqrt(2 * depth)
         for name, p in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def no_weight_decay(self) -> set[str]:
         """Nothing beyond biases and norms (which are never decayed): nanoGPT decays the
@@ -219,54 +205,27 @@ class GPT(nn.Module):
             b * t, self.norm.normalized_shape[0], self.vocab_size, grad
         )
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Extend ``idx`` (B, T) by ``max_new_tokens`` sampled tokens.
+    # -- decoding (the ``Decoder`` contract; ``attnlab.inference.decoding`` samples with it) ------
+    def start(self, idx: Tensor, use_cache: bool = True) -> dict[str, Any]:
+        """Decoding after the context ``idx`` (B, T), T >= 0. Nothing runs yet: the first step
+        reads the context and its token in one pass. ``use_cache`` False recomputes the window
+        at every step."""
+        return {"idx": idx, "caches": None, "use_cache": use_cache}
 
-        Past ``max_len`` the context window slides, which moves every token to a new
-        position, so the cache is rebuilt from the window: output equals cache-free decoding.
-        """
-        caches: list[Cache] | None = None
-        for _ in range(max_new_tokens):
-            if caches is not None and caches[0].seen - (self.start_token is not None) < self.max_len:
-                logits = self(idx[:, -1:], caches)
-            else:
-                caches = self.new_caches() if use_cache else None
-                logits = self(idx[:, -self.max_len :], caches)
-            next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-            idx = torch.cat([idx, next_id], dim=1)
-        return idx
+    def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        """Logits (B, V) after ``tokens`` (B,). Past ``max_len`` the context window slides, which
+        moves every token to a new position, so the caches are rebuilt from the window: output
+        equals cache-free decoding."""
+        idx = torch.cat([state["idx"], tokens[:, None]], dim=1)[:, -self.max_len :]
+        caches = state["caches"]
+        if caches is not None and caches[0].seen - (self.start_token is not None) < self.max_len:
+            logits = self(tokens[:, None], caches)
+        else:
+            caches = self.new_caches() if state["use_cache"] else None
+            logits = self(idx, caches)
+        return logits[:, -1], {**state, "idx": idx, "caches": caches}
 
-
-def sample_next(
-    logits: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Sample one token id per row of ``logits`` (B, V); temperature 0 means greedy."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # drop a token once the ones before it already cover top_p (always keep the first)
-        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    def reorder(self, state: dict[str, Any], index: Tensor) -> dict[str, Any]:
+        for cache in state["caches"] or []:
+            cache.reorder(index)
+        return {**state, "idx": state["idx"][index]}

@@ -12,19 +12,17 @@ encoder states, so no fixed-size context vector has to carry the whole sentence:
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, PositiveInt, Probability
 from attnlab.nn import flops
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
-
-ATTENTION_TYPES = ("additive", "general", "dot")
 
 
 class Encoder(nn.Module):
@@ -75,26 +73,25 @@ class Seq2Seq(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
+        vocab_size: PositiveInt,
         pad_id: int = 0,
-        attention: str = "additive",
-        rnn: str = "gru",
-        dim: int = 256,
-        enc_hidden: int = 512,
-        dec_hidden: int = 512,
-        attn_dim: int = 512,
-        enc_depth: int = 1,
-        dropout: float = 0.3,
-        teacher_forcing: float = 1.0,
+        attention: Literal["additive", "general", "dot"] = "additive",
+        rnn: Literal["gru", "lstm"] = "gru",
+        dim: PositiveInt = 256,
+        enc_hidden: PositiveInt = 512,
+        dec_hidden: PositiveInt = 512,
+        attn_dim: PositiveInt = 512,
+        enc_depth: PositiveInt = 1,
+        dropout: DropRate = 0.3,
+        teacher_forcing: Probability = 1.0,
         share_embeddings: bool = True,
     ) -> None:
         super().__init__()
-        if attention not in ATTENTION_TYPES:
-            raise ConfigError(f"model.net.attention must be one of {ATTENTION_TYPES}, got {attention!r}")
-        if rnn not in ("gru", "lstm"):
-            raise ConfigError(f"model.net.rnn must be 'gru' or 'lstm', got {rnn!r}")
-        if not 0.0 <= teacher_forcing <= 1.0:
-            raise ConfigError(f"model.net.teacher_forcing must be in [0, 1], got {teacher_forcing}")
+        if attention == "dot" and dec_hidden != 2 * enc_hidden:
+            raise ValueError(
+                f"dec_hidden: dot attention needs the encoder's output size 2 * enc_hidden "
+                f"({2 * enc_hidden}), got {dec_hidden}; use general attention or change the sizes"
+            )
         self.pad_id, self.attention_type, self.rnn_type = pad_id, attention, rnn
         self.teacher_forcing = teacher_forcing
         self.src_emb = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
@@ -118,7 +115,7 @@ class Seq2Seq(nn.Module):
         if share_embeddings:
             self.out.weight = self.tgt_emb.weight
 
-    # -- decoding interface (also used by training) -------------------------------------------
+    # -- decoding (the ``Decoder`` contract; also what training runs) ---------------------------
     def start(self, src: Tensor) -> dict[str, Any]:
         pad = src == self.pad_id
         memory, final = self.encoder(src, pad)
@@ -151,14 +148,13 @@ class Seq2Seq(nn.Module):
             state["feed"] = out
         return out
 
-    def step(self, tokens: Tensor, state: dict[str, Any]) -> Tensor:
-        """Logits (B, V) of the next token after ``tokens`` (B,); updates ``state``."""
-        return self.out(self._step(self.tgt_emb(tokens), state))
+    def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        """Logits (B, V) of the next token after ``tokens`` (B,); ``state`` is updated in place,
+        ``state["weights"]`` the attention (B, S) of this step."""
+        return self.out(self._step(self.tgt_emb(tokens), state)), state
 
-    def reorder(self, state: dict[str, Any], index: Tensor) -> None:
-        for key, value in state.items():
-            if isinstance(value, Tensor):
-                state[key] = value[index]
+    def reorder(self, state: dict[str, Any], index: Tensor) -> dict[str, Any]:
+        return {key: value[index] for key, value in state.items()}
 
     # -- training ------------------------------------------------------------------------------
     def _run(self, src: Tensor, tgt_in: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -3,19 +3,18 @@
 Post-LN as in the paper (``norm_first=False``) or pre-LN; sinusoidal or learned positions;
 embeddings optionally shared between source and target (a joint vocabulary), the output layer
 tied to the target embedding. Built from the shared blocks of ``attnlab.nn``.
-The decoding interface (``start`` / ``step`` / ``reorder``) is what greedy and beam search
-(``attnlab.inference.decoding``) use.
+It follows the ``Decoder`` contract (``attnlab.models.contracts``).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_choice, check_positive, check_positive_number, check_probability
+from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import (
     KVCache,
     LearnedPositions,
@@ -44,39 +43,26 @@ class Transformer(nn.Module):
         max_len: longest sequence the positions cover.
         share_embeddings: one embedding matrix for source and target (the output layer is always
             tied to the target embedding).
-        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
     """
 
     def __init__(
         self,
-        vocab_size: int,
+        vocab_size: PositiveInt,
         pad_id: int = 0,
-        dim: int = 256,
-        n_head: int = 8,
-        enc_depth: int = 3,
-        dec_depth: int = 3,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.1,
-        attn_dropout: float = 0.0,
+        dim: PositiveInt = 256,
+        n_head: PositiveInt = 8,
+        enc_depth: PositiveInt = 3,
+        dec_depth: PositiveInt = 3,
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: DropRate = 0.1,
+        attn_dropout: DropRate = 0.0,
         norm_first: bool = False,
-        positions: str = "sinusoidal",
-        max_len: int = 256,
+        positions: Literal["sinusoidal", "learned"] = "sinusoidal",
+        max_len: PositiveInt = 256,
         share_embeddings: bool = True,
         attn_impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        check_choice("model.net", "positions", positions, ("sinusoidal", "learned"))
-        check_positive(
-            "model.net",
-            vocab_size=vocab_size,
-            dim=dim,
-            n_head=n_head,
-            max_len=max_len,
-            enc_depth=enc_depth,
-            dec_depth=dec_depth,
-        )
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout)
         self.pad_id, self.dim, self.max_len = pad_id, dim, max_len
         pos_cls = SinusoidalPositions if positions == "sinusoidal" else LearnedPositions
         embed = partial(TokenEmbedding, vocab_size, dim, dropout=dropout, scale=True, padding_idx=pad_id)
@@ -180,7 +166,7 @@ class Transformer(nn.Module):
         _, weights = self.decode(tgt_in, memory, src_pad, need_weights=True)
         return {f"layer {i}": w for i, w in enumerate(weights)}
 
-    # -- incremental decoding -------------------------------------------------------------------
+    # -- decoding (the ``Decoder`` contract) ---------------------------------------------------
     def start(self, src: Tensor) -> dict[str, Any]:
         """Encode once; each layer's cross-attention keys and values are projected here, once per
         source, and only follow the beams from then on."""
@@ -188,15 +174,14 @@ class Transformer(nn.Module):
         caches = [(KVCache(), KVCache.of_memory(block.cross_attn, memory)) for block in self.decoder]
         return {"src_pad": src_pad, "caches": caches, "t": 0}
 
-    def step(self, tokens: Tensor, state: dict[str, Any]) -> Tensor:
-        """Logits (B, V) of the next token after ``tokens`` (B,), the newest output; updates ``state``."""
+    def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        """Logits (B, V) of the next token after ``tokens`` (B,), the newest output; the caches
+        grow in place."""
         x, _ = self.decode(tokens[:, None], None, state["src_pad"], state["caches"], state["t"])
-        state["t"] += 1
-        return self.logits(x[:, -1])
+        return self.logits(x[:, -1]), {**state, "t": state["t"] + 1}
 
-    def reorder(self, state: dict[str, Any], index: Tensor) -> None:
-        """Keep the hypotheses at ``index`` (beam search)."""
-        state["src_pad"] = state["src_pad"][index]
+    def reorder(self, state: dict[str, Any], index: Tensor) -> dict[str, Any]:
         for self_cache, cross_cache in state["caches"]:
             self_cache.reorder(index)
             cross_cache.reorder(index)
+        return {**state, "src_pad": state["src_pad"][index]}

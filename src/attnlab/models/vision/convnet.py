@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_num_classes, check_positive, check_probability
+from attnlab.core.specs import DropRate, NonNegativeInt, PositiveInt
 from attnlab.nn import Dropout, conv_bn_relu, flops
 from attnlab.nn.flops import Flops, Grad
 
@@ -30,17 +30,13 @@ class ConvNet(nn.Module):
 
     def __init__(
         self,
-        num_classes: int,
-        img_size: int,
-        in_chans: int,
-        widths: Sequence[int] = (32, 64, 128),
-        dropout: float = 0.1,
+        num_classes: NonNegativeInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
+        widths: Sequence[PositiveInt] = (32, 64, 128),
+        dropout: DropRate = 0.1,
     ) -> None:
         super().__init__()
-        check_positive("model.net", img_size=img_size, in_chans=in_chans)
-        check_num_classes(num_classes)
-        check_positive("model.net", **{f"widths[{i}]": w for i, w in enumerate(widths)})
-        check_probability("model.net", dropout=dropout)
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         stages, chans = [], in_chans
         for i, width in enumerate(widths):

@@ -12,14 +12,15 @@ so one set of weights runs on any image size. The head reads the mean of the lat
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge
 from timm.layers import DropPath
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_positive, check_positive_number, check_probability
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, flops, fourier_features
 from attnlab.nn.attention import AttentionImpl
@@ -87,53 +88,32 @@ class Perceiver(nn.Module):
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on each residual branch; attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last latent block (linear from 0).
-        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
     """
 
     def __init__(
         self,
-        num_classes: int,
-        img_size: int,
-        in_chans: int,
-        n_latents: int = 32,
-        dim: int = 128,
-        depth: int = 2,
-        repeats: int = 3,
-        n_head: int = 4,
-        cross_heads: int = 1,
-        n_bands: int = 8,
-        neighbourhood: int = 1,
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        drop_path: float = 0.0,
+        num_classes: PositiveInt,
+        img_size: Annotated[int, Ge(2)],  # a Nyquist frequency >= 1
+        in_chans: PositiveInt,
+        n_latents: PositiveInt = 32,
+        dim: PositiveInt = 128,
+        depth: PositiveInt = 2,
+        repeats: PositiveInt = 3,
+        n_head: PositiveInt = 4,
+        cross_heads: PositiveInt = 1,
+        n_bands: PositiveInt = 8,
+        neighbourhood: PositiveInt = 1,
+        mlp_ratio: PositiveFloat = 2.0,
+        dropout: DropRate = 0.0,
+        attn_dropout: DropRate = 0.0,
+        drop_path: DropRate = 0.0,
         attn_impl: AttentionImpl = "auto",
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net",
-            num_classes=num_classes,
-            img_size=img_size,
-            in_chans=in_chans,
-            n_latents=n_latents,
-            dim=dim,
-            depth=depth,
-            repeats=repeats,
-            n_head=n_head,
-            cross_heads=cross_heads,
-            n_bands=n_bands,
-            neighbourhood=neighbourhood,
-        )
         if neighbourhood % 2 == 0:
-            raise ConfigError(
-                f"model.net.neighbourhood must be odd (centred on its pixel), got {neighbourhood}"
-            )
-        if img_size < 2:
-            raise ConfigError(
-                f"model.net.img_size must be at least 2 (a Nyquist frequency >= 1), got {img_size}"
-            )
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
-        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
+            raise ValueError(f"neighbourhood: must be odd (centred on its pixel), got {neighbourhood}")
+        if dim % cross_heads:
+            raise ValueError(f"cross_heads: must divide dim ({dim}), got {cross_heads}")
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.n_bands, self.repeats, self.neighbourhood = n_bands, repeats, neighbourhood
         mlp_dim = int(dim * mlp_ratio)
@@ -151,18 +131,10 @@ class Perceiver(nn.Module):
         )
         self.cross_first = cross(drop_path=next(rates))
         self.cross = cross() if repeats > 1 else None  # every later repeat's
-        self.blocks = nn.ModuleList(  # the latent tower, shared by every repeat
-            TransformerBlock(
-                dim,
-                n_head,
-                mlp_dim,
-                dropout=dropout,
-                attn_dropout=attn_dropout,
-                drop_path=rate,
-                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
-            )
-            for rate in rates
-        )
+        block = partial(TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_dropout=attn_dropout)
+        attn_layer = partial(MultiHeadAttention, impl=attn_impl)
+        # the latent tower, shared by every repeat
+        self.blocks = nn.ModuleList(block(drop_path=rate, attn_layer=attn_layer) for rate in rates)
         self.norm = nn.LayerNorm(dim)
         self.num_features = dim
         self.head = nn.Linear(dim, num_classes)

@@ -14,8 +14,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import check_num_classes, check_positive, check_positive_number, check_probability
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
 from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import Stem, TransformerBlock, flops, patch_embedding
 from attnlab.nn.attention import AttentionImpl
@@ -99,37 +98,6 @@ def per_stage(rates: list[float], depths: Sequence[int]) -> list[list[float]]:
     return [rates[end - d : end] for end, d in zip(ends, depths, strict=True)]
 
 
-def check_swin_args(
-    num_classes: int,
-    img_size: int,
-    in_chans: int,
-    patch_size: int,
-    dim: int,
-    depths: Sequence[int],
-    n_head: Sequence[int],
-    window_size: int,
-) -> None:
-    check_positive(
-        "model.net",
-        img_size=img_size,
-        in_chans=in_chans,
-        patch_size=patch_size,
-        dim=dim,
-        window_size=window_size,
-    )
-    check_positive(
-        "model.net",
-        **{f"depths[{i}]": d for i, d in enumerate(depths)},
-        **{f"n_head[{i}]": h for i, h in enumerate(n_head)},
-    )
-    check_num_classes(num_classes)
-    if len(depths) != len(n_head):
-        raise ConfigError(
-            f"model.net.depths ({len(depths)} stages) and model.net.n_head "
-            f"({len(n_head)}) must have one entry per stage"
-        )
-
-
 class SwinTransformer(nn.Module):
     """Swin classifier over ``num_classes`` classes.
 
@@ -147,25 +115,29 @@ class SwinTransformer(nn.Module):
 
     def __init__(
         self,
-        num_classes: int,
-        img_size: int,
-        in_chans: int,
-        patch_size: int = 4,
-        dim: int = 96,
-        depths: Sequence[int] = (2, 2, 6, 2),
-        n_head: Sequence[int] = (3, 6, 12, 24),
-        window_size: int = 7,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        drop_path: float = 0.1,
+        num_classes: NonNegativeInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
+        patch_size: PositiveInt = 4,
+        dim: PositiveInt = 96,
+        depths: Sequence[PositiveInt] = (2, 2, 6, 2),
+        n_head: Sequence[PositiveInt] = (3, 6, 12, 24),
+        window_size: PositiveInt = 7,
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: DropRate = 0.0,
+        attn_dropout: DropRate = 0.0,
+        drop_path: DropRate = 0.1,
         attn_impl: AttentionImpl = "auto",
         stem: Stem = "patch",
     ) -> None:
         super().__init__()
-        check_swin_args(num_classes, img_size, in_chans, patch_size, dim, depths, n_head, window_size)
-        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
-        check_positive_number("model.net", mlp_ratio=mlp_ratio)
+        if len(n_head) != len(depths):
+            raise ValueError(f"n_head: one entry per stage of depths ({len(depths)}), got {len(n_head)}")
+        for i, heads in enumerate(n_head):
+            if (dim * 2**i) % heads:
+                raise ValueError(
+                    f"n_head: stage {i + 1}'s width {dim * 2**i} is not divisible by its {heads} heads"
+                )
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, nn.LayerNorm)
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
@@ -200,17 +172,17 @@ class SwinTransformer(nn.Module):
         sizes = [grid]
         for i in range(1, n_stages):
             if sizes[-1] % 2:
-                raise ConfigError(
-                    f"model.net: stage {i + 1} merges 2x2 patches but stage {i}'s map is "
+                raise ValueError(
+                    f"img_size: stage {i + 1} merges 2x2 patches but stage {i}'s map is "
                     f"{sizes[-1]}x{sizes[-1]} tokens; choose img_size / patch_size divisible "
                     f"by {2 ** (n_stages - 1)}"
                 )
             sizes.append(sizes[-1] // 2)
         for i, size in enumerate(sizes):
             if size > window and size % window:
-                raise ConfigError(
-                    f"model.net.window_size ({window}) does not divide the feature map of stage "
-                    f"{i + 1} ({size}x{size} tokens); choose a window size dividing {size}"
+                raise ValueError(
+                    f"window_size: must divide the feature map of stage {i + 1} ({size}x{size} "
+                    f"tokens), got {window}; choose a window size dividing {size}"
                 )
         return sizes
 

@@ -1,4 +1,4 @@
-"""Any timm model as a network on the platform: ``model/net=timm model.net.name=resnet18``."""
+"""Any timm model as a network on the platform: ``model/net=timm`` with ``name=resnet18``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import NonNegativeInt, PositiveInt
 from attnlab.nn.flops import Flops, Grad
 
 
@@ -24,13 +24,18 @@ class TimmModel(nn.Module):
     """
 
     def __init__(
-        self, name: str, num_classes: int, img_size: int, in_chans: int, kwargs: dict[str, Any] | None = None
+        self,
+        name: str,
+        num_classes: NonNegativeInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not timm.is_model(name):
             close = timm.list_models(f"*{name}*")[:5]
             hint = f" (close: {', '.join(close)})" if close else " (timm.list_models() lists them)"
-            raise ConfigError(f"model.net.name={name!r} is not a timm model{hint}")
+            raise ValueError(f"name: {name!r} is not a timm model{hint}")
         self.name, self.num_classes, self.img_size, self.in_chans = name, num_classes, img_size, in_chans
         self._flops: dict[tuple, Flops] = {}  # measured per input shape (``flops``)
         args = {"num_classes": num_classes, "in_chans": in_chans, **(kwargs or {})}
@@ -38,11 +43,11 @@ class TimmModel(nn.Module):
             self.model = timm.create_model(name, pretrained=False, img_size=img_size, **args)
         except TypeError as e:  # convnets take any image size and have no img_size argument
             if "img_size" not in str(e):
-                raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e}") from e
+                raise ValueError(f"kwargs: timm model {name!r} refused them: {e}") from e
             try:
                 self.model = timm.create_model(name, pretrained=False, **args)
             except TypeError as e2:
-                raise ConfigError(f"model.net.kwargs: timm model {name!r} refused them: {e2}") from e2
+                raise ValueError(f"kwargs: timm model {name!r} refused them: {e2}") from e2
         self.probe()
 
     @torch.no_grad()
@@ -56,9 +61,9 @@ class TimmModel(nn.Module):
             self.model(torch.zeros(1, self.in_chans, self.img_size, self.img_size))
         except RuntimeError as e:
             reason = str(e).splitlines()[0]
-            raise ConfigError(
-                f"model.net.name={self.name!r} cannot take {self.img_size}x{self.img_size} images "
-                f"({reason}): raise data.img_size or choose another model"
+            raise ValueError(
+                f"name: {self.name!r} cannot take {self.img_size}x{self.img_size} images "
+                f"({reason}): raise the data's img_size or choose another model"
             ) from e
         finally:
             self.model.train(training)

@@ -10,18 +10,12 @@ Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.core.checks import (
-    check_choice,
-    check_num_classes,
-    check_positive,
-    check_positive_number,
-    check_probability,
-)
-from attnlab.core.errors import ConfigError
+from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
 from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, flops, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.blocks import Activation, activation
@@ -47,7 +41,6 @@ class VisionTransformer(nn.Module):
         dropout: on the embeddings and each residual branch.
         attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last block (linear from 0).
-        attn_impl: "auto", "sdpa", "flex" or "math" (see ``attnlab.nn.attention``).
         stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
             convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
             or "conv_full" (the conv stem with a first convolution at full resolution).
@@ -63,42 +56,32 @@ class VisionTransformer(nn.Module):
 
     def __init__(
         self,
-        num_classes: int,
-        img_size: int,
-        in_chans: int,
-        patch_size: int = 4,
-        dim: int = 192,
-        depth: int = 12,
-        n_head: int = 3,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        drop_path: float = 0.0,
+        num_classes: NonNegativeInt,
+        img_size: PositiveInt,
+        in_chans: PositiveInt,
+        patch_size: PositiveInt = 4,
+        dim: PositiveInt = 192,
+        depth: PositiveInt = 12,
+        n_head: PositiveInt = 3,
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: DropRate = 0.0,
+        attn_dropout: DropRate = 0.0,
+        drop_path: DropRate = 0.0,
         attn_impl: AttentionImpl = "auto",
         stem: Stem = "patch",
         pre_norm: bool = False,
-        norm_eps: float = 1e-6,
+        norm_eps: PositiveFloat = 1e-6,
         patch_bias: bool = True,
         act: Activation = "gelu",
-        global_pool: str = "token",
+        global_pool: Literal["token", "avg"] = "token",
     ) -> None:
         super().__init__()
-        check_positive(
-            "model.net",
-            img_size=img_size,
-            in_chans=in_chans,
-            patch_size=patch_size,
-            dim=dim,
-            depth=depth,
-            n_head=n_head,
+        self.num_classes, self.img_size, self.in_chans, self.global_pool = (
+            num_classes,
+            img_size,
+            in_chans,
+            global_pool,
         )
-        check_num_classes(num_classes)
-        check_probability("model.net", dropout=dropout, attn_dropout=attn_dropout, drop_path=drop_path)
-        check_positive_number("model.net", mlp_ratio=mlp_ratio, norm_eps=norm_eps)
-        check_choice("model.net", "global_pool", global_pool, ("token", "avg"))
-        self.global_pool = global_pool
-        act_layer = activation("model.net", act)
-        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, bias=patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(
@@ -107,20 +90,18 @@ class VisionTransformer(nn.Module):
         self.pos_drop = Dropout(dropout)
         norm_layer = partial(nn.LayerNorm, eps=norm_eps)
         self.norm_pre = norm_layer(dim) if pre_norm else nn.Identity()
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                dim,
-                n_head,
-                int(dim * mlp_ratio),
-                dropout=dropout,
-                attn_dropout=attn_dropout,
-                drop_path=rate,
-                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
-                norm_layer=norm_layer,
-                act_layer=act_layer,
-            )
-            for rate in drop_path_rates(drop_path, depth)
+        block = partial(
+            TransformerBlock,
+            dim,
+            n_head,
+            int(dim * mlp_ratio),
+            dropout=dropout,
+            attn_dropout=attn_dropout,
+            attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            norm_layer=norm_layer,
+            act_layer=activation(act),
         )
+        self.blocks = nn.ModuleList(block(drop_path=rate) for rate in drop_path_rates(drop_path, depth))
         self.norm = norm_layer(dim)
         self.num_features = dim  # what forward_head(pre_logits=True) returns, as in timm
         self.head = nn.Linear(dim, num_classes) if num_classes else nn.Identity()
@@ -214,7 +195,7 @@ class DistilledVisionTransformer(VisionTransformer):
 
     def add_extras(self, dim: int, num_classes: int) -> None:
         if self.global_pool != "token":
-            raise ConfigError("model.net.global_pool: DeiT's heads read its two tokens: use token")
+            raise ValueError("global_pool: DeiT's heads read its two tokens: use token")
         self.dist_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.head_dist = nn.Linear(dim, num_classes)
 

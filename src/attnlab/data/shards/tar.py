@@ -1,0 +1,380 @@
+"""Shards of records in open_clip's webdataset layout: tar files of ``key.<field>`` members
+(``key.jpg`` with ``key.cls`` or ``key.txt``), listed in the manifest with their record counts,
+sizes and sha256. Written byte-reproducibly (``TAR_HEADER``); training streams the shards in
+order, each loader worker of each rank reading one contiguous part of every epoch
+(``ShardStream``); validation and test read records by their offsets in the tar (``ShardRecords``),
+a map-style split that ``DataModule.eval_loader`` shares out exactly. The tar files are read
+through ``webdataset``'s tar iterators, so any shard open_clip or img2dataset writes reads here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from attnlab.core.errors import ConfigError, DataError
+from attnlab.data import sampling
+from attnlab.data.remote import RemotePath, read_ranges
+from attnlab.data.sampling import example_seed
+from attnlab.data.shards.folder import SPLITS, Hashed, Location, ShardFolder, check_file
+from attnlab.data.shards.writer import ShardWriter, check_count, check_free, publish, start_partial
+
+log = logging.getLogger(__name__)
+
+ON_BAD_RECORD = ("error", "skip")
+Record = dict[str, Any]  # webdataset's sample: {"__key__": ..., "jpg": bytes, "cls": bytes, ...}
+Item = tuple[Path, dict[str, bytes] | DataError]  # a record's fields, or why they cannot be read
+# Every tar header the same whatever the machine, user and time (webdataset's TarWriter stamps the
+# time of writing and its own user names): the same records write the same bytes.
+TAR_HEADER = {"user": "", "group": "", "mode": 0o444, "mtime": 0}
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def write_tar_shards(
+    splits: dict[str, Iterable[Item]],
+    out_dir: str | os.PathLike,
+    meta: dict[str, Any],
+    check: Callable[[dict[str, bytes], Path], None],
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+) -> dict[str, Any]:
+    """Write each split's ``(source file, {field: bytes})`` items into tar shards of at most
+    ``shard_records`` records in ``out_dir``, with a manifest (``meta`` plus the shards); return it.
+    An item that cannot be read (its ``DataError``) or that ``check`` refuses is refused, or
+    skipped and listed with ``on_bad_record=skip``."""
+    if on_bad_record not in ON_BAD_RECORD:
+        raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    check_count("shard_records", shard_records)
+    out = Path(out_dir)
+    check_free(out)
+    partial = start_partial(out)
+    entries: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    skipped: list[str] = []
+    for split, items in splits.items():
+        good = _readable(items, check, on_bad_record, skipped)
+        key = sum(e["count"] for shards in entries.values() for e in shards)  # keys go on across splits
+        entries[split] = _write_split(partial, split, good, shard_records, key)
+    return publish(partial, out, {"version": 1, **meta, "splits": entries, "skipped": skipped})
+
+
+def _readable(items: Iterable[Item], check: Callable, on_bad_record: str, skipped: list[str]) -> Iterator:
+    for path, fields in items:
+        try:
+            if isinstance(fields, DataError):
+                raise fields
+            check(fields, path)
+        except DataError as e:
+            if on_bad_record == "error":
+                raise DataError(f"{e}; set --on-bad-record skip to leave such images out") from None
+            log.warning("%s: skipped", e)
+            skipped.append(str(path))
+            continue
+        yield fields
+
+
+def _write_split(partial: Path, split: str, records: Iterator, shard_records: int, key: int) -> list[dict]:
+    """The records as ``<split>-<k>.tar`` files; keys go on from ``key`` (the records before)."""
+    import webdataset as wds
+
+    writer = ShardWriter(
+        partial, split, ["tar"], "{split}-{k:06d}", lambda p: wds.TarWriter(str(p), **TAR_HEADER)
+    )
+    try:
+        for fields in records:
+            if not writer.files or writer.shards[-1]["count"] == shard_records:
+                writer.open(count=0)
+            writer.files["tar"].write({"__key__": f"{key:09d}", **fields})
+            writer.shards[-1]["count"] += 1
+            key += 1
+        writer.close()
+    finally:  # on an error: a writer left open would be flushed into its closed file at exit
+        for f in writer.files.values():
+            f.close()
+    for shard in writer.shards:
+        shard["bytes"] = (partial / shard["file"]).stat().st_size
+    return writer.shards
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Location
+    count: int
+    sha256: str
+
+
+class TarShards(ShardFolder):
+    """A folder of tar shards (of ``kind``: images or image_text; ``None``: either): its manifest
+    (classes, for images) and each split's shards, checked for presence and size here, inside the
+    folder; their sha256 as they are first read (``read_shard``, ``ShardRecords``)."""
+
+    def __init__(self, folder: str | os.PathLike | RemotePath, kind: str | None = None) -> None:
+        super().__init__(folder, *([kind] if kind else ["images", "image_text"]))
+        self.splits: dict[str, list[Shard]] = {s: [] for s in SPLITS}
+        with self.reading():
+            for s in SPLITS:
+                for e, paths, sha256 in self.shards(s):
+                    check_file(paths[""], int(e["bytes"]))
+                    self.splits[s].append(Shard(paths[""], int(e["count"]), sha256[""]))
+
+    @property
+    def classes(self) -> list[str] | None:
+        return self.manifest.get("classes")
+
+    def count(self, split: str) -> int:
+        return sum(s.count for s in self.splits[split])
+
+
+class BadRecords:
+    """What to do with a record that cannot be read: ``error`` raises one line naming the shard and
+    the record; ``skip`` logs that line and counts it (per process)."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in ON_BAD_RECORD:
+            raise ConfigError(f"data.source.on_bad_record must be 'error' or 'skip', got {policy!r}")
+        self.policy, self.skipped = policy, 0
+
+    def __call__(self, message: str) -> None:
+        if self.policy == "error":
+            raise DataError(f"{message}; set data.source.on_bad_record=skip to leave such records out")
+        self.skipped += 1
+        log.warning("%s: skipped (%d so far in this process)", message, self.skipped)
+
+
+def read_shard(
+    shard: Shard, skip: int, bad: BadRecords, stop: int | None = None, verified: set[Location] | None = None
+) -> Iterator[Record]:
+    """The records of one shard after the first ``skip`` (read past, not decoded) up to the
+    ``stop``-th, through webdataset's tar iterators (a remote shard streamed, read ahead). A shard
+    that breaks off or holds fewer records than its manifest says is reported (``bad``) once,
+    naming the last record read.
+
+    With ``verified`` (the shards this process has checked), a shard not in it is hashed as it
+    is read (read to its end past ``stop``, unparsed) and a sha256 other than the manifest's
+    raises ``DataError`` whatever ``bad`` says: the shard changed since it was written."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    seen, last, error, stopped = 0, None, None, False
+
+    def handler(exn: Exception) -> bool:
+        nonlocal error
+        error = exn
+        return False  # a tar stream cannot be picked up after a broken record: stop this shard
+
+    check = verified is not None and shard.path not in verified
+    with shard.path.open("rb") as raw:
+        f = Hashed(raw) if check else raw
+        files = tar_file_expander([{"url": str(shard.path), "stream": f}], handler=handler)
+        for record in group_by_keys(files, handler=handler):
+            seen += 1
+            last = record["__key__"]
+            if stop is not None and seen > stop:
+                stopped = True
+                break
+            if seen > skip:
+                yield record
+        if check:
+            f.finish(shard.path, shard.sha256)
+            verified.add(shard.path)
+    if stopped:
+        return
+    if error is not None or seen < shard.count:
+        where = f"after record {last}" if last else "at its start"
+        why = f"({type(error).__name__}: {error.args[0] if error.args else ''})" if error else ""
+        bad(f"{shard.path}: broken off {where}, {seen} of {shard.count} records read {why}".rstrip())
+
+
+class ShardStream(IterableDataset):
+    """Endless training batches from tar shards, each epoch every record at most once over all
+    ranks and workers, resumable at any batch.
+
+    Epoch ``e`` is the shards in an order seeded by ``(seed, e)``, their records in order. It is
+    cut into ``world * lanes`` contiguous spans of ``per_lane`` batches; rank ``r``'s lane ``l``
+    reads span ``r * lanes + l`` from start to end, sequentially (the remainder, fewer records than
+    one batch per span, is left out of that epoch). A rank's batch ``k`` is batch ``k // lanes`` of
+    lane ``k % lanes``: loader worker ``w`` draws batches ``start + w, start + w + lanes, ...``
+    (the loader takes them round-robin), all of one lane, so a resumed run (``start``: the batches
+    its checkpoint had consumed) reads exactly the batches the uninterrupted run would have. Records
+    are shuffled within blocks of ``shuffle_batches`` batches of a lane (seeded per block).
+
+    ``decode(record, where, seed)`` turns a record into an item (``DataError`` if it cannot), its
+    random draws seeded by ``seed`` (of the run, the epoch and the record's place); ``collate``
+    a list of items into a batch. Bad records leave their batch smaller (``bad`` says or stops).
+    """
+
+    def __init__(
+        self,
+        shards: list[Shard],
+        batch_size: int,
+        decode: Callable[[Record, str], Any],
+        collate: Callable[[list[Any]], Any],
+        seed: int,
+        lanes: int = 1,
+        rank: int = 0,
+        world: int = 1,
+        shuffle_batches: int = 16,
+        on_bad_record: str = "error",
+    ) -> None:
+        self.shards, self.batch_size, self.decode, self.collate = shards, batch_size, decode, collate
+        self.seed, self.lanes, self.rank, self.world = seed, max(1, lanes), rank, world
+        self.shuffle_batches, self.bad = shuffle_batches, BadRecords(on_bad_record)
+        self.verified: set[Location] = set()  # shards this process (worker) has hashed
+        self.records = sum(s.count for s in shards)
+        self.per_lane = self.records // (batch_size * self.world * self.lanes)
+        self.start = 0
+
+    def batches_per_epoch(self) -> int:
+        """Batches of one epoch on this rank. (Not ``__len__``: to Lightning the stream is endless,
+        as ``ShardWindows`` is; were it an epoch long, Lightning would start the stream anew each
+        epoch, and the workers' copies with it.)"""
+        return self.per_lane * self.lanes
+
+    def epoch_order(self, epoch: int) -> list[Shard]:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+        return [self.shards[i] for i in torch.randperm(len(self.shards), generator=g).tolist()]
+
+    def span(self, epoch: int, lane: int, first: int, last: int) -> Iterator[Record]:
+        """Records ``first..last - 1`` of lane ``lane``'s span of ``epoch``."""
+        begin = (self.rank * self.lanes + lane) * self.per_lane * self.batch_size
+        lo, hi = begin + first, begin + last
+        offset = 0
+        for shard in self.epoch_order(epoch):
+            if offset + shard.count > lo and offset < hi:
+                skip = max(0, lo - offset)
+                records = read_shard(shard, skip, self.bad, hi - offset, self.verified)
+                yield from enumerate(records, offset + skip)
+            offset += shard.count
+            if offset >= hi:
+                return
+
+    def lane_batches(self, lane: int, start: int) -> Iterator[Any]:
+        """Lane ``lane``'s batches from its ``start``-th on, epoch after epoch."""
+        b, block = self.batch_size, self.shuffle_batches
+        begin = (self.rank * self.lanes + lane) * self.per_lane * b  # the span's first record
+        epoch, j = divmod(start, self.per_lane)
+        while True:
+            opening = (j // block) * block  # the shuffle block holding batch j
+            records = self.span(epoch, lane, opening * b, self.per_lane * b)  # read on, sequentially
+            pending: tuple[int, Record] | None = None
+            for first in range(opening, self.per_lane, block):
+                last = min(first + block, self.per_lane)
+                got: dict[int, Record] = {}
+                for i, record in itertools.chain([pending] if pending else [], records):
+                    if i >= begin + last * b:
+                        pending = (i, record)
+                        break
+                    got[i] = record
+                else:
+                    pending = None
+                slot = self.rank * self.lanes + lane
+                block_seed = ((self.seed * 1_000_003 + epoch) * 1_000_003 + slot) * 1_000_003 + first
+                g = torch.Generator().manual_seed(block_seed % 2**63)
+                order = (begin + first * b + torch.randperm((last - first) * b, generator=g)).tolist()
+                for jj in range(max(j, first), last):
+                    indices = order[(jj - first) * b : (jj - first + 1) * b]
+                    yield self._batch(got, indices, epoch, f"batch {jj} of epoch {epoch}")
+            epoch, j = epoch + 1, 0
+
+    def _batch(self, records: dict[int, Record], indices: list[int], epoch: int, where: str) -> Any:
+        items = []
+        for i in indices:
+            record = records.get(i)
+            if record is None:
+                continue  # its shard broke off before it (already reported)
+            try:
+                where_ = f"{record['__url__']}: record {record['__key__']}"
+                items.append(self.decode(record, where_, example_seed(self.seed, (epoch, i))))
+            except DataError as e:
+                self.bad(str(e))
+        if not items:
+            raise DataError(f"no readable record in {where} of the training shards")
+        return self.collate(items)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.per_lane:
+            raise DataError(
+                f"the training shards hold {self.records} records, fewer than one batch of "
+                f"{self.batch_size} for each of {self.world} ranks x {self.lanes} loader workers"
+            )
+        info = sampling.get_worker_info()
+        worker = info.id if info else 0
+        k = self.start + worker  # this worker's first batch of the rank's stream
+        yield from self.lane_batches(k % self.lanes, k // self.lanes)
+
+
+def stream_loader(stream: ShardStream, num_workers: int, seed: int) -> DataLoader:
+    """A loader of a stream's batches (made in the workers: ``batch_size=None``)."""
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class ShardRecords(Dataset):
+    """A split's records by index, read at their offsets in the tar files (validation and test:
+    a map-style split, for ``DataModule.eval_loader``'s exact sharing between ranks). The offsets
+    come from one pass over the tar headers."""
+
+    def __init__(self, shards: list[Shard], decode: Callable[[Record, str], Any], bad: BadRecords) -> None:
+        self.decode, self.bad = decode, bad
+        self.index: list[tuple[Location, str, dict[str, tuple[int, int]]]] = []
+        for shard in shards:
+            self.index += self._scan(shard)
+
+    def _scan(self, shard: Shard) -> list[tuple[Location, str, dict[str, tuple[int, int]]]]:
+        """The records' offsets, read as a stream (the data read past, not sought over) so that the
+        same pass hashes the shard: ``DataError`` unless its sha256 is the manifest's."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        broken = None
+        with shard.path.open("rb") as raw:
+            f = Hashed(raw)
+            try:
+                with tarfile.open(fileobj=f, mode="r|") as tar:
+                    for member in tar:
+                        if member.isreg() and "." in member.name:
+                            key, ext = member.name.split(".", 1)
+                            out.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
+            except (tarfile.TarError, OSError) as e:
+                broken = e
+            f.finish(shard.path, shard.sha256)  # a changed shard says so before how it broke
+        if broken is not None:
+            self.bad(
+                f"{shard.path}: not a readable tar file ({broken}), {len(out)} of {shard.count} records found"
+            )
+        if len(out) < shard.count:
+            self.bad(f"{shard.path}: {len(out)} of {shard.count} records found")
+        return [(shard.path, key, fields) for key, fields in out.items()]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def record(self, i: int) -> Record:
+        path, key, fields = self.index[i]
+        record: Record = {"__key__": key, "__url__": str(path)}
+        record.update(zip(fields, read_ranges(path, list(fields.values())), strict=True))
+        return record
+
+    def __getitem__(self, i: int) -> Any:
+        """The decoded record, or ``None`` for one that is skipped (collate leaves it out)."""
+        record = self.record(i)
+        try:
+            return self.decode(record, f"{record['__url__']}: record {record['__key__']}")
+        except DataError as e:
+            self.bad(str(e))
+            return None
