@@ -227,7 +227,16 @@ def test_ctrl_c_during_two_trials_queues_both_and_resume_runs_them(tmp_path, mon
     ]
     env = cli_env() | {"FAKE_TRIAL_HOLD_DIR": str(holds)}
     cmd = [sys.executable, "-c", DRIVER, HELD_TRIAL]
-    driver = subprocess.Popen([*cmd, *args], env=env, cwd=tmp_path, start_new_session=True, text=True)
+    # as from a terminal: Ctrl-C's default action, whatever this process inherited (a process that
+    # starts with SIGINT ignored, as a background job does, keeps ignoring it)
+    driver = subprocess.Popen(
+        [*cmd, *args],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not all((sweep_dir / str(n) / "started").exists() for n in (0, 1)):
         assert driver.poll() is None and time.monotonic() < deadline
