@@ -345,12 +345,13 @@ def vision_overrides(experiment: str, tmp: Path) -> list[str]:
     out = [
         f"data.source.data_dir={data}",
         f"data.batch_size={batch}",
-        "data.val_size=10",
+        "data.source.val_size=10",
         "model.plot_images=0",
     ]
     out += VISION_NETS["vit" if kind == "deit" else kind]
-    if "_finetune_" in experiment:  # the pre-trained weights: a random timm model of the tiny net
-        # at 112 pixels, not 224: a quarter of the tokens (ViT's positions resampled to 7x7)
+    if "_finetune_" in experiment or "_lora_" in experiment:  # the pre-trained weights: a random
+        # timm model of the tiny net at 112 pixels, not 224: a quarter of the tokens (ViT's
+        # positions resampled to 7x7)
         out += [f"model.init_from={timm_folder(kind, tmp / 'timm')}", "data.img_size=112"]
     if kind == "deit" and "_finetune_" not in experiment:  # the fine-tuning recipe has no teacher
         weights = tmp / "teacher.pth"
@@ -453,11 +454,11 @@ def clip_overrides(experiment: str, tmp: Path) -> list[str]:
         data = [
             f"data.source.path={write_pairs(tmp / 'pairs', n=24)}",
             "data.img_size=16",
-            "data.val_size=6",
+            "data.source.val_size=6",
             "data.num_workers=0",
         ]
     else:
-        data = [f"data.source.data_dir={write_idx_dataset(tmp / 'idx')}", "data.val_size=10"]
+        data = [f"data.source.data_dir={write_idx_dataset(tmp / 'idx')}", "data.source.val_size=10"]
     return [*CLIP_TINY, *data]
 
 
@@ -609,8 +610,8 @@ def bert_overrides(experiment: str, tmp: Path) -> list[str]:
         *BERT_TINY,
     ]
     if "pretrain" in experiment:  # 7 held-out documents each: shared out by 2 or 3 processes unevenly
-        out += ["data.val_size=0.12", "data.test_size=0.12"]
-    return out + (["model.init_from=null"] if "finetune" in experiment else [])
+        out += ["data.source.val_size=0.12", "data.source.test_size=0.12"]
+    return out + (["model.init_from=null"] if "finetune" in experiment or "_lora_" in experiment else [])
 
 
 def sentences(n: int = 300) -> list[str]:

@@ -194,11 +194,10 @@ def test_corpus_formats(tmp_path):
 def test_pretraining_data_batches(tmp_path):
     sst = write_sst2(tmp_path / "sst", n=200)
     dm = MaskedLMDataModule(
-        Files(["alps_train.tsv", "alps_dev.tsv"], data_dir=str(sst)),
+        Files(["alps_train.tsv", "alps_dev.tsv"], data_dir=str(sst), val_size=0.1),
         vocab_size=100,
         max_len=16,
         max_tokens=64,
-        val_size=0.1,
     )
     dm.setup()
     assert dm.model_kwargs()["encoder"]["pad_id"] == TOK.pad_id

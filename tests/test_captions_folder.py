@@ -15,16 +15,18 @@ from attnlab.data.multimodal.image_text_shards import prepare_image_text as prep
 from attnlab.data.text.tokenizers import WordTokenizer
 from conftest import QUIET, run_main, write_coco, write_flickr8k, write_pairs
 
+SIZES = ("data.source.val_size=2", "data.source.test_size=2")
 
-def data_module(tmp: Path, *overrides: str):
+
+def data_module(tmp: Path, *overrides: str, sizes: tuple[str, ...] = SIZES):
+    """``sizes``: the held-out images a captions file is carved into (shards: none, already split)."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(
             "train",
             overrides=[
                 f"paths.output_dir={tmp}",
                 "data=captions_folder",
-                "data.val_size=2",
-                "data.test_size=2",
+                *sizes,
                 "data.batch_size=4",
                 "data.img_size=16",
                 "data.num_workers=0",
@@ -67,7 +69,7 @@ def test_coco_json_and_tar_shards(layout, tmp_path):
         return
     shards = tmp_path / "shards"
     prepare_pairs(write_pairs(tmp_path / "pairs", n=16), shards, val_size=4, shard_records=8)
-    dm = data_module(tmp_path, "data/source=caption_shards", f"data.source.path={shards}")
+    dm = data_module(tmp_path, "data/source=caption_shards", f"data.source.path={shards}", sizes=())
     batch = next(iter(dm.train_dataloader()))
     assert batch["tokens"].shape[0] == 4 and "idx" not in batch  # shard records: one caption each
     assert len(next(iter(dm.val_dataloader()))["captions"]) == 4

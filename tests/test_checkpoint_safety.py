@@ -65,7 +65,7 @@ def entry_points(tmp: Path, ckpt: str) -> dict[str, tuple[str, list[str]]]:
             [
                 "experiment=deit_fashion_mnist",
                 f"data.source.data_dir={idx}",
-                "data.val_size=10",
+                "data.source.val_size=10",
                 "model.distillation.teacher.run=null",
                 f"+model.distillation.teacher.ckpt_path={ckpt}",
             ],

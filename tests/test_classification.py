@@ -20,6 +20,7 @@ from conftest import (
     run_cli,
     run_dirs,
     run_main,
+    spec_refusal,
     write_idx,
     write_idx_dataset,
     write_image_folder,
@@ -141,7 +142,7 @@ def test_a_tiny_vit_run_learns_generated_images(tmp_path):
             f"paths.root_dir={tmp_path}",
             *QUIET,
             f"data.source.data_dir={data}",
-            "data.val_size=40",
+            "data.source.val_size=40",
             "data.batch_size=32",
             "data.crop_padding=0",  # no augmentation: a flip moves the bright quadrant, the class
             "data.hflip=0.0",
@@ -366,5 +367,6 @@ def test_ema_warm_up_follows_the_weights_early_and_settles_at_the_decay():
     update(a, c, torch.tensor(5000))  # late: the configured decay
     torch.testing.assert_close(a[0], torch.tensor([0.998]))
     assert average.module.weight.abs().item() < 1e-3
-    with pytest.raises(ConfigError, match=r"decay must be in \[0, 1\], got 1.5"):
-        ema_with_warmup(1.5)
+    # a decay out of [0, 1] is refused by its spec when the config is checked, before training
+    refusal = spec_refusal("attnlab.training.callbacks.ema_with_warmup", decay=1.5)
+    assert refusal.startswith("model.net.decay=1.5: "), refusal

@@ -241,8 +241,7 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
 
     folder = write_idx_dataset(tmp_path / "fm", n_train=60, n_test=20)
     data = ImageTextDataModule(
-        source=Builtin("fashion_mnist", str(folder)),
-        val_size=10,
+        source=Builtin("fashion_mnist", str(folder), val_size=10),
         batch_size=8,
         max_len=16,
         vocab_size=300,
@@ -270,7 +269,7 @@ def test_generated_caption_data_gives_batches_with_held_out_templates(tmp_path):
     # the same draw for the same (epoch, index): a resumed run sees the same captions
     drawn = [train.caption((epoch, 0)) for epoch in range(8)]
     assert len(set(drawn)) > 1 and drawn == [train.caption((epoch, 0)) for epoch in range(8)]
-    again = ImageTextDataModule(Builtin("fashion_mnist", str(folder)), val_size=10, max_len=16)
+    again = ImageTextDataModule(Builtin("fashion_mnist", str(folder), val_size=10), max_len=16)
     again.load_artifacts(data.artifacts())  # inference rebuilds the same tokenizer and normalisation
     assert again.tokenizer.to_json() == data.tokenizer.to_json() and again.mean == data.mean
 
@@ -281,10 +280,9 @@ def test_pairs_files_load_resize_and_count_cut_captions(tmp_path, suffix, caplog
 
     path = write_pairs(tmp_path / "p", suffix=suffix)
     data = ImageTextDataModule(
-        source=Pairs(str(path)),
+        source=Pairs(str(path), val_size=3),
         img_size=8,
         in_chans=3,
-        val_size=3,
         batch_size=4,
         max_len=6,
         vocab_size=300,
@@ -303,14 +301,14 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
     from attnlab.inference.zeroshot import parse_labels, read_templates
 
     path = write_pairs(tmp_path / "m", missing=2)
-    strict = ImageTextDataModule(Pairs(str(path)), img_size=8, val_size=3)
+    strict = ImageTextDataModule(Pairs(str(path), val_size=3), img_size=8)
     with pytest.raises(
         DataError,
         match=r"2 of 12 listed images are missing or unreadable \(first: .*img0.png\); "
         "set data.source.on_bad_record=skip",
     ):
         strict.setup("fit")
-    lenient = ImageTextDataModule(Pairs(str(path), on_bad_record="skip"), img_size=8, val_size=3)
+    lenient = ImageTextDataModule(Pairs(str(path), val_size=3, on_bad_record="skip"), img_size=8)
     with caplog.at_level("WARNING"):
         lenient.setup("fit")
     assert (
@@ -319,7 +317,7 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
     empty = tmp_path / "empty.csv"
     empty.write_text("image,caption\nimg.png,a cat\nimg2.png,   \n")
     with pytest.raises(DataError, match=r"empty.csv:3: empty caption"):
-        ImageTextDataModule(Pairs(str(empty)), val_size=1).setup("fit")
+        ImageTextDataModule(Pairs(str(empty), val_size=1)).setup("fit")
     with pytest.raises(ConfigError, match="labels: an empty label list"):
         parse_labels(" , ")
     templates = tmp_path / "t.txt"

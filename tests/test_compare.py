@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import shutil
 import statistics
 from pathlib import Path
 
@@ -365,3 +366,29 @@ def test_a_study_url_that_cannot_be_read_is_one_line(tmp_path, capsys):
     ]:
         status, out, err = compare_main(args, capsys)
         assert status == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_a_run_saved_before_the_redesign_compares_under_todays_names(tmp_path, caplog):
+    """The fixture's old keys (``model.optimizer``, ``data.block_size``) read as today's, beside a
+    run saved now: one column for what differs, one notice line for the old run (not one more
+    for its ``.hydra`` copy)."""
+    from omegaconf import OmegaConf
+
+    from attnlab.core.legacy import read_saved
+    from conftest import ROOT
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "run_before_redesign", old)
+    for name in ("config.yaml", ".hydra/config.yaml"):  # as a run saved now would have them
+        config = read_saved(OmegaConf.load(old / name), "fixture")
+        config.model.optim.optimizer.lr = 0.003
+        (new / name).parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, new / name)
+    for run, loss in ((old, 4.6), (new, 4.5)):
+        (run / "csv").mkdir(exist_ok=True)
+        (run / "csv" / "metrics.csv").write_text(f"epoch,step,val/loss\n0,4,{loss}\n")
+    caplog.clear()
+    table = compare(parse_args([str(old), str(new), "--format", "csv"]))
+    assert table.splitlines() == ["model.optim.optimizer.lr,runs,val/loss", "0.001,1,4.6", "0.003,1,4.5"]
+    (notice,) = [r.getMessage() for r in caplog.records if "older attnlab" in r.getMessage()]
+    assert "data.block_size -> data.max_len" in notice

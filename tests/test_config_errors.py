@@ -142,7 +142,11 @@ CASES = [
         "+model.net.n_layers=3",
         "model.net.n_layers=3: attnlab.models.Transformer has no parameter 'n_layers'",
     ),
-    (GPT, "data.tokenizer=7", "data.tokenizer=7: must be a valid string (attnlab.data.TextDataModule)"),
+    (
+        GPT,
+        "data.tokenizer=7",
+        "data.tokenizer=7: must be a valid string or null (attnlab.data.TextDataModule)",
+    ),
     (
         NMT,
         "data.source=7",
@@ -566,13 +570,17 @@ RENAMED_CASES = [
     ("clip_pairs", "+data.context_length=16", "data.context_length was renamed data.max_len"),
     (NMT, "+data.corpus=synthetic", "data.corpus was renamed data.source"),
     ("vit_fashion_mnist", "+data.dataset=mnist", "data.dataset was renamed data.source"),
-    (GPT, "+data.val_fraction=0.1", "data.val_fraction was renamed data.val_size"),
-    ("bert_pretrain_sst2", "+data.test_fraction=0.1", "data.test_fraction was renamed data.test_size"),
+    # (a split size is its source's now: followed on to the name the DataModule takes)
+    (GPT, "+data.val_fraction=0.1", "data.val_fraction was renamed data.source.val_size"),
+    ("bert_pretrain_sst2", "+data.test_fraction=0.1", "data.test_fraction was renamed data.source.test_size"),
+    (GPT, "+data.val_size=0.1", "data.val_size was renamed data.source.val_size"),
     (
         "gpt_scene_captions",
         "+data.captions.n_val=8",
         "data.captions.n_val was renamed data.captions.val_size",
     ),
+    # removed (issue 58): the ViT's LayerNorm eps follows pre_norm
+    ("vit_fashion_mnist", "+model.net.norm_eps=1e-6", "model.net.norm_eps was removed: pre_norm sets"),
     # the optimisation spec (issue 58): model.optim
     (GPT, "+model.weight_decay=0.1", "model.weight_decay was renamed model.optim.weight_decay"),
     ("vit_fashion_mnist", "+model.optimizer.lr=0.1", "model.optimizer was renamed model.optim.optimizer"),
@@ -647,7 +655,12 @@ def test_a_run_saved_under_the_old_names_still_loads(kind, tmp_path, caplog):
     optim = {"optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True}, "weight_decay": 0.1}
     config = {
         "model": {"_target_": task, "net": old_net, **optim},  # before model.optim (issue 58)
-        "data": {"_target_": "attnlab.data.TextDataModule", "block_size": 16, "val_fraction": 0.1},
+        "data": {
+            "_target_": "attnlab.data.TextDataModule",
+            "corpus": "pydoc",
+            "block_size": 16,
+            "val_fraction": 0.1,
+        },
     }
     torch.save(
         {
@@ -661,12 +674,36 @@ def test_a_run_saved_under_the_old_names_still_loads(kind, tmp_path, caplog):
     notices = [r.getMessage() for r in caplog.records if "older attnlab" in r.getMessage()]
     assert len(notices) == 1 and "model.net.n_head" not in notices[0], notices
     assert dict(run.config.model.net) == {"_target_": old_net["_target_"], **new_kwargs}
-    assert run.config.data.max_len == 16 and run.config.data.val_size == 0.1  # the data's too
+    assert run.config.data.max_len == 16 and run.config.data.source.val_size == 0.1  # the data's too
     assert "weight_decay" not in run.config.model and instantiate(run.config.model.optim).weight_decay == 0.1
     net = run.net()
     ids = torch.randint(1, 11, (2, 7))
     same = (lambda m: m(ids)) if kind == "gpt" else (lambda m: m(ids, ids))
     torch.testing.assert_close(same(net), same(trained))
+
+
+def test_an_old_config_is_read_the_new_way_with_one_notice(caplog):
+    """``read_saved`` (attnlab-eval, attnlab-compare): modules, moved and renamed keys, one walk."""
+    from attnlab.core.legacy import read_saved
+
+    old = {
+        "model": {
+            "_target_": "attnlab.tasks.LanguageModelTask",
+            "net": {"_target_": "attnlab.models.GPT", "vocab_size": 11, "n_embd": 24},
+            "weight_decay": 0.1,
+        },
+        "data": {"_target_": "attnlab.data.TextDataModule", "corpus": "pydoc", "val_fraction": 0.1},
+    }
+    with caplog.at_level("WARNING"):
+        cfg = read_saved(old, "old/config.yaml")
+    assert len([r for r in caplog.records if "older attnlab" in r.getMessage()]) == 1
+    assert cfg.model._target_ == "attnlab.training.LanguageModelTask" and cfg.model.net.dim == 24
+    assert cfg.model.optim == {"_target_": "attnlab.training.optim.Optimization", "weight_decay": 0.1}
+    assert cfg.data.source == {"_target_": "attnlab.data.sources.Builtin", "name": "pydoc", "val_size": 0.1}
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert read_saved(cfg, "new/config.yaml") == cfg  # a new config: as it is, no notice
+    assert not caplog.records
 
 
 # ---- through the CLI: exit status 2, one `error:` line, no traceback ------------------------------

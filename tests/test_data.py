@@ -108,8 +108,15 @@ def test_too_short_corpus_is_refused(tmp_path):
     ],
 )
 def test_bad_data_values(kw):
+    sizes = {k: v for k, v in kw.items() if k.endswith("_size")}  # the source's (issue 58)
     with pytest.raises(ConfigError, match=next(iter(kw))):
-        TextDataModule(**kw)
+        TextDataModule(Builtin("pydoc", **sizes), **{k: v for k, v in kw.items() if k not in sizes})
+
+
+def test_a_character_vocabulary_must_fit_in_vocab_size():
+    TextDataModule(Builtin("pydoc"), vocab_size=None).setup()  # null: any size
+    with pytest.raises(ConfigError, match=r"data.vocab_size=10: corpus 'pydoc' has \d+ characters"):
+        TextDataModule(Builtin("pydoc"), vocab_size=10).setup()
 
 
 def test_a_length_must_be_positive():

@@ -226,7 +226,7 @@ def test_an_empty_class_folder_is_refused(tmp_path):
             *[
                 o
                 for o in tiny_overrides("vit_fashion_mnist", tmp_path)[1:]
-                if not o.startswith("data.val_size")
+                if not o.startswith("data.source.val_size")
             ],
         ],
     )
@@ -249,7 +249,7 @@ def test_a_training_set_smaller_than_one_batch_fails_instead_of_testing_an_untra
             *[
                 o
                 for o in tiny_overrides("vit_fashion_mnist", tmp_path)[1:]
-                if not o.startswith(("data.batch_size", "data.val_size"))
+                if not o.startswith(("data.batch_size", "data.source.val_size"))
             ],
             "data.batch_size=128",
             "data.source.val_size=4",

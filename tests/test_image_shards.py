@@ -290,19 +290,19 @@ def test_an_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch)
 
     data = mixed_folder(tmp_path / "pets")
 
-    original = shards_module.image_folder_items
+    original = shards_module.image_items
 
-    def items(files, labels):  # killed after 5 images
-        for n, item in enumerate(original(files, labels)):
+    def items(files, values, field):  # killed after 5 images
+        for n, item in enumerate(original(files, values, field)):
             if n == 5:
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(shards_module, "image_folder_items", items)
+    monkeypatch.setattr(shards_module, "image_items", items)
     with pytest.raises(KeyboardInterrupt):
         prepare_images(data, tmp_path / "out", val_size=2, shard_records=2)
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial").is_dir()
-    monkeypatch.setattr(shards_module, "image_folder_items", original)
+    monkeypatch.setattr(shards_module, "image_items", original)
     prepare_images(data, tmp_path / "out", val_size=2, shard_records=2)
     assert not (tmp_path / "out.partial").exists() and ImageShards(tmp_path / "out").count("train") == 18
 

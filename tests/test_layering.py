@@ -121,9 +121,6 @@ def test_no_function_over_60_lines():
     assert not long, "\n".join(long)
 
 
-# ViT (18) and the Perceiver (16): issue 58's bar, still open (their keys are set by recipes, the
-# pre-trained converters and saved runs); strict: the mark must go once they fit
-@pytest.mark.xfail(strict=True, reason="VisionTransformer and Perceiver take more than 15 arguments")
 def test_no_constructor_over_15_arguments():
     def count(a: ast.arguments) -> int:
         return len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs)

@@ -151,7 +151,7 @@ def test_a_tiny_perceiver_run_learns_where_the_light_is(tmp_path):
             f"paths.root_dir={tmp_path}",
             *QUIET,
             f"data.source.data_dir={data}",
-            "data.val_size=40",
+            "data.source.val_size=40",
             "data.batch_size=32",
             "data.crop_padding=0",  # no augmentation: a flip moves the bright quadrant, the class
             "data.hflip=0.0",

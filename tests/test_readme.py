@@ -99,6 +99,7 @@ PREREQUISITE = {
 # of that family, saved by transformers at the tiny overrides' sizes, stands in for the hub's
 PRETRAINED = {
     "gpt2_finetune_shakespeare": lambda d: write_hf_gpt2(d, dim=32, depth=1, n_head=2, max_len=16),
+    "gpt2_lora_shakespeare": lambda d: write_hf_gpt2(d, dim=32, depth=1, n_head=2, max_len=16),
     "bert_hf_finetune_sst2": lambda d: write_hf_bert(d, dim=16, depth=1, n_head=2, max_len=512),
 }
 
@@ -212,7 +213,8 @@ def tiny_for(experiment: str, data: Path, args: tuple[str, ...] = ()) -> list[st
     data a fake input.txt instead of Python's docs (the README's lines choose that corpus)."""
     if any(a == "data=captions_folder" for a in args):  # the scenes' data overrides make no sense there
         keep = [o for o in tiny_overrides(experiment, data) if not o.startswith("data.")]
-        return [*keep, "data.val_size=2", "data.test_size=2", "data.img_size=16", "data.batch_size=4"]
+        sizes = ["data.source.val_size=2", "data.source.test_size=2"]
+        return [*keep, *sizes, "data.img_size=16", "data.batch_size=4"]
     if not experiment.startswith("gpt_") or experiment in FLAMINGO_RECIPE:
         return tiny_overrides(experiment, data)
     if experiment == "gpt_shakespeare_char" or any(a.startswith("data=shakespeare") for a in args):
@@ -241,11 +243,10 @@ def without_replaced(
         packages.append(PREREQUISITE[experiment][1])
     keys = {key_of(a) for a in args}
     if "data.source.path" in keys:  # a folder or shards of the line's own: no built-in set's files
-        folder = "data=image_folder" in args  # its validation split is carved from the folder
-        tiny = [o.replace("data.val_size=", "data.source.val_size=") if folder else o for o in tiny]
+        shards = any(a.startswith(("data=", "data/source=")) and "shards" in a for a in args)  # already split
         drop = (
             "data.source.data_dir",
-            *(() if folder else ("data.val_size",) * ("data=image_shards" in args)),
+            *(("data.source.val_size", "data.source.test_size", "data.vocab_size") if shards else ()),
         )
         tiny = [o for o in tiny if key_of(o) not in drop]
     packages = [p for p in packages if p != "data.source"]  # data/source=mnist keeps the fake files

@@ -27,8 +27,10 @@ FAMILIES = [
 
 
 def train(experiment: str, tmp: Path, *extra: str, source: bool = True) -> Path:
-    """``source=False``: without the tiny data's ``data.source`` (``extra`` names another)."""
-    data = [o for o in tiny_overrides(experiment, tmp / "data") if source or not o.startswith("data.source.")]
+    """``source=False``: without the tiny data's ``data.source`` and vocabulary (``extra`` names
+    another source, shards that bring their own)."""
+    own = ("data.source.", "data.vocab_size=")
+    data = [o for o in tiny_overrides(experiment, tmp / "data") if source or not o.startswith(own)]
     status, out = run_main(
         "train",
         [

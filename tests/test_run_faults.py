@@ -50,15 +50,16 @@ def test_an_error_reraised_from_a_loader_worker_is_its_own_line():
 
 
 def test_a_truncated_image_in_an_image_folder_is_one_line_from_the_workers(tmp_path):
+    from attnlab.data.sampling import carve
     from attnlab.data.vision.datasets import scan_image_folder
-    from attnlab.data.vision.files import carve
 
     root = write_image_folder(tmp_path / "imgs", per_class=8, test=False)
     found, _ = scan_image_folder(str(root))
-    val = set(carve(*found["train"], 2, 1337)["val"][0])
+    val = {found["train"][0][i] for i in carve(len(found["train"][0]), [2], 1337)[0]}
     bad = next(f for f in found["train"][0] if f not in val)  # drawn in training, by a worker
     bad.write_bytes(bad.read_bytes()[:60])
-    tiny = [o for o in tiny_overrides("vit_fashion_mnist", tmp_path)[1:] if not o.startswith("data.val_size")]
+    tiny = tiny_overrides("vit_fashion_mnist", tmp_path)[1:]
+    tiny = [o for o in tiny if not o.startswith("data.source.val_size")]
     status, out = run_main(
         "train",
         [

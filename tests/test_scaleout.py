@@ -183,7 +183,7 @@ def whole_runs(tmp: Path) -> dict[str, list[str]]:
             f"data.source.data_dir={write_idx_dataset(tmp / 'fashion_mnist')}",
             "model.plot_images=2",
             "data.batch_size=8",
-            "data.val_size=10",
+            "data.source.val_size=10",
             "trainer.max_steps=6",
             *VALIDATE_EVERY_3,
         ],

@@ -162,6 +162,20 @@ def test_shards_of_another_tokenizer_than_the_checkpoint_s_are_refused(tmp_path)
         dm.setup("fit")
 
 
+def test_shards_bring_their_tokenizer_and_a_conflicting_key_is_refused(tmp_path):
+    from attnlab.core.errors import ConfigError
+    from attnlab.data import TextDataModule
+
+    shards = make(tmp_path)
+    path = str(tmp_path / "shards")
+    dm = TextDataModule(Shards(path), tokenizer="char", vocab_size=shards.vocab_size, max_len=16)
+    dm.setup("fit")  # the shards' own, named: accepted
+    assert dm.tokenizer.to_json() == shards.tokenizer_json
+    for key, value in (("tokenizer", "bpe"), ("vocab_size", 1024)):
+        with pytest.raises(ConfigError, match=rf"^data.{key}={value!r}: the shards at .* have {key} "):
+            TextDataModule(Shards(path), max_len=16, **{key: value}).setup("fit")
+
+
 def test_the_prepare_command_reports_and_refuses_in_one_line(tmp_path):
     files = corpus(tmp_path)
     proc = run_cli(

@@ -32,7 +32,7 @@ def test_a_cache_of_another_kind_or_damaged_is_trained_over(tmp_path, caplog, co
         Generated("synthetic", train_size=20, cache_dir=str(tmp_path)), vocab_size=60
     )
     src, tgt = synthetic_pairs(20, seed=0)
-    (path,) = data._bpe_cache_path(src, tgt)
+    path = data._bpe_cache_path(src, tgt)
     path.write_text(content)
     with caplog.at_level(logging.WARNING, logger="attnlab.data.text.translation"):
         tok = data._fit_tokenizer(src, tgt)

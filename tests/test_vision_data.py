@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from attnlab.core.errors import ConfigError, DataError
-from attnlab.data import ImageClassificationDataModule
+from attnlab.data import ImageClassificationDataModule, ScenesDataModule
 from attnlab.data.sources import Builtin
 from attnlab.data.vision import datasets
 from attnlab.data.vision.classification import random_crop_flip
-from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, load_image_folder, read_image
+from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, read_image, scan_image_folder
 from attnlab.data.vision.idx import read_idx
 from conftest import needs_shared, write_cifar, write_idx, write_idx_dataset, write_image_folder
 
@@ -119,14 +119,15 @@ def test_cifar10_batches_cannot_run_code(tmp_path):
 def test_image_folder(tmp_path):
     root = write_image_folder(tmp_path / "imgs", classes=("a", "b", "c"), per_class=3)
     (root / "train" / "a" / "notes.txt").write_text("not an image")  # skipped: not an image suffix
-    splits = load_image_folder(str(root))
-    assert splits.classes == ["a", "b", "c"] and splits.train_images.shape == (9, 3, 16, 16)
-    assert splits.train_labels.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    found, classes = scan_image_folder(str(root))
+    files, labels = found["train"]
+    assert classes == ["a", "b", "c"] and torch.stack([read_image(f) for f in files]).shape == (9, 3, 16, 16)
+    assert labels == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     (root / "train" / "b" / "bad.png").write_text("not a png")
     with pytest.raises(DataError, match="bad.png: not a readable image"):
-        load_image_folder(str(root))
+        read_image(root / "train" / "b" / "bad.png")
     with pytest.raises(DataError, match="no train/ folder"):
-        load_image_folder(str(tmp_path))
+        scan_image_folder(str(tmp_path))
 
 
 def test_read_image_converts_channels(tmp_path):
@@ -137,7 +138,7 @@ def test_read_image_converts_channels(tmp_path):
 
 def test_datamodule_split_normalisation_and_mixup(tmp_path):
     folder = write_idx_dataset(tmp_path / "fm")
-    kwargs = dict(source=Builtin("fashion_mnist", str(folder)), val_size=10, batch_size=8, seed=3)
+    kwargs = dict(source=Builtin("fashion_mnist", str(folder), val_size=10), batch_size=8, seed=3)
     mixup = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}
     dm = ImageClassificationDataModule(**kwargs, mixup=mixup, random_erasing=0.5)
     dm.setup("fit")
@@ -179,8 +180,7 @@ def test_batch_crop_and_flip_are_per_image_shifts_and_mirrors():
 def test_datamodule_resizes_once_and_keeps_checkpoint_statistics(tmp_path):
     folder = write_idx_dataset(tmp_path / "fm")
     dm = ImageClassificationDataModule(
-        Builtin("mnist", str(folder)),
-        val_size=10,
+        Builtin("mnist", str(folder), val_size=10),
         img_size=32,
         crop_padding=2,
         rand_augment="rand-m9-mstd0.5-inc1",
@@ -198,11 +198,21 @@ def test_datamodule_bad_values_are_config_errors(tmp_path):
         ImageClassificationDataModule(batch_size=7, mixup={"mixup_alpha": 0.2})
     with pytest.raises(ConfigError, match="data.rand_augment='nonsense'"):
         dm = ImageClassificationDataModule(
-            Builtin("mnist", str(write_idx_dataset(tmp_path / "m"))), val_size=5, rand_augment="nonsense"
+            Builtin("mnist", str(write_idx_dataset(tmp_path / "m")), val_size=5), rand_augment="nonsense"
         )
         dm.setup("fit")
-    with pytest.raises(ConfigError, match="data.val_size"):
-        ImageClassificationDataModule(Builtin("mnist", str(tmp_path / "m")), val_size=60).setup("fit")
+    with pytest.raises(ConfigError, match=r"data.source.val_size \(60\) must be smaller than the 60"):
+        ImageClassificationDataModule(Builtin("mnist", str(tmp_path / "m"), val_size=60)).setup("fit")
+
+
+def test_split_sizes_belong_to_the_source_that_is_carved():
+    """A size only where the DataModule carves the source: one it ships, or none set, is one line."""
+    with pytest.raises(ConfigError, match="data.source.test_size: mnist ships its test split"):
+        Builtin("mnist", val_size=5, test_size=5)
+    with pytest.raises(ConfigError, match="data.source.val_size: 'mnist' has no val split: set its size"):
+        ImageClassificationDataModule(Builtin("mnist"))
+    with pytest.raises(ConfigError, match="data.source.val_size: scenes are drawn from halves"):
+        ScenesDataModule(Builtin("mnist", val_size=5))
 
 
 def test_real_fashion_mnist_files_decode():
@@ -211,3 +221,19 @@ def test_real_fashion_mnist_files_decode():
     assert splits.train_images.shape == (60000, 1, 28, 28) and splits.test_images.shape == (10000, 1, 28, 28)
     assert torch.bincount(splits.train_labels).tolist() == [6000] * 10
     assert abs(splits.train_images.float().div(255).mean().item() - 0.2860) < 1e-3
+
+
+def test_image_data_modules_take_no_split_size_and_at_most_12_arguments():
+    """Split sizes are their sources' (a shards source has none), so none is unused in one mode."""
+    import inspect
+
+    from attnlab.data import CaptionsFolderDataModule, ImageFilesDataModule, ImageTextDataModule
+
+    for cls in (
+        ImageClassificationDataModule,
+        ImageFilesDataModule,
+        ImageTextDataModule,
+        CaptionsFolderDataModule,
+    ):
+        params = inspect.signature(cls).parameters
+        assert not {"val_size", "test_size"} & set(params) and len(params) <= 12, cls.__name__

@@ -4,14 +4,11 @@ picture of where the captioner looked for each word."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, image_batches, quote_free_text, trained_net
-from attnlab.core.errors import ConfigError
+from attnlab.cli.common import image_batches, inference_main, positive_option, trained_net
 
 log = logging.getLogger("attnlab.caption")
 
@@ -24,9 +21,7 @@ def caption(cfg: DictConfig) -> list[tuple[Path, str]]:
         from attnlab.inference.captioning import caption_batch
 
         task_cfg, tok = run.config.model, run.tokenizer
-        beam = cfg.beam_size if cfg.beam_size is not None else task_cfg.beam_size
-        if beam < 1:
-            raise ConfigError(f"beam_size must be >= 1, got {beam}")
+        beam = positive_option(cfg, "beam_size", task_cfg.beam_size)
         results = []
         for chunk, raw in image_batches(cfg, run.artifacts, device, "captioning"):
             images = normalize(raw, run.artifacts["mean"], run.artifacts["std"])
@@ -54,17 +49,9 @@ def draw(path: Path, image, words: list[str], attn, grid: tuple[int, int], cfg: 
     log.info("attention of each word: %s", out)
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="caption")
-def run(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        for path, text in caption(cfg):
-            print(f"{path}: {text}")
-
-
-def main() -> None:
-    sys.argv = quote_free_text(sys.argv, ("image", "attention_dir"))
-    run()
-
+main = inference_main(
+    "caption", ("image", "attention_dir"), lambda cfg: [print(f"{p}: {t}") for p, t in caption(cfg)]
+)
 
 if __name__ == "__main__":
     main()

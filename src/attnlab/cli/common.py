@@ -1,9 +1,5 @@
-"""What the entry points share: the config directory, composing a config, and turning input
-errors into one line.
-
-Imported before the command line is read, so it imports neither torch nor Lightning at module
-level: ``--help`` and a config error end before those load (``tests/test_cli.py`` checks it).
-"""
+"""What the entry points share: composing a config, one-line input errors, loading a run.
+No torch at module level: ``--help`` and a config error end before it loads (tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from attnlab.core.errors import AttnlabError, ConfigError, DataError
+from attnlab.core.specs import is_int
 
 if TYPE_CHECKING:
     import lightning as L
@@ -42,9 +39,8 @@ def config_dir() -> str:
 
 
 def compose_config(name: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
-    """The config ``conf/<name>.yaml`` composed with ``overrides``, as its entry point would
-    compose it (``with_hydra``: the ``hydra`` node too); an override Hydra refuses is a one-line
-    ``ConfigError``."""
+    """``conf/<name>.yaml`` with ``overrides`` (``with_hydra``: the ``hydra`` node too); an override
+    Hydra refuses is a one-line ``ConfigError``."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -56,8 +52,7 @@ def compose_config(name: str, overrides: list[str], with_hydra: bool = False) ->
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
-    """The config ``attnlab-train`` would compose (what ``attnlab-sweep`` runs, and tests build);
-    a model hyper-parameter under its old name is a one-line error."""
+    """The config ``attnlab-train`` composes; a hyper-parameter under its old name is one line."""
     from attnlab.core.config import refuse_renamed_overrides
 
     refuse_renamed_overrides(overrides)
@@ -65,9 +60,8 @@ def compose_train(overrides: list[str]) -> DictConfig:
 
 
 def user_error(e: BaseException) -> AttnlabError | None:
-    """The AttnlabError behind ``e``, if any (Hydra wraps errors raised by constructors); a
-    constructor's ``ValueError`` while Hydra instantiates a node, named by the node's key
-    (``model.net.image.dim: must be divisible by n_head (4), got 100``: ``refusal``)."""
+    """The AttnlabError behind ``e`` (Hydra wraps constructors' errors; a constructor's
+    ``ValueError`` is named by its node's key: ``refusal``), if any."""
     from attnlab.core.config import refusal
 
     seen: set[int] = set()
@@ -84,12 +78,8 @@ def user_error(e: BaseException) -> AttnlabError | None:
 
 
 def unwrap_worker_error(err: AttnlabError) -> AttnlabError:
-    """``err`` as raised, where torch re-raised it from a loader worker (or the pin-memory thread).
-
-    torch rebuilds such an error as its type around the worker's whole traceback ("Caught
-    DataError in DataLoader worker process 1.\nOriginal Traceback ..."); the line the error
-    carries is that traceback's last, "attnlab.core.errors.DataError: <line>".
-    """
+    """``err`` as raised, where torch re-raised it from a loader worker around the worker's
+    traceback ("Caught DataError in DataLoader worker ..."), whose last line carries it."""
     text = str(err)
     if not text.startswith(f"Caught {type(err).__name__} ") or "\nOriginal Traceback" not in text:
         return err
@@ -101,9 +91,8 @@ def unwrap_worker_error(err: AttnlabError) -> AttnlabError:
 
 
 def own_run_folder(cfg: DictConfig) -> Path | None:
-    """The run folder Hydra made for this command (``paths.output_dir``), for
-    ``exit_on_user_error`` to discard; ``None`` where it is not inside ``paths.log_dir``
-    (``hydra.run.dir=.``: a folder of the user's, never removed)."""
+    """The run folder Hydra made for this command, for ``exit_on_user_error`` to discard; ``None``
+    outside ``paths.log_dir`` (``hydra.run.dir=.``: the user's folder, never removed)."""
     try:
         out, logs = Path(cfg.paths.output_dir).resolve(), Path(cfg.paths.log_dir).resolve()
     except OmegaConfBaseException:  # an interpolation error: the command reports it
@@ -118,14 +107,8 @@ RUN_RECORDS = (".hydra", "config.yaml", "machine.yaml")
 
 @contextmanager
 def exit_on_user_error(discard: Path | None = None, console: bool = False) -> Iterator[None]:
-    """Turn input errors into one ``error: ...`` line and exit status 2; let bugs raise.
-
-    ``console``: print the line to stderr instead of logging it (the entry points that do not run
-    under Hydra); a Hydra entry point logs it, or prints it where its logging is off.
-    ``discard``: a folder made only for this command's results (``attnlab-eval``'s and
-    ``attnlab-train``'s run folder), removed after an input error if it holds nothing the run
-    made but records of its config (``run_record``): never one with checkpoints or CSV logs.
-    """
+    """Input errors as one ``error: ...`` line (``console``: on stderr, else logged) and exit
+    status 2; bugs raise. ``discard``: this command's run folder, removed if it holds only records."""
     try:
         yield
     except Exception as e:
@@ -142,9 +125,8 @@ def exit_on_user_error(discard: Path | None = None, console: bool = False) -> It
 
 
 def run_record(path: Path) -> bool:
-    """Whether ``path`` in a refused run's folder only records how the run was asked for (or is a
-    folder a logger made holding at most the hyper-parameters, ``csv/hparams.yaml``, ``csv/x3/``):
-    nothing a discarded run loses."""
+    """Whether ``path`` in a refused run's folder only records how it was asked for (or is a
+    logger's folder holding at most ``hparams.yaml``)."""
     if path.name in RUN_RECORDS or (path.suffix == ".log" and path.is_file()):
         return True
     return (
@@ -155,11 +137,8 @@ def run_record(path: Path) -> bool:
 
 
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
-    """Quote free-text overrides (``text=Zwei Männer ...``) for Hydra's override grammar.
-
-    The shell strips the user's quotes, and Hydra rejects unquoted values with spaces, accents or
-    most punctuation; a value that is already quoted is left alone.
-    """
+    """Free-text overrides (``text=Zwei Männer ...``, quotes stripped by the shell) quoted for
+    Hydra's grammar; a value already quoted is left alone."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -173,8 +152,7 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
 
 
 def read_sentences(cfg: DictConfig) -> list[str]:
-    """The sentences of ``text="..."`` or ``input=<file, one per line>`` (exactly one of the two);
-    every line of the file is kept, so the output has one line per input line."""
+    """The sentences of ``text="..."`` or ``input=<file>`` (every line kept: one output line each)."""
     if (cfg.text is None) == (cfg.input is None):
         raise ConfigError('give exactly one of text="..." or input=<file with one sentence per line>')
     if cfg.text is not None:
@@ -191,8 +169,7 @@ def read_sentences(cfg: DictConfig) -> list[str]:
 
 
 def free_output(cfg: DictConfig) -> Path | None:
-    """``output=<file>`` as a path (``None`` when printing), refused before any work when the file
-    exists and ``overwrite`` is not set: a finished output is never replaced by accident."""
+    """``output=<file>`` (``None``: print), refused before any work if it exists without ``overwrite``."""
     if cfg.output is None:
         return None
     path = Path(str(cfg.output))
@@ -215,9 +192,8 @@ def write_lines(path: Path, lines: list[str]) -> None:
 
 
 def resolve_checkpoint(cfg: DictConfig, task: str | None = None) -> None:
-    """Set ``cfg.ckpt_path`` to the checkpoint it names (``last``: the newest run, of ``task``
-    when given, a class name such as ``LanguageModelTask``) before torch loads: a missing file,
-    or no run to take, is one quick line."""
+    """``cfg.ckpt_path`` as the file it names (``last``: the newest run, of ``task`` if given),
+    before torch loads."""
     from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
 
     tasks = (task,) if task else ()
@@ -226,10 +202,7 @@ def resolve_checkpoint(cfg: DictConfig, task: str | None = None) -> None:
 
 
 def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
-    """The ``trainer`` node instantiated, with ``precision: auto`` resolved for this machine.
-
-    A value Lightning rejects (``trainer.max_steps=-5``) is a ``ConfigError`` (``trainer: ...``).
-    """
+    """The ``trainer`` node instantiated, ``precision: auto`` resolved for this machine."""
     from attnlab.core.config import instantiate_trainer
     from attnlab.core.hardware import resolve_precision
 
@@ -239,13 +212,10 @@ def build_trainer(cfg: DictConfig, **kwargs: Any) -> L.Trainer:
 
 
 def check_device(value: Any) -> None:
-    """``device=`` of the inference CLIs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (a GPU where
-    there is one); a GPU asked for where there is none is one line, not a CUDA traceback. Torch
-    loads only to answer whether there is a GPU, where one is asked for."""
+    """``device=``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; a GPU where there is none is one line
+    (torch loads only when a GPU is asked for)."""
     value = str(value)
-    if value == "auto":
-        return
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+    if value != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
         raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
     if value.startswith("cuda"):
         import torch
@@ -258,10 +228,8 @@ def check_device(value: Any) -> None:
 def trained_net(
     cfg: DictConfig, task: str, need: str
 ) -> Iterator[tuple[TrainedRun, nn.Module, torch.device]]:
-    """The run ``ckpt_path`` names, its net on ``device=``, under ``torch.no_grad`` (inference only;
-    the caller's autograd mode is left as it was). ``device`` and ``ckpt_path`` are checked before
-    torch loads, so a wrong one is one quick line; the run must hold a ``task`` (a class name of
-    ``attnlab.training``), else ``need`` says what the command needs."""
+    """The run ``ckpt_path`` names (of ``task``, else ``need`` says what the command needs), its
+    net on ``device=``, under ``torch.no_grad``; device and path checked before torch loads."""
     check_device(cfg.device)
     resolve_checkpoint(cfg, task)
     import torch
@@ -288,34 +256,17 @@ def inference_device(value: Any) -> torch.device:
 
 @contextmanager
 def progress(total: int, description: str, show: bool = True) -> Iterator[Callable[[int], None]]:
-    """A progress bar over ``total`` items on stderr; yields ``advance(n)``, to call as items finish.
-
-    For the inference CLIs' file and folder modes, which otherwise print nothing until the end.
-    Standard output is left alone (rich's redirection of it is off), so it holds only the outputs
-    and pipes keep working; on a stderr that is not a terminal rich draws the bar once, finished.
-    ``show=False`` (one sentence or image): no bar, ``advance`` does nothing.
-    """
+    """A progress bar over ``total`` items on stderr (stdout keeps only the outputs); yields
+    ``advance(n)``. ``show=False`` (one sentence or image): no bar."""
     if not show:
         yield lambda n: None
         return
+    import rich.progress as rp
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        redirect_stdout=False,
+    columns = (rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(), rp.TimeRemainingColumn())
+    with rp.Progress(
+        rp.TextColumn("{task.description}"), *columns, console=Console(stderr=True), redirect_stdout=False
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
@@ -324,9 +275,8 @@ def progress(total: int, description: str, show: bool = True) -> Iterator[Callab
 def image_batches(
     cfg: DictConfig, artifacts: dict[str, Any], device: Any, description: str
 ) -> Iterator[tuple[list[Path], torch.Tensor]]:
-    """The images ``image=`` names (a file, or every image in a folder, with a progress bar) in
-    batches of ``cfg.batch_size``: their paths and uint8 images (B, C, H, W) on ``device``, each
-    converted to the run's channels and size (``artifacts``, as its data made them)."""
+    """The images ``image=`` names (a file, or a folder's, with a progress bar) in batches: their
+    paths and uint8 images (B, C, H, W) on ``device``, in the run's channels and size."""
     import torch
 
     from attnlab.inference.classification import image_files, load_image
@@ -338,3 +288,45 @@ def image_batches(
             chunk = files[start : start + cfg.batch_size]
             yield chunk, torch.stack([load_image(f, artifacts) for f in chunk]).to(device)
             advance(len(chunk))
+
+
+def positive_option(cfg: DictConfig, key: str, default: Any = None) -> int:
+    """``cfg[key]`` (null: ``default``, the run's own), which must be a positive integer."""
+    value = default if cfg[key] is None else cfg[key]
+    if not is_int(value) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def print_or_write(cfg: DictConfig, lines: Callable[[], list[str]], what: str) -> None:
+    """The ``lines`` printed, or written to ``output=`` (checked before they are made)."""
+    path = free_output(cfg)
+    out = lines()
+    if path is None:
+        print("\n".join(out))
+    else:
+        write_lines(path, out)
+        print(f"{len(out)} {what} written to {path}", file=sys.stderr)
+
+
+def print_top(name: Any, top: list[tuple[str, float]]) -> None:
+    print(f"{name}: " + ", ".join(f"{label} {p:.3f}" for label, p in top))
+
+
+def inference_main(
+    name: str, free_text: tuple[str, ...], body: Callable[[DictConfig], None]
+) -> Callable[[], None]:
+    """The console script of ``conf/<name>.yaml``: ``free_text`` keys quoted, then ``body(cfg)``
+    with input errors as one line."""
+    import hydra
+
+    @hydra.main(version_base="1.3", config_path=config_dir(), config_name=name)
+    def run(cfg: DictConfig) -> None:
+        with exit_on_user_error():
+            body(cfg)
+
+    def main() -> None:
+        sys.argv = quote_free_text(sys.argv, free_text)
+        run()
+
+    return main

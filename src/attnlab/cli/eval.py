@@ -1,5 +1,5 @@
-"""``attnlab-eval ckpt_path=<file|last>``: test a checkpoint on the data it was trained with, and
-add the results to the run's own logs (its CSV log and W&B run)."""
+"""``attnlab-eval ckpt_path=<file|last>``: test a checkpoint on the data it was trained with, the
+results added to the run's own logs."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ from attnlab.core.config import check_config
 from attnlab.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    import lightning as L
-
     from attnlab.inference.runs import TrainedRun
 
 log = logging.getLogger("attnlab.eval")
@@ -34,7 +32,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg, imports=False)  # before torch loads: a wrong trainer value is one quick line
     lengths = length_multiples(cfg.get("lengths"))
     resolve_checkpoint(cfg)  # and so is a checkpoint that is not there
-    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities import rank_zero_only
 
     from attnlab.inference.runs import TrainedRun
@@ -43,11 +40,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     log.info("evaluating %s", run.path)
     data_cfg = OmegaConf.merge(run.config.data, cfg.get("data") or {})
     out = Path(cfg.paths.output_dir)
-    if lengths:
-        metrics = test_at_lengths(cfg, run, data_cfg, out, lengths)
-    else:
-        trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=""), callbacks=[])
-        metrics = test(trainer, run, data_cfg)
+    metrics = test_at_lengths(cfg, run, data_cfg, out, lengths) if lengths else test(cfg, run, data_cfg, out)
     (out / "metrics.json").write_text(json.dumps({"ckpt_path": str(run.path), **metrics}, indent=2))
     log.info("metrics: %s (saved to %s)", metrics, out / "metrics.json")
     if cfg.get("log_to_run", True) and rank_zero_only.rank == 0:
@@ -55,8 +48,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def test(trainer: L.Trainer, run: TrainedRun, data_cfg: DictConfig) -> dict[str, float]:
-    """The run's test metrics on the data ``data_cfg`` describes."""
+def test(
+    cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path, version: str = ""
+) -> dict[str, float]:
+    """The run's test metrics on the data ``data_cfg`` describes, logged in ``<out>/csv/<version>``."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = build_trainer(cfg, logger=CSVLogger(save_dir=out, name="csv", version=version), callbacks=[])
     datamodule = instantiate(data_cfg)
     if run.artifacts:
         datamodule.load_artifacts(run.artifacts)
@@ -89,12 +87,9 @@ def length_multiples(value: object) -> list[int]:
 def test_at_lengths(
     cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path, lengths: list[int]
 ) -> dict[str, float]:
-    """A language model tested with windows of each multiple in ``lengths`` of the length it was
-    trained on (``data.max_len``): ``test/loss_x2``, ``test/ppl_x2``, ... (a length
-    extrapolation study). A length the model cannot take (learned positions past their table) is
-    skipped, saying why; if it can take none, that is the error."""
+    """A language model tested at each multiple in ``lengths`` of its ``data.max_len``
+    (``test/loss_x2``, ...); a length it cannot take is skipped, saying why (all: the error)."""
     from hydra.utils import get_class
-    from lightning.pytorch.loggers import CSVLogger
 
     from attnlab.data.text.language_modeling import TextDataModule
 
@@ -111,9 +106,8 @@ def test_at_lengths(
     metrics, skipped = {}, []
     for m in lengths:
         data = OmegaConf.merge(data_cfg, {"max_len": base * m})
-        logger = CSVLogger(save_dir=out, name="csv", version=f"x{m}")
         try:
-            found = test(build_trainer(cfg, logger=logger, callbacks=[]), run, data)
+            found = test(cfg, run, data, out, f"x{m}")
         except ConfigError as e:
             log.warning("length x%d (%d tokens) skipped: %s", m, base * m, e)
             skipped.append(e)
@@ -125,12 +119,8 @@ def test_at_lengths(
 
 
 def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
-    """Add ``metrics`` to the logs of the run that saved the checkpoint (``<run>/checkpoints/``),
-    at the checkpoint's step: a row appended to its CSV log (its rows and columns kept; the file's
-    header gains the new columns) and, when it logged to W&B, the same W&B run continued under its
-    id (offline without an API key, as training). The keys get an ``eval/`` prefix
-    (``eval/test/loss``): an evaluation may use other data than the run's own test
-    (``+data.test_stride=32``), so it does not overwrite what the run reported."""
+    """``metrics`` as ``eval/...`` (other data than the run's own test may be used) added at the
+    checkpoint's step to its run's CSV log and W&B run (continued under its id)."""
     if run.path.parent.name != "checkpoints":  # a checkpoint copied out of its run: no run to log to
         log.info("%s is not in a run's checkpoints/ folder: the metrics stay in this run's folder", run.path)
         return

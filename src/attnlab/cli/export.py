@@ -1,5 +1,7 @@
 """``attnlab-export ckpt_path=... out=<folder>``: a trained run in its counterpart library's
-format (transformers, timm, open_clip: ``attnlab.weights.pretrained``), or ``format=onnx``.
+format (transformers, timm, open_clip: ``attnlab.weights.pretrained``), or ``format=onnx``. A LoRA
+run's adapters are merged into the weights, or with ``merge=false`` written beside the base weights
+as a PEFT adapter folder.
 
 The export is written into ``<out>.partial`` and moved into place once complete (as
 ``attnlab-prepare`` does): a killed run leaves only that folder, which the next one clears; a
@@ -33,6 +35,8 @@ EXPORT_FILES = {
     "model.onnx",
     "model.onnx.data",
     "attnlab.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
 }
 
 
@@ -42,6 +46,10 @@ def check_out(cfg: DictConfig) -> Path:
     accident, and with ``overwrite`` only an earlier export is)."""
     if cfg.format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
+    if not isinstance(cfg.merge, bool):
+        raise ConfigError(f"merge must be true or false, got {cfg.merge!r}")
+    if not cfg.merge and cfg.format == "onnx":
+        raise ConfigError("merge=false: an ONNX graph holds merged weights (format=native keeps them apart)")
     # absolute without following links: a symlinked out= is refused, not resolved
     out = Path(os.path.abspath(Path(str(cfg.out)).expanduser()))
     if not out.name:
@@ -117,12 +125,19 @@ def export(cfg: DictConfig) -> Path:
 
     run = TrainedRun(str(cfg.ckpt_path), Path(cfg.paths.log_dir))
     task, _ = model_names(run.config.model)
-    net = run.net()
+    lora = run.config.model.get("lora")
+    if not cfg.merge and not lora:
+        raise ConfigError(f"merge=false: {run.path} trained no LoRA adapters (model.lora) to keep apart")
+    net = run.net(merge=cfg.merge)
     with staged(out) as partial:
         if cfg.format == "onnx":
             from attnlab.weights.export import export_onnx
 
             export_onnx(net, task, run.artifacts, partial)
+        elif not cfg.merge:
+            from attnlab.weights.export import export_adapters
+
+            export_adapters(net, lora, partial, run.artifacts)
         else:
             from attnlab.weights.pretrained import export_pretrained
 

@@ -3,40 +3,25 @@
 
 from __future__ import annotations
 
-import sys
-
-import hydra
 from omegaconf import DictConfig
 
-from attnlab.cli.common import (
-    config_dir,
-    exit_on_user_error,
-    quote_free_text,
-    trained_net,
-)
-from attnlab.core.errors import ConfigError
+from attnlab.cli.common import inference_main, positive_option, print_top, trained_net
 
 
 def fill(cfg: DictConfig) -> list[list[tuple[str, float]]]:
-    if not isinstance(cfg.top_k, int) or cfg.top_k < 1:
-        raise ConfigError(f"top_k must be a positive integer, got {cfg.top_k!r}")
+    top_k = positive_option(cfg, "top_k")
     with trained_net(cfg, "MaskedLMTask", "attnlab-fill-mask needs a BERT pre-training run") as (run, net, _):
         from attnlab.inference.text_classification import fill_mask
 
-        return fill_mask(net, run.tokenizer, str(cfg.text), cfg.top_k, net.encoder.max_len)
+        return fill_mask(net, run.tokenizer, str(cfg.text), top_k, net.encoder.max_len)
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="fill_mask")
-def run(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        for n, top in enumerate(fill(cfg)):
-            print(f"[MASK] {n + 1}: " + ", ".join(f"{token} {p:.3f}" for token, p in top))
+def show(cfg: DictConfig) -> None:
+    for n, top in enumerate(fill(cfg)):
+        print_top(f"[MASK] {n + 1}", top)
 
 
-def main() -> None:
-    sys.argv = quote_free_text(sys.argv, ("text",))
-    run()
-
+main = inference_main("fill_mask", ("text",), show)
 
 if __name__ == "__main__":
     main()

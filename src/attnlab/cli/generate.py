@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
-import hydra
 from omegaconf import DictConfig
 
-from attnlab.cli.common import (
-    config_dir,
-    exit_on_user_error,
-    quote_free_text,
-    trained_net,
-)
+from attnlab.cli.common import inference_main, positive_option, trained_net
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import is_int, is_number
 
@@ -27,8 +19,7 @@ def check_options(cfg: DictConfig) -> None:
         raise ConfigError(f"top_k must be a positive integer or null, got {cfg.top_k!r}")
     if cfg.top_p is not None and (not is_number(cfg.top_p) or not 0.0 < cfg.top_p <= 1.0):
         raise ConfigError(f"top_p must be in (0, 1] or null, got {cfg.top_p!r}")
-    if not is_int(cfg.num_samples) or cfg.num_samples < 1:
-        raise ConfigError(f"num_samples must be a positive integer, got {cfg.num_samples!r}")
+    positive_option(cfg, "num_samples")
 
 
 def generate(cfg: DictConfig) -> list[str]:
@@ -50,19 +41,11 @@ def generate(cfg: DictConfig) -> list[str]:
         )
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="generate")
-def run(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        for i, text in enumerate(generate(cfg)):
-            if i:
-                print("-" * 60)
-            print(text)
+def show(cfg: DictConfig) -> None:
+    print(("\n" + "-" * 60 + "\n").join(generate(cfg)))
 
 
-def main() -> None:
-    sys.argv = quote_free_text(sys.argv, ("prompt",))
-    run()
-
+main = inference_main("generate", ("prompt",), show)
 
 if __name__ == "__main__":
     main()

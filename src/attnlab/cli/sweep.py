@@ -1,13 +1,20 @@
-"""``attnlab-sweep``: an Optuna sweep over ``attnlab-train`` runs, resumable.
+"""usage: attnlab-sweep [OVERRIDE ...] | resume=SWEEP_DIR
 
-    attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char      # a new sweep
-    attnlab-sweep hparams_search=gpt_optuna ... sweep.n_jobs=4             # 4 trials at once
-    attnlab-sweep hparams_search=gpt_optuna ... sweep.storage=postgresql://me@db/optuna  # on every machine
-    attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>                 # go on after a stop
+An Optuna sweep over attnlab-train runs; every trial a run of its own, the study in
+<sweep dir>/optuna.db, so a stopped sweep goes on where it was (finished trials stay).
+The overrides compose as for attnlab-train; hparams_search=<name> (conf/hparams_search/) adds
+the search: direction, n_trials, sampler, pruner and the space (sweep.params).
+sweep.n_jobs=N runs N trials at once, each on its own GPUs or CPU cores (sweep.devices_per_trial);
+sweep.storage=postgresql://... or journal:<file> puts the study where drivers on many machines
+attach to it by name (sweep.study_name) and share its sweep.n_trials.
 
-The overrides compose exactly as for ``attnlab-train``; ``hparams_search/<name>`` adds the
-``sweep`` block (direction, n_trials, sampler, pruner, params, n_jobs, storage). See
-``attnlab.experiments.sweep``.
+examples:
+  attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char
+  attnlab-sweep hparams_search=gpt_optuna sweep.n_trials=4 trainer.max_steps=500
+  attnlab-sweep hparams_search=gpt_optuna sweep.n_jobs=4 sweep.devices_per_trial=2 trainer=ddp
+  attnlab-sweep hparams_search=gpt_optuna sweep.storage=journal:/shared/gpt.log   # on each machine
+  attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>
+  attnlab-compare logs/gpt_pydoc_char/sweeps/<time>      # the trials side by side
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from omegaconf import DictConfig, OmegaConf
 from attnlab.cli.common import compose_config, compose_train, exit_on_user_error, quote_free_text
 from attnlab.core.config import constructor_errors, refuse_renamed_overrides
 from attnlab.core.errors import ConfigError
-from attnlab.core.specs import is_int
 from attnlab.core.targets import check_targets
 from attnlab.experiments.study import SHARED, normalize_url, open_storage, shown
 from attnlab.experiments.sweep import (
@@ -40,6 +46,7 @@ from attnlab.experiments.sweep import (
     device_slots,
     open_study,
     override_value,
+    positive,
     run_sweep,
     search_space,
     study_lock,
@@ -59,9 +66,8 @@ def sweep_dir_of(cfg: DictConfig) -> Path:
 
 
 def quote_search_spaces(args: list[str]) -> list[str]:
-    """``sweep.params.<key>=choice(...)`` as a string: unquoted, Hydra reads a sweep expression
-    and refuses it outside ``--multirun``; the driver parses it itself (``search_space``). The
-    same for ``sweep.storage``'s URL."""
+    """``sweep.params.<key>=choice(...)`` and ``sweep.storage``'s URL quoted: Hydra would refuse a
+    sweep expression outside ``--multirun`` (the driver parses it) and parse the URL."""
     keys = tuple({a.partition("=")[0] for a in args if a.lstrip("+").startswith("sweep.params.")})
     out = []
     for arg in quote_free_text(args, keys):
@@ -91,9 +97,8 @@ class Plan:
 
 
 def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
-    """The config, overrides, directory and plan of the sweep to run: a new one, or the one
-    ``resume=`` names. A new sweep's folder is written only once its plan holds (the database
-    answers, the devices are there)."""
+    """Config, overrides, folder and plan of a new sweep, or of the one ``resume=`` names; a new
+    folder is written only once the plan holds."""
     if args and args[0].startswith("resume="):
         sweep_dir = Path(args[0].partition("=")[2])
         if len(args) > 1:
@@ -123,15 +128,9 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
     return cfg, args, sweep_dir, p
 
 
-def positive(key: str, value: Any, none: bool = False) -> Any:
-    if (value is None and none) or (is_int(value) and value > 0):
-        return value
-    raise ConfigError(f"{key}: expected a positive int{' or null' if none else ''}, got {value!r}")
-
-
 def plan(cfg: DictConfig, where: DictConfig | None = None) -> Plan:
-    """The sweep's parts (``sweep_parts``), one device slot per trial run at once, and a shared
-    study attached (``sweep.storage``; ``where``: as a resumed driver first attached)."""
+    """The sweep's parts, a device slot per trial run at once, and a shared study attached
+    (``where``: as a resumed driver first attached)."""
     s = cfg.sweep
     space, fixed, sampler, pruner = sweep_parts(s)
     trainer = cfg.get("trainer") or {}
@@ -168,8 +167,7 @@ def sweep_parts(
     """The search space, fixed overrides, sampler and pruner of the ``sweep`` node, each checked."""
     if s.direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {s.direction!r}")
-    if not is_int(s.n_trials) or s.n_trials < 1:
-        raise ConfigError(f"sweep.n_trials: expected a positive int, got {s.n_trials!r}")
+    positive("sweep.n_trials", s.n_trials)
     space, fixed = search_space(s.params)
     refuse_renamed_overrides([*(f"{key}=" for key in space), *fixed])  # else every trial fails on it
     parts = []
@@ -224,8 +222,7 @@ def sweep(args: list[str]) -> None:
 
 
 class DriverJob:
-    """One driver of a job array (``sweep.workers``): a sweep in its own folder attached to the
-    shared study; requeued (a time limit, a preemption), it resumes that folder."""
+    """A driver of a job array (``sweep.workers``) in its own folder; requeued, it resumes there."""
 
     def __call__(self, args: list[str], sweep_dir: str) -> None:
         optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -240,9 +237,7 @@ class DriverJob:
 
 
 def executor_of(cfg: DictConfig, folder: Path | str) -> Any:
-    """The submitit executor of ``sweep.executor`` (a cluster: SLURM where sbatch runs, else
-    local processes) with ``sweep.resources`` for each driver's job; what submitit refuses (an
-    unknown cluster or parameter) is a ``ConfigError``."""
+    """The submitit executor of ``sweep.executor`` with ``sweep.resources``; what it refuses is one line."""
     import submitit
 
     s = cfg.sweep
@@ -263,10 +258,7 @@ def check_workers(cfg: DictConfig, shared: bool) -> None:
     workers = cfg.sweep.get("workers")
     if workers is None:
         return
-    if not is_int(workers) or workers < 1:
-        raise ConfigError(
-            f"sweep.workers: expected a positive int (drivers to send) or null, got {workers!r}"
-        )
+    positive("sweep.workers", workers, what=" (drivers to send)", none=True)
     if not shared:
         raise ConfigError("sweep.workers: the workers need a study they all reach: set sweep.storage")
     with tempfile.TemporaryDirectory() as tmp:  # submitit makes its folder: not the sweep's yet
@@ -274,8 +266,7 @@ def check_workers(cfg: DictConfig, shared: bool) -> None:
 
 
 def send_workers(cfg: DictConfig, overrides: list[str], sweep_dir: Path, p: Plan) -> None:
-    """``sweep.workers`` drivers of this sweep as one submitit job array (SLURM, or processes
-    here), each attached to the shared study; their folders are ``<sweep dir>/workers/<i>``."""
+    """``sweep.workers`` drivers as one submitit job array, in ``<sweep dir>/workers/<i>``."""
     s = cfg.sweep
     folder = (s.get("executor") or {}).get("folder") or sweep_dir / ".submitit" / "%j"
     executor = executor_of(cfg, folder)
@@ -296,29 +287,9 @@ def send_workers(cfg: DictConfig, overrides: list[str], sweep_dir: Path, p: Plan
         print(f"the workers ended: {len(done)} trials finished in the study")
 
 
-USAGE = """usage: attnlab-sweep [OVERRIDE ...] | resume=SWEEP_DIR
-
-An Optuna sweep over attnlab-train runs; every trial a run of its own, the study in
-<sweep dir>/optuna.db, so a stopped sweep goes on where it was (finished trials stay).
-The overrides compose as for attnlab-train; hparams_search=<name> (conf/hparams_search/) adds
-the search: direction, n_trials, sampler, pruner and the space (sweep.params).
-sweep.n_jobs=N runs N trials at once, each on its own GPUs or CPU cores (sweep.devices_per_trial);
-sweep.storage=postgresql://... or journal:<file> puts the study where drivers on many machines
-attach to it by name (sweep.study_name) and share its sweep.n_trials.
-
-examples:
-  attnlab-sweep hparams_search=gpt_optuna experiment=gpt_pydoc_char
-  attnlab-sweep hparams_search=gpt_optuna sweep.n_trials=4 trainer.max_steps=500
-  attnlab-sweep hparams_search=gpt_optuna sweep.n_jobs=4 sweep.devices_per_trial=2 trainer=ddp
-  attnlab-sweep hparams_search=gpt_optuna sweep.storage=journal:/shared/gpt.log   # on each machine
-  attnlab-sweep resume=logs/gpt_pydoc_char/sweeps/<time>
-  attnlab-compare logs/gpt_pydoc_char/sweeps/<time>      # the trials side by side
-"""
-
-
 def main() -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):
-        print(USAGE, end="")
+        print(__doc__, end="")
         return
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
     # heartbeats and their retry callback are marked experimental by Optuna: said once, in the docs

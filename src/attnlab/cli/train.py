@@ -57,14 +57,12 @@ warnings.filterwarnings(
 
 
 def trainer_rank_zero() -> bool:
-    """Rank 0 of a multi-process run (Lightning sets these before the ranks > 0 start; srun, for a
-    SLURM job's tasks, SLURM_PROCID)."""
+    """Rank 0 of a multi-process run (Lightning's variables, or srun's SLURM_PROCID)."""
     return all(int(os.environ.get(k, 0)) == 0 for k in ("LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
-    """Instantiate every entry of a group such as ``callbacks`` or ``logger``; a value the
-    constructor refuses is a one-line error naming ``<name>.<entry>``."""
+    """Every entry of a group such as ``callbacks``, a refusal naming ``<name>.<entry>``."""
     objects = []
     for key, node in (cfg.get(name) or {}).items():
         if node and "_target_" in node:
@@ -74,35 +72,30 @@ def instantiate_group(cfg: DictConfig, name: str) -> list[Any]:
 
 
 def refuse_a_sweep(cfg: DictConfig) -> None:
-    """``hparams_search=<name>`` (lightning-hydra-template's habit) describes an Optuna sweep;
-    attnlab-train would train one job and ignore it. Refused with the command that runs it."""
+    """``hparams_search=<name>`` is attnlab-sweep's: refused with the command that runs it."""
     if not (cfg.get("sweep") or {}).get("params") or cfg.get("sweep_trial"):
         return
-    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    overrides = " ".join(o for o in given if not o.startswith("hydra."))
+    overrides = " ".join(o for o in given_overrides() if not o.startswith("hydra."))
     raise ConfigError(
         f"hparams_search describes an Optuna sweep, which attnlab-sweep runs (attnlab-train, with "
         f"or without -m, would train one job): attnlab-sweep {overrides}"
     )
 
 
+def given_overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def name_wandb_run(cfg: DictConfig) -> None:
-    """A readable W&B name where the config leaves it null: the task and the command line's
-    overrides (``gpt_pydoc_char seed=2 model.optim.optimizer.lr=0.003``), not W&B's random words; and
-    the jobs of one multirun in a group of their own (``<task> multirun <time>``)."""
+    """A null W&B name as the task and its overrides; a multirun's jobs in a group of their own."""
     wandb = cfg.logger.wandb
-    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    shown = [
-        o for o in given if not o.startswith(("hydra.", "paths.", "experiment=", "logger", "~", "ckpt_path="))
-    ]
+    hidden = ("hydra.", "paths.", "experiment=", "logger", "~", "ckpt_path=")
+    shown = [o for o in given_overrides() if not o.startswith(hidden)]
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     with open_dict(cfg):
         if wandb.get("name") is None:
             wandb.name = " ".join([cfg.task_name, *shown])
-        if (
-            HydraConfig.initialized()
-            and HydraConfig.get().mode == RunMode.MULTIRUN
-            and wandb.group == cfg.task_name
-        ):
+        if multirun and wandb.group == cfg.task_name:
             wandb.group = f"{cfg.task_name} multirun {Path(HydraConfig.get().sweep.dir).name}"
 
 
@@ -181,19 +174,14 @@ def record_machine(out: Path) -> dict[str, Any]:
     machine = machine_info()
     if trainer_rank_zero():
         (out / "machine.yaml").write_text(OmegaConf.to_yaml(machine))
-    log.info(
-        "machine: %s, %s threads, native bf16 %s, GPUs %s",
-        machine["cpu"],
-        machine["torch_threads"],
-        machine["cpu_native_bf16"],
-        machine["gpus"] or "none",
-    )
+    what = (machine["cpu"], machine["torch_threads"], machine["cpu_native_bf16"], machine["gpus"] or "none")
+    log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", *what)
     return machine
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
-    """``ckpt_path``'s file (``last``: this task's newest), the checkpoint and its metadata; the
-    CSV rows its run logged before it carry over into this run's log."""
+    """``ckpt_path``'s file (``last``: this task's newest), checkpoint and metadata; the CSV rows its
+    run logged before it carried over."""
     from attnlab.training.loggers import continue_history
     from attnlab.weights.checkpoint import load_checkpoint, metadata, require_same_model
 
@@ -215,8 +203,8 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict |
 
 
 def forget_rows_from(metrics: Path, step: int) -> None:
-    """A CSV log without its rows of ``step`` on (and a last line cut mid-write), rewritten whole:
-    a run resumed from its own checkpoint logs those again, and each row stays in it once."""
+    """A CSV log rewritten without its rows from ``step`` on (a run resumed from its own checkpoint
+    logs them again) and a last line cut mid-write."""
     import csv
 
     if not metrics.is_file():
@@ -240,8 +228,8 @@ def forget_rows_from(metrics: Path, step: int) -> None:
 
 
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
-    """The data, set up for fitting, with a resumed or pre-trained run's tokenizer; what the data
-    decides about the net (vocabulary, classes, image size) filled into ``model.net``."""
+    """The data set up for fitting (a resumed or pre-trained run's tokenizer); what it decides about
+    the net (vocabulary, classes) filled into ``model.net``."""
     from attnlab.weights.init import init_artifacts, resolve_init_from
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
@@ -263,8 +251,7 @@ def build_datamodule(cfg: DictConfig, meta: dict) -> Any:
 
 
 def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
-    """Resolve what was left to the machine (precision) and name the W&B run (the interrupted
-    run's id when resuming), then save the config the run really uses."""
+    """Precision resolved and the W&B run named (a resumed run's id), then the config saved."""
     from attnlab.core.hardware import resolve_precision
 
     with open_dict(cfg):
@@ -281,9 +268,7 @@ def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
 
 
 def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any]:
-    """The config's callbacks and those every run has: a stop at a non-finite loss, metadata in
-    each checkpoint, resumable random streams, freed memory returned; a sweep trial's pruning
-    report."""
+    """The config's callbacks, those every run has, and a sweep trial's pruning report."""
     from attnlab.experiments.pruning import TrialPruning
     from attnlab.training.callbacks import (
         FiniteLoss,
@@ -324,15 +309,9 @@ def fit_and_test(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, ckp
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if trainer.num_training_batches == 0:  # Lightning only notes it, then tests an untrained model
             size = cfg.data.get("batch_size")
-            raise DataError(
-                "the training data gives no batch: fewer examples than one batch"
-                + (
-                    f" (data.batch_size={size}, incomplete batches are dropped); add data or "
-                    "lower data.batch_size"
-                    if size
-                    else "; add data"
-                )
-            )
+            dropped = f" (data.batch_size={size}, incomplete batches are dropped)"
+            how = f"{dropped}; add data or lower data.batch_size" if size else "; add data"
+            raise DataError(f"the training data gives no batch: fewer examples than one batch{how}")
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.get("test"):
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -344,8 +323,7 @@ def fit_and_test(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, ckp
 
 
 def closing_sample(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any) -> str | None:
-    """A language model's closing sample (``sample``), drawn by every process: a sharded net
-    needs them all."""
+    """A language model's closing sample, drawn by every process (a sharded net needs them all)."""
     from attnlab.models.text.gpt import GPT
 
     if not (cfg.get("sample") and isinstance(model.net, GPT)):
@@ -396,10 +374,8 @@ def finish(
 
 
 def hparams_for_tensorboard(logger: TensorBoardLogger, cfg: DictConfig, metrics: dict[str, float]) -> None:
-    """The run's hyperparameters and final metrics for TensorBoard's HParams tab. Lightning writes
-    them only with metrics in hand, and then also logs those metrics as scalars at step 0. Keys that
-    say where or how the run logged (callbacks, loggers, paths) are left out, as attnlab-compare
-    does: the table then opens on data, model and trainer settings."""
+    """Hyperparameters (as attnlab-compare picks them) and final metrics for TensorBoard's HParams
+    tab, written here: Lightning's way would log the metrics again at step 0."""
     from torch.utils.tensorboard.summary import hparams
 
     params = {
@@ -420,8 +396,7 @@ def pruned(e: BaseException) -> bool:
 
 
 def main() -> float | None:
-    """``attnlab-train``: refuse a model hyper-parameter given by its old name before Hydra
-    composes the config (which would only say the key is not there), then train."""
+    """``attnlab-train``: an old hyper-parameter name refused before Hydra composes, then train."""
     with exit_on_user_error(console=True):
         refuse_renamed_overrides(sys.argv[1:])
         check_launcher_overrides(sys.argv[1:])
@@ -457,9 +432,8 @@ class JobRefused(CompactHydraException):
 
 
 class SubmititChecks(Callback):
-    """``hydra/launcher=submitit_slurm`` or ``submitit_local`` (``conf/hydra/launcher/``): the job's
-    size and the launcher's options checked before Hydra sends any job; a refusal is one line and
-    exit status 2, the sweep folder made for it removed while still empty."""
+    """The submitit launcher's options checked before Hydra sends a job: a refusal is one line, exit
+    status 2, its empty sweep folder removed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         folder = Path(str(config.hydra.sweep.dir))

@@ -5,21 +5,18 @@ top-1 and top-5 zero-shot accuracy on a run's test split."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from attnlab.cli.common import (
     check_device,
-    config_dir,
-    exit_on_user_error,
     image_batches,
     inference_device,
-    quote_free_text,
+    inference_main,
+    print_top,
     resolve_checkpoint,
 )
 from attnlab.core.errors import CheckpointError, ConfigError, DataError
@@ -34,9 +31,8 @@ DEFAULT_TEMPLATE = "a photo of a {}."  # init_from's prompt without templates= (
 
 
 def load_clip(cfg: DictConfig) -> tuple[CLIP, CaptionTokenizer, dict[str, Any], list[str]]:
-    """The CLIP, its caption tokenizer, what its images and captions are (size, channels,
-    normalisation, caption length) and the prompt templates: a run's, or an open_clip folder's
-    (``init_from``; ``templates=`` or ``DEFAULT_TEMPLATE``)."""
+    """The CLIP, its tokenizer, its artifacts (image size, normalisation, caption length) and prompt
+    templates: a run's, or an open_clip folder's (``init_from``)."""
     from attnlab.inference.zeroshot import read_templates
 
     device = inference_device(cfg.device)
@@ -59,8 +55,7 @@ def clip_run(cfg: DictConfig) -> tuple[TrainedRun, list[str]]:
 
 
 def open_clip_folder(folder: Path) -> tuple[CLIP, CaptionTokenizer, dict[str, Any]]:
-    """Our CLIP as the folder's ``open_clip_config.json`` describes it, its weights, its tokenizer
-    and its preprocessing (``attnlab.weights.clip``)."""
+    """Our CLIP, its tokenizer and preprocessing from a folder open_clip saved (``attnlab.weights.clip``)."""
     from attnlab.data.text.tokenizers import CaptionTokenizer, import_tokenizer
     from attnlab.weights.clip import clip_from_open_clip, preprocess
 
@@ -131,42 +126,33 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
     }
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="zeroshot")
-def run(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        if (cfg.image is None) == (cfg.split is None):
-            raise ConfigError(
-                'give exactly one of image=<file or folder> (with labels="a,b,c") or split=test'
-            )
-        if cfg.init_from is not None and (cfg.ckpt_path is not None or cfg.split is not None):
-            raise ConfigError(
-                "init_from=<open_clip folder> labels images (image=...); ckpt_path and split= need a run"
-            )
-        check_device(cfg.device)
-        if cfg.init_from is None:
-            if cfg.ckpt_path is None:
-                raise ConfigError(
-                    "ckpt_path is required (a CLIP run), or init_from=<a folder open_clip saved>"
-                )
-            resolve_checkpoint(cfg, "ContrastiveTask")
-        import torch
+def show(cfg: DictConfig) -> None:
+    if (cfg.image is None) == (cfg.split is None):
+        raise ConfigError('give exactly one of image=<file or folder> (with labels="a,b,c") or split=test')
+    if cfg.init_from is not None and (cfg.ckpt_path is not None or cfg.split is not None):
+        raise ConfigError(
+            "init_from=<open_clip folder> labels images (image=...); ckpt_path and split= need a run"
+        )
+    check_device(cfg.device)
+    if cfg.init_from is None:
+        if cfg.ckpt_path is None:
+            raise ConfigError("ckpt_path is required (a CLIP run), or init_from=<a folder open_clip saved>")
+        resolve_checkpoint(cfg, "ContrastiveTask")
+    import torch
 
-        torch.set_grad_enabled(False)
-        if cfg.split is not None:
-            r = score_split(cfg)
-            print(
-                f"zero-shot {cfg.split}: top-1 {r['top1']:.4f}, top-5 {r['top5']:.4f} "
-                f"({int(r['images'])} images, {int(r['templates'])} templates)"
-            )
-            return
-        for path, probs in label_images(cfg):
-            print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in probs[: cfg.top_k]))
+    torch.set_grad_enabled(False)
+    if cfg.split is not None:
+        r = score_split(cfg)
+        print(
+            f"zero-shot {cfg.split}: top-1 {r['top1']:.4f}, top-5 {r['top5']:.4f} "
+            f"({int(r['images'])} images, {int(r['templates'])} templates)"
+        )
+        return
+    for path, probs in label_images(cfg):
+        print_top(path, probs[: cfg.top_k])
 
 
-def main() -> None:
-    sys.argv = quote_free_text(sys.argv, ("image", "labels", "templates"))
-    run()
-
+main = inference_main("zeroshot", ("image", "labels", "templates"), show)
 
 if __name__ == "__main__":
     main()

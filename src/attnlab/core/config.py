@@ -1,16 +1,11 @@
-"""Printing, saving and checking the composed Hydra config.
-
-Imported before the command line's config is checked, so torch and Lightning are imported only
-inside the functions that need them (``check_config(cfg, imports=False)`` needs neither).
-"""
+"""Printing, saving and checking the composed Hydra config (torch and Lightning imported only inside
+the functions that need them: ``check_config(cfg, imports=False)`` needs neither)."""
 
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
 import logging
-import math
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -20,14 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from attnlab.core.errors import AttnlabError, ConfigError
-from attnlab.core.signatures import evaluate, static_signature, unseen
+from attnlab.core.errors import AttnlabError, ConfigError, one_line
+from attnlab.core.legacy import renamed
+from attnlab.core.signatures import signature, static_signature, unpacked
 from attnlab.core.specs import is_int
-from attnlab.core.targets import moved_key
+from attnlab.core.targets import target_nodes
 
 if TYPE_CHECKING:
     import lightning as L
@@ -99,10 +95,8 @@ def container(cfg: DictConfig) -> dict[str, Any]:
 
 
 def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
-    """``instantiate(node, **kwargs)`` for the ``trainer`` node, under ``constructor_errors``.
-
-    ``val_check_interval`` counts optimizer steps, as ``max_steps`` does, so gradient accumulation
-    keeps a recipe's validation schedule; Lightning counts batches, hence the scaling."""
+    """Build the ``trainer`` node under ``constructor_errors``, ``val_check_interval`` scaled by gradient
+    accumulation (it counts optimizer steps, as ``max_steps``; Lightning counts batches)."""
     every, accumulate = node.get("val_check_interval"), node.get("accumulate_grad_batches", 1)
     if is_int(every) and is_int(accumulate) and accumulate > 1:
         kwargs.setdefault("val_check_interval", every * accumulate)
@@ -112,9 +106,8 @@ def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
 
 @contextmanager
 def constructor_errors(key: str) -> Iterator[None]:
-    """Turn a constructor's complaint about a value (Lightning's ``MisconfigurationException``,
-    ``ValueError``: ``trainer.max_steps=-5``, ``callbacks.model_checkpoint.save_top_k=-5``) into
-    one ``ConfigError`` line naming the config ``key`` (see ``refusal``)."""
+    """Turn a constructor's refusal of a value (``ValueError``, Lightning's ``MisconfigurationException``)
+    into one ``ConfigError`` line naming ``key`` (``refusal``)."""
     try:
         yield
     except Exception as e:
@@ -125,11 +118,8 @@ def constructor_errors(key: str) -> Iterator[None]:
 
 
 def refusal(e: BaseException, key: str = "") -> ConfigError | None:
-    """The one-line ``ConfigError`` for the ``ValueError`` (or Lightning's refusal) behind ``e``,
-    named by the key of the node whose constructor raised it: ``key``, or the nested node's that
-    Hydra's ``InstantiationException`` carries (``full_key: model.net.image``); a message starting
-    with one of that constructor's arguments (``dim: must be ...``) names its key
-    (``model.net.image.dim: must be ...``). None where ``e`` is no such refusal (a bug)."""
+    """The one-line ``ConfigError`` for the refusal behind ``e``, named by the key of the node that raised
+    it (``model.net.image.dim: ...`` for ``dim: ...``); None where ``e`` is no refusal (a bug)."""
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")  # loaded where Lightning is
     refusals = (ValueError, *([exceptions.MisconfigurationException] if exceptions else []))
     where, target = key, None
@@ -153,114 +143,19 @@ def refusal(e: BaseException, key: str = "") -> ConfigError | None:
 
 def _params(target: str | None) -> Mapping[str, Any]:
     try:
-        return inspect.signature(get_object(target)).parameters if target else {}
+        found = signature(target, "") if target else None
+        return unpacked(*found)[0].parameters if found else {}
     except Exception:  # not importable or no signature: the message names the node alone
         return {}
 
 
-# ---- the model hyper-parameters' old names -------------------------------------------------------
-
-# One vocabulary across the model families (issue 28): the name each constructor took before, the
-# name it takes now and what changed beyond the name. An old name in a user's config is an error
-# naming the new one (a silent alias would keep two spellings alive in configs, sweeps and
-# ``attnlab-compare`` tables); a saved run's config is translated (``translate_renamed``).
-RATIO = " (now a ratio: the MLP is int(mlp_ratio * dim) wide)"
-SOURCE = " (now a node: data/source=<name of conf/data/source/*.yaml>, then data.source.<key>=...)"
-RENAMED: dict[str, tuple[str, str]] = {
-    "n_embd": ("dim", ""),  # GPT
-    "d_model": ("dim", ""),  # Transformer, nn.MultiHeadAttention
-    "emb_dim": ("dim", ""),  # Seq2Seq
-    "n_layer": ("depth", ""),  # GPT
-    "n_enc_layers": ("enc_depth", ""),  # Transformer, Seq2Seq
-    "n_dec_layers": ("dec_depth", ""),  # Transformer
-    "n_heads": ("n_head", ""),  # SwinTransformer (a list, one per stage)
-    "block_size": ("max_len", ""),  # GPT's position table; the language-modelling window
-    "context_length": ("max_len", ""),  # CLIP's TextTransformer; the caption length
-    "d_ff": ("mlp_ratio", RATIO),  # Transformer
-    "mlp_dim": ("mlp_ratio", RATIO),  # Bert
-    "pretrained_ckpt": ("init_from", ""),  # TextClassificationTask
-    # the data keys (issue 58): one name for the source, one for each split's size
-    "corpus": ("source", SOURCE),  # TextDataModule, TranslationDataModule
-    "dataset": ("source", SOURCE),  # ImageClassificationDataModule
-    "bpe_vocab_size": ("vocab_size", ""),  # TextDataModule
-    "val_fraction": ("val_size", ""),  # TextDataModule, MaskedLMDataModule (still a fraction)
-    "test_fraction": ("test_size", ""),
-    "n_train": ("train_size", ""),  # ScenesDataModule
-    "n_val": ("val_size", ""),
-    "n_test": ("test_size", ""),
-}
-
-
 def refuse_renamed_overrides(overrides: list[str]) -> None:
-    """Raise naming the new name for a command-line override of a model hyper-parameter by its
-    old name (``model.net.n_embd=64``), which Hydra would otherwise refuse as a key the config
-    lacks, with no word of the new one. (An old name set in a config file, or added with ``+``,
-    is caught by ``check_types`` against the constructor.)"""
+    """Refuse an override of an old key (``model.net.n_embd=64``) naming the new one (Hydra would only
+    say the key is missing); one in a config file is ``check_types``'s."""
     for override in overrides:
-        if override.startswith("-") or "=" not in override:
-            continue
-        key = override.split("=", 1)[0].lstrip("+~")
-        if moved := moved_key(key):
-            raise ConfigError(f"{key} was renamed {moved}")
-        parent, _, name = key.rpartition(".")
-        if parent.split(".")[0] in ("model", "data") and name in RENAMED:
-            new, note = RENAMED[name]
-            raise ConfigError(f"{key} was renamed {parent}.{new}{note}")
-
-
-def translate_renamed(cfg: DictConfig, where: str) -> list[str]:
-    """Rename the old hyper-parameter names in every ``_target_`` node under ``cfg`` (a saved
-    run's config, written before the rename) to the new ones, in place, and return what was
-    renamed (``model.net.n_embd -> model.net.dim``). Only keys the target no longer takes and
-    whose new name it does take are touched; an MLP
-    width becomes the ratio to the model width that gives the same width back."""
-    done: list[str] = []
-    for path, node in _target_nodes(cfg, where):
-        try:
-            params = inspect.signature(get_object(str(node._target_))).parameters
-        except Exception:  # not importable or no signature: left to whoever builds it
-            continue
-        old_keys = [
-            k for k in map(str, node.keys()) if k not in params and RENAMED.get(k, ("",))[0] in params
-        ]
-        if not old_keys:
-            continue
-        width = next((node[k] for k in ("d_model", "emb_dim", "n_embd", "dim") if k in node), None)
-        if width is None and "dim" in params:
-            width = params["dim"].default
-        with open_dict(node):
-            for old in old_keys:
-                new, note = RENAMED[old]
-                value = node[old]
-                if note == RATIO and is_int(value) and is_int(width):
-                    value = mlp_ratio_for(value, width)
-                node[new] = value
-                del node[old]
-                done.append(f"{path}.{old} -> {path}.{new}")
-    return done
-
-
-def mlp_ratio_for(hidden: int, dim: int) -> float:
-    """The ``mlp_ratio`` whose ``int(mlp_ratio * dim)`` is ``hidden``: ``hidden / dim`` times
-    ``dim`` can land a rounding error below ``hidden``, which ``int`` would cut to one less."""
-    ratio = hidden / dim
-    while int(ratio * dim) < hidden:
-        ratio = math.nextafter(ratio, math.inf)
-    return ratio
-
-
-def _target_nodes(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
-    """Every ``_target_`` node under ``node`` (itself included), with its dotted path."""
-    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
-        if "_target_" in node:
-            yield path, node
-        for key in node.keys():
-            child = node._get_node(key)
-            if isinstance(child, (DictConfig, ListConfig)):
-                yield from _target_nodes(child, f"{path}.{key}")
-    elif isinstance(node, ListConfig) and not node._is_none() and not node._is_missing():
-        for i in range(len(node)):
-            yield from _target_nodes(node._get_node(i), f"{path}[{i}]")
+        if not override.startswith("-") and "=" in override:
+            if message := renamed(override.split("=", 1)[0].lstrip("+~")):
+                raise ConfigError(message)
 
 
 # ---- checking values against the constructors they are passed to ---------------------------------
@@ -271,19 +166,12 @@ EXTRA_CHOICES = {"trainer.precision": ("auto",)}  # attnlab.core.hardware.resolv
 
 
 def check_config(cfg: DictConfig, imports: bool = True) -> None:
-    """Check every ``_target_`` node's keys and values against its constructor's signature (see
-    ``check_types``), before anything is built, so ``model.optim.optimizer.lr=abc`` is one line naming
-    the key instead of a traceback from inside torch; then the data's sequence length against the
-    model's position table (``check_lengths``). The trainer and the model come first: other nodes
-    take values from them by interpolation (``total_steps: ${trainer.max_steps}``), and the error
-    should name the key the user set. Missing (``???``) values are left for later.
-
-    ``imports=False``: the quick check of an entry point before torch loads, each signature read
-    from its source (``attnlab.core.signatures``); it refuses only what the full check refuses."""
+    """Check every ``_target_`` node against its constructor's signature (trainer and model first:
+    others interpolate them), then the lengths; ``imports=False``: signatures read from source."""
     first = [k for k in ("trainer", "model") if k in cfg]
     for key in [*first, *(str(k) for k in cfg.keys() if k not in first)]:
         if key not in HYDRA_KEYS and key != "hydra":
-            for path, node in _target_nodes(cfg._get_node(key), key):
+            for path, node in target_nodes(cfg._get_node(key), key):
                 check_types(node, path, imports)
     check_lengths(cfg)
 
@@ -312,26 +200,22 @@ def check_lengths(cfg: DictConfig) -> None:
 
 
 def check_types(node: DictConfig, path: str, imports: bool = True) -> None:
-    """Check one ``_target_`` node against its target's signature: a key it does not take (an old
-    name: the new one), a value its annotation refuses (``mismatch``); a value a nested
-    ``_target_`` builds is checked on its own. ``imports=False``: the signature read from the
-    source (``attnlab.core.signatures``), or nothing checked."""
+    """Check one ``_target_`` node against its signature: a key it does not take (an old one: the new name),
+    a value its annotation refuses; ``imports=False``: the signature read from source, or nothing checked."""
     target = node._target_
     if not isinstance(target, str):
         return
     if (found := signature(target, path) if imports else static_signature(target)) is None:
         return
-    sig, hints = found
+    sig, hints = unpacked(*found)
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     params = {n: p for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     for key in (str(k) for k in node.keys() if k not in HYDRA_KEYS):
         value = _get(node, key)
         shown = "" if value is _MISSING else f"={show(value)}"
         if key not in params:
-            if RENAMED.get(key, ("",))[0] in params:
-                raise ConfigError(f"{path}.{key} was renamed {path}.{RENAMED[key][0]}{RENAMED[key][1]}")
-            if moved := moved_key(f"{path}.{key}"):
-                raise ConfigError(f"{path}.{key} was renamed {moved}")
+            if message := renamed(f"{path}.{key}", params):
+                raise ConfigError(message)
             if not takes_kwargs:
                 close = difflib.get_close_matches(key, list(params), n=1)
                 listed = f" (its parameters: {', '.join(params)})" if len(params) <= 15 else ""
@@ -388,30 +272,6 @@ def _built(value: Any) -> bool:
     return isinstance(value, list) and any(map(_built, value))
 
 
-def signature(target: str, path: str) -> tuple[inspect.Signature, dict[str, Any]] | None:
-    """The imported ``target``'s signature and its annotations evaluated in its module (a name
-    imported there only for type checkers: ``unseen``); None where it has none. A target that does
-    not import is a ``ConfigError`` naming ``path``."""
-    try:
-        obj = get_object(target)
-    except Exception as e:
-        while e.__cause__ is not None:
-            e = e.__cause__
-        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {one_line(e)}") from e
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):  # builtins and the like: nothing to check against
-        return None
-    namespace = getattr(inspect.unwrap(obj.__init__ if inspect.isclass(obj) else obj), "__globals__", {})
-    lookup = lambda name: namespace[name] if name in namespace else unseen(name)  # noqa: E731
-    hints = {
-        n: evaluate(p.annotation, lookup) if isinstance(p.annotation, str) else p.annotation
-        for n, p in sig.parameters.items()
-        if p.annotation is not p.empty
-    }
-    return sig, hints
-
-
 _MISSING = object()
 
 
@@ -425,7 +285,3 @@ def _get(node: DictConfig | ListConfig, key: Any) -> Any:
 
 def show(value: Any) -> str:
     return repr(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

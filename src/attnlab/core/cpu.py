@@ -25,14 +25,8 @@ def glibc() -> ctypes.CDLL | None:
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc's malloc reuse freed blocks instead of handing them back to the kernel.
-
-    torch's CPU allocator is plain malloc, which by default maps each block over its mmap
-    threshold afresh and unmaps it on free, so every training step faults in (and the kernel
-    zeroes) the same activations again. Serving blocks up to 32 MiB from the heap and not
-    trimming it cuts those faults (figures: benchmarks/RESULTS.md). Returns whether the settings
-    took (False off glibc).
-    """
+    """Have glibc's malloc keep freed blocks (up to 32 MiB) in an untrimmed heap, so steps do not fault
+    the same activations in again; whether it took (False off glibc)."""
     libc = glibc()
     if libc is None:
         return False
@@ -47,25 +41,14 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``); False off glibc.
-
-    Batches of varying shapes (token budgets, every step another (B, T)) leave free blocks of
-    every size inside the heap; malloc reuses them only where the next blocks fit, and returns
-    memory to the kernel only from the top of the heap. The free pages in between stay resident,
-    so a process grew step after step, with or without ``keep_freed_memory``; trimming every few
-    dozen steps keeps it flat (``benchmarks/memory_growth.py``) at the cost of faulting those
-    pages in again once.
-    """
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``), which varying batch shapes
+    strand mid-heap; False off glibc."""
     libc = glibc()
     return libc is not None and libc.malloc_trim(0) in (0, 1)
 
 
 def tune_cpu_for_training() -> None:
-    """Flush denormal floats to zero and keep freed memory (``keep_freed_memory``).
-
-    Adam's moments of rarely seen embedding rows decay through the denormal range, where each
-    float operation costs far more (figures: benchmarks/RESULTS.md). The freed memory kept is
-    released every few dozen steps (``attnlab.training.callbacks.ReleaseFreedMemory``).
-    """
+    """Flush denormals to zero (Adam's moments of rare embedding rows decay through them, slowly) and
+    keep freed memory (``keep_freed_memory``)."""
     torch.set_flush_denormal(True)
     keep_freed_memory()

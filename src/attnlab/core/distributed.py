@@ -1,9 +1,5 @@
-"""Multi-process runs: FSDP's wrap policy from config, runs started from a Hydra multirun, and
-jobs sent by Hydra's submitit launcher (``hydra/launcher=submitit_slurm`` or ``submitit_local``).
-
-Torch loads inside the functions that need it: ``attnlab.cli.train`` imports this module before
-the config is checked.
-"""
+"""Multi-process runs: FSDP's wrap policy, ranks of a Hydra multirun job, submitit launcher jobs
+(torch imported inside the functions: ``attnlab.cli.train`` imports this before the config check)."""
 
 from __future__ import annotations
 
@@ -30,16 +26,8 @@ _env_before_first_job: dict[str, str | None] | None = None
 
 
 def relaunch_this_multirun_job() -> None:
-    """Make DDP start this multirun job's ranks, each with this job's configuration.
-
-    Lightning starts ranks > 0 by re-running the command line with ``hydra.run.dir`` set to
-    ``HydraConfig.get().run.dir``. In a multirun that command line still holds ``-m`` and every
-    swept value, so rank 1 ran a sweep of its own: other hyperparameters than rank 0, written to
-    another directory. Here the command line becomes this job's overrides and the run directory
-    this job's directory. From the second job on, the previous job's process group and launch
-    variables are cleared too: left in place, Lightning took the job for a rank that something
-    else had started and launched no second process.
-    """
+    """Make DDP start this multirun job's ranks with this job's overrides and run directory (Lightning
+    would re-run the whole sweep), the previous job's process group and launch variables cleared."""
     global _env_before_first_job
     if not HydraConfig.initialized() or submitit_executor():
         return  # a submitit job's ranks are started by submitit (srun, or its local controller)
@@ -75,12 +63,8 @@ def module_classes(*paths: str) -> set[type]:
 
 @contextmanager
 def unsharded(module: nn.Module) -> Iterator[None]:
-    """The full parameters of an FSDP2-sharded net (the root unit) and of every unit inside it,
-    held until the end, for code that reaches into submodules outside their ``forward`` or calls
-    them a different number of times on each process (decoding until <eos>, pictures). Gathering
-    is collective: every process enters; inside, no unit gathers again as long as the code calls
-    submodules and methods that are not registered FSDP forward methods (a call through the root's
-    hooks shards again the units it did not run). Unsharded: nothing to do."""
+    """Hold the full parameters of an FSDP2-sharded net and its units (collective: every process enters)
+    for code calling submodules outside ``forward`` or unevenly (decoding, pictures)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -109,10 +93,8 @@ def submitit_executor() -> str | None:
 
 
 def export_local_ranks() -> None:
-    """A ``submitit_local`` job of N tasks (``tasks_per_node`` follows ``trainer.devices``) is N
-    processes that submitit started: give them torch's variables (rank, world size, a port drawn
-    from the job id), as torchrun would, so that Lightning starts no process of its own. Under
-    SLURM Lightning reads SLURM's variables instead (its ``SLURMEnvironment``)."""
+    """Give the N processes of a ``submitit_local`` job torch's rank variables, as torchrun would, so
+    Lightning starts none of its own (under SLURM it reads SLURM's)."""
     if submitit_executor() != "local":
         return
     from submitit import JobEnvironment
@@ -126,9 +108,7 @@ def export_local_ranks() -> None:
 
 
 def check_job_tasks(trainer: Any) -> None:
-    """In a submitit job: as many tasks per node as ``trainer.devices``. A multirun's jobs are one
-    array of one size, set from the multirun's ``trainer.devices``: one swept per job cannot change
-    it (Lightning would then start processes of its own, from a command line that is not the job's)."""
+    """In a submitit job: as many tasks per node as ``trainer.devices`` (one array size per multirun)."""
     if not submitit_executor():
         return
     from submitit import JobEnvironment
@@ -153,9 +133,7 @@ def cluster_plugins() -> list[Any]:
 
 
 def own_last_checkpoint(cfg: Any) -> Path:
-    """Where this run writes its ``last.ckpt`` (``callbacks.model_checkpoint.dirpath``, or
-    ``<run>/checkpoints``): a requeued job's folder is its own, so one found there is what the job
-    itself wrote before it was stopped."""
+    """Where this run writes ``last.ckpt``: a requeued job's own, written before it was stopped."""
     from omegaconf import OmegaConf
 
     folder = (
@@ -166,9 +144,7 @@ def own_last_checkpoint(cfg: Any) -> Path:
 
 
 def launcher_options(name: str | None) -> set[str] | None:
-    """The options of Hydra's submitit launcher ``name`` (``submitit_slurm``, ``submitit_local``),
-    from the plugin's schema, which its config in ``conf/hydra/launcher/`` keeps; None for another
-    launcher."""
+    """The options of Hydra's submitit launcher ``name`` from the plugin's schema; None for another."""
     from dataclasses import fields
 
     from hydra_plugins.hydra_submitit_launcher import config
@@ -207,9 +183,8 @@ def _count(value: Any) -> bool:
 
 
 def check_job_size(params: dict[str, Any], trainer: Any) -> None:
-    """A submitit job's size (``tasks_per_node``, ``gpus_per_node`` and ``nodes``, which follow
-    ``trainer.devices`` and ``trainer.num_nodes``), checked before anything is sent: one task per
-    device and per node, as Lightning counts them under SLURM."""
+    """A submitit job's size (tasks, GPUs per node, nodes), checked before anything is sent: one task per
+    device and node, as Lightning counts them under SLURM."""
     tasks, gpus, nodes = (params.get(k) for k in ("tasks_per_node", "gpus_per_node", "nodes"))
     devices, num_nodes = trainer.get("devices"), trainer.get("num_nodes")
     if not _count(tasks):
@@ -245,11 +220,8 @@ SUBMITIT_LAUNCHERS = {
 
 
 def check_submitit_launcher(config: Any) -> None:
-    """The submitit launcher a multirun's config chooses, checked before any job is sent: the job's
-    size, its options as submitit takes them (built into submitit's executor as Hydra's launcher
-    builds it, in a scratch folder), and for SLURM ``sbatch`` itself and its ``--test-only`` verdict
-    on a job of these options (an unknown partition or account, a limit the cluster
-    enforces). Any other launcher: nothing to check."""
+    """Check a multirun's submitit launcher before any job is sent: job size, options as submitit's
+    executor takes them, and for SLURM ``sbatch --test-only``'s verdict."""
     import shutil
     import tempfile
 
@@ -273,9 +245,8 @@ def check_submitit_launcher(config: Any) -> None:
 
 
 def submitit_executor_for(kind: str, params: dict[str, Any], folder: str) -> Any:
-    """submitit's executor for a launcher's options, given as Hydra's submitit launcher gives them
-    (``launch()``: generic options as they are, the others prefixed by the executor's name); an
-    option submitit refuses is a ConfigError."""
+    """submitit's executor for a launcher's options as Hydra's launcher gives them; a refused option is a
+    ConfigError."""
     from dataclasses import fields
 
     import submitit

@@ -1,14 +1,5 @@
-"""Errors that mean "the input is wrong", as opposed to a bug.
-
-Entry points catch these, print the message alone and exit with status 2, so a
-user sees one line naming the field or file at fault instead of a traceback.
-
-Which to raise: one of these wherever the value came from a user (a command-line option, a data
-or checkpoint file), with the key or file in the message. A constructor (``nn/``, ``models/``)
-knows no config keys: a value alone is refused by its annotation (``attnlab.core.specs``), a rule
-tying two values by a plain ``ValueError`` starting with the argument's name, which the entry
-points name by the node's key (``attnlab.core.config.refusal``). Any other ``ValueError`` is a bug.
-"""
+"""Errors that mean "the input is wrong", not a bug: entry points print the message alone and exit 2.
+Raise one where a user's value is wrong, naming its key or file."""
 
 
 class AttnlabError(Exception):
@@ -25,3 +16,8 @@ class DataError(AttnlabError):
 
 class CheckpointError(AttnlabError):
     """A checkpoint is missing, unreadable or does not fit the model."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (its type's name where it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,10 +1,5 @@
-"""What machine a run is on, and the precision that suits it.
-
-bf16 pays only where the hardware multiplies in it: GPUs from Ampere on, and CPUs with AMX or
-AVX512-BF16. Elsewhere torch's CPU bf16 matmul falls back to a generic kernel far slower than
-fp32 (docs/runs.md, "Same command, same model, any machine", has the figures), so a bf16 recipe would
-crawl there.
-"""
+"""What machine a run is on, and the precision that suits it (bf16 only where the hardware multiplies
+in it: Ampere GPUs on, CPUs with AMX or AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -160,9 +155,8 @@ def gpu_peak_flops(
 
 @cache
 def cpu_matmul_flops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
-    """FLOP/s of a square matmul on this CPU with ``threads`` threads, best of the repeats that fit
-    in ``seconds`` after one to warm up: 1024 x 1024 in fp32, 512 x 512 otherwise, as
-    ../shared/tools/machine_check.py measures it. Its own generator: the run's streams are untouched."""
+    """FLOP/s of a square matmul (1024 fp32, else 512) on this CPU with ``threads``, best of the repeats
+    that fit in ``seconds``; its own generator."""
     n = 1024 if dtype == torch.float32 else 512
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))

@@ -1,9 +1,5 @@
-"""Which checkpoint a command means: a file, a sharded folder, or ``last`` (the newest run's).
-
-Torch-free, so that an entry point finds out that ``ckpt_path=last`` has nothing to load, or
-that the file is missing, before torch and Lightning load (``attnlab.weights.checkpoint`` loads
-the checkpoint itself).
-"""
+"""Which checkpoint a command means: a file, a sharded folder, or ``last`` (the newest run's), found
+before torch loads."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""A ``_target_``'s signature and annotations read from its source, without importing it (the
-config check before torch loads: ``check_config(cfg, imports=False)``).
-
-Where the source does not say plainly what the signature is (a name bound twice, a class without
-its own ``__init__``, a decorated class, an extension module) the reading gives up, and the check
-that imports the target decides. An annotation's names come from a light module (the standard
-library, ``annotated_types``, ``attnlab.core.specs``: imported), or from the module-level
-assignment that binds them (``AttentionImpl = Literal[...]``: followed); any other (a class of a
-heavy package) stands for any value (``Unseen``).
-"""
+"""A ``_target_``'s signature and annotations read from its source without importing it (light
+modules' names evaluated, others ``Unseen``); it gives up where the source is not plain."""
 
 from __future__ import annotations
 import __future__
@@ -19,11 +11,16 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import typing
 from collections.abc import Callable
 from functools import cache
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
+
+from hydra.utils import get_object
+
+from attnlab.core.errors import ConfigError, one_line
 
 # stands for a default value that is not None: only "is the default None" matters to the check
 NOT_NONE = object()
@@ -223,3 +220,40 @@ def _from_def(fn: ast.FunctionDef | ast.AsyncFunctionDef, drop_self: bool) -> in
     )
     sig = inspect.signature(namespace["f"])
     return sig.replace(parameters=list(sig.parameters.values())[1:]) if drop_self else sig
+
+
+def unpacked(sig: inspect.Signature, hints: dict[str, Any]) -> tuple[inspect.Signature, dict[str, Any]]:
+    """A ``**attn: Unpack[Spec]`` parameter (a TypedDict of settings several constructors share:
+    ``attnlab.nn.AttentionSpec``) read as Spec's keyword parameters, each with its type."""
+    for name, p in sig.parameters.items():
+        if p.kind is p.VAR_KEYWORD and typing.get_origin(hint := hints.get(name)) is typing.Unpack:
+            if not isinstance(spec := typing.get_args(hint)[0], type):  # unseen by the quick check
+                break
+            fields = typing.get_type_hints(spec, include_extras=True)
+            kept = [q for q in sig.parameters.values() if q is not p]
+            keys = [inspect.Parameter(f, p.KEYWORD_ONLY) for f in fields if f not in sig.parameters]
+            return sig.replace(parameters=kept + keys), {k: v for k, v in hints.items() if k != name} | fields
+    return sig, hints
+
+
+def signature(target: str, path: str) -> tuple[inspect.Signature, dict[str, Any]] | None:
+    """The imported ``target``'s signature and its annotations evaluated in its module; None where it
+    has none; a target that does not import is a ``ConfigError`` naming ``path``."""
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        while e.__cause__ is not None:
+            e = e.__cause__
+        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {one_line(e)}") from e
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins and the like: nothing to check against
+        return None
+    namespace = getattr(inspect.unwrap(obj.__init__ if inspect.isclass(obj) else obj), "__globals__", {})
+    lookup = lambda name: namespace[name] if name in namespace else unseen(name)  # noqa: E731
+    hints = {
+        n: evaluate(p.annotation, lookup) if isinstance(p.annotation, str) else p.annotation
+        for n, p in sig.parameters.items()
+        if p.annotation is not p.empty
+    }
+    return sig, hints

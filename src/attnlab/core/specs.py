@@ -1,19 +1,15 @@
-"""The constrained types constructor signatures use, so that a signature is the spec its config is
-checked against (``attnlab.core.config.check_config``, with pydantic, before torch loads).
-
-A constraint on one value lives in the annotation (``dim: PositiveInt``); a rule that ties two
-values together (``dim`` divisible by ``n_head``) is a plain ``ValueError`` in the constructor whose
-message starts with the argument's name (``"dim: must be divisible by n_head (6), got 100"``), which
-the entry points prefix with the node's full key (``model.net.image.dim: ...``)."""
+"""The constrained types of constructor signatures, the specs configs are checked against (pydantic,
+before torch loads); a rule tying two values is a ``ValueError("arg: ...")`` in the constructor."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, NotRequired
 
 from annotated_types import Ge, Gt, Interval
+from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 PositiveInt = Annotated[int, Gt(0)]
 NonNegativeInt = Annotated[int, Ge(0)]
@@ -21,6 +17,24 @@ PositiveFloat = Annotated[float, Gt(0)]
 NonNegativeFloat = Annotated[float, Ge(0)]
 Probability = Annotated[float, Interval(ge=0, le=1)]
 DropRate = Annotated[float, Interval(ge=0, lt=1)]  # dropout: 1 would zero every activation
+
+
+class LoRA(TypedDict, closed=True):
+    """``model.lora`` (``attnlab.weights.lora``): adapters of rank ``r`` scaled by ``alpha / r``
+    (``alpha``: ``r`` unless set), ``dropout`` on their input, on the layers ``targets`` names."""
+
+    r: PositiveInt
+    alpha: NotRequired[PositiveFloat]
+    dropout: NotRequired[DropRate]
+    targets: list[str]
+
+
+class Start(TypedDict, total=False):
+    """What every task may start from (``attnlab.training.base.Task``): ``init_from``'s weights
+    (``attnlab.weights.init.load_init``), with ``lora`` adapters on them."""
+
+    init_from: str | dict[str, str] | None
+    lora: LoRA | None
 
 
 @contextmanager

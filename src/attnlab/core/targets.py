@@ -1,12 +1,5 @@
-"""Which ``_target_``s a config read from a run folder (a checkpoint's saved config, a sweep's saved
-overrides) may name, checked before anything in it is instantiated.
-
-Hydra instantiates whatever a ``_target_`` names; its own blocklist stops ``os.system`` and the
-like but not ``torch.load`` on a pickle beside the checkpoint, ``builtins.open(path, "w")`` or
-``shutil.copy``. A run folder handed on by a colleague is input, not code: its configs may build
-attnlab's own classes, ``torch.nn`` modules, ``torch.optim`` optimizers and schedules, timm's
-modules, the Lightning, Optuna and Hydra parts the recipes configure, and the few functions below.
-"""
+"""Which ``_target_``s a config read from a run folder may name (it is input, not code): attnlab's,
+torch.nn/optim's, timm's, and the Lightning, Optuna and Hydra parts the recipes use."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from attnlab.core.errors import ConfigError
 
@@ -108,9 +101,8 @@ def _locate(target: str) -> Any:
 
 
 def is_allowed(target: str) -> bool:
-    """Whether ``target`` names an allowed class or function. Only the allowed packages are
-    imported to find out, and the object found must be defined in the package its name starts
-    with (``attnlab.weights.checkpoint.torch.load`` is torch's ``load``, and refused)."""
+    """Whether ``target`` names an allowed class or function, defined in the package its name starts with
+    (only allowed packages are imported to find out)."""
     package = _package(target)
     if package is None:
         return False
@@ -140,73 +132,19 @@ def targets(node: Any, key: str) -> Iterator[tuple[str, Any]]:
             yield from targets(v, f"{key}[{i}]" if key else f"[{i}]")
 
 
-# where attnlab's classes moved when its packages took their layers (issue 58): a run saved before
-# names them the old way, and is read the new way (``translate_moved``)
-MOVED = {
-    "attnlab.tasks.": "attnlab.training.",
-    "attnlab.callbacks.": "attnlab.training.callbacks.",
-    "attnlab.loggers.": "attnlab.training.loggers.",
-    "attnlab.utils.": "attnlab.core.",
-}
-
-
-def translate_moved(config: DictConfig) -> list[str]:
-    """Rewrite, in place, every ``_target_`` under ``config`` that names a module by its place
-    before issue 58; return the moves applied (``attnlab.tasks.* -> attnlab.training.*``)."""
-    done: dict[str, None] = {}
-    nodes: list[Any] = [config]
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, DictConfig):
-            target = node.get("_target_") if "_target_" in node else None
-            old = next((o for o in MOVED if isinstance(target, str) and target.startswith(o)), None)
-            if old is not None:
-                node["_target_"] = MOVED[old] + target.removeprefix(old)
-                done[f"{old}* -> {MOVED[old]}*"] = None
-            nodes.extend(v for k, v in node.items_ex(resolve=False) if k != "_target_")
-        elif isinstance(node, ListConfig):
-            nodes.extend(node)
-    return list(done)
-
-
-# the task's optimisation keys, moved into one spec (issue 58): model.<key> -> model.optim.<key>;
-# refused on the command line (``attnlab.core.config``), translated in a saved run's config
-MOVED_KEYS = {
-    f"model.{k}": f"model.optim.{k}"
-    for k in ("optimizer", "scheduler", "weight_decay", "lr_decay", "freeze", "compile", "compile_mode")
-}
-# the data keys that moved into data.source, data.mixup and data.normalize (issue 58); val_size,
-# which some DataModules still take (ImageFiles': data.source.val_size), is left to its signature
-SOURCE_KEYS = ("on_bad_record", "shuffle_batches", "fit_captions", "url", "sha256", "images_dir", "image_key")
-MOVED_KEYS |= {f"data.{k}": f"data.source.{k}" for k in (*SOURCE_KEYS, "caption_key")}
-MOVED_KEYS |= {f"data.{k}": "data.source.path" for k in ("shards_dir", "pairs_file", "captions_file")}
-MOVED_KEYS |= {"data.files": "data.source.names", "data.synthetic_size": "data.source.train_size"}
-MOVED_KEYS |= {
-    f"data.{k}": f"data.source.{k}" for k in ("data_dir", "cache_dir", "train_file", "val_file", "test_file")
-}
-MOVED_KEYS |= {f"data.{k}": f"data.normalize.{k}" for k in ("mean", "std")}
-MOVED_KEYS |= {f"data.{k}": f"data.mixup.{k}" for k in ("mixup_alpha", "cutmix_alpha")}
-MOVED_KEYS |= {"data.mixup_prob": "data.mixup.prob", "data.mixup_switch_prob": "data.mixup.switch_prob"}
-
-
-def moved_key(key: str) -> str | None:
-    """The new name of ``key`` (``model.optimizer.lr`` -> ``model.optim.optimizer.lr``), or None."""
-    old = next((o for o in MOVED_KEYS if key == o or key.startswith(o + ".")), None)
-    return None if old is None else MOVED_KEYS[old] + key[len(old) :]
-
-
-def translate_moved_keys(model: DictConfig) -> list[str]:
-    """Move a saved run's optimisation keys (``model.weight_decay``) into ``model.optim``, in
-    place; return the move (none: empty)."""
-    old = [k for k in map(str, model.keys()) if f"model.{k}" in MOVED_KEYS]
-    if not old or "optim" in model:
-        return []
-    raw = OmegaConf.to_container(model, resolve=False)
-    with open_dict(model):
-        model.optim = {"_target_": "attnlab.training.optim.Optimization", **{k: raw[k] for k in old}}
-        for k in old:
-            del model[k]
-    return ["model.{" + ",".join(old) + "} -> model.optim.*"]
+def target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, DictConfig]]:
+    """Every ``_target_`` node under ``node`` (itself included) with its dotted path, interpolations
+    unresolved; a node's children are read after the caller has seen it (and maybe renamed them)."""
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+        if "_target_" in node:
+            yield path, node
+        for key in list(node.keys()):
+            child = node._get_node(key)
+            if isinstance(child, DictConfig | ListConfig):
+                yield from target_nodes(child, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig) and not node._is_none() and not node._is_missing():
+        for i in range(len(node)):
+            yield from target_nodes(node._get_node(i), f"{path}[{i}]")
 
 
 def check_targets(config: Any, source: str, key: str = "") -> None:

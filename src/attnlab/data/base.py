@@ -17,19 +17,11 @@ from attnlab.data.sampling import ResumableSampler
 
 
 class DataModule(L.LightningDataModule):
-    """A LightningDataModule that can describe and rebuild its data side.
-
-    - ``model_kwargs()``: model constructor arguments the data decides, filled into the ``???``
-      fields of ``model.net``; nested for models made of parts, e.g.
-      ``{"vocab_size": 8000}`` or ``{"text": {"vocab_size": 8000}}``.
-    - ``artifacts()``: what inference needs to rebuild the data side without the training data,
-      as JSON-able values (a tokenizer for text; class names, image size and normalisation for
-      images; both for image-text). Stored in every checkpoint.
-    - ``load_artifacts(artifacts)``: use them instead of fitting anew (resuming, eval, inference).
-
-    The training batches consumed travel in the checkpoint (``state_dict``), so a resumed run's
-    training loader can continue with the batch the interrupted run would have seen next
-    (``train_batches_consumed``).
+    """A LightningDataModule that describes and rebuilds its data side: ``model_kwargs()`` fills
+    ``model.net``'s ``???`` (nested for models of parts: ``{"text": {"vocab_size": 8000}}``);
+    ``artifacts()`` (JSON-able: tokenizer, classes, image size, normalisation) travel in every
+    checkpoint and ``load_artifacts`` uses them instead of fitting anew. The training batches
+    consumed travel too (``state_dict``), so a resumed run's loader continues where it stopped.
     """
 
     train_batches_consumed = 0
@@ -52,8 +44,7 @@ class DataModule(L.LightningDataModule):
         pass
 
     def train_sampler(self, n: int, batch_size: int, seed: int) -> ResumableSampler:
-        """The training order of ``n`` examples on this process, starting after the batches a
-        resumed run's checkpoint had consumed."""
+        """The training order of ``n`` examples on this process, after the batches consumed."""
         rank, world = self.rank_world()
         sampler = ResumableSampler(n, seed, world, rank)
         sampler.resume(self.train_batches_consumed, batch_size)
@@ -61,8 +52,7 @@ class DataModule(L.LightningDataModule):
 
     def eval_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
         """This process's batches of an evaluation split, in order: every example scored once in
-        all, every process as many steps (``TokenBatchSampler``). A split with fewer examples than
-        processes cannot be shared out without repeating some, and is refused."""
+        all, every process as many steps (a split smaller than the processes is refused)."""
         rank, world = self.rank_world()
         if len(lengths) < world:
             raise DataError(
@@ -70,6 +60,28 @@ class DataModule(L.LightningDataModule):
                 "that evaluate it: add examples or run fewer processes"
             )
         return TokenBatchSampler(lengths, max_tokens, shuffle=False, num_replicas=world, rank=rank)
+
+    def loader(self, dataset: Dataset, sampler: Any = None) -> DataLoader:
+        """The batches ``dataset`` (or ``sampler``) makes, loaded in ``self.num_workers`` workers
+        seeded by the loader's own generator (``self.seed``: nothing drawn from the global one)."""
+        return DataLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def token_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
+        """Token-budget batches of a split: training's shuffled every epoch (resumed after the
+        batches consumed), an evaluation split's as ``eval_sampler`` shares them out."""
+        if split != "train":
+            return self.eval_sampler(lengths, max_tokens, split)
+        rank, world = self.rank_world()
+        sampler = TokenBatchSampler(lengths, max_tokens, True, self.seed, world, rank)
+        sampler.resume(self.train_batches_consumed)
+        return sampler
 
     def eval_loader(
         self,
@@ -79,9 +91,8 @@ class DataModule(L.LightningDataModule):
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         num_workers: int = 0,
     ) -> DataLoader:
-        """Batches of ``batch_size`` examples of a map-style split, in order, shared out as
-        ``eval_sampler`` does. (Lightning's ``DistributedSampler`` would pad the split with
-        copies of its first examples, which every metric would then count twice.)"""
+        """Batches of a map-style split, in order, shared out as ``eval_sampler`` does (Lightning's
+        ``DistributedSampler`` would pad it with copies, which every metric would count twice)."""
         sampler = self.eval_sampler([1] * len(dataset), batch_size, split)
         return DataLoader(
             Batches(partial(collate_examples, dataset, collate_fn), sampler),
@@ -95,10 +106,50 @@ class DataModule(L.LightningDataModule):
         )
 
     def rank_world(self) -> tuple[int, int]:
-        """This process's rank and the number of processes (the trainer's, else torch.distributed's),
-        for samplers that shard batches themselves."""
+        """This process's rank and the number of processes (the trainer's, else torch.distributed's)."""
         if self.trainer is not None:
             return self.trainer.global_rank, self.trainer.world_size
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
+
+
+class SplitsDataModule(DataModule):
+    """A DataModule whose splits are map-style datasets in ``splits``, batched by ``collate_of(split)``
+    (``collate``; ``batch_size``, ``num_workers`` and ``seed`` its own)."""
+
+    splits: dict[str, Dataset]
+    batch_size: int
+    num_workers: int
+    seed: int
+
+    collate: Callable[[list[Any]], Any] = staticmethod(default_collate)
+
+    def collate_of(self, split: str) -> Callable[[list[Any]], Any]:
+        return self.collate
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches in ``train_sampler``'s order, the last partial one dropped; the loader's
+        own generator seeds its workers (starting one draws nothing from the global generator)."""
+        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
+        return DataLoader(
+            self.splits["train"],
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(sampler.seed),
+            collate_fn=self.collate_of("train"),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return self.split_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self.split_loader("test")
+
+    def split_loader(self, split: str) -> DataLoader:
+        return self.eval_loader(
+            self.splits[split], self.batch_size, split, self.collate_of(split), self.num_workers
+        )

@@ -1,7 +1,5 @@
-"""Batches shared out between processes so that each runs as many steps and, in evaluation,
-scores every example once: the sampler and the batch-indexed dataset every DataModule uses for
-its evaluation splits (and the text ones for training: batches of similar-length sequences under
-a token budget). With equal lengths the batches are fixed-size runs of the split, in order."""
+"""Batches shared out between processes so each runs as many steps and evaluation scores every
+example once (text training too: similar-length sequences under a token budget)."""
 
 from __future__ import annotations
 
@@ -21,31 +19,14 @@ class RepeatedBatch(list):
 
 
 class TokenBatchSampler(DistributedSampler):
-    """Batches of similar-length pairs holding at most ``max_tokens`` tokens each (with padding),
-    shared out between ``num_replicas`` processes.
-
-    Every process builds the same global list of batches from ``(seed, epoch)``: pairs sorted by
-    length (with a little noise when shuffling, so batches differ between epochs), cut into
-    batches, and, when shuffling, the batch order shuffled. Process ``rank`` then takes batches
-    ``rank, rank + num_replicas, ...``, so every process gets the same number of batches:
-
-    - training (``shuffle=True``): the list is padded to a multiple of ``num_replicas`` by
-      repeating its first batches (as ``DistributedSampler`` pads samples);
-    - evaluation (``shuffle=False``): no pair is repeated; the list is brought to a multiple of
-      ``num_replicas`` by halving its largest batches, in length order. Only where that cannot be
-      done (fewer pairs than processes, say) are batches repeated, as ``RepeatedBatch``, which the
-      collate function marks ``repeat`` for the task to skip.
-
-    Equal counts matter under DDP: a process with an extra step would wait forever for the others
-    in the step's collective calls (the gradient all-reduce, or the buffer broadcast of DDP's
-    forward, which also runs in validation).
-
-    It is a ``DistributedSampler`` (yielding lists of indices) for Lightning's sake: a loader whose
-    ``sampler`` is one is left alone by Lightning (no sampler injection, whatever
-    ``use_distributed_sampler`` says), and Lightning calls its ``set_epoch`` at every epoch. Use it
-    as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset indexed by whole
-    batches (``Batches``). With the defaults (one process) it is a plain batch sampler.
-    """
+    """Batches of similar-length examples of at most ``max_tokens`` tokens (with padding), shared out
+    between ``num_replicas`` processes, each as many batches (under DDP an extra step would hang in the
+    others' collectives). Every process builds the same list from ``(seed, epoch)``: sorted by length
+    (with noise when shuffling), cut, shuffled; rank ``r`` takes batches ``r, r + num_replicas, ...``.
+    Training pads the list by repeating its first batches; evaluation halves its largest batches
+    instead, repeating (``RepeatedBatch``, skipped by the task) only where it cannot. A
+    ``DistributedSampler`` so Lightning leaves it alone and calls ``set_epoch``; use it with
+    ``DataLoader(Batches(...), sampler=sampler, batch_size=None)``."""
 
     def __init__(
         self,
@@ -163,12 +144,8 @@ def pad(seqs: list[list[int]], pad_id: int) -> Tensor:
 
 
 class Batches(Dataset):
-    """A split indexed by whole batches: ``dataset[[i, j, ...]]`` is the batch of those examples
-    (``collate`` of their indices), for a loader with ``sampler=TokenBatchSampler(...)`` and
-    ``batch_size=None``.
-    ``dataset[k]`` (an int) is the sampler's ``k``-th batch: Lightning's ``overfit_batches`` swaps
-    the sampler for a ``SequentialSampler`` over the dataset, which then yields the first batches
-    of epoch 0, the same ones every epoch."""
+    """A split indexed by whole batches: ``dataset[[i, j]]`` is ``collate`` of those indices;
+    ``dataset[k]`` the sampler's ``k``-th batch (what Lightning's ``overfit_batches`` asks for)."""
 
     def __init__(self, collate: Callable[[list[int]], Any], sampler: TokenBatchSampler) -> None:
         self.collate, self.sampler = collate, sampler
@@ -183,6 +160,5 @@ class Batches(Dataset):
 
 
 def collate_examples(dataset: Dataset, collate_fn: Callable[[list[Any]], Any], idx: list[int]) -> Any:
-    """The batch of ``dataset``'s examples at ``idx``: the ``collate`` of ``Batches`` for a
-    map-style dataset (a module-level function, so loader workers can unpickle it)."""
+    """``collate_fn`` of ``dataset``'s examples at ``idx`` (module-level: loader workers unpickle it)."""
     return collate_fn([dataset[i] for i in idx])

@@ -25,10 +25,8 @@ def sha256sum(path: Path) -> str:
 
 
 def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0, gunzip: bool = False) -> Path:
-    """Download ``url`` to ``dest`` atomically; a file failing the checksum is never kept.
-
-    With ``gunzip`` the download is decompressed and ``sha256`` is that of the decompressed file.
-    """
+    """Download ``url`` to ``dest`` atomically, never keeping a file that fails ``sha256`` (of the
+    decompressed file with ``gunzip``)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.info("downloading %s -> %s", url, dest)
@@ -59,12 +57,8 @@ def fetch(
     cache_dir: str | os.PathLike,
     gunzip: bool = False,
 ) -> Path:
-    """Path to ``filename``: from ``data_dir`` (``data.source.data_dir``) when given (offline), else
-    cached or downloaded.
-
-    Files in ``data_dir`` are the user's own and are not checksummed (a corpus may be edited on
-    purpose); downloads always are.
-    """
+    """``filename`` from ``data_dir`` (offline, the user's own: not checksummed), else cached or
+    downloaded (checksummed)."""
     if data_dir is not None:
         path = Path(data_dir).expanduser() / filename
         if not Path(data_dir).expanduser().is_dir():

@@ -1,18 +1,8 @@
-"""Shards read from object storage: a prepared folder given as an ``s3://``, ``gs://`` or
-``https://`` URL is read through fsspec (s3fs, gcsfs, aiohttp), as a local folder is read from disk.
-
-``location`` turns a shards source's ``path`` into a ``Path`` or a ``RemotePath``; the shard readers use
-the few things of ``Path`` that both have (``/``, ``name``, ``open``, ``read_bytes``,
-``read_text``) and, for what a local file does with ``numpy.fromfile`` or a seek, the functions
-here (``file_size``, ``read_array``, ``read_arrays``, ``read_ranges``): a remote file answers
-with ranged GET requests.
-Credentials and the endpoint come from the environment each library reads (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``), or fsspec's own
-``FSSPEC_<PROTOCOL>_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``, ``FSSPEC_S3_ANON=true``).
-
-A filesystem object is made in the process that uses it (fsspec's async filesystems refuse to
-cross a fork, and the loader's workers are forked), from fsspec's instance cache.
-"""
+"""Shards read from object storage: an ``s3://``, ``gs://`` or ``https://`` folder read through fsspec
+as a local one is read from disk (``RemotePath`` has what the readers use of ``Path``; ranged reads
+here). Credentials come from each library's environment (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
+``GOOGLE_APPLICATION_CREDENTIALS``, ``FSSPEC_S3_ANON=true``, ...). A filesystem object is made in
+the process that uses it: fsspec's async filesystems refuse to cross a fork (the loader's workers)."""
 
 from __future__ import annotations
 
@@ -56,9 +46,8 @@ def is_url(value: Any) -> bool:
 
 
 def location(folder: str | os.PathLike | RemotePath, key: str | None = None) -> Path | RemotePath:
-    """A prepared folder: a local path, or a ``RemotePath`` for an ``s3://``, ``gs://`` or
-    ``https://`` URL (its package checked here: one line naming it if it is not installed);
-    ``key``: the config key that gave it, for the message."""
+    """A local path, or a ``RemotePath`` for a URL whose package is installed (else one line naming
+    ``key``, the config key that gave it)."""
     if isinstance(folder, Path | RemotePath):
         return folder
     if not is_url(folder):
@@ -114,8 +103,7 @@ class RemotePath:
         return self.url.rsplit("/", 1)[-1]
 
     def inside(self, name: Any) -> bool:
-        """``name`` is a plain relative name under this folder's URL: no scheme, no absolute path,
-        no ``..`` (nor ``.`` or an empty part), nothing that would change the URL's meaning."""
+        """``name`` is a plain relative name under this URL (no scheme, absolute path, ``..``, query)."""
         if not isinstance(name, str) or not name or is_url(name) or UNSAFE.search(name):
             return False
         return not name.startswith(("/", "~")) and all(p not in ("", ".", "..") for p in name.split("/"))
@@ -127,8 +115,8 @@ class RemotePath:
         return fsspec.filesystem(self.protocol)  # fsspec's cache: one per process and options
 
     def _io(self, fn, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args)``; what the storage raises (s3fs, botocore, aiohttp each their own) is one
-        ``DataError`` naming the URL; a missing object stays ``FileNotFoundError``."""
+        """``fn(*args)``; what the storage raises is one ``DataError`` naming the URL (a missing object
+        stays ``FileNotFoundError``)."""
         try:
             return fn(*args, **kwargs)
         except DataError:
@@ -183,9 +171,8 @@ class RemotePath:
         return Stream(self, f)
 
     def list_folder(self) -> None:
-        """List the folder once (s3fs and gcsfs then answer each shard's size from that listing,
-        not a request each). Best effort: a store that allows reading but not listing (no
-        ``s3:ListBucket``) is read all the same, a request per shard."""
+        """List the folder once, so s3fs and gcsfs answer each shard's size from it (best effort: a
+        store that allows reading but not listing is read all the same)."""
         if self.protocol in ("s3", "gs"):
             try:
                 self.fs().ls(self.url, detail=False)
@@ -246,34 +233,33 @@ def file_size(path: Path | RemotePath) -> int | None:
 
 
 def read_array(path: Path | RemotePath, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
-    """``count`` items of ``dtype`` from byte ``offset``: ``numpy.fromfile`` on a local file (the
-    page cache, no map), one ranged request on a remote one."""
+    """``count`` items of ``dtype`` from byte ``offset``: ``numpy.fromfile``, or one ranged request."""
     if isinstance(path, RemotePath):
         return np.frombuffer(path.read_range(offset, count * dtype.itemsize), dtype=dtype)
     return np.fromfile(path, dtype=dtype, count=count, offset=offset)
 
 
 def read_arrays(windows: list[tuple[Path | RemotePath, int, int]], dtype: np.dtype) -> list[np.ndarray]:
-    """For each ``(file, offset, count)``, ``count`` items of ``dtype`` from byte ``offset``: remote
-    ones in one concurrent batch of ranged requests (a batch waits for one round trip, not one
-    per window)."""
+    """For each ``(file, offset, count)``, ``count`` items of ``dtype`` from byte ``offset``; remote
+    ones in one concurrent batch of ranged requests."""
     if not windows or not isinstance(windows[0][0], RemotePath):  # the files of one folder
         return [read_array(path, dtype, count, offset) for path, offset, count in windows]
-    first = windows[0][0]
-    urls = [str(path) for path, _, _ in windows]
-    starts = [offset for _, offset, _ in windows]
-    ends = [offset + count * dtype.itemsize for _, offset, count in windows]
-    data = first._io(first.fs().cat_ranges, urls, starts, ends, on_error="raise")
-    return [np.frombuffer(d, dtype=dtype) for d in data]
+    ranges = [(path, offset, count * dtype.itemsize) for path, offset, count in windows]
+    return [np.frombuffer(d, dtype=dtype) for d in cat_ranges(ranges)]
+
+
+def cat_ranges(ranges: list[tuple[RemotePath, int, int]]) -> list[bytes]:
+    """The bytes at each ``(url, offset, size)``, in one concurrent batch of ranged requests."""
+    first = ranges[0][0]
+    urls, starts = [str(p) for p, _, _ in ranges], [o for _, o, _ in ranges]
+    ends = [o + n for _, o, n in ranges]
+    return first._io(first.fs().cat_ranges, urls, starts, ends, on_error="raise")
 
 
 def read_ranges(path: Path | RemotePath, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes at each ``(offset, size)`` of a file: one open and seeks, or the ranged requests
-    in one concurrent batch."""
+    """The bytes at each ``(offset, size)`` of a file: one open and seeks, or ``cat_ranges``."""
     if isinstance(path, RemotePath):
-        n = len(ranges)
-        starts, ends = [o for o, _ in ranges], [o + s for o, s in ranges]
-        return path._io(path.fs().cat_ranges, [path.url] * n, starts, ends, on_error="raise")
+        return cat_ranges([(path, o, n) for o, n in ranges])
     out = []
     with open(path, "rb") as f:
         for offset, size in ranges:

@@ -12,18 +12,30 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, get_worker_info
 
+from attnlab.core.errors import ConfigError
+
 Key = tuple[int, int]  # (epoch, index): what ResumableSampler yields
 
 
 def example_seed(seed: int, key: int | Key) -> int | None:
-    """The seed of an example's random draws in a training epoch: a function of ``(seed, epoch,
-    index)``, so it does not depend on which loader worker reads the example, nor on how many
-    examples that worker read before (a resumed run's workers start afresh). ``None`` for a plain
-    index (evaluation, which draws nothing)."""
+    """The seed of an example's draws in a training epoch, from ``(seed, epoch, index)`` alone (not
+    which worker reads it: a resumed run's workers start afresh); ``None`` for a plain index (eval)."""
     if isinstance(key, int):
         return None
     epoch, index = key
     return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**63
+
+
+def carve(n: int, sizes: list[int | float], seed: int, key: str = "data.source.val_size") -> list[list[int]]:
+    """Indices ``0..n-1`` in a seeded order, cut into the held-out ``sizes`` (counts, or shares of
+    ``n``) and the rest (last)."""
+    sizes = [s if isinstance(s, int) else int(n * s) for s in sizes]
+    held = sum(sizes)
+    if held >= n:
+        raise ConfigError(f"{key} ({held}) must be smaller than the {n} examples it is carved from")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    cuts = list(itertools.accumulate([0, *sizes]))
+    return [order[a:b] for a, b in itertools.pairwise(cuts)] + [order[held:]]
 
 
 @contextmanager
@@ -43,9 +55,8 @@ def seeded_globals(seed: int) -> Iterator[None]:
 
 
 def stream_batch_numbers(start: int) -> Iterator[int]:
-    """The numbers of the batches of an endless seeded stream that this process and this loader
-    worker draw, from the ``start``-th batch of each worker's share on: ranks and workers
-    interleave, so every batch number is drawn once, and a resumed stream restarts anywhere."""
+    """The batch numbers of an endless seeded stream this process and worker draw from its ``start``-th
+    on: ranks and workers interleave, so each is drawn once and a resumed stream restarts anywhere."""
     rank, world = 0, 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -56,16 +67,9 @@ def stream_batch_numbers(start: int) -> Iterator[int]:
 
 
 class ResumableSampler(DistributedSampler):
-    """A permutation per epoch seeded by ``(seed, epoch)`` (``DistributedSampler``'s), shared out
-    between ``num_replicas`` processes, that can start part-way through an epoch. It yields
-    ``(epoch, index)`` keys: datasets seed their per-example draws from them (``example_seed``).
-
-    ``resume(batches_consumed, batch_size)`` with what a checkpoint's run had consumed makes the
-    epoch it was in start at the next batch, so a resumed run sees exactly the batches the
-    uninterrupted one would have. A ``DistributedSampler`` for Lightning's sake: it leaves the loader
-    alone (no sampler injection) and calls ``set_epoch`` at every epoch. With the defaults (one
-    process) it needs no process group.
-    """
+    """``DistributedSampler``'s permutation per ``(seed, epoch)`` as ``(epoch, index)`` keys (the
+    examples' draws are seeded by them), able to start part-way through an epoch: ``resume`` with a
+    checkpoint's batches consumed. A ``DistributedSampler`` so Lightning leaves it alone."""
 
     def __init__(self, n: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
         super().__init__(

@@ -1,36 +1,34 @@
-"""Comparing finished runs: their final and best metrics beside the hyperparameters that differ
-between them, runs that differ only by seed grouped as mean ± std, and metric curves overlaid.
-
-A run is a directory with ``csv/metrics.csv`` (Lightning's CSV log, which ``attnlab-train``
-writes beside any other logger) and ``config.yaml`` (the composed config the run saved); a sweep
-directory holds many (``multiruns/<time>/<n>/``). An ``attnlab-sweep`` study's storage
-(``postgresql://...``, ``journal:<file>``, ``sqlite:///<file>``) gives every trial of it, from
-whichever machine ran it: its run folder where this machine reaches it, else its values and
-result as the study holds them (``study_runs``). An offline W&B run with no CSV log beside it
-(``offline-run-*/run-*.wandb``, a run of another tool) is read through W&B's own command line,
-``wandb leet inspect --json``, which prints the records of its ``.wandb`` log as JSON.
-"""
+"""Comparing finished runs (``csv/metrics.csv`` and ``config.yaml``; an offline W&B run through
+``wandb leet inspect --json``; a study's trials): metrics beside the hyperparameters that differ."""
 
 from __future__ import annotations
 
 import csv
 import functools
 import json
+import logging
 import math
 import re
 import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from attnlab.core.errors import ConfigError, DataError
-from attnlab.experiments.study import is_study_url, load_trials, normalize_url, open_storage, shown
+from attnlab.experiments.study import (
+    is_study_url,
+    load_trials,
+    normalize_url,
+    open_storage,
+    rerun_numbers,
+    shown,
+)
 
 # config keys that say where or how a run was logged, not what was trained
 IGNORED_PREFIXES = (
@@ -96,7 +94,7 @@ def lower_is_better(metric: str) -> bool:
 
 
 def flatten(node: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
-    if isinstance(node, dict):
+    if isinstance(node, Mapping):
         out: dict[str, Any] = {}
         for k, v in node.items():
             out |= flatten(v, f"{prefix}{k}{sep}", sep)
@@ -107,14 +105,13 @@ def flatten(node: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
 
 
 def notice(message: str) -> None:
-    """A line on stderr about input that was left out; the table goes on without it."""
+    """A line on stderr about input left out; the table goes on without it."""
     print(f"note: {message}", file=sys.stderr)
 
 
 def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of a Lightning CSV log as (step, value) pairs. A last line without its newline
-    is a row still being written (or cut by a kill): left out with a notice, as its last number
-    may be cut short; any other value that is not a number is an error naming the line."""
+    """Every metric of a CSV log as (step, value) pairs; a last line without its newline (still
+    being written, or cut) is left out with a notice, any other non-number is an error."""
     text = path.read_text(errors="replace")
     lines = text.splitlines()
     if lines and not text.endswith("\n"):
@@ -146,27 +143,41 @@ def load_run(run_dir: Path) -> Run:
     if not config_file.is_file():
         config_file = run_dir / ".hydra" / "config.yaml"
     try:
-        config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.is_file() else {}
+        config = read_config(config_file, run_dir) if config_file.is_file() else {}
+    except DataError:
+        raise
     except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
         raise DataError(f"{config_file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
-    if not isinstance(config, dict):
-        raise DataError(f"{config_file}: not a config (a YAML mapping)")
     derived = derived_keys(run_dir)
     config = {k: v for k, v in flatten(config).items() if k not in derived}
     return Run(run_dir, config, read_curves(run_dir / "csv" / "metrics.csv"))
 
 
+def read_config(file: Path, run_dir: Path, resolve: bool = True, notify: bool = True) -> dict[str, Any]:
+    """A run's saved config as a dict, a run saved before the redesign read with today's names
+    (one notice line, ``notify``)."""
+    from attnlab.core.legacy import read_saved
+
+    config = OmegaConf.load(file)
+    if not isinstance(config, DictConfig):
+        raise DataError(f"{file}: not a config (a YAML mapping)")
+    if not notify:
+        logging.getLogger("attnlab.core.legacy").disabled = True
+    try:
+        config = read_saved(config, str(run_dir))
+    finally:
+        logging.getLogger("attnlab.core.legacy").disabled = False
+    return OmegaConf.to_container(config, resolve=resolve)
+
+
 def derived_keys(run_dir: Path) -> set[str]:
-    """Keys whose value the run's config took from another key by interpolation
-    (``data.seed: ${seed}``), read from Hydra's unresolved copy (``.hydra/config.yaml``): they
-    follow the key they come from, so they are not hyperparameters of their own (else every
-    seed would differ in ``data.seed`` too and no runs would group). A value set on the command
-    line replaces the interpolation there, and counts."""
+    """Keys interpolated from another (``data.seed: ${seed}``) in Hydra's unresolved copy: not
+    hyperparameters of their own (else no seeds would group); one set on the command line counts."""
     raw = run_dir / ".hydra" / "config.yaml"
     if not raw.is_file():
         return set()
     try:
-        config = OmegaConf.to_container(OmegaConf.load(raw), resolve=False)
+        config = read_config(raw, run_dir, resolve=False, notify=False)
     except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
         notice(f"{raw}: not readable ({str(e).strip().splitlines()[0]}): its interpolated keys count as set")
         return set()
@@ -174,8 +185,8 @@ def derived_keys(run_dir: Path) -> set[str]:
 
 
 def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of an offline W&B run's ``.wandb`` log, as ``wandb leet inspect --json``
-    prints them (one JSON object a line: ``{"type": "history", "history": {"item": {...}}}``)."""
+    """The records of an offline W&B run's ``.wandb`` log (``wandb leet inspect --json``: one
+    JSON object a line)."""
     beside = Path(sys.executable).with_name("wandb")  # the wandb of this environment first
     cli = str(beside) if beside.is_file() else shutil.which("wandb")
     if cli is None:
@@ -218,8 +229,7 @@ def load_wandb_run(run_dir: Path) -> Run:
 
 
 def _read_elsewhere(wandb_dir: Path) -> bool:
-    """An offline W&B run inside a run directory that also has its CSV log (read that instead),
-    or inside a sweep's trial (the study has its values, even when it was killed before logging)."""
+    """An offline W&B run inside a run with its CSV log, or a sweep's trial (read from there)."""
     return any(
         (p / "csv" / "metrics.csv").is_file() or bool(sweep_trials(p.parent)) for p in wandb_dir.parents[:3]
     )
@@ -242,22 +252,17 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
     runs = without_copies(without_empty(runs))
     runs += [t for path in paths if path.exists() for t in unlogged_trials(path, runs)]
     for run in runs:
-        states = sweep_states(run.path.parent)
-        if run.path.name in states:
-            run.config |= {"trial": int(run.path.name), "state": states[run.path.name]}
-            if host := sweep_hosts(run.path.parent).get(run.path.name):  # recorded since sweep.n_jobs
-                run.config[HOST] = host
+        run.config |= sweep_columns(run.path.parent).get(run.path.name, {})
     if not runs:
         raise DataError(f"no runs (csv/metrics.csv) under {', '.join(map(str, paths))}")
     return runs
 
 
 def without_empty(runs: list[Run]) -> list[Run]:
-    """Runs that logged no metric yet (a header-only CSV) left out with a notice, but for sweep
-    trials, which are listed with how they ended."""
+    """Runs that logged no metric yet left out with a notice, but for sweep trials."""
     kept = []
     for run in runs:
-        if run.curves or sweep_states(run.path.parent):
+        if run.curves or sweep_trials(run.path.parent):
             kept.append(run)
         else:
             notice(f"{run.path}: no metrics logged yet: left out")
@@ -265,12 +270,11 @@ def without_empty(runs: list[Run]) -> list[Run]:
 
 
 def without_copies(runs: list[Run]) -> list[Run]:
-    """Of runs with the same config, seed and all (a run and a copy of it, whole or partial), the
-    one that logged the most steps; the others are left out with a notice rather than averaged in
-    as if they were other seeds. Sweep trials are kept: a sampler may draw the same values twice."""
+    """Of runs with the same config, seed and all (copies), the one that logged the most steps, the
+    others left out with a notice; sweep trials are kept (a sampler may draw values twice)."""
     by_config: dict[str, list[Run]] = {}
     for run in runs:
-        if sweep_states(run.path.parent):
+        if sweep_trials(run.path.parent):
             by_config[str(run.path)] = [run]
             continue
         key = repr(sorted((k, repr(v)) for k, v in run.config.items() if is_hyperparameter(k)))
@@ -289,8 +293,7 @@ def without_copies(runs: list[Run]) -> list[Run]:
 
 
 def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
-    """Trials of an ``attnlab-sweep`` directory that ended before writing a log (a config that
-    fails at start): a row each with the sampled values, so that failed trials are listed too."""
+    """Trials of a sweep directory that ended before writing a log: a row each with their values."""
     logged = {r.path.resolve() for r in runs}
     # the trials share everything but the sampled values: a logged sibling gives the rest
     sibling = next((r.config for r in runs if r.path.parent.resolve() == sweep_dir.resolve()), {})
@@ -301,41 +304,30 @@ def unlogged_trials(sweep_dir: Path, runs: list[Run]) -> list[Run]:
     ]
 
 
-def trial_state(t: Any, again: set[int]) -> str:
-    """How a trial ended: complete, pruned, fail, running, or interrupted: its sweep stopped
-    during it, or its driver died (run ``again``, or failed as stale: a trial that its driver
-    recorded starting, ``host``, and no error for; a driver records one for every failure)."""
+def trial_columns(t: Any, again: set[int], host: str | None = None) -> dict[str, Any]:
+    """A trial's columns: its number, how it ended (complete, pruned, fail, running, or interrupted:
+    its sweep stopped, or its driver died, failed as stale with a ``host`` and no error, or run
+    ``again``) and the machine it ran on (else ``host``)."""
+    state = t.state.name.lower()
     if t.user_attrs.get("interrupted") or t.number in again:
-        return "interrupted"
+        state = "interrupted"
     if t.state.name == "FAIL" and HOST in t.user_attrs and "error" not in t.user_attrs:
-        return "interrupted"
-    return t.state.name.lower()
-
-
-def rerun_numbers(trials: list[Any]) -> set[int]:
-    """Trials whose values were queued again after their driver died (Optuna's retry callback)."""
-    return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+        state = "interrupted"
+    host = t.user_attrs.get(HOST, host)
+    return {"trial": t.number, "state": state} | ({HOST: host} if host else {})
 
 
 @functools.cache
-def sweep_states(sweep_dir: Path) -> dict[str, str]:
-    """Trial number -> how it ended (complete, pruned, fail, interrupted, running) in an
-    ``attnlab-sweep`` directory's study; empty for any other directory."""
+def sweep_columns(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """Trial number -> its columns, in a sweep directory's study; empty for any other folder."""
     trials = sweep_trials(sweep_dir)
     again = rerun_numbers(trials)
-    return {str(t.number): trial_state(t, again) for t in trials}
-
-
-@functools.cache
-def sweep_hosts(sweep_dir: Path) -> dict[str, str]:
-    """Trial number -> the machine it ran on, as its driver recorded it."""
-    return {str(t.number): t.user_attrs[HOST] for t in sweep_trials(sweep_dir) if HOST in t.user_attrs}
+    return {str(t.number): trial_columns(t, again) for t in trials}
 
 
 @functools.cache
 def sweep_trials(sweep_dir: Path) -> list[Any]:
-    """The trials (Optuna ``FrozenTrial``) of an ``attnlab-sweep`` directory's study, read once;
-    none for any other directory, nor where its shared study cannot be reached (said once)."""
+    """The trials of a sweep directory's study, read once; none elsewhere, or unreachable (said)."""
     try:
         return load_trials(sweep_dir)
     except ConfigError as e:
@@ -344,9 +336,8 @@ def sweep_trials(sweep_dir: Path) -> list[Any]:
 
 
 def study_runs(url: str, study_name: str | None = None) -> tuple[list[Run], list[str]]:
-    """Every trial of the study (or every study) at ``url``, one run each, with the machine it
-    ran on: its run folder's logs where this machine reaches them, else the values and the
-    result the study holds; and the studies' metric names."""
+    """A run per trial of the study (or every study) at ``url``, with its machine: its run folder's
+    logs where reachable, else what the study holds; and the studies' metric names."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -376,18 +367,13 @@ def study_runs(url: str, study_name: str | None = None) -> tuple[list[Run], list
                 {metric: [(0, t.value)]} if t.value is not None else {},
             )
             run.config |= {"study": name} if len(names) > 1 and not study_name else {}
-            run.config |= {
-                "trial": t.number,
-                "state": trial_state(t, again),
-                HOST: t.user_attrs.get(HOST, "-"),
-            }
+            run.config |= trial_columns(t, again, host="-")
             runs.append(run)
     return runs, metrics
 
 
 def find_sources(sources: Iterable[str], study_name: str | None = None) -> tuple[list[Run], list[str]]:
-    """The runs of folders and study URLs given on the command line (``find_runs``,
-    ``study_runs``), and the metric names the studies optimised."""
+    """The runs of the folders and study URLs given, and the metric names the studies optimised."""
     sources = [str(s) for s in sources]
     urls = [s for s in sources if is_study_url(s)]
     paths = [Path(s) for s in sources if not is_study_url(s)]
@@ -408,16 +394,14 @@ def is_hyperparameter(key: str) -> bool:
 
 
 def varying_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values differ between the runs (where and how they logged left out),
-    and last, the machine of sweep trials, which may all share it."""
+    """Hyperparameters whose values differ between the runs, and last the machine of sweep trials."""
     keys = sorted({k for r in runs for k in r.config} - {HOST})
     varying = [k for k in keys if is_hyperparameter(k) and len({repr(r.config.get(k)) for r in runs}) > 1]
     return varying + ([HOST] if any(HOST in r.config for r in runs) else [])
 
 
 def default_metrics(runs: list[Run]) -> list[str]:
-    """The test metrics and those of later evaluations (``eval/test/...``: attnlab-eval), else the
-    validation ones (bests and per-class accuracies left out)."""
+    """The test metrics (``eval/test/...`` too), else the validation ones, but bests and per-class."""
     names = sorted({m for r in runs for m in r.curves})
     test = [m for m in names if m.startswith(("test/", "eval/test/")) and "/acc_class/" not in m]
     return test or [m for m in names if m.startswith("val/") and not m.endswith("_best")]
@@ -491,8 +475,7 @@ def _save(fig: Any, out: Path) -> Path:
 
 
 def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = True) -> Path:
-    """The ``metric`` of every run against the step, labelled by what varies: runs that differ
-    only by seed as one line, their mean, in a band of ± one standard deviation."""
+    """``metric`` of every run against the step, labelled by what varies; seeds as mean ± std."""
     from attnlab.training.plots import curves_figure
 
     keys = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
@@ -506,10 +489,8 @@ def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = Tru
 
 
 def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: bool = True) -> Path:
-    """Each run's last ``metric`` against a number, one line per setting of what else varies:
-    with ``x`` a config key (``model.net.max_len``), against that key's value; with ``x`` = ``*``
-    and a ``*`` in ``metric`` (``eval/test/ppl_x*``), against the number the ``*`` stands for in
-    each logged metric's name. Lengths and sizes grow by doubling, so the x axis is log2."""
+    """Each run's last ``metric`` against config key ``x``, or (``x="*"``) against the number a
+    ``*`` in ``metric`` stands for (``eval/test/ppl_x*``); a line per setting, log2 x axis."""
     from attnlab.training.plots import curves_figure
 
     if x == "*":

@@ -9,13 +9,8 @@ from attnlab.experiments.study import STUDY, open_storage, trial_id
 
 
 class TrialPruning(L.Callback):
-    """Report the sweep's metric to the trial after every validation and stop the trial when the
-    pruner finds it clearly worse than the others at the same step.
-
-    optuna-integration's Lightning callback reports once per epoch; recipes here validate every
-    N steps, so this one reports by global step. Only rank 0 reports; the decision is broadcast
-    so that every rank stops together.
-    """
+    """The sweep's metric reported after every validation, by global step (optuna-integration's
+    reports by epoch), from rank 0; the pruner's decision broadcast so every rank stops."""
 
     def __init__(
         self,

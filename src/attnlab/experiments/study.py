@@ -1,11 +1,5 @@
-"""Where an ``attnlab-sweep`` keeps its Optuna study: ``<sweep dir>/optuna.db``, or a storage that
-several drivers share (``sweep.storage``: a PostgreSQL server, or a journal file on a shared
-filesystem).
-
-Shared by the sweep driver (``attnlab.experiments.sweep``), its trials' pruning callback
-(``attnlab.experiments.pruning.TrialPruning``) and ``attnlab.experiments.compare``, which reads how
-each trial ended; none of them imports another for it.
-"""
+"""Where a sweep keeps its Optuna study: ``<sweep dir>/optuna.db``, or a storage drivers share
+(``sweep.storage``: PostgreSQL, or a journal file); for the driver, pruning and compare."""
 
 from __future__ import annotations
 
@@ -44,9 +38,8 @@ def shown(url: str) -> str:
 
 
 def normalize_url(url: str, key: str | None = "sweep.storage") -> str:
-    """``url`` checked and made the same from any working folder: a journal's or SQLite file's path
-    absolute, and PostgreSQL through the driver that is installed (SQLAlchemy's default for
-    ``postgresql://`` is psycopg 3; this project ships psycopg2)."""
+    """``url`` checked, a file's path absolute, PostgreSQL through the installed driver (psycopg2,
+    where SQLAlchemy's default, psycopg 3, is not there)."""
     url = str(url)
     said = f"{key}={shown(url)}" if key else shown(url)  # how messages name it
     if url.startswith("journal:"):
@@ -85,9 +78,8 @@ def open_storage(
     on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
     key: str | None = "sweep.storage",
 ) -> optuna.storages.BaseStorage:
-    """The Optuna storage ``url`` names (``normalize_url``'s forms), connected: a server that does
-    not answer is a one-line ``ConfigError``. ``heartbeat_interval``: the driver's trials beat, and
-    a running trial silent for ``grace_period`` is failed and passed to ``on_stale``."""
+    """The Optuna storage at ``url``, connected (else one line); with ``heartbeat_interval``, a
+    running trial silent for ``grace_period`` is failed and passed to ``on_stale``."""
     import optuna
 
     url = normalize_url(url, key)
@@ -119,10 +111,8 @@ def open_storage(
 
 @functools.cache
 def _heartbeat_journal() -> type:
-    """Optuna's journal storage with the heartbeat its RDB storage has (Optuna 5's journal has
-    none): the driver of each running trial writes the time into the trial every interval, and a
-    running trial whose last beat (or start) is older than the grace period is stale. The times
-    are the drivers' clocks: keep the grace period well above their skew."""
+    """Optuna's journal storage with the heartbeat its RDB storage has: a running trial whose last
+    beat (or start, by the drivers' clocks) is older than the grace period is stale."""
     import optuna
     from optuna.storages._heartbeat import BaseHeartbeat  # the interface Optuna's RDB storage implements
     from optuna.trial import TrialState
@@ -163,9 +153,14 @@ def trial_id(study: optuna.Study, number: int) -> int:
     return next(t._trial_id for t in study.get_trials(deepcopy=False) if t.number == number)
 
 
+def rerun_numbers(trials: list[Any]) -> set[int]:
+    """Trials failed as stale whose values were queued again (Optuna's retry callback)."""
+    return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+
+
 def load_trials(sweep_dir: Path) -> list[optuna.trial.FrozenTrial]:
-    """The trials of the study in ``sweep_dir``: all those of its ``optuna.db``, or, where the
-    study is shared (``study.yaml``), those this folder's driver ran; none for any other folder."""
+    """The trials of ``sweep_dir``'s ``optuna.db``, or of its shared study (``study.yaml``) those its
+    driver ran; none for any other folder."""
     shared = sweep_dir / SHARED
     if not (sweep_dir / "optuna.db").is_file() and not shared.is_file():
         return []

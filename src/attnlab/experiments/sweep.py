@@ -1,23 +1,6 @@
-"""Optuna sweeps over Hydra-composed runs.
-
-The study lives in SQLite inside the sweep directory (``optuna.db``), so a sweep that is stopped
-resumes where it was and ``optuna-dashboard`` can read it; or in a storage many drivers share
-(``sweep.storage``: PostgreSQL, or a journal file on a shared filesystem), each driver on its own
-machine adding trials to one study until it has ``n_trials``. Every trial is its own
-``attnlab-train`` process: a crash, an out-of-memory kill or DDP's relaunch of the command line
-stays inside its trial, and the trial's ranks all run the same overrides. The trial reports its
-validation metric to the study while it trains (``attnlab.experiments.pruning.TrialPruning``), so the
-pruner can stop it early.
-
-``sweep.n_jobs`` trials run at once, each on its own slice of the devices (``Slot``): GPUs by
-``CUDA_VISIBLE_DEVICES``, CPU cores by affinity and ``OMP_NUM_THREADS``. Each runs in a thread of
-the driver that waits on its process; the threads take turns to ask the study for a trial and
-draw its values, so a seeded sampler draws the same values whatever ``n_jobs`` is.
-
-Search spaces are written as for Hydra's Optuna sweeper, so its users' configs carry over:
-``choice(a, b, ...)``, ``range(start, stop[, step])``, ``interval(low, high)``, and
-``tag(log, interval(...))`` / ``tag(int, interval(...))``; a plain value is a fixed override.
-"""
+"""Optuna sweeps over ``attnlab-train`` runs: a trial per process (on its slot of the devices,
+``Slot``), the study in ``<sweep dir>/optuna.db`` or a storage many drivers share, pruning from
+inside the trial (``TrialPruning``); search spaces in Hydra's Optuna sweeper syntax."""
 
 from __future__ import annotations
 
@@ -51,11 +34,18 @@ from optuna.trial import TrialState
 
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import is_int
-from attnlab.experiments.compare import load_run
-from attnlab.experiments.study import STUDY, open_storage, storage_url, trial_id
+from attnlab.experiments.compare import flatten, load_run
+from attnlab.experiments.study import STUDY, open_storage, rerun_numbers, storage_url, trial_id
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 INTERRUPTED = "interrupted: the sweep stopped during this trial; its values run again"
+
+
+def positive(key: str, value: Any, what: str = "", none: bool = False) -> Any:
+    """``value`` if a positive int (or null, ``none``), else one line naming ``key``."""
+    if (value is None and none) or (is_int(value) and value > 0):
+        return value
+    raise ConfigError(f"{key}: expected a positive int{what}{' or null' if none else ''}, got {value!r}")
 
 
 def distribution(key: str, value: Any) -> BaseDistribution | None:
@@ -86,10 +76,9 @@ def distribution(key: str, value: Any) -> BaseDistribution | None:
 
 
 def search_space(params: Mapping[str, Any]) -> tuple[dict[str, BaseDistribution], list[str]]:
-    """``sweep.params`` as Optuna distributions, and the plain values as fixed overrides. Keys are
-    dotted (``model.optim.optimizer.lr: ...``) or nested (``+sweep.params.model.optim.optimizer.lr=...``)."""
+    """``sweep.params`` (dotted or nested keys) as Optuna distributions, plain values as overrides."""
     space, fixed = {}, []
-    for key, value in flat(params).items():
+    for key, value in flatten(params).items():
         dist = distribution(key, value)
         if dist is None:
             fixed.append(f"{key}={value}")
@@ -100,16 +89,6 @@ def search_space(params: Mapping[str, Any]) -> tuple[dict[str, BaseDistribution]
     return space, fixed
 
 
-def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        if isinstance(value, Mapping):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def open_study(
     sweep_dir: Path | None,
     direction: str,
@@ -118,8 +97,7 @@ def open_study(
     storage: optuna.storages.BaseStorage | None = None,
     study_name: str = STUDY,
 ) -> optuna.Study:
-    """The study in ``<sweep_dir>/optuna.db``, or ``study_name`` in a shared ``storage``
-    (``attnlab.experiments.study.open_storage``), created on first use and loaded after that."""
+    """The study in ``<sweep_dir>/optuna.db``, or ``study_name`` in a shared ``storage``; created once."""
     if direction not in ("minimize", "maximize"):
         raise ConfigError(f"sweep.direction: expected minimize or maximize, got {direction!r}")
     if storage is None:
@@ -138,8 +116,7 @@ def open_study(
 def check_same_search(
     study: optuna.Study, space: dict[str, BaseDistribution], metric: str, direction: str
 ) -> None:
-    """Record what the study searches on first use; refuse a driver that would add other trials
-    to it (another search space, metric or direction under the same ``sweep.study_name``)."""
+    """Record what the study searches on first use; refuse a driver that searches otherwise."""
     mine = {
         "metric": metric,
         "direction": direction,
@@ -163,9 +140,8 @@ def check_same_search(
 
 @dataclass(frozen=True)
 class Slot:
-    """The devices of one worker's trials: ``env`` added to theirs (``CUDA_VISIBLE_DEVICES``,
-    ``OMP_NUM_THREADS``), ``cores`` their CPU affinity. The default, nothing: a trial takes what
-    the driver has (one trial at a time, as before ``sweep.n_jobs``)."""
+    """One worker's devices: ``env`` for its trials (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``),
+    ``cores`` their affinity; the default: what the driver has."""
 
     label: str = ""
     env: tuple[tuple[str, str], ...] = ()
@@ -179,8 +155,7 @@ def cuda_device_count() -> int:
 
 
 def visible_gpus(accelerator: str) -> list[str]:
-    """The GPUs a trial may use here, as ``CUDA_VISIBLE_DEVICES`` names them; none for a run on
-    the CPU (``trainer.accelerator=cpu``, or ``auto`` without a GPU)."""
+    """The GPUs a trial may use, as ``CUDA_VISIBLE_DEVICES`` names them; none on the CPU."""
     if str(accelerator) not in ("auto", "gpu", "cuda"):
         return []
     count = cuda_device_count()
@@ -209,17 +184,10 @@ def span(ids: list[int]) -> str:
 
 
 def device_slots(n_jobs: Any, devices_per_trial: Any, accelerator: str, trainer_devices: Any) -> list[Slot]:
-    """One slot per trial run at once (``sweep.n_jobs``), each its own devices: on GPUs
-    ``devices_per_trial`` of them (default: ``trainer.devices``), on a CPU as many cores (default:
-    an even share), with one torch thread per core for each of the trial's processes. More than
-    the devices here is a ``ConfigError``, as is a trial whose ``trainer.devices`` processes
-    would not fit in its slot (a DDP trial stays inside its devices)."""
-    if not is_int(n_jobs) or n_jobs < 1:
-        raise ConfigError(f"sweep.n_jobs: expected a positive int (trials run at once), got {n_jobs!r}")
-    if devices_per_trial is not None and (not is_int(devices_per_trial) or devices_per_trial < 1):
-        raise ConfigError(
-            f"sweep.devices_per_trial: expected a positive int or null, got {devices_per_trial!r}"
-        )
+    """A slot per trial run at once (``sweep.n_jobs``): ``devices_per_trial`` GPUs (default:
+    ``trainer.devices``) or CPU cores (default: an even share); what does not fit is refused."""
+    positive("sweep.n_jobs", n_jobs, " (trials run at once)")
+    positive("sweep.devices_per_trial", devices_per_trial, none=True)
     if n_jobs == 1 and devices_per_trial is None:
         return [Slot()]
     ranks = trainer_devices if is_int(trainer_devices) and trainer_devices > 0 else 1
@@ -255,41 +223,33 @@ def device_slots(n_jobs: Any, devices_per_trial: Any, accelerator: str, trainer_
     return [Slot(f"cores {span(list(s))}", (("OMP_NUM_THREADS", threads),), s) for s in slices]
 
 
-def retried(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
-    """The trials failed as stale whose values were queued again (Optuna's
-    ``RetryHeartbeatStaleTrialCallback`` writes the chain into the new trial's system attrs)."""
-    return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
-
-
 def counted(trial: optuna.trial.FrozenTrial, again: set[int] | frozenset[int] = frozenset()) -> bool:
-    """A trial that counts towards ``n_trials``: finished, and not cut short by a stopped sweep,
-    nor a stale one run ``again``."""
+    """A trial that counts towards ``n_trials``: finished, not interrupted, nor run ``again``."""
     return trial.state in FINISHED and not trial.user_attrs.get("interrupted") and trial.number not in again
 
 
 def tally(trials: list[optuna.trial.FrozenTrial]) -> tuple[list, list]:
     """The trials that count towards ``n_trials``, and those running (here or elsewhere)."""
-    again = retried(trials)
+    again = rerun_numbers(trials)
     return [t for t in trials if counted(t, again)], [t for t in trials if t.state == TrialState.RUNNING]
 
 
 def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Trials left running by a sweep that was killed: recorded as failed (``interrupted``) and
-    their parameters queued to run again. Returns their numbers. Only for a study that one
-    driver owns (its sweep folder's ``optuna.db``): a shared one finds them by their heartbeat."""
+    """Trials a killed sweep left running (a study one driver owns), failed as interrupted and
+    queued again; their numbers."""
     numbers = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        mark_interrupted(study, t.number, t.params)
+        requeue(study, optuna.trial.Trial(study, trial_id(study, t.number)), t.params)
+        study.tell(t.number, state=TrialState.FAIL)
         numbers.append(t.number)
     return numbers
 
 
-def mark_interrupted(study: optuna.Study, number: int, params: dict[str, Any]) -> None:
-    trial = optuna.trial.Trial(study, trial_id(study, number))
+def requeue(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> None:
+    """``trial`` marked interrupted, its values queued to run again."""
     trial.set_user_attr("interrupted", True)
     trial.set_user_attr("error", INTERRUPTED)
-    study.tell(number, state=TrialState.FAIL)
-    study.enqueue_trial(params, user_attrs={"rerun_of": number})
+    study.enqueue_trial(params, user_attrs={"rerun_of": trial.number})
 
 
 def override_value(value: Any) -> str:
@@ -311,8 +271,7 @@ def trial_command(
     number: int,
     study_name: str = STUDY,
 ) -> list[str]:
-    """The ``attnlab-train`` command of one trial: the sweep's overrides, the sampled values,
-    its own run directory, and where to report for pruning."""
+    """A trial's ``attnlab-train`` command: overrides, sampled values, run folder, where to report."""
     sampled = [f"{k}={override_value(v)}" for k, v in params.items()]
     where = f"storage:{override_value(storage)},number:{number},study:{override_value(study_name)}"
     return [
@@ -344,10 +303,8 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 
 def child_setup(driver: int, cores: tuple[int, ...] = (), blocked: tuple[int, ...] = ()) -> None:
-    """In a trial's process, before it starts: the kernel sends it SIGTERM when the sweep driver
-    dies, however it dies (``kill -9`` included), so no trial trains on alone (Linux; elsewhere a
-    no-op); it runs on its slot's ``cores`` (its DDP ranks inherit them); and the ``blocked``
-    signals (a cluster's signal to the driver's job) do not end it before its driver acts."""
+    """In a trial's process before it starts: SIGTERM when the driver dies however it dies (Linux),
+    its slot's ``cores``, and ``blocked`` signals (the job's, for the driver to act on)."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG (the driver's thread waits for the trial)
         if os.getppid() != driver:  # the driver died before the request was in place
@@ -359,12 +316,8 @@ def child_setup(driver: int, cores: tuple[int, ...] = (), blocked: tuple[int, ..
 
 
 def trial_environment(slot: Slot) -> tuple[dict[str, str], tuple[int, ...]]:
-    """A trial's environment, and the signals it blocks. Where the driver is a job of a submitit
-    array (``sweep.workers``), the trial is not that job: without submitit's variables and
-    SLURM's task count, ``attnlab-train`` and Lightning run it as a plain process, its DDP ranks
-    their own; and submitit's signal (USR2, before a time limit or a preemption), which SLURM
-    sends to every process of the job, is the driver's to act on (it requeues itself; its trials
-    end with it and run again once, as any dead driver's)."""
+    """A trial's environment and blocked signals: a submitit driver's trial is a plain process
+    (no submitit variables, no SLURM task count), and submitit's signal is the driver's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBMITIT_") and k != "SLURM_NTASKS"}
     blocked: tuple[int, ...] = ()
     if "SUBMITIT_EXECUTOR" in os.environ:
@@ -396,10 +349,8 @@ def fail(trial: optuna.Trial, error: str) -> None:
 
 
 class Turn:
-    """A worker's turn to ask the study for a trial and draw its values: one worker of this
-    driver at a time (``gate``), and one driver of a shared study at a time (``study_lock``), so
-    that the count of trials before asking holds and a finite space (a grid) gives no values
-    twice. Given back once, as soon as the values are drawn (or nothing is run)."""
+    """A worker's turn to ask for a trial and draw its values: one worker (``gate``) of one driver
+    (``study_lock``) at a time, so counts hold and a grid gives no values twice; released once."""
 
     def __init__(self, gate: threading.Lock, study_lock: Any = None) -> None:
         gate.acquire()
@@ -422,8 +373,7 @@ class Turn:
 
 
 class FileLock:
-    """The lock of a study in a file (a journal, SQLite) that drivers share: Optuna's own for
-    journal files on NFS (a symbolic link, broken after ``grace`` seconds if its holder died)."""
+    """A shared study file's lock: Optuna's for journals on NFS (a symlink, broken after ``grace`` s)."""
 
     def __init__(self, path: Path, grace: int = 30) -> None:
         target = path.with_name(path.name + ".ask")  # the lock's own, not the journal's (it appends)
@@ -438,8 +388,7 @@ class FileLock:
 
 
 class AdvisoryLock:
-    """The lock of a study on a PostgreSQL server: an advisory lock named by the study, held on a
-    connection of its own (the server frees it if the holder dies)."""
+    """A PostgreSQL study's lock: an advisory lock on a connection of its own."""
 
     def __init__(self, engine: Any, study_name: str) -> None:
         digest = hashlib.sha256(f"attnlab-sweep:{study_name}".encode()).digest()
@@ -503,6 +452,9 @@ class Driver:
         self.errors: list[BaseException] = []
 
     def run(self) -> None:
+        if not self.shared:  # a study this driver owns: the trials a killed sweep left running
+            for number in recover_interrupted(self.study):
+                self.echo(f"trial {number} was interrupted: its parameters are queued to run again")
         ends = [threading.Event() for _ in self.slots]
         for slot, end in zip(self.slots, ends, strict=True):
             threading.Thread(target=self.work, args=(slot, end), daemon=True).start()
@@ -517,8 +469,7 @@ class Driver:
 
     @staticmethod
     def wait(ends: list[threading.Event]) -> None:
-        """Until every worker has ended. Not ``Thread.join``: a Ctrl-C that interrupts it can
-        leave the thread looking ended while it runs (CPython gh-90882)."""
+        """Until every worker has ended (not ``Thread.join``: CPython gh-90882)."""
         while pending := [e for e in ends if not e.is_set()]:
             pending[0].wait(timeout=0.2)
 
@@ -568,9 +519,8 @@ class Driver:
             end.set()
 
     def next_step(self) -> str:
-        """``run`` a trial; ``wait`` while the study's last trials run elsewhere (one may die
-        there, be failed as stale and come back to be run here); ``stop`` when the study has
-        ``n_trials`` finished, or its last ones run in this driver."""
+        """``run`` a trial; ``wait`` while the last trials run elsewhere (one may come back as
+        stale); ``stop`` at ``n_trials``, or when the last run here."""
         done, running = tally(self.study.get_trials(deepcopy=False))
         if len(done) >= self.n_trials:
             return "stop"
@@ -581,8 +531,7 @@ class Driver:
         return "wait" if self.shared and elsewhere else "stop"
 
     def trial(self, slot: Slot, turn: Turn, trial: optuna.Trial) -> float:
-        """Train the sampled (or queued) values in a process of their own on ``slot``; return
-        ``metric`` at the end, or end as pruned, or fail with the run's error line."""
+        """Train the drawn values on ``slot``: ``metric`` at the end, pruned, or failed."""
         try:
             params = {name: suggest(trial, name, dist) for name, dist in self.space.items()}
             with self.lock:
@@ -629,9 +578,7 @@ class Driver:
             rc = proc.wait()
         # Ctrl-C reaches the trial too (its process group), a moment before the driver notes it
         if rc != 0 and (self.stopping.is_set() or self.stopping.wait(0.5)):
-            trial.set_user_attr("interrupted", True)
-            trial.set_user_attr("error", INTERRUPTED)
-            self.study.enqueue_trial(params, user_attrs={"rerun_of": trial.number})
+            requeue(self.study, trial, params)
             raise Interrupted(INTERRUPTED)
         if rc != 0:
             fail(trial, f"exit status {rc}: {error_line(log_file)}")
@@ -663,27 +610,13 @@ class Driver:
         self.say(f"trial {rank}/{self.n_trials} done: {outcome} ({best_so_far(study)}); {ran}")
 
 
-def run_sweep(
-    study: optuna.Study,
-    space: dict[str, BaseDistribution],
-    overrides: list[str],
-    sweep_dir: Path,
-    metric: str,
-    n_trials: int,
-    echo: Callable[[str], Any] = print,
-    **driver: Any,
-) -> None:
-    """Run trials until the study has ``n_trials`` finished (complete, pruned or failed);
-    ``driver``: ``Driver``'s options (slots, a shared storage)."""
-    if not driver.get("shared"):
-        for number in recover_interrupted(study):
-            echo(f"trial {number} was interrupted: its parameters are queued to run again")
-    Driver(study, space, overrides, sweep_dir, metric, n_trials, echo, **driver).run()
+def run_sweep(*args: Any, **kwargs: Any) -> None:
+    """Run trials until the study has ``n_trials`` finished (``Driver``'s arguments)."""
+    Driver(*args, **kwargs).run()
 
 
 def best_so_far(study: optuna.Study) -> str:
-    """``best so far <value>, trial <number>`` among the complete trials (a resumed sweep's
-    earlier ones included)."""
+    """``best so far <value>, trial <number>`` among the complete trials."""
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         return "no complete trial yet"
     best = study.best_trial

@@ -1,11 +1,5 @@
-"""Captioning images with a trained captioner (the ``Captioner`` contract): greedy or beam search
-(``attnlab.inference.decoding``, the translation's), and the attention each word of the caption
-paid to the image.
-
-The attention of the chosen words comes from one teacher-forced pass over them afterwards (the
-net's ``forward``), which gives the step-by-step weights exactly (``tests/test_captioning.py``):
-no search has to carry a map per hypothesis.
-"""
+"""Captioning images with a trained ``Captioner`` (greedy or beam search) and each word's attention,
+from one teacher-forced pass over the chosen words."""
 
 from __future__ import annotations
 
@@ -26,10 +20,8 @@ def caption_batch(
     beam_size: int = 1,
     alpha: float = 0.0,
 ) -> list[tuple[list[int], Tensor]]:
-    """Per image of (B, C, H, W) normalised ``images``: the caption's tokens (without BOS and EOS,
-    at most ``max_len``) and the (L, S) attention each of its L words paid to the image's S
-    positions. ``beam_size`` 1 is greedy decoding; beams rank finished captions by log-probability
-    over GNMT's length penalty of ``alpha`` (0: total log-probability)."""
+    """Per image of ``images``: the caption's tokens (no BOS/EOS, at most ``max_len``) and its words' (L, S)
+    attention; ``beam_size`` 1 is greedy, beams ranked with GNMT's length penalty ``alpha``."""
     if beam_size == 1:
         ids = greedy_decode(net, images, bos, eos, max_len)
     else:

@@ -36,21 +36,11 @@ def load_image(path: Path, artifacts: dict[str, Any]) -> Tensor:
     native = read_image(path)
     image = read_image(path, channels) if native.size(0) != channels else native
     if native.size(0) != channels:
-        log.info(
-            "note: %s has %d channel(s); the model takes %s: converted",
-            path,
-            native.size(0),
-            "grayscale" if channels == 1 else "RGB",
-        )
+        kind = "grayscale" if channels == 1 else "RGB"
+        log.info("note: %s has %d channel(s); the model takes %s: converted", path, native.size(0), kind)
     if image.shape[-2:] != (size, size):
-        log.info(
-            "note: %s is %dx%d; the model takes %dx%d: resized",
-            path,
-            image.size(2),
-            image.size(1),
-            size,
-            size,
-        )
+        h, w = image.shape[-2:]
+        log.info("note: %s is %dx%d; the model takes %dx%d: resized", path, w, h, size, size)
         image = TF.resize(image, [size, size], antialias=True)
     return image
 

@@ -1,8 +1,5 @@
-"""Greedy decoding, batched beam search and sampling, written once against the ``Decoder``
-contract (``attnlab.models.contracts``: ``start``, ``step``, ``reorder``), which GPT, Seq2Seq,
-the Transformer, Show-Attend-Tell and Flamingo follow. Translation, captioning and text
-generation all decode here.
-"""
+"""Greedy decoding, batched beam search and sampling, written once against the ``Decoder`` contract
+(``start``, ``step``, ``reorder``) that every decoder follows."""
 
 from __future__ import annotations
 
@@ -49,14 +46,8 @@ def length_penalty(length: int, alpha: float) -> float:
 def beam_search(
     net: Decoder, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
 ) -> list[list[int]]:
-    """Batched beam search; returns the best hypothesis of each source, without <eos>.
-
-    Each step extends the ``beam_size`` live hypotheses of every sentence by the ``2 * beam_size``
-    best (hypothesis, token) pairs; those ending in <eos> among the top ``beam_size`` are set
-    aside as finished (scored with the length penalty), the best ``beam_size`` others live on.
-    A sentence is done when it has ``beam_size`` finished hypotheses. With ``beam_size=1`` this
-    is exactly greedy decoding.
-    """
+    """Batched beam search (``beam_size=1``: greedy); the best hypothesis of each source, without <eos>,
+    finished ones scored with GNMT's length penalty."""
     b, k, dev = src.size(0), beam_size, src.device
     state = net.reorder(net.start(src), torch.arange(b, device=dev).repeat_interleave(k))
     scores = torch.full((b, k), float("-inf"), device=dev)
@@ -128,9 +119,8 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """A language model's (GPT's) continuation of ``idx`` (B, T) by ``max_new_tokens`` sampled
-    tokens: (B, T + max_new_tokens). The context is all of ``idx`` but its last token, which is
-    the first step's; ``use_cache`` False recomputes the window at every step."""
+    """A language model's continuation of ``idx`` (B, T) by ``max_new_tokens`` sampled tokens; ``use_cache``
+    False recomputes the window at every step."""
     state = net.start(idx[:, :-1], use_cache=use_cache)
     tokens = idx[:, -1]
     for _ in range(max_new_tokens):

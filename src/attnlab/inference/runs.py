@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from attnlab.core.config import translate_renamed
 from attnlab.core.errors import CheckpointError
+from attnlab.core.legacy import read_saved
 from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
-from attnlab.core.targets import check_targets, translate_moved, translate_moved_keys
-from attnlab.data.sources import translate_flat
+from attnlab.core.targets import check_targets
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, SubwordTokenizer, tokenizer_from_json
 from attnlab.weights.checkpoint import check_fits, load_checkpoint, metadata, require_task
-
-log = logging.getLogger(__name__)
+from attnlab.weights.lora import add_adapters, remove_adapters
 
 
 class TrainedRun:
@@ -34,23 +31,10 @@ class TrainedRun:
         meta = metadata(self.ckpt, self.path)
         if names:
             require_task(meta, self.path, names, need)
-        self.config: DictConfig = OmegaConf.create(meta["config"])
-        # a run saved before attnlab's packages took their layers (issue 58) names its classes
-        # where they were, and one saved before the hyper-parameters got one vocabulary (issue 28)
-        # names those the old way; its weights are named as now, so the translated config builds
-        # the same model
-        read_as = translate_moved(self.config)
-        if self.config.get("data") is not None:  # its source as flat keys (before issue 58)
-            read_as += translate_flat(self.config.data)
+        # old module names and keys read the new way (its weights are named as now)
+        self.config: DictConfig = read_saved(meta["config"], str(self.path))
         # the saved config is input, not code: nothing in it is built unless attnlab allows it
         check_targets(self.config, str(self.path))
-        if self.config.get("model") is not None:  # one optimisation spec since issue 58
-            read_as += translate_moved_keys(self.config.model)
-        for part in ("model", "data"):  # the data keys got the model's vocabulary in issue 58
-            if self.config.get(part) is not None:
-                read_as += translate_renamed(self.config[part], part)
-        if read_as:
-            log.warning("%s was saved by an older attnlab, read as: %s", self.path, ", ".join(read_as))
         self.artifacts: dict[str, Any] = meta["artifacts"]
         self.meta = meta
 
@@ -66,14 +50,19 @@ class TrainedRun:
             raise CheckpointError(f"checkpoint {self.path} holds no tokenizer (not a text model)")
         return tokenizer_from_json(self.artifacts["tokenizer"])
 
-    def net(self) -> nn.Module:
-        """The bare model (``model.net``) with the checkpoint's weights."""
+    def net(self, merge: bool = True) -> nn.Module:
+        """The bare model (``model.net``) with the checkpoint's weights; a LoRA run's adapters
+        merged into them (``merge=False``: kept, as it trained)."""
         net = instantiate(self.config.model.net)
+        if lora := self.config.model.get("lora"):
+            add_adapters(net, lora)
         state = {
             k.removeprefix("net."): v for k, v in self.ckpt["state_dict"].items() if k.startswith("net.")
         }
         check_fits(net, state, self.path)
         net.load_state_dict(state)
+        if lora and merge:
+            remove_adapters(net, merge=True)
         return net.eval()
 
     def task(self) -> Any:

@@ -37,9 +37,8 @@ def fill_mask(
         raise DataError(f"text={text!r}: every {MASK} lies beyond the model's {max_len} tokens")
     logits, _ = net(ids, torch.zeros_like(ids), masked)  # (N, V)
     probs = logits.float().softmax(-1)
-    probs[:, [getattr(tokenizer, f"{s}_id") for s in ("pad", "unk", "cls", "sep", "mask")]] = (
-        0.0  # a filling is a word piece, not a special
-    )
+    specials = [getattr(tokenizer, f"{s}_id") for s in ("pad", "unk", "cls", "sep", "mask")]
+    probs[:, specials] = 0.0  # a filling is a word piece, not a special
     top = probs.topk(min(top_k, probs.size(-1)), dim=-1)
     return [
         [(tokenizer.token(i), p) for i, p in zip(ix.tolist(), pv.tolist(), strict=True)]

@@ -1,8 +1,10 @@
 """Attention and the blocks built from it, written once for every model."""
 
 from attnlab.nn.attention import (
+    AttentionSpec,
     KVCache,
     MultiHeadAttention,
+    attention_layer,
     causal_mask,
     scaled_dot_product_attention,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "SlidingWindowAttention",
     "T5RelativeBias",
     "AdditiveAttention",
+    "AttentionSpec",
     "AttentionWeights",
     "ConvStem",
     "Dropout",
@@ -50,6 +53,7 @@ __all__ = [
     "TokenEmbedding",
     "TransformerBlock",
     "WindowAttention",
+    "attention_layer",
     "byte_dropout",
     "causal_mask",
     "conv_bn_relu",

@@ -1,36 +1,30 @@
 """Scaled dot-product and multi-head attention (Vaswani et al. 2017).
 
-Mask convention, everywhere in attnlab:
-- an attention mask is either **boolean**, True where a query may attend a key (as
-  ``F.scaled_dot_product_attention``), or **float**, added to the scores before the softmax
-  (a relative-position bias; ``-inf`` blocks); it broadcasts to (B, H, T_q, T_k);
-- a padding mask is boolean (B, T_k), True at padding keys (as ``nn.MultiheadAttention``'s
-  ``key_padding_mask``);
-- ``causal=True`` adds a bottom-right aligned causal mask (queries are the last T_q of T_k keys).
+Masks, everywhere in attnlab: an attention mask is **boolean** (True where a query may attend a
+key, as ``F.scaled_dot_product_attention``) or **float** (added to the scores; ``-inf`` blocks),
+broadcast to (B, H, T_q, T_k); a padding mask is boolean (B, T_k), True at padding keys;
+``causal=True`` adds a bottom-right aligned causal mask (queries are the last T_q of T_k keys).
 
-Three interchangeable paths compute the same thing (``impl``, a model's ``attn_impl``):
-- ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels; a bias reaches them as a float mask,
-  which the flash kernel does not take; on a CPU a causal ALiBi or T5 bias over a long sequence
-  goes to its flash kernel in pieces instead, ``nn/flash_pieces.py``);
-- ``flex``: FlexAttention (``nn/flex.py``): masks and biases as functions in one compiled kernel
-  that skips masked blocks: ALiBi, T5 and sliding windows stay fused; no attention dropout;
-- ``math``: an explicit matmul + softmax that can also return the attention weights (plots, tests).
-``impl="auto"`` (``choose_impl``) picks, as ``benchmarks/attention_paths.py`` measured: ``math``
-when the weights are wanted (maps are drawn from it while training stays fused) and for bf16 on a
-CPU with native bf16; ``flex`` on a GPU for a bias or a sliding window (without dropout); else
-``sdpa``. On a CPU ``auto`` never picks ``flex``: PyTorch has no CPU kernel for its backward.
+Three paths compute the same thing (``impl``, a model's ``attn_impl``): ``sdpa`` (fused kernels; a
+causal ALiBi or T5 bias over a long sequence on a CPU goes to its flash kernel in pieces,
+``nn/flash_pieces.py``), ``flex`` (``nn/flex.py``: masks and biases as functions in one compiled
+kernel; no attention dropout) and ``math`` (matmul + softmax; returns the weights). ``auto``
+(``choose_impl``, as ``benchmarks/attention_paths.py`` measured): ``math`` when the weights are
+wanted and for bf16 on a CPU with native bf16, ``flex`` on a GPU for a bias or a window (without
+dropout; never on a CPU: no CPU backward), else ``sdpa``.
 
 Relative positions (``nn/positions.py``) come in through ``forward(positions=...)``: RoPE turns
-q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses keep
-the projections and change which pairs are scored (``attend``) and how decoding remembers
-(``new_cache``): ``nn/local_attention.py``, ``nn/linear_attention.py``.
+q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses change
+which pairs are scored (``attend``) and how decoding remembers (``new_cache``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -43,17 +37,15 @@ from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
 
 AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
+QKNorm = Literal[False, True, "layernorm", "rmsnorm"]  # true: layernorm
 
 log = logging.getLogger(__name__)
 _announced: set[tuple] = set()
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device | None = None) -> Tensor:
-    """Boolean (t_q, t_k) mask, True where query i may attend key j.
-
-    Queries are the last ``t_q`` positions of the ``t_k`` keys (bottom-right aligned), which is
-    what a KV cache needs: a new token sees every cached position and itself.
-    """
+    """Boolean (t_q, t_k) mask, True where query i may attend key j; the queries are the last
+    ``t_q`` of the ``t_k`` keys (bottom-right aligned: a new token sees the cache and itself)."""
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
@@ -166,14 +158,9 @@ def _in_pieces(
 
 
 class KVCache:
-    """Keys and values (B, H, T, D) of one attention layer, kept across decoding steps.
-
-    A self-attention cache grows by the new positions at every step (``append``) and records each
-    key's absolute position (``positions``; ``seen``: how many positions went through it, the next
-    token's position). A cross-attention cache (``KVCache.of_memory``) holds the projected encoder
-    output, computed once per source; either kind follows the hypotheses of a beam through
-    ``reorder``. Subclasses ``forget`` keys no later query can see (local attention).
-    """
+    """Keys and values (B, n_kv_head, T, D) of one attention layer across decoding steps: grown
+    by ``append`` with each key's position (``seen``: the next token's), or a cross-attention
+    memory projected once (``of_memory``); ``reorder`` follows a beam; subclasses ``forget``."""
 
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None, static: bool = False) -> None:
         self.k, self.v, self.static = k, v, static
@@ -215,21 +202,53 @@ class KVCache:
             self.k, self.v = self.k[index], self.v[index]
 
 
+class AttentionSpec(TypedDict, total=False):
+    """The attention settings a model hands to every ``MultiHeadAttention`` it builds: its
+    ``**attn``, flat keys (``model.net.n_kv_head``) typed once here; the defaults are
+    ``attention_layer``'s."""
+
+    attn_impl: AttentionImpl
+    attn_dropout: DropRate
+    n_kv_head: PositiveInt | None  # None: n_head
+    qk_norm: QKNorm
+
+
+def attention_layer(
+    cls: type[MultiHeadAttention] | None = None,
+    attn_impl: AttentionImpl = "auto",
+    attn_dropout: float = 0.0,
+    n_kv_head: int | None = None,
+    qk_norm: QKNorm = False,
+    **extra: Any,
+) -> Callable[..., MultiHeadAttention]:
+    """``cls`` (``MultiHeadAttention``) with a model's ``AttentionSpec``: a ``TransformerBlock``'s
+    ``attn_layer``."""
+    return partial(
+        cls or MultiHeadAttention,
+        impl=attn_impl,
+        dropout=attn_dropout,
+        n_kv_head=n_kv_head,
+        qk_norm=qk_norm,
+        **extra,
+    )
+
+
+def _qk_norm(kind: QKNorm, head_dim: int) -> nn.Module:
+    if kind is False:
+        return nn.Identity()
+    return nn.RMSNorm(head_dim, eps=1e-6) if kind == "rmsnorm" else nn.LayerNorm(head_dim, eps=1e-6)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention for self-attention (``memory=None``) and cross-attention.
 
-    The projection layout matches ``torch.nn.MultiheadAttention`` (one packed ``in_proj`` of
-    q, k, v, then ``out_proj``) so weights copy across, and self-attention runs as one matmul.
-
-    Args:
-        dim: model width; split into ``n_head`` heads of ``dim // n_head``.
-        n_head: number of heads.
-        dropout: dropout on the attention weights (training only).
-        bias: whether the projections have biases.
-        impl: "auto", "sdpa", "flex" or "math" (see module docstring); "flex" takes no dropout.
-        kv_dim: width of a cross-attention memory other than ``dim`` (``nn.MultiheadAttention``'s
-            kdim/vdim): ``in_proj`` then makes the queries alone and ``kv_proj`` (kv_dim -> 2 dim)
-            the keys and values; such a layer attends only to a memory.
+    One packed ``in_proj`` of q, k, v (``torch.nn.MultiheadAttention``'s layout, so weights copy
+    across), then ``out_proj``. ``n_kv_head`` < ``n_head``: grouped-query attention (1: multi-query;
+    Llama's ``repeat_kv``), the cache holding ``n_kv_head`` heads. ``qk_norm``: LayerNorm (true,
+    "layernorm") or RMSNorm per head on q and k before the scores (ViT-22B, OLMo; timm's
+    ``q_norm``/``k_norm``). ``kv_dim``: a cross-attention memory's width other than ``dim``
+    (``kv_proj`` then makes the keys and values; such a layer attends only to a memory).
+    ``impl``: see the module docstring; "flex" takes no dropout.
     """
 
     def __init__(
@@ -240,40 +259,49 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         impl: AttentionImpl = "auto",
         kv_dim: PositiveInt | None = None,
+        n_kv_head: PositiveInt | None = None,
+        qk_norm: QKNorm = False,
     ) -> None:
         super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
         if dim % n_head != 0:
             raise ValueError(f"dim: must be divisible by n_head ({n_head}), got {dim}")
+        if n_kv_head < 1 or n_head % n_kv_head != 0:
+            raise ValueError(f"n_kv_head: must divide n_head ({n_head}), got {n_kv_head}")
         if impl == "flex" and dropout > 0:
             raise ValueError(
                 f"attn_impl=flex has no attention dropout: set it to 0 (got {dropout}) or use sdpa"
             )
-        self.dim, self.n_head, self.dropout, self.impl = dim, n_head, dropout, impl
+        self.dim, self.n_head, self.n_kv_head, self.dropout, self.impl = dim, n_head, n_kv_head, dropout, impl
+        self.head_dim, self.kv_width = dim // n_head, n_kv_head * (dim // n_head)
         if kv_dim is None:
-            self.in_proj = nn.Linear(dim, 3 * dim, bias=bias)
+            self.in_proj = nn.Linear(dim, dim + 2 * self.kv_width, bias=bias)
             self.kv_proj = None
         else:
             self.in_proj = nn.Linear(dim, dim, bias=bias)
-            self.kv_proj = nn.Linear(kv_dim, 2 * dim, bias=bias)
+            self.kv_proj = nn.Linear(kv_dim, 2 * self.kv_width, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
+        self.q_norm, self.k_norm = _qk_norm(qk_norm, self.head_dim), _qk_norm(qk_norm, self.head_dim)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, self.n_head, -1).transpose(1, 2)  # (B, H, T, D)
+        return x.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
-    def _slice(self, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+    def _rows(self, rows: slice) -> tuple[Tensor, Tensor | None]:
         w, b = self.in_proj.weight, self.in_proj.bias
-        return w[start:stop], None if b is None else b[start:stop]
+        return w[rows], None if b is None else b[rows]
+
+    def _q(self, x: Tensor) -> Tensor:
+        return self.q_norm(self._split_heads(F.linear(x, *self._rows(slice(0, self.dim)))))
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values (B, H, S, D) of ``memory`` (B, S, C)."""
-        kv = (
-            self.kv_proj(memory)
-            if self.kv_proj is not None
-            else F.linear(memory, *self._slice(self.dim, 3 * self.dim))
-        )
-        k, v = kv.split(self.dim, dim=-1)
-        return self._split_heads(k), self._split_heads(v)
+        """Keys and values (B, n_kv_head, S, D) of ``memory`` (B, S, C)."""
+        if self.kv_proj is not None:
+            kv = self.kv_proj(memory)
+        else:
+            kv = F.linear(memory, *self._rows(slice(self.dim, None)))
+        k, v = kv.split(self.kv_width, dim=-1)
+        return self.k_norm(self._split_heads(k)), self._split_heads(v)
 
     def _qkv(
         self,
@@ -283,21 +311,28 @@ class MultiHeadAttention(nn.Module):
         positions: RelativePositions | None = None,
         start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (B, H, T, D), keys and values (B, n_kv_head, T_k, D): the cache's kind."""
         if cache is not None and cache.static:  # cross-attention to a memory projected once
-            return self._split_heads(F.linear(x, *self._slice(0, self.dim))), cache.k, cache.v
+            return self._q(x), cache.k, cache.v
         if memory is None:  # self-attention: one matmul for q, k and v
             if self.kv_proj is not None:
                 raise ValueError("an attention layer with its own kv_dim attends only to a memory")
-            q, k, v = (self._split_heads(z) for z in self.in_proj(x).split(self.dim, dim=-1))
+            qkv = self.in_proj(x).split([self.dim, self.kv_width, self.kv_width], dim=-1)
+            q, k, v = map(self._split_heads, qkv)
+            q, k = self.q_norm(q), self.k_norm(k)
             if positions is not None:  # RoPE: turned at their positions, keys before the cache
                 pos = torch.arange(start, start + x.size(1), device=x.device)
                 q, k = positions.rotate(q, pos), positions.rotate(k, pos)
         else:
-            q = self._split_heads(F.linear(x, *self._slice(0, self.dim)))
-            k, v = self.project_memory(memory)
+            q, (k, v) = self._q(x), self.project_memory(memory)
         if cache is not None:
             k, v = cache.append(k, v)
         return q, k, v
+
+    def repeat_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Each of the n_kv_head key and value heads shared by its n_head / n_kv_head query heads."""
+        n = self.n_head // self.n_kv_head
+        return (k, v) if n == 1 else (k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))
 
     def new_cache(self) -> KVCache:
         """An empty self-attention cache of the kind this layer decodes with."""
@@ -353,22 +388,14 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         positions: RelativePositions | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from ``x`` (B, T_q, C) to itself or to ``memory`` (B, T_k, C).
-
-        Args:
-            key_padding_mask: (B, T_k) bool, True at padding keys (ignored), as in
-                ``nn.MultiheadAttention``.
-            attn_mask: bool (True where attention is allowed) or float (added to the scores),
-                broadcastable to (B, H, T_q, T_k).
-            causal: each query sees only keys at or before its own position.
-            cache: a self-attention cache (the new keys/values are appended) or a cross-attention
-                cache from ``KVCache.of_memory`` (``memory`` is then not needed).
-            need_weights: also return the (B, H, T_q, T_k) attention weights.
-            positions: relative positions (``attnlab.nn.positions``) for self-attention.
-        """
+        """Attend from ``x`` (B, T_q, C) to itself or to ``memory`` (B, T_k, C); masks as in the
+        module docstring. ``cache``: a self-attention cache (the new keys and values appended) or a
+        cross-attention one (``KVCache.of_memory``: no ``memory`` then). Returns (B, T_q, C) and,
+        with ``need_weights``, the weights (B, H, T_q, T_k)."""
         b, t, c = x.shape
         start = cache.seen if cache is not None and not cache.static else 0  # x's first position
         q, k, v = self._qkv(x, memory, cache, positions, start)
+        k, v = self.repeat_kv(k, v)  # the cache keeps n_kv_head heads
         mask = attn_mask
         if key_padding_mask is not None:
             mask = _block(mask, ~key_padding_mask[:, None, None, :])  # (B, 1, 1, T_k)

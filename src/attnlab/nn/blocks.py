@@ -47,23 +47,12 @@ class AttentionWeights(NamedTuple):
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention, optional cross-attention to a memory, and an MLP, each a residual branch.
-
-    Pre-LN (``norm_first=True``; GPT, ViT, BERT-style encoders): x + drop_path(dropout(f(norm(x)))).
-    Post-LN (the 2017 paper): norm(x + dropout(f(x))). Dropout is applied to each branch's output
-    (the paper's "residual dropout"); the MLP has none inside.
-
-    Args:
-        dim: model width.
-        n_head: attention heads.
-        mlp_dim: hidden width of the MLP.
-        dropout: on each branch's output.
-        attn_dropout: on the attention weights.
-        drop_path: stochastic depth: probability of skipping a whole branch per sample.
-        norm_first: pre-LN (True) or post-LN (False).
-        cross_attention: add a branch attending to an encoder's output (decoders).
-        bias: biases in the projections and the MLP.
-        attn_layer, mlp_layer, norm_layer, act_layer: the layers, as constructors.
+    """Self-attention, optional cross-attention to a memory (``cross_attention``: decoders), and
+    an MLP, each a residual branch: pre-LN (``norm_first``; GPT, ViT) x + drop_path(dropout(f(norm(x))))
+    or post-LN (the 2017 paper, BERT) norm(x + dropout(f(x))); ``dropout`` is the paper's residual
+    dropout, ``drop_path`` stochastic depth. The layers are injected as constructors (timm's way):
+    ``attn_layer`` (with its own settings, ``attnlab.nn.attention_layer``), ``mlp_layer``,
+    ``norm_layer``, ``act_layer``; ``bias`` for the projections and the MLP.
     """
 
     def __init__(
@@ -72,7 +61,6 @@ class TransformerBlock(nn.Module):
         n_head: int,
         mlp_dim: int,
         dropout: float = 0.0,
-        attn_dropout: float = 0.0,
         drop_path: float = 0.0,
         norm_first: bool = True,
         cross_attention: bool = False,
@@ -85,10 +73,10 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.norm_first = norm_first
         self.norm1 = norm_layer(dim)
-        self.attn = attn_layer(dim, n_head, dropout=attn_dropout, bias=bias)
+        self.attn = attn_layer(dim, n_head, bias=bias)
         if cross_attention:
             self.norm_cross = norm_layer(dim)
-            self.cross_attn = attn_layer(dim, n_head, dropout=attn_dropout, bias=bias)
+            self.cross_attn = attn_layer(dim, n_head, bias=bias)
         else:
             self.cross_attn = None
         self.norm2 = norm_layer(dim)
@@ -115,14 +103,10 @@ class TransformerBlock(nn.Module):
         need_weights: bool = False,
         positions: RelativePositions | None = None,
     ) -> tuple[Tensor, AttentionWeights]:
-        """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``.
-
-        Masks follow ``attnlab.nn.attention``'s convention: ``attn_mask`` bool (True = may attend)
-        or float (added to the scores), ``padding_mask`` (B, T) True at padding. ``cache`` holds
-        earlier positions' keys/values (incremental decoding); ``memory`` (B, S, C) with
-        ``memory_padding_mask`` feeds the cross-attention, or ``cross_cache`` holds its projection.
-        ``positions``: relative positions (RoPE, ALiBi, T5) for the self-attention.
-        """
+        """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``. Masks as in
+        ``attnlab.nn.attention``; ``cache``: earlier positions' keys and values; ``memory`` (B, S, C)
+        with ``memory_padding_mask``, or its projection ``cross_cache``, feeds the cross-attention;
+        ``positions``: RoPE, ALiBi or T5 for the self-attention."""
         weights: dict[str, Tensor | None] = {}
 
         def self_attn(h: Tensor) -> Tensor:

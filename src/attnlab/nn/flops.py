@@ -155,7 +155,8 @@ def scores(attn: MultiHeadAttention, b: Count, t: int, grad: Grad = "all") -> Fl
 def self_attention(attn: MultiHeadAttention, b: Count, t: int, grad: Grad = "all") -> Flops:
     """A self-attention layer over (b, t) tokens: the q, k, v and output projections, the scores."""
     c = attn.dim
-    return linear(b * t, c, 3 * c, grad) + scores(attn, b, t, grad) + linear(b * t, c, c, grad)
+    qkv = linear(b * t, c, attn.in_proj.out_features, grad)  # 3 c, less with fewer kv heads
+    return qkv + scores(attn, b, t, grad) + linear(b * t, c, c, grad)
 
 
 def cross_attention(
@@ -173,7 +174,7 @@ def cross_attention(
     f = linear(b * t_q, c, c, grad) + attention(b, h, t_q, t_kv, c // h, grad) + linear(b * t_q, c, c, grad)
     if project_memory:
         kv_in = attn.kv_proj.in_features if attn.kv_proj is not None else c
-        f = f + linear(b * t_kv, kv_in, 2 * c, grad)
+        f = f + linear(b * t_kv, kv_in, 2 * attn.kv_width, grad)
     return f
 
 

@@ -134,7 +134,8 @@ class LinearAttention(MultiHeadAttention):
             raise ValueError("linear attention here is causal self-attention: no memory or masks")
         b, t, c = x.shape
         start = cache.seen if cache is not None else 0
-        q, k, v = self._qkv(x, None, None, positions, start)  # (B, H, T, D); RoPE applied
+        q, k, v = self._qkv(x, None, None, positions, start)  # RoPE applied
+        k, v = self.repeat_kv(k, v)  # (B, H, T, D)
         if cache is None and torch.is_grad_enabled():
             # training: the features and chunk sums are recomputed in the backward pass, not
             # kept, so a layer holds less than full attention's fused kernel

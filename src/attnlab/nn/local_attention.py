@@ -12,13 +12,14 @@ of ``window``, and each block is scored against the keys of its own block and th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.core.specs import PositiveInt
 from attnlab.nn.attention import (
-    AttentionImpl,
     KVCache,
     MultiHeadAttention,
     choose_impl,
@@ -50,17 +51,8 @@ class SlidingWindowAttention(MultiHeadAttention):
         n_global: the first ``n_global`` positions are seen by every query (``GlobalLocalAttention``).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        n_head: int,
-        window: PositiveInt,
-        dropout: float = 0.0,
-        bias: bool = True,
-        impl: AttentionImpl = "auto",
-        n_global: int = 0,
-    ) -> None:
-        super().__init__(dim, n_head, dropout, bias, impl)
+    def __init__(self, dim: int, n_head: int, window: PositiveInt, n_global: int = 0, **kwargs: Any) -> None:
+        super().__init__(dim, n_head, **kwargs)
         self.window, self.n_global = window, n_global
 
     def new_cache(self) -> LocalKVCache:
@@ -142,13 +134,6 @@ class GlobalLocalAttention(SlidingWindowAttention):
     (a [CLS] or a prompt's start) are seen by every later query."""
 
     def __init__(
-        self,
-        dim: int,
-        n_head: int,
-        window: PositiveInt,
-        n_global: PositiveInt,
-        dropout: float = 0.0,
-        bias: bool = True,
-        impl: AttentionImpl = "auto",
+        self, dim: int, n_head: int, window: PositiveInt, n_global: PositiveInt, **kwargs: Any
     ) -> None:
-        super().__init__(dim, n_head, window, dropout, bias, impl, n_global=n_global)
+        super().__init__(dim, n_head, window, n_global, **kwargs)

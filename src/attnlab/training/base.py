@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torchmetrics import MaxMetric, Metric, MinMetric
 
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import LoRA
 from attnlab.nn import TransformerBlock
+from attnlab.training.lora import train_adapters, weights_before
 from attnlab.training.optim import CompileMode, CompileScope, Optimization, clip_gradients, freeze
 from attnlab.weights.init import load_init
 
@@ -38,11 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def repeated_blocks(net: nn.Module) -> list[nn.Module]:
-    """The blocks ``model.optim.compile=regional`` compiles one by one: the items of each list of blocks
-    in ``net``, innermost lists only (a Swin stage's blocks, not its stages). A list of blocks is
-    an ``nn.ModuleList`` (ours) or an ``nn.Sequential`` named ``blocks`` (timm's) whose items are
-    modules of one class with parts of their own, other than ``nn.Sequential`` (a conv stem's
-    conv-norm-activation runs)."""
+    """The blocks ``compile=regional`` compiles one by one: the items of each innermost list of blocks (a
+    ``ModuleList``, or timm's ``Sequential`` ``blocks``) of one class with parts of their own."""
     lists = [m for name, m in net.named_modules() if _lists_blocks(name, m)]
     inner = [m for m in lists if not any(o is not m and any(o is x for x in m.modules()) for o in lists)]
     return [block for blocks in inner for block in blocks]
@@ -72,10 +72,8 @@ def check_compile(net: nn.Module, scope: CompileScope) -> None:
 
 
 def compile_net(net: nn.Module, scope: CompileScope, mode: CompileMode = "default") -> int:
-    """Compile ``net`` in place, so its state dict keeps the eager names (no ``_orig_mod.``):
-    whole (``True``) or block by block (``"regional"``, PyTorch's regional compilation: every
-    block runs the same ``forward``, so dynamo compiles it once and each block reuses the code,
-    the cold start of one block instead of the whole net's). The number of modules compiled."""
+    """Compile ``net`` in place (state dict names kept): whole, or block by block (``"regional"``: one
+    compile reused by alike blocks); the number of modules compiled."""
     options = {} if mode == "default" else {"mode": mode}
     targets = repeated_blocks(net) if scope == "regional" else [net] if scope else []
     for module in targets:
@@ -84,22 +82,24 @@ def compile_net(net: nn.Module, scope: CompileScope, mode: CompileMode = "defaul
 
 
 class Task(L.LightningModule):
-    """Base of the tasks: holds ``net`` and trains it as ``optim`` says (``Optimization``).
-
-    Args:
-        net: the model.
-        optim: its optimizer, schedule, weight decay, frozen parameters and compiling.
-        init_from: weights to start from (``attnlab.weights.init.load_init``); ``None``: from scratch.
-    """
+    """Base of the tasks: trains ``net`` as ``optim`` says, from ``init_from``'s weights (``load_init``)
+    with ``lora`` adapters (``attnlab.training.lora``: only they train) when set."""
 
     def __init__(
-        self, net: nn.Module, optim: Optimization, init_from: str | dict[str, str] | None = None
+        self,
+        net: nn.Module,
+        optim: Optimization,
+        init_from: str | dict[str, str] | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         check_compile(net, optim.compile)
         self.net, self.optim = net, optim
+        before = weights_before(net) if lora and init_from else None  # to tell what init_from fills
         if init_from:
             load_init(net, init_from)
+        if lora:
+            train_adapters(net, lora, before)
         freeze(net, optim.freeze)
 
     def setup(self, stage: str) -> None:
@@ -133,6 +133,11 @@ class Task(L.LightningModule):
         every = self.trainer.log_every_n_steps
         return bool(every) and (self.global_step + 1) % every == 0
 
+    def log_best(self, name: str, best: Metric, value: Tensor) -> None:
+        """Log ``val/<name>_best``: ``best`` (a ``best_so_far``) updated with ``value``."""
+        best.update(value)
+        self.log(f"val/{name}_best", best.compute())
+
     def log_train_loss(self, loss: Tensor, **kwargs: Any) -> None:
         if self.logs_this_step():
             self.log("train/loss", loss, prog_bar=True, **kwargs)
@@ -143,6 +148,13 @@ class Task(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
         return self.optim.configure(self, grad_scaler=scaler is not None)
+
+
+def best_so_far(mode: Literal["min", "max"]) -> Metric:
+    """The best validation value seen, kept in checkpoints (a resumed run goes on from it)."""
+    best = MinMetric() if mode == "min" else MaxMetric()
+    best.persistent(True)
+    return best
 
 
 def gather_objects(items: list[Any]) -> list[Any]:

@@ -24,19 +24,21 @@ from attnlab import __version__
 from attnlab.core.cpu import release_freed_memory
 from attnlab.core.errors import ConfigError
 from attnlab.core.memory import peak_memory_mb, reset_peak_memory
-from attnlab.core.specs import PositiveFloat
+from attnlab.core.specs import PositiveFloat, Probability
 from attnlab.models.text.gpt import GPT
 
 log = logging.getLogger(__name__)
 
 
-class RunMetadata(L.Callback):
-    """Store what is needed to rebuild and resume the run inside each checkpoint.
+def sync(pl_module: L.LightningModule) -> None:
+    """Wait for the module's device (a clock read after it times the work queued before)."""
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
 
-    ``checkpoint["attnlab"]`` holds the resolved config (YAML), the DataModule's artifacts (a
-    tokenizer, class names, ...; see ``attnlab.data.base.DataModule``), the machine it ran on and
-    the W&B run id: plain containers, so the checkpoint still loads with ``weights_only=True``.
-    """
+
+class RunMetadata(L.Callback):
+    """Keep in each checkpoint (``checkpoint["attnlab"]``, plain containers: ``weights_only`` loads)
+    what rebuilds and resumes the run: config, data artifacts, machine, W&B run id."""
 
     def __init__(
         self, config_yaml: str, artifacts: dict[str, Any] | None = None, machine: dict[str, Any] | None = None
@@ -57,8 +59,7 @@ class RunMetadata(L.Callback):
 
 
 def rng_states() -> dict[str, Any]:
-    """The global generators' states (torch, CUDA, NumPy, Python) as plain tensors and containers,
-    so a checkpoint holding them still loads with ``weights_only=True``."""
+    """The global generators' states (torch, CUDA, NumPy, Python) as plain tensors and containers."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -79,15 +80,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 class ResumableRandomness(L.Callback):
-    """Give every process its own random stream and keep the streams in every checkpoint.
-
-    The run is seeded with ``seed`` before the model is built, so every process starts from the
-    same weights; as training starts, process ``r`` of several is reseeded with ``seed + r`` (as
-    nanoGPT and DeiT do), so dropout, drop-path, crops, flips, erasing, mixup and masking differ
-    between processes instead of repeating each other. Every process's generator states (torch,
-    CUDA, NumPy, Python) go into each checkpoint and are restored when a run resumes with as many
-    processes, as training starts: the resumed run then draws what the uninterrupted one drew.
-    """
+    """Reseed process r with ``seed + r`` as training starts (nanoGPT, DeiT) and keep every process's
+    random streams in each checkpoint, restored on a resume with as many processes."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
@@ -125,8 +119,7 @@ class ResumableRandomness(L.Callback):
 
 
 class ReleaseFreedMemory(L.Callback):
-    """Return the heap's free pages to the kernel every ``every_n_steps`` training steps and after
-    each validation (``attnlab.core.cpu.release_freed_memory``), so a long run's memory stays flat."""
+    """Return the heap's free pages to the kernel every ``every_n_steps`` steps and after each validation."""
 
     def __init__(self, every_n_steps: int = 50) -> None:
         self.every_n_steps = every_n_steps
@@ -140,14 +133,8 @@ class ReleaseFreedMemory(L.Callback):
 
 
 class FiniteLoss(L.Callback):
-    """Stop a run whose training loss turns NaN or infinite, in one line, before a checkpoint can
-    hold the weights that produced it: the checkpoints written before are the last good ones.
-
-    On the CPU every step's loss is read (reading it costs nothing there). On an accelerator,
-    reading it would wait for the device every step, so the first bad step and its loss are kept
-    on the device and read at the logging interval, before each validation and before any
-    checkpoint is written. All processes stop together (a decision shared by the ranks).
-    """
+    """Stop, in one line, a run whose training loss turns NaN or infinite, before a checkpoint holds it;
+    on an accelerator the check is kept on the device and read at the logging steps."""
 
     def __init__(self) -> None:
         self.first_bad: torch.Tensor | None = None  # on an accelerator: (step, loss), step -1 if none
@@ -197,12 +184,8 @@ class FiniteLoss(L.Callback):
 
 
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
-    """Lightning's, with ``last.ckpt`` written after every validation and at the end of training.
-
-    Lightning 2.6 writes ``last.ckpt`` only when it also writes a best checkpoint, so after a
-    validation that is not the best it still holds an older step: resuming from it loses the
-    steps since, and the run's last weights are never saved.
-    """
+    """Lightning's, with ``last.ckpt`` written after every validation and at the end of training
+    (Lightning 2.6 writes it only with a new best)."""
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
@@ -218,15 +201,8 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
 
 
 class StepProgressBar(pl_callbacks.RichProgressBar):
-    """Lightning's rich progress bar, counting a step recipe's optimizer steps: ``step n/max_steps``
-    with the time left, where Lightning counts the batches of an epoch that never ends
-    ("Epoch 0/-2"), starts again at 0 after a resume ("60/10") and counts every accumulated batch
-    ("40/20"). Recipes without ``max_steps`` keep Lightning's epoch bar.
-
-    Drawn ``refresh_rate`` times a second (Lightning: 100), and the logged metrics it shows read
-    every ``metrics_every`` seconds, not after every batch: the drawing thread and the reading
-    took ~2% of a small GPT's step on a 2-core CPU, and on a GPU reading a metric waits for it.
-    """
+    """Lightning's rich bar counting optimizer steps (``step n/max_steps``) for step recipes, drawn
+    ``refresh_rate`` times a second, its metrics read every ``metrics_every`` seconds."""
 
     def __init__(self, refresh_rate: int = 10, metrics_every: float = 0.5, **kwargs: Any) -> None:
         super().__init__(refresh_rate=refresh_rate, **kwargs)
@@ -254,10 +230,7 @@ class StepProgressBar(pl_callbacks.RichProgressBar):
 
 
 class MetricsPrinter(L.Callback):
-    """One plain log line per validation: step, losses, learning rate, ms per iteration.
-
-    Readable in CI logs and files, where a progress bar is not.
-    """
+    """One plain log line per validation: step, losses, learning rate, ms per iteration."""
 
     def __init__(self) -> None:
         self._t0, self._step0, self._ms = time.perf_counter(), 0, 0.0
@@ -287,17 +260,8 @@ class MetricsPrinter(L.Callback):
 
 
 class TrainingCost(L.Callback):
-    """What a run's training costs, logged once at the end of training for sweeps over lengths or
-    sizes (``attnlab-compare --plot cost/train_ms_per_token --x model.net.max_len``):
-
-    - ``cost/train_ms_per_step`` and ``cost/train_ms_per_token``: the median wall time of a training
-      step (forward, backward, optimizer) after ``warmup`` steps, per step and per input token;
-    - ``cost/train_peak_mb``: the peak memory of those steps above what was held before them (the
-      GPU's allocations; on a CPU the process's resident memory, an upper bound shared with
-      whatever else the process does);
-    - ``cost/generate_ms_per_token``: for a net that decodes with caches (GPT), the median time of
-      one new token after a prompt filling all but ``new_tokens`` of its context.
-    """
+    """Log once, at the end of training: the median step's ms (per step, per token), its peak memory
+    and, for a GPT, ms per generated token (``cost/...``)."""
 
     def __init__(self, warmup: int = 1, new_tokens: int = 16) -> None:
         self.warmup, self.new_tokens = warmup, new_tokens
@@ -306,10 +270,6 @@ class TrainingCost(L.Callback):
         self._t0 = 0.0
         self._baseline = 0.0
 
-    def _sync(self, pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
     ) -> None:
@@ -317,11 +277,11 @@ class TrainingCost(L.Callback):
             self._baseline = reset_peak_memory(pl_module.device)
         first = batch[0] if isinstance(batch, list | tuple) else batch
         self._tokens = first.numel() if isinstance(first, torch.Tensor) else 0
-        self._sync(pl_module)
+        sync(pl_module)
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._sync(pl_module)
+        sync(pl_module)
         self._steps.append(time.perf_counter() - self._t0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -352,22 +312,20 @@ class TrainingCost(L.Callback):
         _, state = net.step(idx[:, start - 1], net.start(idx[:, : start - 1]))  # the context, one pass
         times = []
         for j in range(start, net.max_len):
-            self._sync(pl_module)
+            sync(pl_module)
             t0 = time.perf_counter()
             _, state = net.step(idx[:, j], state)
-            self._sync(pl_module)
+            sync(pl_module)
             times.append(time.perf_counter() - t0)
         net.train(was_training)
         return 1000 * float(np.median(times))
 
 
-def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]:
-    """An EMA update for ``WeightAveraging(multi_avg_fn=...)`` whose decay rises with the number
-    n of updates so far as min(decay, (1 + n) / (10 + n)) (timm's ModelEmaV3 warm-up): early on
-    the average follows the weights instead of holding the first ones for ~1/(1 - decay) steps,
-    so its validation means something from the start."""
-    if not 0.0 <= decay <= 1.0:
-        raise ConfigError(f"callbacks.ema.multi_avg_fn.decay must be in [0, 1], got {decay}")
+def ema_with_warmup(
+    decay: Probability,
+) -> Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]:
+    """An EMA update for ``WeightAveraging(multi_avg_fn=...)`` whose decay rises as
+    min(decay, (1 + n) / (10 + n)) with n updates (timm's ModelEmaV3 warm-up)."""
 
     def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
         get_ema_multi_avg_fn(min(decay, (1 + int(n)) / (10 + int(n))))(averaged, current, n)
@@ -376,12 +334,8 @@ def ema_with_warmup(decay: float) -> Callable[[list[torch.Tensor], list[torch.Te
 
 
 class WeightAveraging(pl_callbacks.WeightAveraging):
-    """Lightning's weight averaging (EMA or SWA), validating, checkpointing and testing the average.
-
-    Lightning's callback, when it holds an averaged model, loads a checkpoint's raw weights
-    (``current_model_state``) whatever the stage, so ``trainer.test(ckpt_path="best")`` after fit
-    would test the raw weights. Outside fit the checkpoint's ``state_dict`` (the average) is kept.
-    """
+    """Lightning's weight averaging (EMA, SWA), which outside fit keeps the checkpoint's average
+    instead of loading its raw weights."""
 
     @staticmethod
     def refuse_sharding(trainer: L.Trainer) -> None:
@@ -405,16 +359,8 @@ class WeightAveraging(pl_callbacks.WeightAveraging):
 
 
 class SubmititRequeue(L.Callback):
-    """A job of Hydra's submitit launcher, sent submitit's signal (USR2, ``signal_delay_s`` before
-    its time limit, or at a preemption), writes ``last.ckpt`` and is requeued by submitit's own
-    handler; the requeued job resumes from that file (``attnlab.cli.train``).
-
-    The signal is taken at the end of the next optimizer step, by every process together: taken
-    where it lands, mid-step, the weights would be saved half-updated, and one DDP process saving
-    alone would leave the others waiting. The job leaves as the step after begins, once the step's
-    metrics are logged (and a validation due there has run), so its log holds every row up to
-    the checkpoint and none after.
-    """
+    """On submitit's signal, every process together writes ``last.ckpt`` at the end of the next
+    optimizer step and the job is requeued (and resumes from it)."""
 
     def __init__(self, last: Any) -> None:
         import signal
@@ -479,29 +425,10 @@ class SubmititRequeue(L.Callback):
 
 
 class Throughput(L.Callback):
-    """Throughput, achieved model TFLOP/s and MFU of training, logged with the loss at every
-    logging interval (``trainer.log_every_n_steps``): in the progress bar, ``csv/metrics.csv``
-    and W&B.
+    """Log items/s, model TFLOP/s and MFU (over ``peak_tflops``, the table's or a measured peak) at
+    every logging step, the first step and validation time left out (``throughput/...``)."""
 
-    - ``throughput/<items>_per_sec``: what the task counts (its ``items``: ``tokens`` for the text
-      families, ``images`` for the vision ones) per second, all processes together;
-    - ``throughput/tflops_per_sec``: model FLOPs per second and device: the net's own count
-      (``flops``, ``attnlab.nn.flops``: matmuls and attention, forward and backward; no
-      recomputation), which the task's ``step_work`` reads off each batch;
-    - ``throughput/mfu``: that over the device's peak (``attnlab.core.hardware.peak_flops``: a
-      GPU's datasheet figure for the run's precision, or a CPU's matmul measured as the run
-      starts), which is written into ``machine.yaml`` and each checkpoint's machine record.
-
-    Each figure covers the optimizer steps since the one before; the run's first step (compiling,
-    warming up) and the time spent validating and checkpointing are left out. Lightning's
-    ``ThroughputMonitor`` waits for the GPU after every batch; here the clock is read, after
-    waiting for the device, only at the logging steps, where logging reads the loss anyway, and
-    the counts that depend on the data (masked, scored tokens) stay on the device until then.
-
-    Args:
-        peak_tflops: the peak to divide by, in TFLOP/s, instead of the table's or the measured one
-            (a GPU the table lacks).
-    """
+    _sync = staticmethod(sync)  # (a test counts the waits)
 
     def __init__(self, peak_tflops: PositiveFloat | None = None) -> None:
         self.peak_tflops = peak_tflops
@@ -590,8 +517,3 @@ class Throughput(L.Callback):
         if self._t0 is not None and not trainer.sanity_checking:
             self._sync(pl_module)
             self._paused = time.perf_counter()
-
-    @staticmethod
-    def _sync(pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)

@@ -1,6 +1,5 @@
-"""Captioning metrics, as pure functions of the decoded texts: BLEU-4 (torchmetrics), CIDEr-D
-(the COCO caption evaluation's, pycocoevalcap), and for scenes the exact match of the items and
-relations named and whether a word's attention falls inside the box of the item it names."""
+"""Captioning metrics as pure functions of the decoded texts: BLEU-4, CIDEr-D, and for scenes exact
+match of items and relations, and grounding of a word's attention."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def bleu4(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
 
 
 def cider(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
-    """CIDEr-D (x10, as COCO reports it) of ``hyps`` against their references, over lower-cased
-    words; the document frequencies are those of these references, as the COCO evaluation
-    computes them."""
+    """CIDEr-D (x10, as COCO reports it) of ``hyps`` against their references, document frequencies from
+    these references."""
     from pycocoevalcap.cider.cider import Cider
 
     if not hyps:
@@ -53,9 +51,7 @@ def cider(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
 
 
 def parse_scene(caption: str, names: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """The items (``names`` found, in order, a repeat of the item just named counted once) and the
-    relations (the last item named before a relation phrase, the phrase's relation, the first item
-    after it) a caption says, as scenes' captions are written."""
+    """The items (in order, a repeat counted once) and relations (item, relation, item) a caption says."""
     ws, found = words(caption), []  # found: ("item", name) or ("rel", relation), in order
     phrases = {tuple(n.split()): ("item", n) for n in names} | {p: ("rel", r) for p, r in PHRASINGS.items()}
     longest = max(map(len, phrases))
@@ -90,10 +86,8 @@ def scene_exact_match(
     relations: list[tuple[str, str, str]],
     names: list[str] | None = None,
 ) -> bool:
-    """Whether ``hyp`` names exactly the scene's ``items`` and ``relations`` ((item, relation,
-    item) triples; "a to the right of b" is "b to the left of a", "below" the inverse of "above"),
-    nothing missing and nothing more. ``names``: every item name to look for (all the classes of
-    MNIST and Fashion-MNIST by default), so a wrong item is seen as one."""
+    """Whether ``hyp`` names exactly the scene's ``items`` and ``relations`` (inverse relations alike),
+    ``names`` the item names looked for."""
     names = sorted({*(names or [n for ps in CLASS_PHRASES.values() for n in ps]), *items})
     said_items, said_relations = parse_scene(hyp, names)
     return sorted(said_items) == sorted(items) and _canonical(said_relations) == _canonical(relations)
@@ -105,9 +99,8 @@ def _canonical(relations: list[tuple[str, str, str]]) -> list[tuple[str, str, st
 
 
 def grounding_hit(attn: Tensor, grid: tuple[int, int], box: Tensor, canvas: int) -> bool:
-    """Whether at least half of ``attn``'s mass (S,) over a row-major ``grid`` (h, w) of cells
-    tiling a ``canvas`` x ``canvas`` image lies inside ``box`` (x0, y0, x1, y1 pixels, x1 and y1
-    exclusive); each cell's mass counts in proportion to the part of it the box covers."""
+    """Whether at least half of ``attn``'s mass over a row-major ``grid`` tiling the ``canvas`` lies
+    in ``box`` (x0, y0, x1, y1; cells counted by the part covered)."""
     h, w = grid
     x0, y0, x1, y1 = (float(v) for v in box)
 

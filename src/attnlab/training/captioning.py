@@ -1,73 +1,43 @@
-"""Image captioning: cross-entropy with Show, Attend and Tell's doubly stochastic attention
-regulariser; BLEU-4, CIDEr, exact match and grounding of decoded captions; attention pictures.
-
-Any ``Captioner`` (``attnlab.models.contracts``: ``ShowAttendTell``, the Flamingo-style model)
-trains here: ``forward(images, tokens) -> (logits, attn)`` under teacher forcing, the ``Decoder``
-contract for decoding (``attnlab.inference.captioning``), ``grid`` the h x w layout of attn's S
-positions.
-"""
+"""Image captioning: cross-entropy with Show, Attend and Tell's doubly stochastic regulariser; BLEU-4,
+CIDEr, exact match and grounding of decoded captions; attention pictures. Any ``Captioner`` trains here."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MeanMetric
 
 from attnlab.core.distributed import unsharded
-from attnlab.core.specs import DropRate, NonNegativeFloat, PositiveInt
+from attnlab.core.specs import DropRate, NonNegativeFloat, PositiveInt, Start
 from attnlab.inference.captioning import caption_batch
 from attnlab.nn.flops import Count, Flops
 from attnlab.training import caption_metrics
-from attnlab.training.base import Task, gather_objects
+from attnlab.training.base import Task, best_so_far, gather_objects
 from attnlab.training.optim import Optimization
 
 log = logging.getLogger(__name__)
 
 
 def doubly_stochastic_penalty(attn: Tensor, scored: Tensor) -> Tensor:
-    """Xu et al.'s regulariser, sum_s (1 - sum_t attn_ts)^2, averaged over the captions: over a
-    caption each image position should get about one word's worth of attention, so that every part
-    of the image is looked at. ``attn`` (B, T, S); ``scored`` (B, T) marks the caption's steps
-    (not padding)."""
+    """Xu et al.'s regulariser sum_s (1 - sum_t attn_ts)^2, averaged over captions: ``attn`` (B, T, S),
+    ``scored`` (B, T) the caption's steps."""
     total = (attn.float() * scored[:, :, None]).sum(1)  # (B, S)
     return ((1.0 - total) ** 2).sum(1).mean()
 
 
 class CaptioningTask(Task):
-    """Trains a captioner on batches of ``image`` (B, C, H, W) and ``tokens`` (B, T) = [BOS] words
-    [EOS] then padding, with ``captions`` (the reference texts); scenes batches also carry
-    ``boxes``/``words`` (grounding) and ``items``/``relations`` (exact match).
-
-    Logs ``train/loss`` (with the regulariser), ``train/attention_reg``; ``val/loss`` (the
-    cross-entropy per word), ``val/bleu4``, ``val/cider``, ``val/exact_match``, ``val/grounding``
-    (the last two on scenes) and ``val/bleu4_best``, ``val/cider_best``; the same ``test/...``.
-    Validation decodes greedily, the test with ``beam_size`` beams. Grounding: for each named
-    item, whether the attention of the step that wrote its word (teacher-forced on the reference)
-    puts at least half its mass inside the item's box. After each validation the attention of each
-    word of the first ``plot_images`` validation images' captions is drawn (``plot_dir`` and the
-    loggers' images); the test captions go to ``test_captions.txt`` in the run's directory.
-
-    Args:
-        net: the captioner.
-        optim, init_from: see ``Task``.
-        attention_reg: weight of the doubly stochastic penalty (0: off).
-        label_smoothing: of the training targets.
-        beam_size: test-time beams (1: greedy); ``length_penalty`` is GNMT's alpha.
-        max_len: the most words a decoded caption has.
-        plot_images: validation images whose captions' attention is drawn; 0 for none.
-        plot_dir: where those pictures go (``null``: no files).
-    """
+    """Trains a captioner on ``image``/``tokens``/``captions`` batches; logs loss, BLEU-4, CIDEr (their
+    bests), exact match and grounding (scenes); greedy at validation, ``beam_size`` beams at test."""
 
     def __init__(
         self,
         net: nn.Module,
         optim: Optimization,
-        init_from: str | dict[str, str] | None = None,
         attention_reg: NonNegativeFloat = 0.01,
         label_smoothing: DropRate = 0.0,
         beam_size: PositiveInt = 3,
@@ -75,8 +45,9 @@ class CaptioningTask(Task):
         max_len: PositiveInt = 32,
         plot_images: int = 2,
         plot_dir: str | None = None,
+        **start: Unpack[Start],
     ) -> None:
-        super().__init__(net, optim, init_from)
+        super().__init__(net, optim, **start)
         self.attention_reg, self.label_smoothing = attention_reg, label_smoothing
         self.beam_size, self.length_penalty, self.max_len = beam_size, length_penalty, max_len
         self.plot_images, self.plot_dir = plot_images, plot_dir
@@ -87,9 +58,7 @@ class CaptioningTask(Task):
                 for name in ("loss", "exact_match", "grounding")
             }
         )
-        self.best = nn.ModuleDict({name: MaxMetric() for name in ("bleu4", "cider")})
-        for metric in self.best.values():
-            metric.persistent(True)
+        self.best = nn.ModuleDict({name: best_so_far("max") for name in ("bleu4", "cider")})
         self._pairs: list[tuple[int, str, list[str]]] = []  # (index, hypothesis, references)
         self._shown: Tensor | None = None
         self._captions: list[str] = []
@@ -189,8 +158,7 @@ class CaptioningTask(Task):
             self.scores["val_loss"].reset()
             return
         for name, value in self._log_scores("val").items():
-            self.best[name].update(torch.tensor(float(value)))
-            self.log(f"val/{name}_best", self.best[name].compute())
+            self.log_best(name, self.best[name], torch.tensor(float(value)))
         self._plot_attention()  # every process: a sharded net needs them all
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -209,10 +177,7 @@ class CaptioningTask(Task):
     def _plot_attention(self) -> None:
         if not self.plot_images or self._shown is None:
             return
-        from attnlab.training.plots import (
-            caption_attention_figure,
-            publish_figure,
-        )  # matplotlib when plotting
+        from attnlab.training.plots import caption_attention_figure, publish_figure  # matplotlib
 
         tok, images = self._tokenizer, self._shown
         with unsharded(self.net):

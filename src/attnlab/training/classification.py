@@ -1,17 +1,16 @@
-"""Image classification: cross-entropy (label smoothing, mixup targets, DeiT distillation),
-top-1/top-5 accuracy, per-class accuracy and a confusion matrix, attention pictures; or, with
-``multilabel``, several labels per image: binary cross-entropy per class, accuracy, F1, exact match."""
+"""Image classification: cross-entropy (label smoothing, mixup, DeiT distillation), top-1/5 and per-class
+accuracy, a confusion matrix, attention pictures; ``multilabel``: BCE per class, accuracy, F1, exact match."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric, Metric
+from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import (
     MulticlassAccuracy,
     MulticlassConfusionMatrix,
@@ -21,10 +20,10 @@ from torchmetrics.classification import (
 )
 
 from attnlab.core.errors import ConfigError
-from attnlab.core.specs import DropRate
+from attnlab.core.specs import DropRate, Start
 from attnlab.models.contracts import PatchAttention
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import Task
+from attnlab.training.base import Task, best_so_far
 from attnlab.training.distillation import HardDistillation
 from attnlab.training.optim import Optimization
 
@@ -39,41 +38,21 @@ def images_and_targets(batch: Batch) -> tuple[Tensor, Tensor]:
 
 
 class ImageClassificationTask(Task):
-    """Trains any ``net`` mapping images (B, C, H, W) to logits (B, num_classes).
-
-    Logs ``train/loss``; ``val/loss``, ``val/acc``, ``val/acc_top5``, ``val/acc_best``; and at
-    test ``test/loss``, ``test/acc``, ``test/acc_top5``, ``test/acc_class/<class>`` with the
-    confusion matrix (``confusion_matrix.csv`` and a picture). Targets are class ids, or label
-    distributions (B, K) when the data mixes images (mixup/cutmix).
-
-    With ``multilabel`` an image has any number of the classes: targets are multi-hot (B, K), the
-    loss is binary cross-entropy on each class's logit, and ``val/acc`` (over every image and
-    class), ``val/f1`` (F1 averaged over the classes), ``val/exact_match`` (images with every
-    class right) are logged, at test also ``test/f1_class/<class>``.
-
-    Args:
-        net, optim, init_from: see ``Task``; ``net``: the classifier (``VisionTransformer``, ...).
-        label_smoothing: of the training targets.
-        distillation: a ``HardDistillation`` (the net must have a distillation token).
-        plot_images: validation images whose attention is drawn at each validation (nets with
-            ``patch_attention``); 0 for none.
-        plot_dir: where the pictures go (also to W&B).
-        multilabel: several labels per image (e.g. ``data=scenes data.target=labels``); label
-            smoothing then moves each target towards 1/2.
-    """
+    """Trains any ``net`` mapping images (B, C, H, W) to logits (B, K) on class ids or mixed label
+    distributions; ``multilabel``: multi-hot targets, label smoothing towards 1/2."""
 
     def __init__(
         self,
         net: nn.Module,
         optim: Optimization,
-        init_from: str | None = None,
         label_smoothing: DropRate = 0.0,
         distillation: HardDistillation | None = None,
         plot_images: int = 4,
         plot_dir: str | None = None,
         multilabel: bool = False,
+        **start: Unpack[Start],
     ) -> None:
-        super().__init__(net, optim, init_from)
+        super().__init__(net, optim, **start)
         if distillation is not None:
             if multilabel:
                 raise ConfigError(
@@ -88,8 +67,7 @@ class ImageClassificationTask(Task):
         self.test_per_class = (
             MultilabelF1Score(k, average="none") if multilabel else MulticlassConfusionMatrix(k)
         )
-        self.val_acc_best = MaxMetric()
-        self.val_acc_best.persistent(True)
+        self.val_acc_best = best_so_far("max")
 
     def _metrics(self, k: int) -> dict[str, Metric]:
         """What validation and test score besides the loss, by name (logged as val/<name>)."""
@@ -175,8 +153,7 @@ class ImageClassificationTask(Task):
     def on_validation_epoch_end(self) -> None:
         acc = self._log_metrics("val", self.val_loss, self.val_metrics)
         if not self.trainer.sanity_checking:
-            self.val_acc_best.update(acc)
-            self.log("val/acc_best", self.val_acc_best.compute())
+            self.log_best("acc", self.val_acc_best, acc)
             self._plot_attention()  # every process: a sharded net needs them all
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:

@@ -1,9 +1,11 @@
-"""CLIP's training: the symmetric contrastive loss (against the global batch under DDP), zero-shot
-classification through prompt templates, and image-text retrieval."""
+"""CLIP's training: the symmetric contrastive loss or SigLIP's sigmoid loss (against the global
+batch under DDP), zero-shot classification through prompt templates, and image-text retrieval."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -13,10 +15,16 @@ from torch.distributed.nn.functional import all_gather
 from torchmetrics import MaxMetric, MinMetric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from attnlab.core.specs import LoRA
 from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 from attnlab.nn.flops import Count, Flops
 from attnlab.training.base import Task
 from attnlab.training.optim import Optimization
+
+ContrastiveLoss = Literal["clip", "siglip"]
+# SigLIP's start (Zhai et al. 2023, open_clip's init_logit_scale/init_logit_bias): scale 10, bias -10,
+# so that the many non-matching pairs start near their target and do not swamp the first steps
+SIGLIP_INIT_SCALE, SIGLIP_INIT_BIAS = math.log(10.0), -10.0
 
 
 def gather_with_grad(x: Tensor) -> Tensor:
@@ -57,6 +65,30 @@ def split_clip_loss(images: Tensor, texts: Tensor, scale: Tensor, chunk: int = 1
     return (one_way(images, texts) + one_way(texts, images)) / 2
 
 
+def siglip_loss(
+    image_features: Tensor, text_features: Tensor, logit_scale: Tensor, logit_bias: Tensor
+) -> Tensor:
+    """SigLIP's pairwise sigmoid loss (Zhai et al. 2023) over the (global) batch, gathered as
+    ``clip_loss``. open_clip's ``SigLipLoss`` passes captions between neighbour ranks instead, each
+    rank scoring its own images' rows: its losses' mean over the ranks is this loss."""
+    images, texts = gather_with_grad(image_features), gather_with_grad(text_features)
+    return split_siglip_loss(images.float(), texts.float(), logit_scale, logit_bias, chunk=len(images))
+
+
+def split_siglip_loss(
+    images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor, chunk: int = 1024
+) -> Tensor:
+    """Each of the N x N image-caption pairs a yes/no question (logit ``scale * cos + bias``; yes
+    only for the i-th image with the i-th caption): the summed log-loss over N, ``chunk`` rows at a time."""
+    total = images.new_zeros(())
+    for start in range(0, len(images), chunk):
+        logits = scale * images[start : start + chunk] @ texts.t() + bias  # (chunk, N)
+        labels = -torch.ones_like(logits)
+        labels.diagonal(start).fill_(1.0)  # row i is image start + i
+        total = total - F.logsigmoid(labels * logits).sum()
+    return total / len(images)
+
+
 def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
     """Retrieval recall from an (N images, U captions) similarity matrix, where image i's caption
     is ``image_ids[i]`` among the U distinct captions (identical captions are one caption, and any
@@ -77,9 +109,10 @@ def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)
 
 
 class ContrastiveTask(Task):
-    """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss.
+    """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss, or SigLIP's.
 
-    Logs ``train/loss`` and ``train/logit_scale``; ``val/loss`` (contrastive, over the whole split:
+    Logs ``train/loss`` and ``train/logit_scale`` (and ``train/logit_bias``); ``val/loss`` (the
+    training loss over the whole split:
     every image against every caption, so it does not depend on how the split is batched or shared
     out between processes) and its best, ``val/zeroshot_acc`` and its best (zero-shot
     classification of the validation images through the data's held-out prompt templates, when
@@ -89,7 +122,9 @@ class ContrastiveTask(Task):
 
     Args:
         net: the ``CLIP``.
-        optim, init_from: see ``Task``.
+        optim, init_from, lora: see ``Task``.
+        loss: ``clip`` (softmax over the batch, both ways) or ``siglip`` (a sigmoid per pair, with
+            a learned bias; the net's scale starts at 10 instead of CLIP's 1/0.07).
         plot_pairs: test pairs in the similarity picture (0: none).
         plot_dir: where the picture goes (also to W&B).
     """
@@ -99,11 +134,18 @@ class ContrastiveTask(Task):
         net: nn.Module,
         optim: Optimization,
         init_from: str | None = None,
+        lora: LoRA | None = None,
+        loss: ContrastiveLoss = "clip",
         plot_pairs: int = 8,
         plot_dir: str | None = None,
     ) -> None:
-        super().__init__(net, optim, init_from)
-        self.plot_pairs, self.plot_dir = plot_pairs, plot_dir
+        if loss == "siglip":  # before init_from, whose scale takes precedence
+            with torch.no_grad():
+                net.logit_scale.fill_(SIGLIP_INIT_SCALE)
+        super().__init__(net, optim, init_from, lora)
+        self.loss, self.plot_pairs, self.plot_dir = loss, plot_pairs, plot_dir
+        if loss == "siglip":  # the task's, not the net's: a CLIP exported to open_clip has none
+            self.logit_bias = nn.Parameter(torch.full((1,), SIGLIP_INIT_BIAS))
         self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
         self.val_acc_best.persistent(True)
         self.val_loss_best.persistent(True)
@@ -115,10 +157,16 @@ class ContrastiveTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         images, tokens, _ = batch
-        loss = clip_loss(*self(images, tokens))
+        image_features, text_features, scale = self(images, tokens)
+        if self.loss == "siglip":
+            loss = siglip_loss(image_features, text_features, scale, self.logit_bias)
+        else:
+            loss = clip_loss(image_features, text_features, scale)
         self.log_train_loss(loss)
         if self.logs_this_step():
             self.log("train/logit_scale", self.net.scale())
+            if self.loss == "siglip":
+                self.log("train/logit_bias", self.logit_bias.squeeze(0))
         return loss
 
     items = (
@@ -166,7 +214,10 @@ class ContrastiveTask(Task):
         return torch.cat(gather_all_tensors(x)) if self.trainer.world_size > 1 else x
 
     def _split_loss(self) -> Tensor:
-        return split_clip_loss(self._gathered("images"), self._gathered("texts"), self.eval_scale.float())
+        images, texts, scale = self._gathered("images"), self._gathered("texts"), self.eval_scale.float()
+        if self.loss == "siglip":
+            return split_siglip_loss(images, texts, scale, self.logit_bias.float())
+        return split_clip_loss(images, texts, scale)
 
     def on_validation_epoch_end(self) -> None:
         loss = self._split_loss()

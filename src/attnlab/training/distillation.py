@@ -20,16 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class HardDistillation:
-    """The class head learns the labels, the distillation head the teacher's argmax:
-    loss = (1 - alpha) CE(class logits, labels) + alpha CE(distillation logits, argmax teacher(x)).
-
-    The teacher is frozen and not part of the student's checkpoint.
-
-    Args:
-        teacher: a classifier with ``num_classes``, ``img_size`` and ``in_chans`` (e.g. from
-            ``load_teacher``).
-        alpha: weight of the distillation term (DeiT: 0.5).
-    """
+    """DeiT's hard distillation: loss = (1 - alpha) CE(class logits, labels) + alpha CE(distillation logits,
+    argmax teacher(x)); the ``teacher`` is frozen and not saved with the student."""
 
     def __init__(self, teacher: nn.Module, alpha: DropRate = 0.5) -> None:
         self.teacher = teacher.eval().requires_grad_(False)
@@ -79,13 +71,8 @@ def load_teacher(
     weights: str | None = None,
     log_dir: str = "logs",
 ) -> nn.Module:
-    """A frozen classifier to distil from: one of
-
-    - ``run``: the newest run of that attnlab task name (its ``last.ckpt``), e.g. "convnet_fashion_mnist";
-    - ``ckpt_path``: an attnlab checkpoint file;
-    - ``timm_name`` with ``weights``: a timm model and a state dict file for it (``.pth`` or
-      ``.safetensors``), whose classes and input size must be those of the student's data.
-    """
+    """A frozen classifier to distil from: the newest ``run`` of an attnlab task, a ``ckpt_path``, or a timm
+    ``timm_name`` with ``weights`` (its classes and input size the student's data's)."""
     if sum(x is not None for x in (run, ckpt_path, timm_name)) != 1:
         raise ConfigError("model.distillation.teacher: set exactly one of run, ckpt_path and timm_name")
     if timm_name is not None:

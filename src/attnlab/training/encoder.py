@@ -1,36 +1,28 @@
-"""What the BERT tasks share: the same metrics on the validation and test splits, the best
-validation value tracked across resumes, and attention pictures of a few fixed validation
-sentences (every layer and head, and [CLS]'s attention over the tokens)."""
+"""What the BERT tasks share: validation and test metrics, the best validation value kept across resumes,
+attention pictures of a few validation sentences."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Unpack
 
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, Metric, MinMetric
+from torchmetrics import Metric
 
 from attnlab.core.distributed import unsharded
+from attnlab.core.specs import Start
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import Task
+from attnlab.training.base import Task, best_so_far
 from attnlab.training.optim import Optimization
 
 Batch = dict[str, Tensor]
 
 
 class EncoderTask(Task):
-    """A task around ``net.encoder`` (a ``Bert``) whose subclasses say which metrics to keep
-    (``make_metrics``), the training loss (``train_loss``), how a batch updates the metrics
-    (``evaluate``), what the net takes (``inputs``) and which validation value is
-    "best" (``best``: (name, "min" | "max")); logged as ``<stage>/<name>`` and ``val/<name>_best``.
-
-    Args:
-        net, optim, init_from: see ``Task``; ``init_from``: a pre-training run's checkpoint gives a
-            fine-tuned net its encoder (the head starts fresh) and, through the data, its tokenizer.
-        plot_sentences: validation examples whose attention is drawn after each validation.
-        plot_dir: where the pictures go (also to W&B).
-    """
+    """A task around ``net.encoder`` (a ``Bert``); subclasses give ``make_metrics``, ``train_loss``,
+    ``evaluate``, ``inputs`` and ``best`` (name, "min" | "max"), logged as ``val/<name>_best``."""
 
     best: tuple[str, str] = ("loss", "min")
 
@@ -38,15 +30,14 @@ class EncoderTask(Task):
         self,
         net: nn.Module,
         optim: Optimization,
-        init_from: str | None = None,
         plot_sentences: int = 2,
         plot_dir: str | None = None,
+        **start: Unpack[Start],
     ) -> None:
-        super().__init__(net, optim, init_from)
+        super().__init__(net, optim, **start)
         self.plot_sentences, self.plot_dir = plot_sentences, plot_dir
         self.metrics = nn.ModuleDict({stage: nn.ModuleDict(self.make_metrics()) for stage in ("val", "test")})
-        self.val_best = MinMetric() if self.best[1] == "min" else MaxMetric()
-        self.val_best.persistent(True)  # resumed runs keep the best value seen so far
+        self.val_best = best_so_far(self.best[1])
 
     def make_metrics(self) -> dict[str, Metric]:
         raise NotImplementedError
@@ -89,9 +80,7 @@ class EncoderTask(Task):
     def on_validation_epoch_end(self) -> None:
         values = self._log("val")
         if not self.trainer.sanity_checking:
-            name = self.best[0]
-            self.val_best.update(values[name])
-            self.log(f"val/{name}_best", self.val_best.compute())
+            self.log_best(self.best[0], self.val_best, values[self.best[0]])
             with unsharded(self.net):  # every process: a sharded net needs them all
                 draw_attention(self, self.net.encoder, self.plot_sentences, self.plot_dir)
 

@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MeanMetric, MinMetric
+from torchmetrics import MeanMetric
 
+from attnlab.core.specs import Start
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import Task
+from attnlab.training.base import Task, best_so_far
 from attnlab.training.optim import Optimization
 
 
 class LanguageModelTask(Task):
-    """Trains any ``net`` mapping token ids (B, T) to logits (B, T, V).
+    """Trains any ``net`` mapping token ids (B, T) to logits (B, T, V); logs loss and perplexity
+    (token-weighted at test, also over sliding windows when the data gives them)."""
 
-    Logs ``train/loss``, ``val/loss``, ``val/ppl``, ``val/loss_best`` and, on the test split,
-    token-weighted ``test/loss`` and ``test/ppl`` (plus ``test/loss_sliding``, ``test/ppl_sliding``
-    when the data gives a second, sliding-window test loader).
-
-    Args:
-        net, optim, init_from: see ``Task``; ``net``: the language model (e.g. ``attnlab.models.GPT``).
-    """
-
-    def __init__(self, net: nn.Module, optim: Optimization, init_from: str | None = None) -> None:
-        super().__init__(net, optim, init_from)
+    def __init__(self, net: nn.Module, optim: Optimization, **start: Unpack[Start]) -> None:
+        super().__init__(net, optim, **start)
         self.val_loss = MeanMetric()
         self.test_losses = nn.ModuleList([MeanMetric(), MeanMetric()])
-        self.val_loss_best = MinMetric()
-        self.val_loss_best.persistent(True)  # resumed runs keep the best value seen so far
+        self.val_loss_best = best_so_far("min")
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.net(idx)
@@ -62,8 +57,7 @@ class LanguageModelTask(Task):
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
         if not self.trainer.sanity_checking:  # the sanity check must not count as the best
-            self.val_loss_best.update(loss)
-            self.log("val/loss_best", self.val_loss_best.compute())
+            self.log_best("loss", self.val_loss_best, loss)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         loss, n = self._loss(batch)

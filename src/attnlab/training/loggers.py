@@ -12,12 +12,8 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 
 class ContinuingWriter(ExperimentWriter):
-    """Lightning's CSV writer, taking the columns of the file it appends to.
-
-    Under ``trainer=ddp_spawn`` testing after fit runs in new processes, whose writer knew only the
-    test's columns; rewriting the file's header with those alone failed ("dict contains fields not
-    in fieldnames").
-    """
+    """Lightning's CSV writer, taking the columns of the file it appends to (under ``ddp_spawn``, testing
+    after fit would rewrite the header with the test's alone)."""
 
     _file_columns_read = False
 
@@ -36,9 +32,7 @@ class ContinuingWriter(ExperimentWriter):
 
 
 def continue_history(ckpt_path: Path, global_step: int, log_dir: Path) -> int:
-    """Start a resumed run's CSV log with the rows its checkpoint's run logged before it was
-    saved (``step < global_step``), so the run's whole history is in one file; rows logged after
-    the checkpoint are left to the resumed run, which logs them again. Returns the rows copied."""
+    """Start a resumed run's CSV with its checkpoint run's rows before ``global_step``; the number copied."""
     source = ckpt_path.parent.parent / "csv" / "metrics.csv"  # <run>/checkpoints/last.ckpt
     target = log_dir / "metrics.csv"
     if not source.is_file() or target.exists():

@@ -11,15 +11,8 @@ from attnlab.training.encoder import Batch, EncoderTask
 
 
 class MaskedLMTask(EncoderTask):
-    """Trains a ``BertPreTraining`` net: loss = MLM cross-entropy over the chosen tokens + NSP
-    cross-entropy.
-
-    Logs ``train/loss``; ``val/loss``, ``val/mlm_loss``, ``val/mlm_acc``, ``val/ppl`` (of the MLM
-    loss), ``val/nsp_acc``, ``val/loss_best``; the same under ``test/`` (documents held out for the
-    test, apart from the validation ones that pick the checkpoint).
-
-    Its arguments are ``EncoderTask``'s; ``net``: a ``BertPreTraining``.
-    """
+    """Trains a ``BertPreTraining`` net: MLM cross-entropy over the chosen tokens + NSP cross-entropy;
+    logs losses, MLM accuracy and perplexity, NSP accuracy."""
 
     best = ("loss", "min")
 

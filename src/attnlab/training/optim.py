@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def no_weight_decay(module: nn.Module) -> set[str]:
-    """Names (relative to ``module``) of the parameters its submodules exclude from weight decay
-    through a timm-style ``no_weight_decay()`` (position tables, class tokens, ...)."""
+    """The parameters (names in ``module``) its submodules' timm-style ``no_weight_decay()`` exclude."""
     names: set[str] = set()
     for prefix, m in module.named_modules():
         declared = getattr(m, "no_weight_decay", None)
@@ -31,8 +30,7 @@ def no_weight_decay(module: nn.Module) -> set[str]:
 
 
 def trunk_blocks(net: nn.Module) -> tuple[str, int]:
-    """Where ``net`` keeps its Transformer blocks (the first ``nn.ModuleList`` named ``blocks``:
-    ``blocks``, ``encoder.blocks``, ...) and how many there are; ``("", 0)`` for a net without."""
+    """Where ``net`` keeps its blocks (the first ``ModuleList`` named ``blocks``) and how many."""
     for name, m in net.named_modules():
         if name.rsplit(".", 1)[-1] == "blocks" and isinstance(m, nn.ModuleList) and len(m):
             return name, len(m)
@@ -40,8 +38,8 @@ def trunk_blocks(net: nn.Module) -> tuple[str, int]:
 
 
 def layer_ids(module: nn.Module, blocks: str, depth: int) -> dict[str, int]:
-    """Each parameter's depth for layer-wise LR decay (BEiT, timm): 0 for what comes before the
-    blocks (embeddings), i + 1 inside block i, depth + 1 after them (final norm, heads)."""
+    """Each parameter's depth for layer-wise LR decay (BEiT, timm): 0 before the blocks, i + 1 in
+    block i, depth + 1 after them."""
     ids, seen_blocks = {}, False
     for name, _ in module.named_parameters():
         rest = name.split(f"{blocks}.", 1)
@@ -55,11 +53,8 @@ def layer_ids(module: nn.Module, blocks: str, depth: int) -> dict[str, int]:
 def param_groups(
     module: nn.Module, weight_decay: float, lr_decay: float | None = None
 ) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings; leave biases, norm gains and what the model declares in
-    ``no_weight_decay()`` alone (as nanoGPT, timm). With ``lr_decay``, one group per depth too,
-    its learning rate scaled by ``lr_decay ** (depth + 1 - layer)`` (``lr_scale``, applied by
-    ``Optimization.configure``): the head at the full rate, each block below it ``lr_decay`` times less.
-    Frozen parameters (``requires_grad`` off) are in no group."""
+    """Decay matrices and embeddings, not biases, norms or ``no_weight_decay()`` (nanoGPT, timm); with
+    ``lr_decay`` a group per depth, ``lr_scale`` = lr_decay ** (depth + 1 - layer). Frozen: in none."""
     excluded = no_weight_decay(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if lr_decay is None:
@@ -92,9 +87,8 @@ def param_groups(
 
 
 def freeze(net: nn.Module, patterns: list[str]) -> None:
-    """Turn off the gradients of the parameters under each pattern, a dotted prefix of their
-    names in ``net`` or in the module holding its blocks (``embed``, ``blocks.0``, ``encoder.embed``).
-    A pattern that names nothing is a ``ConfigError``."""
+    """Turn off the gradients under each pattern (a dotted prefix in ``net`` or in the module holding its
+    blocks: ``embed``, ``blocks.0``); a pattern naming nothing is a ``ConfigError``."""
     blocks, _ = trunk_blocks(net)
     trunk = blocks.rpartition(".")[0]
     for pattern in patterns:
@@ -127,21 +121,8 @@ LrDecay = Annotated[float, Interval(gt=0, le=1)]
 
 
 class Optimization:
-    """``model.optim``: how every task trains its net.
-
-    Args:
-        optimizer: partial optimizer, called with the parameter groups (``param_groups``).
-        scheduler: partial LR scheduler, called with the optimizer; stepped every optimizer step.
-        weight_decay: on weight matrices and embeddings only (not biases, norms, ``no_weight_decay()``).
-        lr_decay: layer-wise learning-rate decay for fine-tuning: each block ``lr_decay`` times the
-            rate of the one above it, the head at the full rate; ``None``: one rate.
-        freeze: parameters never trained, as dotted prefixes of their names (``[embed, blocks.0]``).
-        compile: ``torch.compile`` at setup: ``False``; ``True``, the whole net; ``"regional"``,
-            each repeated block, the same code for every block: a shorter cold start. Either keeps
-            the state dict's names (``attnlab.training.base.compile_net``).
-        compile_mode: ``torch.compile``'s mode; ``"reduce-overhead"`` replays CUDA graphs, which
-            cuts the launch cost of a small model's many short kernels on a GPU (none on a CPU).
-    """
+    """``model.optim``: optimizer and scheduler (partials), weight decay (matrices and embeddings only),
+    layer-wise ``lr_decay``, ``freeze``d prefixes, ``torch.compile`` scope and mode."""
 
     def __init__(
         self,
@@ -163,16 +144,8 @@ class Optimization:
         self.compile, self.compile_mode = compile, compile_mode
 
     def configure(self, module: nn.Module, grad_scaler: bool = False) -> dict[str, Any]:
-        """The optimizer (and scheduler) for ``module``, as Lightning's ``configure_optimizers``
-        returns them.
-
-        Range errors the constructors raise (torch's ``ValueError("Invalid learning rate: -1.0")``)
-        become a ``ConfigError`` naming the config node; the types were checked before the run.
-        With a gradient scaler (``16-mixed``) a fused optimizer is built unfused: it would unscale
-        the gradients inside its step, after Lightning clips them, and Lightning refuses that.
-        Each group's rate is scaled by its ``lr_scale`` (``lr_decay``) before the scheduler takes
-        the rates as its base rates.
-        """
+        """Lightning's optimizer (and per-step scheduler) for ``module``; under a gradient scaler a fused
+        optimizer is built unfused (it would unscale after Lightning clips)."""
         groups = partial(param_groups, module, self.weight_decay, self.lr_decay)
         with constructor_errors("model.optim.optimizer"):
             opt = self.optimizer(groups())
@@ -197,15 +170,8 @@ def clip_gradients(
     clip_val: float | None,
     algorithm: str | None,
 ) -> None:
-    """Lightning's clipping, also for fused optimizers when no gradient scaler is involved, and
-    by the norm of the whole gradient under FSDP.
-
-    Lightning refuses to clip for a fused optimizer under any mixed precision, because with
-    fp16 the gradients are still scaled; in bf16 and fp32 they are not, and clipping is safe.
-    Under FSDP (``trainer=fsdp``) each process holds a shard of the gradient: its root module's
-    ``clip_grad_norm_`` reduces the norm over all of them (a plain ``clip_grad_norm_`` would
-    clip each shard by its own norm). FSDP2's parameters are DTensors, whose norm is global.
-    """
+    """Lightning's clipping, also for a fused optimizer without a gradient scaler (bf16, fp32 grads are
+    unscaled), and by the whole gradient's norm under FSDP (each process holds a shard)."""
     if not clip_val:
         return
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)

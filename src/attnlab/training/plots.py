@@ -27,10 +27,7 @@ def overlay_heat(ax: plt.Axes, heat: Tensor, w: int, h: int, interpolation: str)
 
 
 def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens: list[str]) -> Figure:
-    """Heatmaps of attention weights: one row per map (e.g. decoder layer), one column per head.
-
-    ``maps`` holds (H, T, S) weights: output tokens (rows) attending over source tokens (columns).
-    """
+    """Heatmaps of (H, T, S) attention ``maps``: one row per map, one column per head."""
     n_rows, n_cols = len(maps), max(w.size(0) for w in maps.values())
     t, s = len(out_tokens), len(src_tokens)
     cell = 0.18 + 0.02 * max(t, s)
@@ -55,11 +52,7 @@ def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens:
 
 
 def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: list[str]) -> Figure:
-    """One row per image: the image, then each attention map laid over it.
-
-    ``images``: (B, C, H, W) in [0, 1]; ``maps``: name -> (B, h, w) non-negative weights over the
-    image's patches (stretched to the image); ``captions``: one per image (label, prediction).
-    """
+    """One row per image ((B, C, H, W) in [0, 1]): the image, then each (B, h, w) map laid over it."""
     n, cols = images.size(0), 1 + len(maps)
     fig, axes = plt.subplots(n, cols, figsize=(2.2 * cols, 2.3 * n), squeeze=False)
     for i in range(n):
@@ -135,9 +128,8 @@ def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figur
 def curves_figure(
     series: dict[str, list[tuple[float, float, float]]], metric: str, xlabel: str = "step", logx: bool = False
 ) -> Figure:
-    """One line per run or group of runs: ``metric`` (the mean) against the training step (or
-    ``xlabel``, on a log2 axis with ``logx``), in a band of ± its standard deviation where it has
-    one; the legend names each line once."""
+    """One line per run (or group): ``metric``'s mean against the step (or ``xlabel``, log2 with ``logx``),
+    in a band of ± its standard deviation."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.22 * len(series)))  # room for the legend below
     for label, points in series.items():
         steps, means, stds = zip(*points, strict=True)
@@ -158,11 +150,7 @@ def curves_figure(
 
 
 def caption_attention_figure(image: Tensor, words: list[str], attn: Tensor, grid: tuple[int, int]) -> Figure:
-    """Where a captioner looked for each word: the image, then one panel per word with that word's
-    attention over the image's ``grid`` positions laid over it (Show, Attend and Tell's figure).
-
-    ``image``: (C, H, W) in [0, 1]; ``attn``: (L, S) weights, S = h * w row-major, one row per word.
-    """
+    """Show, Attend and Tell's figure: the image, then each word's (L, S) attention over ``grid``."""
     cols = min(6, len(words) + 1)
     rows = -(-(len(words) + 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.0 * rows), squeeze=False)

@@ -1,8 +1,5 @@
-"""Learning-rate schedules as picklable multipliers for ``LambdaLR``.
-
-Being plain objects (not lambdas), their state saves into checkpoints and loads with
-``weights_only=True``.
-"""
+"""Learning-rate schedules as picklable multipliers for ``LambdaLR`` (saved in checkpoints,
+``weights_only`` loads)."""
 
 from __future__ import annotations
 
@@ -57,11 +54,8 @@ def warmup_cosine(
 
 
 class WarmupInverseSqrt:
-    """Linear warm-up to the base lr, then decay as 1/sqrt(step) (the Transformer paper's "Noam").
-
-    The paper's lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) is this schedule with a
-    base lr of (d_model * warmup_steps)^-0.5.
-    """
+    """Linear warm-up to the base lr, then 1/sqrt(step) (the Transformer paper's "Noam" with base lr
+    (d_model * warmup_steps)^-0.5)."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps

@@ -16,15 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class TextClassificationTask(EncoderTask):
-    """Trains a net mapping (ids, segments) to logits (B, K) per sequence or (B, T, K) per token;
-    labels of -100 are not scored.
-
-    Logs ``train/loss``; ``val/loss``, ``val/acc``, ``val/f1`` (macro), ``val/acc_best``; and
-    ``test/loss``, ``test/acc``, ``test/f1``.
-
-    Its arguments are ``EncoderTask``'s; ``net``: a ``BertSequenceClassifier`` or
-    ``BertTokenClassifier`` (anything with ``encoder`` and ``num_classes``).
-    """
+    """Trains a net mapping (ids, segments) to logits per sequence (B, K) or per token (B, T, K);
+    labels -100 are not scored; logs loss, accuracy, macro F1."""
 
     best = ("acc", "max")
 

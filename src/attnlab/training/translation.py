@@ -5,19 +5,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MeanMetric
 from torchmetrics.text import SacreBLEUScore
 
 from attnlab.core.distributed import unsharded
-from attnlab.core.specs import DropRate, PositiveInt
+from attnlab.core.specs import DropRate, PositiveInt, Start
 from attnlab.inference.decoding import translate_batch
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import Task, gather_objects
+from attnlab.training.base import Task, best_so_far, gather_objects
 from attnlab.training.optim import Optimization
 
 log = logging.getLogger(__name__)
@@ -29,40 +29,13 @@ def cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
 
 
 class TranslationTask(Task):
-    """Trains an encoder-decoder ``net`` (``Transformer`` or ``Seq2Seq``) on a parallel corpus.
-
-    Logs ``train/loss`` (label-smoothed), ``val/loss`` and ``val/ppl`` (plain cross-entropy per
-    target token), ``val/bleu`` (greedy decoding) and ``val/bleu_best`` each validation, and
-    ``test/loss``, ``test/ppl``, ``test/bleu`` (beam search) on the test split. BLEU is
-    sacreBLEU (13a tokenisation, cased) of the detokenised output against the raw references.
-    After each validation it plots the attention of a few fixed validation sentences (PNG files
-    under ``plot_dir`` and W&B images) and logs a table of sample translations; the test
-    translations go to ``test_translations.txt`` in the run's directory.
-
-    Under DDP each process scores its share of the sentences (see ``TokenBatchSampler``): the
-    loss and BLEU metrics (torchmetrics) add up their states over all processes when computed,
-    so every process logs the same, global, values; the translations are gathered to process 0,
-    which writes the file and shows the samples.
-
-    Args:
-        net: the translation model.
-        optim, init_from: see ``Task``.
-        label_smoothing: for the training loss.
-        beam_size: test-time beam (1 = greedy); ``length_penalty`` is GNMT's alpha.
-        max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
-        val_bleu: decode the validation set each validation (greedy) to score BLEU.
-        plot_sentences: how many validation sentences to plot and show.
-        plot_dir: where the alignment PNGs go (``null``: no files).
-        compile_loss: ``torch.compile`` the training loss: eager, the fp32 log-softmax over the
-            vocabulary and its backward are a large share of a CPU step, which fused loops cut
-            (benchmarks/RESULTS.md).
-    """
+    """Trains an encoder-decoder ``net`` on a parallel corpus: label-smoothed loss, ppl, sacreBLEU (greedy
+    at validation, ``beam_size`` beams at test), attention pictures and sample translations."""
 
     def __init__(
         self,
         net: nn.Module,
         optim: Optimization,
-        init_from: str | None = None,
         label_smoothing: DropRate = 0.1,
         beam_size: PositiveInt = 5,
         length_penalty: float = 1.0,
@@ -72,8 +45,9 @@ class TranslationTask(Task):
         plot_sentences: int = 3,
         plot_dir: str | None = None,
         compile_loss: bool = False,
+        **start: Unpack[Start],
     ) -> None:
-        super().__init__(net, optim, init_from)
+        super().__init__(net, optim, **start)
         self.compile_loss = compile_loss
         self._train_loss_fn = cross_entropy
         self.label_smoothing = label_smoothing
@@ -82,8 +56,7 @@ class TranslationTask(Task):
         self.val_bleu_on, self.plot_sentences, self.plot_dir = val_bleu, plot_sentences, plot_dir
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_bleu, self.test_bleu = SacreBLEUScore(), SacreBLEUScore()
-        self.val_bleu_best = MaxMetric()
-        self.val_bleu_best.persistent(True)
+        self.val_bleu_best = best_so_far("max")
         self._hyps: dict[int, str] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -168,9 +141,8 @@ class TranslationTask(Task):
             return
         bleu = 100 * self.val_bleu.compute()
         self.val_bleu.reset()
-        self.val_bleu_best.update(bleu)
         self.log("val/bleu", bleu, prog_bar=True)
-        self.log("val/bleu_best", self.val_bleu_best.compute())
+        self.log_best("bleu", self.val_bleu_best, bleu)
         shown = self._gather_hyps(range(min(self.plot_sentences, len(self._data.references("val")))))
         if self.trainer.is_global_zero:
             self._show_samples(shown)

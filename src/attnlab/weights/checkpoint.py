@@ -191,13 +191,8 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write each checkpoint to a temporary file, then rename it into place.
-
-    A run killed mid-write (``kill -9``, out of memory) leaves the previous ``last.ckpt``
-    intact instead of a truncated one, so ``ckpt_path=last`` can always resume. A write that
-    fails (a full disk, an unwritable folder) is one ``CheckpointError`` naming the checkpoint
-    and the cause; those written before stay.
-    """
+    """Write each checkpoint to a temporary file, then rename it into place (a killed run keeps the
+    previous one); a failed write is one ``CheckpointError``."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None

@@ -1,7 +1,7 @@
 """open_clip's CLIP weights into ours, and ours out as open_clip's saved format.
 
 open_clip's CLIP is ours with its image tower a ``VisionTransformer(num_classes=0,
-pre_norm=True, norm_eps=1e-5, patch_bias=False)`` and its text tower a ``TextTransformer(
+pre_norm=True, patch_bias=False)`` (LayerNorm eps 1e-5) and its text tower a ``TextTransformer(
 pool="argmax")``, both with ``act="quick_gelu"`` for OpenAI's weights; its projections are
 matrices applied on the right (ours: bias-free ``nn.Linear``, the transpose). ``model.init_from``
 takes a folder as ``open_clip.push_to_hf_hub`` writes it (``open_clip_config.json`` +
@@ -196,7 +196,7 @@ def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
 # our config key for each fact, to say what to set
 _KEYS = {
     "image heads": "model.net.image.n_head",
-    "image norm eps": "model.net.image.norm_eps",
+    "image norm eps": "model.net.image.pre_norm: with it eps 1e-5, else 1e-6",
     "image act": "model.net.image.act",
     "text heads": "model.net.text.n_head",
     "text norm eps": "(the text tower's LayerNorms have eps 1e-5)",
@@ -307,8 +307,7 @@ def clip_from_open_clip(folder: Path) -> nn.Module:
         n_head=facts["image heads"],
         mlp_ratio=vision.get("mlp_ratio", 4.0),
         stem="patch",
-        pre_norm=not vision.get("no_ln_pre", False),
-        norm_eps=facts["image norm eps"],
+        pre_norm=not vision.get("no_ln_pre", False),  # and with it the norms' eps (checked in load)
         patch_bias=False,
         act=facts["image act"],
     )

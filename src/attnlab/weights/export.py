@@ -74,3 +74,71 @@ def export_onnx(net: nn.Module, task: str, artifacts: dict[str, Any], out_dir: P
             (out_dir / "tokenizer.json").write_text(state["tokenizer"], encoding="utf-8")
     (out_dir / "attnlab.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+# the converter module (``attnlab.weights.pretrained.CONVERTERS``) -> its function naming our
+# state dict as the counterpart library's model names it
+LIBRARY_NAMES = {
+    "attnlab.weights.gpt2": "state_to_hf",
+    "attnlab.weights.bert": "state_to_hf",
+    "attnlab.weights.timm_vision": "state_dict_to_timm",
+    "attnlab.weights.clip": "state_dict_to_open_clip",
+}
+
+
+def library_layer_names(net: nn.Module, layers: list[str]) -> dict[str, tuple[str, bool]]:
+    """Each of ``layers`` (our names) as the counterpart library's model names that layer, and
+    whether it keeps the weight transposed (GPT-2's ``Conv1D``): the tensor the converter writes
+    for it is ours (the same memory, all of it). A layer with none (BERT's packed q, k and v are
+    three layers in transformers) is refused, named."""
+    from attnlab.weights.pretrained import converter
+
+    module = converter(net, "attnlab-export merge=false")
+    theirs = getattr(module, LIBRARY_NAMES[module.__name__])(net)
+    names: dict[str, tuple[str, bool]] = {}
+    for layer in layers:
+        ours = net.get_submodule(layer).weight
+        same = [
+            (k, not v.is_contiguous())
+            for k, v in theirs.items()
+            if k.endswith(".weight") and v.data_ptr() == ours.data_ptr() and v.numel() == ours.numel()
+        ]
+        if len(same) != 1:
+            raise CheckpointError(
+                f"attnlab-export merge=false: the adapted layer {layer} has no one counterpart in "
+                f"{module.__name__.rsplit('.', 1)[-1]}'s model (export with merge=true, or train "
+                "without that target)"
+            )
+        names[layer] = (same[0][0].removesuffix(".weight"), same[0][1])
+    return names
+
+
+def export_adapters(net: nn.Module, lora: Any, out_dir: Path, artifacts: dict[str, Any]) -> None:
+    """A LoRA net kept apart (``merge=false``): its base weights exported as ``export_pretrained``
+    writes them, and beside them its adapters as a PEFT adapter folder under the library's layer
+    names (``adapter_config.json``, ``adapter_model.safetensors``), which PEFT's
+    ``PeftModel.from_pretrained(<the library's model of out_dir>, out_dir)`` loads."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from attnlab.weights.lora import lora_spec, remove_adapters
+    from attnlab.weights.pretrained import export_pretrained
+
+    adapters = remove_adapters(net, merge=False)  # net: the base net
+    names = library_layer_names(net, list(adapters))
+    export_pretrained(net, out_dir, artifacts)
+    state = {}
+    for layer, peft_layer in adapters.items():
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(peft_layer, part)["default"].weight
+            state[f"base_model.model.{names[layer][0]}.{part}.weight"] = weight.detach().contiguous()
+    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    spec = lora_spec(lora)
+    LoraConfig(
+        r=spec["r"],
+        lora_alpha=spec["alpha"],
+        lora_dropout=spec["dropout"],
+        target_modules=sorted(name for name, _ in names.values()),
+        fan_in_fan_out=any(transposed for _, transposed in names.values()),
+    ).save_pretrained(str(out_dir))
+    log.info("attnlab-export merge=false: %d adapters beside the base weights", len(adapters))

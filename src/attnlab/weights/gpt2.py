@@ -109,6 +109,12 @@ def _require_gpt2_layout(net: nn.Module, field: str) -> None:
             f"{field}: GPT-2 has learned positions and full attention; this GPT has other "
             "positions or attention (model.net.positions=learned, model.net.attention=full)"
         )
+    attn = net.blocks[0].attn
+    if attn.n_kv_head != attn.n_head or not isinstance(attn.q_norm, nn.Identity):
+        raise CheckpointError(
+            f"{field}: GPT-2's attention has a key and value head per head and no QK-norm "
+            "(model.net.n_kv_head=null, model.net.qk_norm=false)"
+        )
 
 
 def load(net: nn.Module, source: Path) -> None:

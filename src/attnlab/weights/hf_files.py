@@ -1,12 +1,5 @@
-"""Reading and writing another library's saved model folder (as transformers, timm and open_clip
-save them, and the Hugging Face hub holds them): its weights (safetensors, or a PyTorch file read
-with ``weights_only``: nothing in either can run code; ``read_weights`` is every converter's
-reader), its ``config.json``, and the checks every converter makes (the architecture it describes,
-each tensor fitting ours).
-
-A converter maps the file's names onto ours as ``{our name: (their name, tensor)}``, so that the
-first tensor that does not fit is named as the file names it.
-"""
+"""Another library's saved model folder (transformers, timm, open_clip, the hub): weights (safetensors or
+``weights_only``), ``config.json``, and the checks every converter makes (``{ours: (theirs, tensor)}``)."""
 
 from __future__ import annotations
 
@@ -53,11 +46,8 @@ def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str
 def read_weights(
     source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str = "model.init_from"
 ) -> dict[str, Tensor]:
-    """Every tensor of a saved model (``source``: a weights file, or a folder holding one of
-    ``names``), on the CPU, for every converter (transformers, timm, open_clip): safetensors
-    (sharded ones through their index), or a PyTorch file loaded with ``weights_only`` (nothing in
-    it can run code; a file that needs more is refused). As timm's ``load_state_dict`` does,
-    ``{"state_dict": ...}``/``{"model": ...}`` is unwrapped and DDP's ``module.`` prefix dropped."""
+    """Every tensor of a saved model (a file, or a folder holding one of ``names``) on the CPU: safetensors
+    (sharded too) or ``weights_only`` torch files, unwrapped as timm does."""
     path = weights_file(source, names, field)
     try:
         if path.name.endswith(".index.json"):
@@ -110,12 +100,22 @@ def require_value(config: dict[str, Any], source: Path, key: str, expected: Any,
         raise CheckpointError(f"model.init_from={source}: config.json's {key} is {config[key]!r}; {fix}")
 
 
+def read_folder(source: Path, model_types: tuple[str, ...], ours: str, **expected: tuple[Any, str]) -> dict:
+    """``source``'s ``config.json``, refused unless it describes one of ``model_types`` with each
+    ``expected`` key's value (``key=(value, what would fix it)``)."""
+    weights_file(source)  # a folder without weights says so before what its config lacks
+    config = read_config(source)
+    require_architecture(config, source, model_types, ours)
+    for key, (value, fix) in expected.items():
+        require_value(config, source, key, value, fix)
+    return config
+
+
 def load_mapped(
     module: nn.Module, mapped: Mapped, source: Path, fresh: tuple[str, ...] = (), what: str = ""
 ) -> None:
-    """Copy ``mapped`` into ``module``. Every tensor must fit, except those under the prefixes in
-    ``fresh`` (heads): missing or of another size there, they keep their new initialisation, with a
-    notice. The first tensor that does not fit is one ``CheckpointError``."""
+    """Copy ``mapped`` into ``module``, every tensor fitting but those under ``fresh`` (heads: left new, with
+    a notice); the first that does not fit is one ``CheckpointError``."""
     kept: list[str] = []
     state = {}
     for name, ours in module.state_dict().items():

@@ -1,7 +1,5 @@
-"""``model.init_from``, resolved in this one place: the weights a run starts from (one of our runs,
-a task's newest run, another library's saved model, a Hugging Face hub name, or one of those per
-part of the net), found (``resolve_init_from``), their data artifacts (``init_artifacts``) and
-copied into the net (``load_init``)."""
+"""``model.init_from``, resolved in this one place (``resolve_init_from``), its data artifacts
+(``init_artifacts``) and its weights copied into the net (``load_init``)."""
 
 from __future__ import annotations
 
@@ -58,10 +56,8 @@ def run_artifacts(path: Path, tasks: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def resolve_init_from(spec: str | Mapping[str, str], log_dir: Path) -> Path | dict[str, str]:
-    """``model.init_from`` as a path: one of our runs' checkpoints (``resolve_pretrained``), or
-    another library's saved model, a folder or file, or, when nothing here has that name, a
-    Hugging Face hub name (``gpt2``, ``google-bert/bert-base-uncased``) downloaded when online.
-    A mapping ``{part: spec}`` (parts of the net) gives each part's path."""
+    """``model.init_from`` as a path: a run's checkpoint, another library's saved model, or a Hugging Face
+    hub name downloaded when online; a mapping ``{part: spec}`` gives each part's."""
     if isinstance(spec, Mapping):
         return {str(part): str(resolve_init_from(str(source), log_dir)) for part, source in spec.items()}
     try:
@@ -89,9 +85,8 @@ def is_hub_name(spec: str) -> bool:
 
 
 def download_from_hub(repo_id: str, not_here: str) -> Path:
-    """The hub repository's weights, config and tokenizer files (safetensors, JSON and text only:
-    never a pickle or code), fetched into Hugging Face's cache; offline or unknown: one line
-    that also says what ``not_here`` found missing locally."""
+    """A hub repository's weights, config and tokenizer files (never a pickle or code) in Hugging Face's
+    cache; offline or unknown: one line, with what ``not_here`` found missing locally."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -107,11 +102,8 @@ def download_from_hub(repo_id: str, not_here: str) -> Path:
 
 
 def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]:
-    """The data artifacts that come with ``model.init_from``'s weights (the tokenizer), for the
-    task ``target`` (``cfg.model._target_``): a run's, or that of another library's folder
-    (``attnlab.data.text.tokenizers.import_tokenizer``). Parts of a net (``{part: path}``) come
-    from runs of other tasks (a Flamingo's GPT from a language model's run): the tokenizer of the
-    part that has one, whatever its task."""
+    """The data artifacts (the tokenizer) of ``model.init_from``'s weights for the task ``target``: a run's,
+    another library's folder's, or for ``{part: path}`` the part's that has one."""
     if isinstance(path, Mapping):
         return part_artifacts(path)
     if is_run_checkpoint(path):  # a run of the same task, or a text classifier's pre-training
@@ -150,18 +142,8 @@ def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
 
 
 def load_init(net: nn.Module, spec: str | Mapping[str, str], log_dir: Path = Path("logs")) -> None:
-    """``model.init_from``: copy the weights ``spec`` names into ``net`` (a hub name resolved to its
-    folder first: ``resolve_init_from``).
-
-    One of our runs' checkpoints gives its whole net, or only its encoder where the heads differ
-    (a pre-trained BERT into a classifier), or the part of it that the net is (a CLIP's image
-    tower into a classifier or a Flamingo: ``part_prefix``). A head of another size (another
-    number of classes) or one the source has none of starts fresh, with a notice, and a head the
-    net has none of is left out (a classifier's trunk as a backbone); any other tensor that does
-    not fit is refused, named. Another library's saved model goes through its converter
-    (``attnlab.weights.pretrained``). A mapping ``{part: spec}`` fills each named part of the net
-    (``{vision: vit_scenes, lm: gpt_...}``, a Flamingo's) from its own source, as above.
-    """
+    """Copy the weights ``spec`` names into ``net``: a run's net, its encoder or the part the net is
+    (``part_prefix``), another library's (its converter), or per part; a head of another size starts fresh."""
     if isinstance(spec, Mapping):
         for part, source in spec.items():
             try:
@@ -223,9 +205,8 @@ def refuse_non_finite(net: nn.Module, source: str | Path) -> None:
 
 
 def part_prefix(state: Mapping[str, torch.Tensor], net: nn.Module) -> str:
-    """The prefix (``image.``) under which a saved net holds every tensor of ``net`` but its head,
-    when ``net`` is a part of it (a CLIP's image tower for a classifier or a Flamingo's encoder);
-    "" when ``state`` holds them at the top or nowhere."""
+    """The prefix (``image.``) under which a saved net holds all of ``net`` but its head; "" at the top or
+    nowhere."""
     body = [k for k in net.state_dict() if not k.startswith("head")]
     if not body or all(k in state for k in body):
         return ""

@@ -1,14 +1,5 @@
-"""Weights in from other libraries' saved models, ours out to their formats: transformers (GPT-2,
-BERT), timm (ViT, DeiT, Swin) and open_clip (CLIP).
-
-Each net with a counterpart names the module that converts it (``CONVERTERS``). That module has
-- ``load(net, source: Path) -> None``: the library's saved model at ``source`` (a directory or
-  file in that library's own format, read as safetensors or with ``weights_only``) copied into
-  ``net`` in place. A tensor that does not fit is one ``CheckpointError`` naming it; a
-  classification head of another size stays freshly initialised, with a logged notice.
-- ``export(net, out_dir: Path, artifacts: dict) -> None``: ``net`` written in that format
-  (safetensors, never pickles), with the tokenizer in ``artifacts`` where the format has one.
-"""
+"""Weights in from other libraries' saved models and out to their formats: each net with a counterpart
+names its converter module (``CONVERTERS``): ``load(net, source)``, ``export(net, out, artifacts)``."""
 
 from __future__ import annotations
 

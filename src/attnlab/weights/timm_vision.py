@@ -304,9 +304,16 @@ def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
     dim = net.pos_embed.shape[-1]
     if block.norm1.eps != 1e-6 or net.patch_embed.proj.bias is None:
         raise CheckpointError(
-            f"attnlab-export: timm's ViT config cannot say norm_eps={block.norm1.eps} or patch_bias=false "
-            "(export CLIP's image tower with its CLIP instead)"
+            f"attnlab-export: timm's ViT config cannot say LayerNorm eps {block.norm1.eps} (pre_norm: true) "
+            "or patch_bias=false (export CLIP's image tower with its CLIP instead)"
         )
+    if block.attn.n_kv_head != block.attn.n_head or isinstance(block.attn.q_norm, nn.RMSNorm):
+        raise CheckpointError(
+            "attnlab-export: timm's ViT has a key and value head per head and LayerNorm QK-norm "
+            "(model.net.n_kv_head=null, model.net.qk_norm=false or layernorm)"
+        )
+    if isinstance(block.attn.q_norm, nn.LayerNorm):  # timm's norm_layer: eps 1e-6, as ours
+        args["qk_norm"] = True
     args |= {
         "embed_dim": dim,
         "depth": len(net.blocks),

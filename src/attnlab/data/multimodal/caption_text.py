@@ -16,18 +16,10 @@ log = logging.getLogger(__name__)
 
 
 class CaptionTextDataModule(TextDataModule):
-    """Each split's captions as a captioner reads them (``<bos> words <eos>``, the caption data's
-    word tokenizer), one after another in one stream cut into windows of ``max_len`` tokens
-    (``TextDataModule``'s batches, validation and test). A GPT trained here reads the tokens of
-    the captioner's batches, and contexts of several captions: a Flamingo's few-shot prompts.
-    The artifacts are the caption data's own, so the tokenizer goes on to the captioner with the
-    GPT's weights (``model.init_from``).
-
-    Args:
-        captions: a captioning DataModule with a ``tokenizer`` (``encode_captions``) and
-            ``caption_texts(split)`` (``data=scenes``).
-        max_len, batch_size, val_batches, test_stride, num_workers, seed: ``TextDataModule``'s.
-    """
+    """A captioning DataModule's captions (``captions``: its ``tokenizer`` and ``caption_texts(split)``)
+    as a captioner reads them, ``<bos> words <eos>``, one stream cut into ``max_len`` windows
+    (``TextDataModule``'s batches): a Flamingo's GPT learns them, contexts of several captions being
+    its few-shot prompts. The artifacts are the captions' own, so the tokenizer goes on with the GPT."""
 
     def __init__(
         self,

@@ -1,7 +1,5 @@
-"""A real captioning set for the captioners (``data=captions_folder``): images and a captions file
-as Flickr8k (``Flickr8k.token.txt``: ``name.jpg#0<TAB>caption``) or COCO (``captions_*.json``)
-lay them out, or image-caption tar shards (``key.jpg`` + ``key.txt``, read as
-``data=image_text_shards`` reads them). Batches are the scenes' caption batches, without boxes."""
+"""A real captioning set for the captioners (``data=captions_folder``): a Flickr8k token file or COCO
+``captions_*.json`` and its images, or image-caption tar shards; the scenes' batches without boxes."""
 
 from __future__ import annotations
 
@@ -11,18 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision.transforms.v2.functional as TF
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
-from torch.utils.data import Dataset
 
-from attnlab.core.errors import ConfigError, DataError
-from attnlab.data.multimodal.image_text import ImageTextDataModule, square
-from attnlab.data.sampling import Key
+from attnlab.core.errors import DataError
+from attnlab.data.multimodal.image_text import CaptionedFiles, ImageTextDataModule
+from attnlab.data.sampling import carve
 from attnlab.data.sources import Captions, CaptionShards
 from attnlab.data.text.tokenizers import WordTokenizer
-from attnlab.data.vision.classification import channel_stats, normalize
-from attnlab.data.vision.datasets import unreadable_image
+from attnlab.data.vision.classification import normalize, sample_stats
 
 log = logging.getLogger(__name__)
 
@@ -89,49 +84,13 @@ def read_captions(path: Path, images_dir: Path) -> tuple[list[Path], list[list[s
     return paths, [captions for captions, _ in listing.values()]
 
 
-class CaptionExamples(Dataset):
-    """(uint8 image (C, S, S), caption or references, index): a caption per example (training),
-    or all of an image's captions (evaluation); images decoded when read."""
-
-    def __init__(
-        self, paths: list[Path], captions: list[str] | list[list[str]], img_size: int, in_chans: int
-    ) -> None:
-        self.paths, self.captions, self.img_size, self.in_chans = paths, captions, img_size, in_chans
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, key: int | Key) -> tuple[Tensor, str | list[str], int]:
-        i = key if isinstance(key, int) else key[1]  # a training draw's (epoch, index): nothing random here
-        try:
-            with Image.open(self.paths[i]) as im:
-                image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
-        except (OSError, UnidentifiedImageError, ValueError) as e:
-            raise unreadable_image(self.paths[i], e) from None
-        return square(image, self.img_size), self.captions[i], i
-
-
 class CaptionsFolderDataModule(ImageTextDataModule):
-    """Caption batches (``image``, ``tokens``, ``captions``, ``idx``; as ``ScenesDataModule``'s,
-    without boxes) from a captions file and its images, or from image-caption tar shards.
-
-    A captions file's images are shared out (seeded) into ``val_size`` validation images,
-    ``test_size`` test images and the rest for training; each training example is one (image,
-    caption) pair, each evaluation example one image with all its captions as references
-    (``captions`` is then a list of lists). Shards keep the splits they were written with, one
-    caption per record. The vocabulary (``WordTokenizer``) is fitted on the training captions (the
-    first ``fit_captions`` of shards) and kept in the checkpoint.
-
-    Args:
-        source: ``Captions(path, images_dir)`` (a Flickr8k-style token file or a COCO
-            ``captions_*.json``) or ``CaptionShards(path)`` (written by ``attnlab-prepare --mode
-            pairs``).
-        img_size, in_chans: images are converted, their shorter side resized and the centre cropped.
-        val_size, test_size: images held out of a captions file (shards: their own).
-        batch_size, num_workers, seed: loaders.
-        max_len: the most tokens of a caption, ``<bos>`` and ``<eos>`` included (longer ones are cut).
-        vocab_size, min_frequency: the most words in the vocabulary (specials included), and how
-            often a word must occur to be in it (the rest are ``<unk>``).
+    """Caption batches (``image``, ``tokens``, ``captions``, ``idx``: ``ScenesDataModule``'s without
+    boxes) from ``Captions(path)`` (its ``val_size`` and ``test_size`` images carved, seeded) or
+    ``CaptionShards(path)`` (their own splits, one caption per record). A training example is one
+    (image, caption) pair, an evaluation example an image with all its captions. The vocabulary
+    (``WordTokenizer``: ``vocab_size`` words at most, rarer than ``min_frequency``: ``<unk>``) is
+    fitted on the training captions and kept in the checkpoint; ``max_len`` counts ``<bos>``/``<eos>``.
     """
 
     def __init__(
@@ -139,8 +98,6 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         source: Captions | CaptionShards,
         img_size: int = 64,
         in_chans: int = 3,
-        val_size: int = 500,
-        test_size: int = 500,
         batch_size: int = 64,
         max_len: int = 32,
         vocab_size: int = 10_000,
@@ -149,17 +106,12 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__(
-            source=source,
-            img_size=img_size,
-            in_chans=in_chans,
-            val_size=val_size,
-            batch_size=batch_size,
-            max_len=max_len,
-            vocab_size=vocab_size,
-            num_workers=num_workers,
-            seed=seed,
+            source, img_size, in_chans, batch_size, max_len, vocab_size, 0, 0.0, num_workers, seed
         )
-        self.test_size, self.min_frequency = test_size, min_frequency
+        self.min_frequency = min_frequency
+
+    def held_out(self, source: Captions) -> list[int | float]:
+        return [source.size("val"), source.size("test")]
 
     def model_kwargs(self) -> dict[str, Any]:
         return {
@@ -179,41 +131,22 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         corpus = self._setup_shards() if isinstance(self.source, CaptionShards) else self._setup_files()
         if self.tokenizer is None:
             self.tokenizer = WordTokenizer.fit(corpus, self.vocab_size, self.min_frequency)
-        log.info(
-            "%s: %d train / %d val / %d test examples, a %d-word vocabulary",
-            self.source.where,
-            len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
-            len(self.splits["val"]),
-            len(self.splits["test"]),
-            self.tokenizer.vocab_size,
-        )
+        self.log_splits("examples", f"a {self.tokenizer.vocab_size}-word vocabulary")
 
     def _setup_files(self) -> list[str]:
         path, images = Path(self.source.path), self.source.images_dir
         paths, captions = read_captions(path, Path(images) if images else path.parent)
-        held = self.val_size + self.test_size
-        if held >= len(paths):
-            raise ConfigError(f"data.val_size + data.test_size ({held}): {path} has only {len(paths)} images")
-        order = torch.randperm(len(paths), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        val, test, train = order[: self.val_size], order[self.val_size : held], order[held:]
+        val, test, train = carve(len(paths), self.sizes, self.seed, "data.source.val_size + test_size")
         pairs = [(paths[i], c) for i in train for c in captions[i]]
-        self.splits = {
-            "train": CaptionExamples(
-                [p for p, _ in pairs], [c for _, c in pairs], self.img_size, self.in_chans
-            ),
-            **{
-                split: CaptionExamples(
-                    [paths[i] for i in idx], [captions[i] for i in idx], self.img_size, self.in_chans
-                )
-                for split, idx in (("val", val), ("test", test))
-            },
-        }
+        self.splits = {"train": self.files([p for p, _ in pairs], [c for _, c in pairs])}
+        for split, idx in (("val", val), ("test", test)):
+            self.splits[split] = self.files([paths[i] for i in idx], [captions[i] for i in idx])
         if self.mean is None:
-            train_images = self.splits["train"]
-            sample = torch.stack([train_images[i][0] for i in range(min(len(train_images), 512))])
-            mean, std = channel_stats(sample)
-            self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
+            self.mean, self.std = sample_stats(self.splits["train"])
         return [c for _, c in pairs]
+
+    def files(self, paths: list[Path], captions: list) -> CaptionedFiles:
+        return CaptionedFiles(paths, captions, self.img_size, self.in_chans, indexed=True)
 
     def collate(self, items: list[tuple[Tensor, str | list[str], int] | None]) -> dict[str, Any]:
         """Examples -> a batch; ``tokens`` are the first reference's. Skipped shard records (None)

@@ -1,8 +1,5 @@
-"""Captions for labelled small images (Fashion-MNIST, MNIST): the class and three attributes
-measured on each image (how bright, how large, how wide the item is), in many phrasings, so that
-picking an image's caption out of a batch takes more than its class. A separate set of prompt
-templates, naming the class only, is held out of training for zero-shot classification.
-"""
+"""Captions for Fashion-MNIST / MNIST images: the class and three measured attributes (brightness,
+size, width) in many phrasings; zero-shot prompt templates, naming the class only, held out."""
 
 from __future__ import annotations
 

@@ -17,22 +17,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import DataModule
+from attnlab.data.base import SplitsDataModule
 from attnlab.data.multimodal import captions as cap
-from attnlab.data.sampling import Key, example_seed
-from attnlab.data.shards.tar import (
-    BadRecords,
-    Record,
-    ShardRecords,
-    ShardStream,
-    TarShards,
-    read_shard,
-    stream_loader,
-)
+from attnlab.data.sampling import Key, carve, example_seed
+from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, read_shard, stream_loader
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import channel_stats, image_loader, normalize, random_crop_flip
-from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.data.vision.classification import channel_stats, normalize, random_crop_flip, sample_stats
+from attnlab.data.vision.datasets import load_builtin, square, unreadable_image
 from attnlab.data.vision.shards import decode_image, image_bytes
 
 log = logging.getLogger(__name__)
@@ -70,29 +62,27 @@ class GeneratedCaptions(Dataset):
         return self.images[i], self.caption(key), int(self.labels[i])
 
 
-def square(image: Tensor, img_size: int) -> Tensor:
-    """(C, H, W) uint8 -> (C, S, S): the shorter side resized to S, the centre cropped."""
-    image = TF.resize(image, img_size, antialias=True)
-    return TF.center_crop(image, [img_size, img_size])
-
-
 class CaptionedFiles(Dataset):
-    """(uint8 image, caption, -1) from image files, decoded and resized when read."""
+    """(uint8 image (C, S, S), caption or references, its index or -1) from image files, decoded
+    and resized when read; nothing random (a training draw's ``(epoch, index)`` key is the index)."""
 
-    def __init__(self, paths: list[Path], captions: list[str], img_size: int, in_chans: int) -> None:
+    def __init__(
+        self, paths: list[Path], captions: list, img_size: int, in_chans: int, indexed: bool = False
+    ) -> None:
         self.paths, self.captions, self.img_size, self.in_chans = paths, captions, img_size, in_chans
+        self.indexed = indexed
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def caption(self, i: int) -> str:
-        return self.captions[i]
-
-    def __getitem__(self, key: int | Key) -> tuple[Tensor, str, int]:
-        i = key if isinstance(key, int) else key[1]  # a training draw's (epoch, index): nothing random here
-        with Image.open(self.paths[i]) as im:
-            image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
-        return square(image, self.img_size), self.captions[i], -1
+    def __getitem__(self, key: int | Key) -> tuple[Tensor, str | list[str], int]:
+        i = key if isinstance(key, int) else key[1]
+        try:
+            with Image.open(self.paths[i]) as im:
+                image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
+        except (OSError, UnidentifiedImageError, ValueError) as e:
+            raise unreadable_image(self.paths[i], e) from None
+        return square(image, self.img_size), self.captions[i], i if self.indexed else -1
 
 
 def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str, int]]:
@@ -124,25 +114,16 @@ def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, 
     return out
 
 
-class ImageTextDataModule(DataModule):
+class ImageTextDataModule(SplitsDataModule):
     """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP.
 
     Args:
-        source: ``Builtin("fashion_mnist" | "mnist")`` (the IDX files; captions from the label
-            and measured attributes, ``attnlab.data.multimodal.captions``; the held-out prompt
-            templates and the class names serve zero-shot evaluation), ``Pairs(path)`` (labels
-            unknown, so no zero-shot) or ``CaptionShards(path)`` (tar shards of ``key.jpg`` +
-            ``key.txt`` from ``attnlab-prepare --mode pairs``, streamed in training as
-            ``ImageFilesDataModule`` streams them).
-        img_size, in_chans: pairs images are converted and resized to these (the IDX sources keep
-            their own: 28x28, one channel).
-        val_size: items carved (seeded) out of the training split (shards: their own).
-        batch_size: pairs per batch.
-        max_len: caption length in tokens, ``<sot>`` and ``<eot>`` included; longer ones are
-            cut. It fills the text tower's position table (``model.net.text.max_len``) unless set.
+        source: ``Builtin("fashion_mnist" | "mnist")`` (captions generated from the label and
+            measured attributes; zero-shot prompts), ``Pairs(path)`` or ``CaptionShards(path)``.
+        img_size, in_chans: pairs' and shards' images are converted and resized to these.
+        max_len: caption tokens, ``<sot>`` and ``<eot>`` included; longer ones are cut.
         vocab_size: of the byte-level BPE fitted on the training captions.
         crop_padding, hflip: training augmentation of the images.
-        num_workers, seed: loaders; the validation split and shuffling.
     """
 
     def __init__(
@@ -150,7 +131,6 @@ class ImageTextDataModule(DataModule):
         source: Builtin | Pairs | Captions | CaptionShards | None = None,
         img_size: PositiveInt = 64,
         in_chans: PositiveInt = 3,
-        val_size: PositiveInt = 5000,
         batch_size: PositiveInt = 128,
         max_len: PositiveInt = 24,
         vocab_size: PositiveInt = 512,
@@ -160,18 +140,18 @@ class ImageTextDataModule(DataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        source = source or Builtin("fashion_mnist")
+        source = source or Builtin("fashion_mnist", val_size=5000)
         if isinstance(source, Builtin) and source.name not in IDX_DATASETS:
             raise ConfigError(
                 f"data.source.name must be one of {', '.join(map(repr, IDX_DATASETS))}, got {source.name!r}"
             )
-        self.on_bad_record = getattr(source, "on_bad_record", "error")  # Pairs' and shards'
         if max_len < 3:
             raise ConfigError(f"data.max_len must be >= 3 (<sot>, a token, <eot>), got {max_len}")
+        self.sizes = [] if isinstance(source, CaptionShards) else self.held_out(source)
         self.source, self.img_size, self.in_chans = source, img_size, in_chans
-        self.bad = BadRecords(self.on_bad_record)
+        self.bad = BadRecords(getattr(source, "on_bad_record", "error"))  # Pairs' and shards'
         self.shards: TarShards | None = None
-        self.val_size, self.batch_size, self.max_len = val_size, batch_size, max_len
+        self.batch_size, self.max_len = batch_size, max_len
         self.vocab_size, self.crop_padding, self.hflip = vocab_size, crop_padding, hflip
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: CaptionTokenizer | None = None
@@ -180,7 +160,10 @@ class ImageTextDataModule(DataModule):
         self.mean: list[float] | None = None
         self.std: list[float] | None = None
         self.splits: dict[str, Dataset] = {}
-        self.truncated = 0
+
+    def held_out(self, source: Builtin | Pairs | Captions) -> list[int | float]:
+        """The sizes carved out of the source: validation."""
+        return [source.size("val")]
 
     # --- what the model and inference need -------------------------------------------------
 
@@ -207,17 +190,15 @@ class ImageTextDataModule(DataModule):
         }
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        """A run's tokenizer and normalisation, or pre-trained weights' tokenizer alone (an
-        open_clip folder's): the normalisation is then the data's own."""
+        """A run's tokenizer and normalisation, or pre-trained weights' tokenizer alone."""
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
         self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
 
     # --- loading ---------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        src = self.source
-        if isinstance(src, Builtin) and src.data_dir is None:  # download once, on one process
-            load_idx_dataset(src.name, None, src.cache_dir, src.url)
+        if isinstance(self.source, Builtin) and self.source.data_dir is None:  # download once, on one process
+            load_builtin(self.source)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -226,37 +207,26 @@ class ImageTextDataModule(DataModule):
         corpus = setups.get(type(self.source), self._setup_generated)()
         if self.tokenizer is None:
             self.tokenizer = CaptionTokenizer.fit(corpus, self.vocab_size)
-        _, self.truncated = self.tokenizer.encode_captions(corpus, self.max_len)
-        if self.truncated:
+        _, truncated = self.tokenizer.encode_captions(corpus, self.max_len)
+        if truncated:
             log.warning(
                 "%d of %d training captions are longer than data.max_len=%d tokens: cut",
-                self.truncated,
+                truncated,
                 len(corpus),
                 self.max_len,
             )
-        log.info(
-            "%s: %d train / %d val / %d test pairs, a %d-token caption vocabulary",
-            self.source.where,
-            len(self.splits["train"]) if "train" in self.splits else self.shards.count("train"),
-            len(self.splits["val"]),
-            len(self.splits["test"]),
-            self.tokenizer.vocab_size,
-        )
+        self.log_splits("pairs", f"a {self.tokenizer.vocab_size}-token caption vocabulary")
 
-    def _split(self, n: int) -> tuple[Tensor, Tensor]:
-        if self.val_size >= n:
-            raise ConfigError(
-                f"data.val_size ({self.val_size}) must be smaller than the training split ({n})"
-            )
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
-        return order[self.val_size :], order[: self.val_size]
+    def log_splits(self, what: str, vocabulary: str) -> None:
+        train = len(self.splits["train"]) if "train" in self.splits else self.shards.count("train")
+        sizes = f"{train} train / {len(self.splits['val'])} val / {len(self.splits['test'])} test"
+        log.info("%s: %s %s, %s", self.source.where, sizes, what, vocabulary)
 
     def _setup_generated(self) -> list[str]:
-        src = self.source
-        data = load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
+        data = load_builtin(self.source)
         self.in_chans, self.img_size = data.train_images.size(1), data.train_images.size(-1)  # as stored
-        train, val = self._split(len(data.train_labels))
-        self.classes = cap.class_phrases(src.name, data.classes)
+        val, train = carve(len(data.train_labels), self.sizes, self.seed)
+        self.classes = cap.class_phrases(self.source.name, data.classes)
         values = cap.measure(data.train_images)
         cuts = cap.tertile_cuts(values[train], data.train_labels[train], len(self.classes))
         levels = cap.attribute_levels(values, data.train_labels, cuts)
@@ -275,50 +245,43 @@ class ImageTextDataModule(DataModule):
             self.mean, self.std = channel_stats(images[train])
         return cap.caption_corpus(self.classes)
 
-    def _readable(
-        self, rows: list[tuple[str, str, int]], root: Path, where: Path
-    ) -> tuple[list[Path], list[str]]:
+    def _readable(self, path: Path) -> tuple[list[Path], list[str]]:
+        """The pairs file's readable images and their captions (the rest: ``on_bad_record``)."""
+        src = self.source
+        rows = read_pairs(path, src.image_key, src.caption_key)
         paths, texts, bad = [], [], []
         for image, text, _ in rows:
-            path = root / image
             try:
-                with Image.open(path) as im:
+                with Image.open(path.parent / image) as im:
                     im.verify()
             except (OSError, UnidentifiedImageError):
-                bad.append(path)
+                bad.append(path.parent / image)
                 continue
-            paths.append(path)
+            paths.append(path.parent / image)
             texts.append(text)
         if bad:
-            what = f"{where}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
+            what = f"{path}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
             what += f" (first: {bad[0]})"
-            if self.on_bad_record == "error":
+            if self.bad.policy == "error":
                 raise DataError(f"{what}; set data.source.on_bad_record=skip to leave them out")
             log.warning("%s: skipped", what)
         if not paths:
-            raise DataError(f"{where}: none of the listed images can be read")
+            raise DataError(f"{path}: none of the listed images can be read")
         return paths, texts
 
     def _setup_pairs(self) -> list[str]:
-        src = self.source
-        path = Path(src.path)
-        paths, texts = self._readable(read_pairs(path, src.image_key, src.caption_key), path.parent, path)
-        train, val = self._split(len(paths))
+        paths, texts = self._readable(Path(self.source.path))
+        val, train = carve(len(paths), self.sizes, self.seed)
         files = [
             CaptionedFiles([paths[i] for i in idx], [texts[i] for i in idx], self.img_size, self.in_chans)
-            for idx in (train.tolist(), val.tolist())
+            for idx in (train, val)
         ]
         self.splits = {"train": files[0], "val": files[1], "test": files[1]}
-        if src.test_file is not None:
-            test = Path(src.test_file)
-            tpaths, ttexts = self._readable(
-                read_pairs(test, src.image_key, src.caption_key), test.parent, test
-            )
+        if self.source.test_file is not None:
+            tpaths, ttexts = self._readable(Path(self.source.test_file))
             self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
         if self.mean is None:
-            sample = torch.stack([files[0][i][0] for i in range(min(len(files[0]), 512))])
-            mean, std = channel_stats(sample)
-            self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
+            self.mean, self.std = sample_stats(files[0])
         return files[0].captions
 
     def _setup_shards(self) -> list[str]:
@@ -334,10 +297,7 @@ class ImageTextDataModule(DataModule):
                 self.splits[split] = ShardRecords(self.shards.splits[split], self.decode_record, self.bad)
         self.splits.setdefault("test", self.splits["val"])
         if self.mean is None:
-            val = self.splits["val"]
-            sample = [x for x in (val[i] for i in range(min(len(val), 512))) if x is not None]
-            mean, std = channel_stats(torch.stack([image for image, _, _ in sample]))
-            self.mean, self.std = mean, [max(s, 1e-3) for s in std]  # a blank sample: no division by 0
+            self.mean, self.std = sample_stats(self.splits["val"])
         return self._shard_captions()
 
     def _shard_captions(self) -> list[str]:
@@ -354,8 +314,7 @@ class ImageTextDataModule(DataModule):
         return out
 
     def decode_record(self, record: Record, where: str, seed: int | None = None) -> tuple[Tensor, str, int]:
-        """A shard record -> (uint8 (C, S, S) image, caption, -1); nothing random (augmentation
-        runs on the batch)."""
+        """A shard record -> (uint8 (C, S, S) image, caption, -1); nothing random."""
         try:
             text = record["txt"].decode("utf-8").strip()
         except (KeyError, UnicodeDecodeError):
@@ -383,26 +342,5 @@ class ImageTextDataModule(DataModule):
 
     def train_dataloader(self) -> DataLoader:
         if isinstance(self.source, CaptionShards):
-            rank, world = self.rank_world()
-            stream = ShardStream(
-                self.shards.splits["train"],
-                self.batch_size,
-                self.decode_record,
-                self.collate,
-                self.seed,
-                lanes=self.num_workers,
-                rank=rank,
-                world=world,
-                shuffle_batches=self.source.shuffle_batches,
-                on_bad_record=self.on_bad_record,
-            )
-            stream.start = self.train_batches_consumed
-            return stream_loader(stream, self.num_workers, self.seed)
-        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
-        return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler, self.collate)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.eval_loader(self.splits["val"], self.batch_size, "val", self.collate, self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.eval_loader(self.splits["test"], self.batch_size, "test", self.collate, self.num_workers)
+            return stream_loader(self, self.shards.splits["train"], self.decode_record, self.collate)
+        return super().train_dataloader()

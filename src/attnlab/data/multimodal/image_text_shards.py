@@ -7,10 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from attnlab.core.errors import ConfigError
 from attnlab.data.multimodal.image_text import read_pairs
-from attnlab.data.shards.writer import carve, check_free
-from attnlab.data.vision.shards import image_items, write_shards
+from attnlab.data.shards.writer import check_free
+from attnlab.data.vision.shards import carved_items, image_items, write_shards
 
 
 def prepare_image_text(
@@ -24,8 +23,7 @@ def prepare_image_text(
     on_bad_record: str = "error",
     seed: int = 1337,
 ) -> dict[str, Any]:
-    """Image-caption rows (CSV with a header, or JSONL; image paths relative to the file) into
-    shards: ``val_size`` rows carved out (seeded) as the val split, ``test_file``'s rows (if any)
+    """Image-caption rows (CSV or JSONL) into shards: ``val_size`` rows carved (seeded), ``test_file``'s
     the test split."""
 
     def rows(path: Path) -> tuple[list[Path], list[str]]:
@@ -33,14 +31,7 @@ def prepare_image_text(
         return [path.parent / image for image, _, _ in found], [text for _, text, _ in found]
 
     check_free(Path(out_dir))
-    files, texts = rows(Path(pairs_file))
-    if val_size >= len(files):
-        raise ConfigError(
-            f"--val-size ({val_size}) must be smaller than the {len(files)} rows of {pairs_file}"
-        )
-    pick = lambda idx: image_items([files[i] for i in idx], [texts[i] for i in idx], "txt")  # noqa: E731
-    train, val = carve(len(files), val_size, seed)
-    splits = {"train": pick(train), "val": pick(val)}
+    splits = carved_items(*rows(Path(pairs_file)), "txt", val_size, seed, f"rows of {pairs_file}")
     if test_file is not None:
         splits["test"] = image_items(*rows(Path(test_file)), "txt")
     meta = {"kind": "image_text", "source": str(pairs_file)}

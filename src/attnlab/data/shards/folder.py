@@ -81,9 +81,7 @@ class ShardFolder:
     def shards(
         self, split: str, parts: tuple[str, ...] = ()
     ) -> Iterator[tuple[dict, dict[str, Location], dict]]:
-        """Each shard of ``split`` as (its entry, its files by part, their sha256 by part): a shard
-        of one file is listed by its ``file`` (part ``""``), one of several by its ``name``, each
-        file ``<name>.<part>``. Call inside ``reading``."""
+        """Each shard of ``split`` as (entry, files by part, sha256 by part); call inside ``reading``."""
         for i, e in enumerate(self.manifest["splits"].get(split, [])):
             if not parts:
                 yield e, {"": self.file(e["file"], f"splits.{split}[{i}].file")}, {"": str(e["sha256"])}
@@ -93,10 +91,8 @@ class ShardFolder:
                 yield e, paths, {p: e["sha256"][p] for p in parts}
 
     def file(self, name: Any, entry: str) -> Location:
-        """``folder / name`` for a file the manifest lists (``entry``: where in it), refused unless
-        it stays inside the folder: an absolute path, a ``..`` or a link out of the folder would
-        have training read any file of the machine (at a URL: only a plain relative name under the
-        folder's URL, no scheme, no ``..``, no absolute path)."""
+        """``folder / name`` for a listed file, refused unless it stays inside the folder (no absolute path,
+        ``..``, link out or, at a URL, scheme): else training could read any file of the machine."""
         if isinstance(self.folder, RemotePath):
             if self.folder.inside(name):
                 return self.folder / name
@@ -145,10 +141,8 @@ def check_file(path: Location, size: int, what: str | None = None) -> None:
 def verify_file(
     path: Location, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
 ) -> bytes:
-    """One pass over a file a manifest lists (a remote one streamed once): its sha256 must be the
-    manifest's and, when it holds token ids (``dtype``), each id must be below ``vocab`` (an id
-    past the embedding table would end training in an ``IndexError``). Returns the bytes with
-    ``keep`` (a small file read whole)."""
+    """One pass over a listed file: its sha256 must be the manifest's and token ids (``dtype``) below
+    ``vocab`` (past the embedding table they would be an ``IndexError``); the bytes with ``keep``."""
     top, kept = -1, []
     with path.open("rb") as raw:
         f = Hashed(raw)

@@ -1,11 +1,7 @@
-"""Shards of records in open_clip's webdataset layout: tar files of ``key.<field>`` members
-(``key.jpg`` with ``key.cls`` or ``key.txt``), listed in the manifest with their record counts,
-sizes and sha256. Written byte-reproducibly (``TAR_HEADER``); training streams the shards in
-order, each loader worker of each rank reading one contiguous part of every epoch
-(``ShardStream``); validation and test read records by their offsets in the tar (``ShardRecords``),
-a map-style split that ``DataModule.eval_loader`` shares out exactly. The tar files are read
-through ``webdataset``'s tar iterators, so any shard open_clip or img2dataset writes reads here too.
-"""
+"""Shards in open_clip's webdataset layout (tar files of ``key.jpg`` + ``key.cls`` or ``key.txt``),
+written byte-reproducibly; training streams them (``ShardStream``: each worker of each rank one
+contiguous part of every epoch), validation and test read records at their offsets
+(``ShardRecords``, map-style). Read through webdataset, so open_clip's and img2dataset's read too."""
 
 from __future__ import annotations
 
@@ -49,10 +45,8 @@ def write_tar_shards(
     shard_records: int = 10_000,
     on_bad_record: str = "error",
 ) -> dict[str, Any]:
-    """Write each split's ``(source file, {field: bytes})`` items into tar shards of at most
-    ``shard_records`` records in ``out_dir``, with a manifest (``meta`` plus the shards); return it.
-    An item that cannot be read (its ``DataError``) or that ``check`` refuses is refused, or
-    skipped and listed with ``on_bad_record=skip``."""
+    """Each split's ``(source file, {field: bytes})`` items as tar shards of ``shard_records`` in
+    ``out_dir`` with a manifest (``meta`` + the shards), returned; unreadable items: ``on_bad_record``."""
     if on_bad_record not in ON_BAD_RECORD:
         raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
     check_count("shard_records", shard_records)
@@ -117,9 +111,8 @@ class Shard:
 
 
 class TarShards(ShardFolder):
-    """A folder of tar shards (of ``kind``: images or image_text; ``None``: either): its manifest
-    (classes, for images) and each split's shards, checked for presence and size here, inside the
-    folder; their sha256 as they are first read (``read_shard``, ``ShardRecords``)."""
+    """A folder of tar shards (of ``kind``; ``None``: images or image_text), each split's shards checked
+    for presence and size here, their sha256 as first read."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath, kind: str | None = None) -> None:
         super().__init__(folder, *([kind] if kind else ["images", "image_text"]))
@@ -157,14 +150,9 @@ class BadRecords:
 def read_shard(
     shard: Shard, skip: int, bad: BadRecords, stop: int | None = None, verified: set[Location] | None = None
 ) -> Iterator[Record]:
-    """The records of one shard after the first ``skip`` (read past, not decoded) up to the
-    ``stop``-th, through webdataset's tar iterators (a remote shard streamed, read ahead). A shard
-    that breaks off or holds fewer records than its manifest says is reported (``bad``) once,
-    naming the last record read.
-
-    With ``verified`` (the shards this process has checked), a shard not in it is hashed as it
-    is read (read to its end past ``stop``, unparsed) and a sha256 other than the manifest's
-    raises ``DataError`` whatever ``bad`` says: the shard changed since it was written."""
+    """A shard's records after the first ``skip`` (read past) up to the ``stop``-th; a shard that breaks
+    off or holds fewer than its manifest says is reported (``bad``) once. With ``verified``, a shard
+    not in it is hashed as it is read (to its end) and a sha256 not the manifest's is a ``DataError``."""
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     seen, last, error, stopped = 0, None, None, False
@@ -198,22 +186,15 @@ def read_shard(
 
 
 class ShardStream(IterableDataset):
-    """Endless training batches from tar shards, each epoch every record at most once over all
-    ranks and workers, resumable at any batch.
+    """Endless training batches from tar shards, each epoch every record at most once over all ranks
+    and workers, resumable at any batch.
 
-    Epoch ``e`` is the shards in an order seeded by ``(seed, e)``, their records in order. It is
-    cut into ``world * lanes`` contiguous spans of ``per_lane`` batches; rank ``r``'s lane ``l``
-    reads span ``r * lanes + l`` from start to end, sequentially (the remainder, fewer records than
-    one batch per span, is left out of that epoch). A rank's batch ``k`` is batch ``k // lanes`` of
-    lane ``k % lanes``: loader worker ``w`` draws batches ``start + w, start + w + lanes, ...``
-    (the loader takes them round-robin), all of one lane, so a resumed run (``start``: the batches
-    its checkpoint had consumed) reads exactly the batches the uninterrupted run would have. Records
-    are shuffled within blocks of ``shuffle_batches`` batches of a lane (seeded per block).
-
-    ``decode(record, where, seed)`` turns a record into an item (``DataError`` if it cannot), its
-    random draws seeded by ``seed`` (of the run, the epoch and the record's place); ``collate``
-    a list of items into a batch. Bad records leave their batch smaller (``bad`` says or stops).
-    """
+    Epoch ``e`` is the shards in an order seeded by ``(seed, e)``, cut into ``world * lanes`` contiguous
+    spans of ``per_lane`` batches (the remainder left out); rank ``r``'s lane ``l`` reads span
+    ``r * lanes + l`` in order. A rank's batch ``k`` is batch ``k // lanes`` of lane ``k % lanes``, so
+    worker ``w`` draws ``start + w, start + w + lanes, ...`` of one lane and a resumed run (``start``)
+    reads what the uninterrupted one would. Records are shuffled within blocks of ``shuffle_batches``
+    batches; ``decode(record, where, seed)`` makes an item, ``collate`` a batch; bad records shrink it."""
 
     def __init__(
         self,
@@ -237,9 +218,7 @@ class ShardStream(IterableDataset):
         self.start = 0
 
     def batches_per_epoch(self) -> int:
-        """Batches of one epoch on this rank. (Not ``__len__``: to Lightning the stream is endless,
-        as ``ShardWindows`` is; were it an epoch long, Lightning would start the stream anew each
-        epoch, and the workers' copies with it.)"""
+        """Batches of one epoch on this rank (not ``__len__``: to Lightning the stream is endless)."""
         return self.per_lane * self.lanes
 
     def epoch_order(self, epoch: int) -> list[Shard]:
@@ -315,21 +294,35 @@ class ShardStream(IterableDataset):
         yield from self.lane_batches(k % self.lanes, k // self.lanes)
 
 
-def stream_loader(stream: ShardStream, num_workers: int, seed: int) -> DataLoader:
-    """A loader of a stream's batches (made in the workers: ``batch_size=None``)."""
-    return DataLoader(
+def stream_loader(dm: Any, shards: list[Shard], decode: Callable, collate: Callable) -> DataLoader:
+    """The training loader of a DataModule (``dm``: its batch size, workers, seed, ``source``'s
+    shuffling and bad-record policy) streaming ``shards`` from the batches it had consumed."""
+    rank, world = dm.rank_world()
+    stream = ShardStream(
+        shards,
+        dm.batch_size,
+        decode,
+        collate,
+        dm.seed,
+        lanes=dm.num_workers,
+        rank=rank,
+        world=world,
+        shuffle_batches=dm.source.shuffle_batches,
+        on_bad_record=dm.source.on_bad_record,
+    )
+    stream.start = dm.train_batches_consumed
+    return DataLoader(  # batches made in the workers
         stream,
         batch_size=None,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),
+        num_workers=dm.num_workers,
+        persistent_workers=dm.num_workers > 0,
+        generator=torch.Generator().manual_seed(dm.seed),
     )
 
 
 class ShardRecords(Dataset):
-    """A split's records by index, read at their offsets in the tar files (validation and test:
-    a map-style split, for ``DataModule.eval_loader``'s exact sharing between ranks). The offsets
-    come from one pass over the tar headers."""
+    """A split's records by index, read at their tar offsets (one pass over the headers): map-style,
+    for ``DataModule.eval_loader``'s exact sharing between ranks."""
 
     def __init__(self, shards: list[Shard], decode: Callable[[Record, str], Any], bad: BadRecords) -> None:
         self.decode, self.bad = decode, bad

@@ -157,11 +157,8 @@ def _beside(out: Path, suffix: str) -> Path:
 
 
 class ShardWriter:
-    """One split's shards, one after another: shard ``k`` is a file ``<name>.<part>`` per part
-    (``name`` from ``pattern``; the files opened by ``opener``), its manifest entry in ``shards``:
-    a shard of one file listed by its ``file``, one of several by its ``name``, with the counts the
-    caller keeps in it and, once closed, the sha256 of each file (each checked to hold the bytes
-    ``write`` gave it)."""
+    """One split's shards in turn: shard ``k`` a file ``<name>.<part>`` per part (``opener`` opens them),
+    its manifest entry in ``shards`` (counts kept by the caller, each file's sha256 once closed)."""
 
     def __init__(
         self,
@@ -210,9 +207,8 @@ def counted(items: Iterable[tuple[Any, int]], advance: Callable[[int], Any]) -> 
 
 @contextmanager
 def parallel(workers: int) -> Iterator[Callable[..., Iterator[Any]]]:
-    """``imap`` in ``workers`` processes, or ``map`` in this one for 1. Forked where the platform
-    can (nothing here has started torch's threads; a spawned worker would spend seconds importing
-    torch), with the tokenizers library's own threads off in them, as it asks after a fork."""
+    """``imap`` in ``workers`` processes (forked where possible: spawning re-imports torch; the tokenizers
+    library's threads off), or ``map`` here for 1."""
     check_count("workers", workers)
     if workers == 1:
         yield map
@@ -244,11 +240,3 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], Any]]:
     with Progress("tokenising", *columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("tokenising", total=total)
         yield lambda n: bar.advance(task, n)
-
-
-def carve(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
-    """Indices ``0..n-1`` in a seeded order, cut into the rest (training) and ``held`` held out."""
-    import torch
-
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return order[held:], order[:held]

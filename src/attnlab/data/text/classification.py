@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
-from attnlab.data.batching import Batches, TokenBatchSampler, pad
+from attnlab.data.batching import Batches, pad
 from attnlab.data.sources import SplitFiles
 from attnlab.data.text.formats import read_conll, read_tsv
 from attnlab.data.text.glue import data_file
@@ -39,19 +39,10 @@ def collate(split: list[Item], pad_id: int, idx: list[int]) -> dict[str, Tensor]
 
 
 class LabelledTextDataModule(DataModule):
-    """What sentence and token classification share: splits from three files, the tokenizer (a
-    pre-trained model's, or WordPiece trained on the training split), batches.
-
-    Args:
-        source: ``SplitFiles(train_file, val_file, test_file, data_dir)``.
-        vocab_size: WordPiece vocabulary trained when no pre-trained tokenizer is given.
-        max_len: inputs are cut to this many tokens, specials included.
-        max_tokens: tokens per batch, padding included: batches hold examples of similar
-            length, as many as fit (shuffled every epoch in training).
-        class_names: names of the labels in id order (default: the ids, or the tags).
-        num_workers: DataLoader workers.
-        seed: of the training batches' order.
-    """
+    """What sentence and token classification share: ``SplitFiles``, a tokenizer (a pre-trained
+    model's, or WordPiece of ``vocab_size`` fitted on the training split), inputs cut to
+    ``max_len``, batches of ``max_tokens`` with padding, labels ``class_names`` (default: the
+    training file's)."""
 
     def __init__(
         self,
@@ -138,26 +129,13 @@ class LabelledTextDataModule(DataModule):
             self.tokenizer.vocab_size,
         )
 
-    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+    def _loader(self, split: str) -> DataLoader:
         items = self.splits[split]
-        lengths = [len(it[0]) for it in items]
-        if shuffle:
-            rank, world = self.rank_world()
-            sampler = TokenBatchSampler(lengths, self.max_tokens, True, self.seed, world, rank)
-            sampler.resume(self.train_batches_consumed)
-        else:
-            sampler = self.eval_sampler(lengths, self.max_tokens, split)
-        return DataLoader(
-            Batches(partial(collate, items, self.tokenizer.pad_id), sampler),
-            sampler=sampler,
-            batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        sampler = self.token_sampler([len(it[0]) for it in items], self.max_tokens, split)
+        return self.loader(Batches(partial(collate, items, self.tokenizer.pad_id), sampler), sampler)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

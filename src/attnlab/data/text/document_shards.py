@@ -1,11 +1,8 @@
 """Document shards for BERT pre-training (``attnlab-prepare --mode bert``, kind ``documents``): a
-corpus tokenised once with WordPiece, read a document at a time (batches: ``masked_lm.PairStream``).
-
-The corpus is read as ``formats.read_corpus`` reads it: one sentence per line, documents separated
-by blank lines (and by the end of each file); documents shorter than two tokens are left out. Each
-shard is three files: ``<name>.tokens`` (the ids of its sentences end to end), ``<name>.sentences``
-(int64 offsets into them) and ``<name>.documents`` (int64 offsets into the sentences). The first
-``val_docs`` documents validate, the next ``test_docs`` are the test split, the rest train.
+corpus read as ``formats.read_corpus`` reads it, tokenised once with WordPiece, documents of fewer
+than two tokens left out. A shard is ``<name>.tokens`` (ids end to end), ``<name>.sentences`` and
+``<name>.documents`` (int64 offsets); the first ``val_docs`` documents validate, the next
+``test_docs`` test, the rest train.
 """
 
 from __future__ import annotations
@@ -30,14 +27,17 @@ from attnlab.data.shards.writer import (
     progress_bar,
 )
 from attnlab.data.text.shards import (
+    Encoder,
     TextShards,
     check_vocab_size,
+    head,
+    locate,
     source_files,
     text_chunks,
     text_manifest,
     token_dtype,
 )
-from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import WordPieceTokenizer
 
 PARTS = ("tokens", "sentences", "documents")  # the files of a shard, by suffix
 Document = list[list[int]]  # its sentences' token ids
@@ -49,12 +49,8 @@ Document = list[list[int]]  # its sentences' token ids
 def fit_wordpiece(files: Sequence[Path], vocab_size: int, sample_bytes: int) -> WordPieceTokenizer:
     """WordPiece trained on the sentences of the first ``sample_bytes`` of the corpus."""
     check_vocab_size(vocab_size)
-    lines, size = [], 0
-    for text, n in text_chunks(files, 1 << 22):
-        lines += [s for line in text.splitlines() if (s := line.strip())]
-        size += n
-        if size >= sample_bytes:
-            break
+    text = head(text_chunks(files, 1 << 22), sample_bytes)
+    lines = [s for chunk in text for line in chunk.splitlines() if (s := line.strip())]
     if not lines:
         raise DataError(f"{', '.join(map(str, files))}: no sentences (non-blank lines) to train WordPiece on")
     return WordPieceTokenizer.fit(lines, vocab_size)
@@ -71,16 +67,10 @@ class Chunk:
     blank_after: bool
 
 
-class DocumentEncoder:
-    """Text (whole lines) -> ``Chunk``; picklable, so worker processes each hold one."""
-
-    def __init__(self, tokenizer_json: str, dtype: str) -> None:
-        self.tokenizer_json, self.dtype = tokenizer_json, dtype
-        self.tokenizer: WordPieceTokenizer | None = None
+class DocumentEncoder(Encoder):
+    """Text (whole lines) -> ``Chunk``."""
 
     def __call__(self, text: str) -> Chunk:
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer_from_json(self.tokenizer_json)
         sentences, starts, blank = [], [], False
         for line in text.splitlines():
             if s := line.strip():
@@ -294,6 +284,5 @@ class ShardDocuments(Sequence):
         return int(self.ends[-1]) if len(self.ends) else 0
 
     def __getitem__(self, i: int) -> Document:
-        k = int(np.searchsorted(self.ends, i, side="right"))
-        first = i - (int(self.ends[k - 1]) if k else 0)
+        k, first = locate(self.ends, i)
         return self.shards.read(self.parts[k], first, 1)[0]

@@ -16,7 +16,7 @@ from attnlab.data.base import DataModule
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.sources import Builtin, Shards, Source
 from attnlab.data.text.corpora import load_corpus
-from attnlab.data.text.shards import ShardWindows, TokenShards
+from attnlab.data.text.shards import ShardWindows, TokenShards, split_shares
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,9 @@ def random_batch(tokens: Tensor, max_len: int, batch_size: int, seed: int) -> Ba
 
 
 class RandomWindows(IterableDataset):
-    """Endless batches of random windows, as nanoGPT's ``get_batch``.
-
-    Batch ``n`` is drawn from a generator seeded by ``(seed, n)``, so the stream is the same on
-    every run and can restart at any batch (``start``): resuming a killed run sees exactly the
-    batches the uninterrupted run would have seen. Ranks and workers interleave the stream.
-    """
+    """Endless batches of random windows, as nanoGPT's ``get_batch``: batch ``n`` from a generator
+    seeded by ``(seed, n)``, so a resumed run (``start``) sees the uninterrupted run's batches;
+    ranks and workers interleave the stream."""
 
     def __init__(self, tokens: Tensor, max_len: int, batch_size: int, seed: int) -> None:
         self.tokens, self.max_len, self.batch_size, self.seed = tokens, max_len, batch_size, seed
@@ -55,63 +52,39 @@ class RandomWindows(IterableDataset):
 
 
 class TextDataModule(DataModule):
-    """Character- or BPE-level language modelling on a text corpus.
-
-    The text is cut in three: the first ``1 - val_size - test_size`` trains, the next
-    ``val_size`` validates (it picks the checkpoint), the last ``test_size`` is the test
-    split, scored once at the end. Validation during training uses ``val_batches`` fixed random
-    batches (nanoGPT's estimate, but the same batches every time); the test stage scores the
-    whole test split in non-overlapping windows.
-
-    Args:
-        source: ``Builtin("tinyshakespeare")`` (downloaded or read from its ``data_dir``) or
-            ``Builtin("pydoc")`` (Python's reference manual, shipped with Python), cut into splits
-            and tokenised here; or ``Shards(path)``, token shards made by ``attnlab-prepare`` (a
-            corpus of any size): tokenised and split when prepared (the tokenizer and held-out
-            splits are theirs), training windows read from disk as they are drawn.
-        tokenizer: "char" or "bpe" (byte-level BPE trained on the training split).
-        vocab_size: vocabulary size of the BPE tokenizer.
-        max_len: window length (the model's context).
-        batch_size: windows per batch.
-        val_size: share of the text held out for validation.
-        test_size: share of the text held out for the test (the end of the text).
-        val_batches: batches in each periodic validation.
-        test_stride: also score the test split with windows sliding by this stride (see
-            ``test_dataloader``); ``None``: non-overlapping windows only.
-        num_workers: DataLoader workers for the training stream.
-        seed: seed of the training and validation batch streams.
-    """
+    """Language modelling on a corpus: a ``Builtin`` one (``tinyshakespeare``, ``pydoc``) cut here
+    into train, its source's ``val_size`` and ``test_size`` (shares, the test split at the end)
+    and tokenised (``tokenizer``: "char", the text's characters, at most ``vocab_size`` if set; or
+    "bpe" of ``vocab_size``, null: 1024); or ``Shards``, split and tokenised when prepared
+    (``tokenizer`` and ``vocab_size`` null, or the shards' own). Validation scores
+    ``val_batches`` fixed random batches; the test split is scored whole (and with windows sliding
+    by ``test_stride``)."""
 
     def __init__(
         self,
         source: Source | None = None,
-        tokenizer: str = "char",
-        vocab_size: PositiveInt = 1024,
+        tokenizer: str | None = None,
+        vocab_size: PositiveInt | None = None,
         max_len: PositiveInt = 64,
         batch_size: PositiveInt = 12,
-        val_size: float = 0.05,
-        test_size: float = 0.05,
         val_batches: PositiveInt = 20,
         test_stride: int | None = None,
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
         super().__init__()
+        self.source = source or Builtin("tinyshakespeare")
         if test_stride is not None and not (isinstance(test_stride, int) and 0 < test_stride <= max_len):
             raise ConfigError(
                 f"data.test_stride must be in 1..max_len ({max_len}) or null, got {test_stride!r}"
             )
-        if tokenizer not in ("char", "bpe"):
+        if tokenizer not in ("char", "bpe", None):
             raise ConfigError(f"data.tokenizer must be 'char' or 'bpe', got {tokenizer!r}")
-        if not (0.0 < val_size < 1.0 and 0.0 < test_size < 1.0 and val_size + test_size < 1.0):
-            raise ConfigError(
-                f"data.val_size ({val_size}) and data.test_size ({test_size}) must be "
-                "between 0 and 1, with room left for training"
-            )
-        self.source = source or Builtin("tinyshakespeare")
+        if not isinstance(self.source, Shards):
+            self.val_size, self.test_size = split_shares(self.source)
+            tokenizer = tokenizer or "char"
         self.tokenizer_kind, self.vocab_size_wanted = tokenizer, vocab_size
         self.max_len, self.batch_size = max_len, batch_size
-        self.val_size, self.test_size = val_size, test_size
         self.val_batches, self.test_stride = val_batches, test_stride
         self.num_workers, self.seed = num_workers, seed
         self.shards: TokenShards | None = None
@@ -126,7 +99,6 @@ class TextDataModule(DataModule):
         return self.tokenizer.vocab_size
 
     def model_kwargs(self) -> dict[str, int]:
-        """Model constructor arguments that the data decides."""
         return {"vocab_size": self.vocab_size}
 
     def artifacts(self) -> dict[str, Any]:
@@ -134,7 +106,6 @@ class TextDataModule(DataModule):
         return {"tokenizer": self.tokenizer.to_json()}
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
@@ -150,16 +121,20 @@ class TextDataModule(DataModule):
         val_start = int(len(text) * (1 - self.val_size - self.test_size))
         test_start = int(len(text) * (1 - self.test_size))
         train_text, val_text, test_text = text[:val_start], text[val_start:test_start], text[test_start:]
-        if self.tokenizer is None:
-            self.tokenizer = (
-                CharTokenizer.fit(text)
-                if self.tokenizer_kind == "char"
-                else BPETokenizer.fit(train_text, self.vocab_size_wanted)
-            )
+        if self.tokenizer is None and self.tokenizer_kind == "bpe":
+            self.tokenizer = BPETokenizer.fit(train_text, self.vocab_size_wanted or 1024)
+        elif self.tokenizer is None:
+            self.tokenizer = CharTokenizer.fit(text)
+            if self.vocab_size_wanted is not None and self.vocab_size > self.vocab_size_wanted:
+                raise ConfigError(
+                    f"data.vocab_size={self.vocab_size_wanted}: corpus {self.source.where} has "
+                    f"{self.vocab_size} characters; raise it, or set it null"
+                )
         try:
-            self.train_tokens = torch.tensor(self.tokenizer.encode(train_text), dtype=torch.long)
-            self.val_tokens = torch.tensor(self.tokenizer.encode(val_text), dtype=torch.long)
-            self.test_tokens = torch.tensor(self.tokenizer.encode(test_text), dtype=torch.long)
+            self.train_tokens, self.val_tokens, self.test_tokens = (
+                torch.tensor(self.tokenizer.encode(t), dtype=torch.long)
+                for t in (train_text, val_text, test_text)
+            )
         except AttnlabError as e:
             raise DataError(f"corpus {self.source.where} does not fit the checkpoint's tokenizer: {e}") from e
         self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
@@ -175,12 +150,9 @@ class TextDataModule(DataModule):
 
     def _setup_shards(self) -> None:
         shards = TokenShards(self.source.path)
-        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
-            raise DataError(
-                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
-                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
-            )
-        self.tokenizer = self.tokenizer or shards.tokenizer()
+        self.tokenizer = shards.own_tokenizer(
+            self.tokenizer, tokenizer=self.tokenizer_kind, vocab_size=self.vocab_size_wanted
+        )
         self.val_tokens, self.test_tokens = shards.read_split("val"), shards.read_split("test")
         largest = max((s.tokens for s in shards.splits["train"]), default=0)
         self._check_lengths([("train", largest), ("validation", len(self.val_tokens))])
@@ -211,13 +183,7 @@ class TextDataModule(DataModule):
         else:
             ds = RandomWindows(self.train_tokens, self.max_len, self.batch_size, self.seed)
         ds.start = self.train_batches_consumed
-        return DataLoader(
-            ds,
-            batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        return self.loader(ds)
 
     def val_dataloader(self) -> DataLoader:
         seed = self.seed * 1_000_003 + 10**12  # a stream apart from the training batches
@@ -229,13 +195,9 @@ class TextDataModule(DataModule):
         return self.eval_loader(list(zip(x, y, strict=True)), self.batch_size, "validation")
 
     def test_dataloader(self) -> list[DataLoader]:
-        """The whole test split, every target scored exactly once.
-
-        Loader 0 cuts it into non-overlapping windows (a token's context is 0..T-1 tokens, as in
-        training and in nanoGPT's estimate). With ``test_stride``, loader 1 slides windows by that
-        stride and scores only targets not scored before, so each has at least ``T - stride``
-        tokens of context: the usual way to score a fixed-context model on a long text.
-        """
+        """The whole test split, each target scored once: in non-overlapping windows (loader 0, as
+        in training) and, with ``test_stride``, in windows sliding by it (loader 1), scoring only
+        targets not scored before (each with at least ``T - stride`` tokens of context)."""
         loaders = [self._scored_windows(self.max_len)]
         if self.test_stride is not None:
             loaders.append(self._scored_windows(self.test_stride))

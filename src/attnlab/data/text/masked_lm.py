@@ -1,11 +1,9 @@
 """BERT pre-training data: segment pairs for next-sentence prediction, masked afresh every batch.
 
-A document (sentences of token ids) is cut in two: A before the cut, B after it (the true next
-segment) or, half of the time, the part after a cut in another document, no longer than the true B
-(so length gives nothing away, and a pair is never longer than its document). A document of one
-sentence is cut inside it. Each pair becomes ``[CLS] A [SEP] B [SEP]`` with segment ids 0 then 1.
-Then 15% of the ordinary tokens are chosen for prediction: 80% become ``[MASK]``, 10% a random
-token, 10% stay.
+A document is cut in two: A before the cut, B after it or, half of the time, the part after a cut
+in another document no longer than the true B (length gives nothing away); a one-sentence document
+is cut inside it. Pairs are ``[CLS] A [SEP] B [SEP]``, 15% of their ordinary tokens chosen for
+prediction (80% ``[MASK]``, 10% a random token, 10% kept).
 """
 
 from __future__ import annotations
@@ -23,12 +21,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule
-from attnlab.data.batching import Batches, TokenBatchSampler, pad
+from attnlab.data.batching import Batches, pad
 from attnlab.data.sampling import stream_batch_numbers
 from attnlab.data.sources import Files, Shards
 from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.glue import data_file
+from attnlab.data.text.shards import split_shares
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -102,22 +101,27 @@ def masked_batch(
 ) -> dict[str, Tensor]:
     """A training batch of pairs (``make_pair``'s), padded and masked together (``mask_tokens``)."""
     ids = pad([it[0] for it in items], WordPieceTokenizer.pad_id)
-    inputs, labels = mask_tokens(ids, vocab_size, mask_prob, generator)
+    return batch_of(items, *mask_tokens(ids, vocab_size, mask_prob, generator))
+
+
+def batch_of(
+    items: list[tuple[list[int], list[int], int]], inputs: Tensor, labels: Tensor
+) -> dict[str, Tensor]:
+    """The batch dict of ``items`` with their (masked) ``inputs`` and ``labels``."""
+    segments = pad([it[1] for it in items], 0)
     return {
         "ids": inputs,
-        "segments": pad([it[1] for it in items], 0),
+        "segments": segments,
         "mlm_labels": labels,
         "nsp_labels": torch.tensor([it[2] for it in items]),
     }
 
 
 class PairStream(IterableDataset):
-    """Endless MLM + NSP batches from ``docs`` (a list, or ``ShardDocuments``), built as the
-    in-memory path builds them (``make_pair``, ``masked_batch``): batch ``n`` draws documents
-    uniformly, with replacement, and its cuts, partners and masks from generators seeded by
-    ``(seed, n)``, as many pairs as ``max_tokens`` holds with padding. A resumed run (``start``)
-    sees the batches the uninterrupted one would have, and ranks and loader workers interleave
-    the batch numbers (``stream_batch_numbers``)."""
+    """Endless MLM + NSP batches from ``docs`` (a list, or ``ShardDocuments``) as ``SegmentPairs``
+    builds them: batch ``n`` draws documents (with replacement), cuts, partners and masks from
+    generators seeded by ``(seed, n)``, as many pairs as ``max_tokens`` holds; resumable
+    (``start``), ranks and workers interleaving the batch numbers."""
 
     def __init__(
         self,
@@ -151,14 +155,9 @@ class PairStream(IterableDataset):
 
 @dataclass
 class SegmentPairs:
-    """Batches of pairs, one per document index, masked: ``pairs([i, j, ...])``.
-
-    Training (``fixed=False``): each call draws new cuts, random partners and masks from the
-    global RNG (seeded by ``seed_everything``), so every epoch sees new ones. Evaluation
-    (``fixed=True``): document ``i``'s pair and its masks are seeded by ``seed`` and ``i``, so
-    every validation scores the same predictions, however the documents are batched or shared
-    out between processes.
-    """
+    """Masked batches of pairs, one per document index: ``pairs([i, j, ...])``. Training draws new
+    cuts, partners and masks from the global RNG; evaluation (``fixed``) seeds document ``i``'s by
+    ``(seed, i)``, the same however documents are batched or shared out."""
 
     docs: list[Document]
     max_len: int
@@ -186,67 +185,42 @@ class SegmentPairs:
         # each pair masked by its own seed: the same whichever batch holds it
         masked = [self.fixed_masks(it[0], i) for it, i in zip(items, idx, strict=True)]
         inputs = pad([m[0].tolist() for m in masked], WordPieceTokenizer.pad_id)
-        labels = pad([m[1].tolist() for m in masked], -100)
-        return {
-            "ids": inputs,
-            "segments": pad([it[1] for it in items], 0),
-            "mlm_labels": labels,
-            "nsp_labels": torch.tensor([it[2] for it in items]),
-        }
+        return batch_of(items, inputs, pad([m[1].tolist() for m in masked], -100))
 
 
 class MaskedLMDataModule(DataModule):
-    """BERT pre-training (MLM + NSP) on a text corpus.
-
-    Args:
-        source: ``Files(names)``: plain text (one sentence per line, documents separated by
-            blank lines) or GLUE ``.tsv`` (each row's ``sentence``, its label unread), split and
-            tokenised here; or ``Shards(path)``: document shards made by ``attnlab-prepare --mode
-            bert`` (a corpus of any size), training pairs built from documents read from disk as
-            they are drawn (``PairStream``), their held-out documents and WordPiece used.
-        vocab_size: size of the WordPiece vocabulary trained on the training documents.
-        max_len: longest pair in tokens, specials included.
-        max_tokens: tokens per batch, padding included: batches hold documents of similar
-            length (few short pairs padded to a long one), as many as fit.
-        mask_prob: share of the ordinary tokens chosen for prediction.
-        val_size: share of the documents held out (seeded) for validation.
-        test_size: share of the documents held out (seeded) for the test, scored once after
-            training.
-        val_docs: at most this many documents of each held-out split are scored (their pairs
-            and masks the same every time).
-        num_workers: DataLoader workers.
-        seed: of the validation split and its fixed masks (and of the training stream from shards).
-    """
+    """BERT pre-training (MLM + NSP) on ``Files`` (a sentence per line, documents between blank
+    lines; or GLUE ``.tsv`` sentences), carved here (seeded: the source's ``val_size``,
+    ``test_size``) and tokenised with WordPiece of ``vocab_size`` (null: 8000); or on document
+    ``Shards``, split and tokenised when prepared (``vocab_size`` null, or the shards'), training
+    pairs built from documents read as drawn. Batches hold ``max_tokens`` with padding;
+    ``val_docs`` documents of each held-out split are scored, with fixed pairs and masks."""
 
     def __init__(
         self,
         source: Files | Shards,
-        vocab_size: PositiveInt = 8000,
+        vocab_size: PositiveInt | None = None,
         max_len: PositiveInt = 64,
         max_tokens: PositiveInt = 4096,
         mask_prob: float = 0.15,
-        val_size: float = 0.05,
-        test_size: float = 0.05,
         val_docs: PositiveInt = 2000,
         num_workers: int = 0,
         seed: int = 1234,
     ) -> None:
         super().__init__()
-        if isinstance(source, Files) and not source.names:
-            raise ConfigError("data.source.names must name at least one corpus file")
+        if not isinstance(source, Shards):
+            if not source.names:
+                raise ConfigError("data.source.names must name at least one corpus file")
+            self.val_size, self.test_size = split_shares(source)
         if max_len < 5:
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
         if max_tokens < max_len:
             raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
-        if not all(0.0 < f < 1.0 for f in (mask_prob, val_size, test_size)):
-            raise ConfigError(
-                f"data.mask_prob ({mask_prob}), data.val_size ({val_size}) and "
-                f"data.test_size ({test_size}) must be between 0 and 1"
-            )
+        if not 0.0 < mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob ({mask_prob}) must be between 0 and 1")
         self.source = source
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_docs_scored = mask_prob, val_docs
-        self.val_size, self.test_size = val_size, test_size
         self.num_workers, self.seed = num_workers, seed
         self.tokenizer: WordPieceTokenizer | None = None
         self.train_docs: Sequence[Document] | None = None
@@ -285,7 +259,7 @@ class MaskedLMDataModule(DataModule):
         val, test = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val : n_val + n_test]]
         train = [docs[i] for i in order[n_val + n_test :]]
         if self.tokenizer is None:
-            self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size)
+            self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size or 8000)
         tok = self.tokenizer
         if (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) != tuple(range(N_SPECIALS)):
             raise DataError(
@@ -309,12 +283,7 @@ class MaskedLMDataModule(DataModule):
 
     def _setup_shards(self) -> None:
         shards = DocumentShards(self.source.path)
-        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
-            raise DataError(
-                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
-                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
-            )
-        self.tokenizer = self.tokenizer or shards.tokenizer()
+        self.tokenizer = shards.own_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
         self.val_docs, self.test_docs = shards.read_split("val"), shards.read_split("test")
         self.train_docs = ShardDocuments(shards)
         if not (len(self.train_docs) and self.val_docs and self.test_docs):
@@ -343,42 +312,20 @@ class MaskedLMDataModule(DataModule):
         return out
 
     def _loader(self, pairs: SegmentPairs, split: str) -> DataLoader:
-        if split == "train":
-            rank, world = self.rank_world()
-            sampler = TokenBatchSampler(pairs.lengths(), self.max_tokens, True, self.seed, world, rank)
-            sampler.resume(self.train_batches_consumed)
-        else:
-            sampler = self.eval_sampler(pairs.lengths(), self.max_tokens, split)
-        return DataLoader(
-            Batches(pairs, sampler),
-            sampler=sampler,
-            batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        sampler = self.token_sampler(pairs.lengths(), self.max_tokens, split)
+        return self.loader(Batches(pairs, sampler), sampler)
 
     def train_dataloader(self) -> DataLoader:
-        if isinstance(self.source, Shards):
-            stream = PairStream(
-                self.train_docs,
-                self.max_len,
-                self.max_tokens,
-                self.tokenizer.vocab_size,
-                self.mask_prob,
-                self.seed,
+        vocab_size = self.tokenizer.vocab_size
+        if not isinstance(self.source, Shards):
+            return self._loader(
+                SegmentPairs(self.train_docs, self.max_len, vocab_size, self.mask_prob), "train"
             )
-            stream.start = self.train_batches_consumed
-            return DataLoader(
-                stream,
-                batch_size=None,
-                num_workers=self.num_workers,
-                persistent_workers=self.num_workers > 0,
-                generator=torch.Generator().manual_seed(self.seed),
-            )
-        return self._loader(
-            SegmentPairs(self.train_docs, self.max_len, self.tokenizer.vocab_size, self.mask_prob), "train"
+        stream = PairStream(
+            self.train_docs, self.max_len, self.max_tokens, vocab_size, self.mask_prob, self.seed
         )
+        stream.start = self.train_batches_consumed
+        return self.loader(stream)
 
     def val_dataloader(self) -> DataLoader:
         return self._held_out(self.val_docs, "validation")
@@ -388,13 +335,9 @@ class MaskedLMDataModule(DataModule):
 
     def _held_out(self, docs: list[Document], split: str) -> DataLoader:
         """The first ``val_docs`` documents of a held-out split, with fixed pairs and masks."""
+        vocab_size = self.tokenizer.vocab_size
         pairs = SegmentPairs(
-            docs[: self.val_docs_scored],
-            self.max_len,
-            self.tokenizer.vocab_size,
-            self.mask_prob,
-            fixed=True,
-            seed=self.seed,
+            docs[: self.val_docs_scored], self.max_len, vocab_size, self.mask_prob, True, self.seed
         )
         return self._loader(pairs, split)
 

@@ -1,12 +1,8 @@
-"""Parallel corpora (``attnlab-prepare --mode translation``, kind ``pairs``): pairs tokenised once
-with a joint BPE, read a sentence at a time.
-
-A source is a TSV file (``source<TAB>target``, further columns ignored), a JSONL file (``{"de":
-"...", "en": "..."}`` per line) or a prefix of two line-aligned files ``<prefix>.<src>`` and
-``<prefix>.<tgt>``. The first ``val_pairs`` pairs validate and the next ``test_pairs`` are the test
-split, kept as text (``val.<lang>``, ``test.<lang>``: BLEU needs the references as written). The
-rest train: per shard and language ``<name>.<lang>.tokens`` (ids end to end) and
-``<name>.<lang>.offsets`` (int64); training holds only a length per pair.
+"""Parallel corpora (``attnlab-prepare --mode translation``, kind ``pairs``) tokenised once with a
+joint BPE: from a TSV file (``source<TAB>target``), a JSONL file (``{"de": "...", "en": "..."}``)
+or two line-aligned files ``<prefix>.<src>``, ``<prefix>.<tgt>``. The first ``val_pairs`` pairs
+validate and the next ``test_pairs`` test, kept as text (BLEU needs the references as written);
+the rest train: per shard and language ``<name>.<lang>.tokens`` and ``.offsets`` (int64).
 """
 
 from __future__ import annotations
@@ -31,8 +27,17 @@ from attnlab.data.shards.writer import (
     prepares,
     progress_bar,
 )
-from attnlab.data.text.shards import TextShards, check_vocab_size, source_files, text_manifest, token_dtype
-from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
+from attnlab.data.text.shards import (
+    Encoder,
+    TextShards,
+    check_vocab_size,
+    head,
+    locate,
+    source_files,
+    text_manifest,
+    token_dtype,
+)
+from attnlab.data.text.tokenizers import SubwordTokenizer
 
 Pair = tuple[str, str]
 HELD_OUT = ("val", "test")
@@ -127,16 +132,10 @@ def read_pairs(sources: list[tuple[str, list[Path]]], src: str, tgt: str) -> Ite
 # ---- tokenising and writing ---------------------------------------------------------------------
 
 
-class PairEncoder:
-    """A block of pairs -> per side, the ids end to end and each sentence's length; picklable."""
-
-    def __init__(self, tokenizer_json: str, dtype: str) -> None:
-        self.tokenizer_json, self.dtype = tokenizer_json, dtype
-        self.tokenizer: SubwordTokenizer | None = None
+class PairEncoder(Encoder):
+    """A block of pairs -> per side, the ids end to end and each sentence's length."""
 
     def __call__(self, pairs: list[Pair]) -> list[tuple[np.ndarray, np.ndarray]]:
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer_from_json(self.tokenizer_json)
         out = []
         for side in zip(*pairs, strict=True):
             ids = self.tokenizer.encode_batch(list(side))
@@ -168,13 +167,7 @@ class PairWriter(ShardWriter):
 def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_bytes: int) -> SubwordTokenizer:
     """The joint BPE of both languages, trained on the first ``sample_bytes`` of training pairs."""
     check_vocab_size(vocab_size)
-    sentences, size = [], 0
-    for (x, y), n in pairs:
-        sentences += [x, y]
-        size += n
-        if size >= sample_bytes:
-            break
-    return SubwordTokenizer.fit(sentences, vocab_size)
+    return SubwordTokenizer.fit([s for pair in head(pairs, sample_bytes) for s in pair], vocab_size)
 
 
 @prepares
@@ -334,8 +327,8 @@ class PairShards(TextShards):
 
     def sentence(self, lang: str, i: int) -> list[int]:
         """Training sentence ``i`` (over all shards) in ``lang``."""
-        k = int(np.searchsorted(self.ends, i, side="right"))
-        shard, j = self.train[k], i - (int(self.ends[k - 1]) if k else 0)
+        k, j = locate(self.ends, i)
+        shard = self.train[k]
         self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
         a, b = self.offsets(shard.path(lang, "offsets"), j, 2).tolist()
         return self.ids(shard.path(lang, "tokens"), a, b - a).tolist()

@@ -1,8 +1,7 @@
-"""Token shards (``attnlab-prepare --mode lm``, kind ``tokens``), nanoGPT's ``train.bin`` cut into
-shards: flat arrays of token ids (uint16 while the vocabulary fits, else uint32), read a window at
-a time with ``np.fromfile`` at an offset (a memory map's pages would count towards the training
-process's resident memory as random windows touch them; plain reads leave them in the page
-cache). Also what the three text kinds share: the sources, the tokenizer, ``TextShards``.
+"""Token shards (``attnlab-prepare --mode lm``, kind ``tokens``): nanoGPT's ``train.bin`` cut into
+flat arrays of ids (uint16 while the vocabulary fits), read a window at a time with plain reads
+(a memory map's pages would count towards the process's memory). Also what the three text kinds
+share: reading the sources, sampling text to fit a tokenizer, ``Encoder``, ``TextShards``.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ import codecs
 import glob
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_
 
 __all__ = ["MANIFEST", "SPLITS"]
 Tokenizer = CharTokenizer | BPETokenizer
+T = TypeVar("T")
 
 
 # ---- reading the sources ------------------------------------------------------------------------
@@ -89,9 +89,20 @@ def _decode(
 # ---- tokenising ---------------------------------------------------------------------------------
 
 
+def head(items: Iterable[tuple[T, int]], nbytes: int) -> Iterator[T]:
+    """The items of ``(item, bytes read for it)`` until ``nbytes`` were read (tokenizers' merges
+    settle long before a large corpus ends)."""
+    size = 0
+    for item, n in items:
+        yield item
+        size += n
+        if size >= nbytes:
+            return
+
+
 def fit_tokenizer(files: Sequence[Path], kind: str, vocab_size: int, sample_bytes: int) -> Tokenizer:
     """A character vocabulary from every file (one pass), or byte-level BPE trained on the first
-    ``sample_bytes`` of text (BPE's merges settle long before a large corpus ends)."""
+    ``sample_bytes`` of text."""
     if kind == "char":
         chars: set[str] = set()
         for text, _ in text_chunks(files, 1 << 24):
@@ -99,38 +110,49 @@ def fit_tokenizer(files: Sequence[Path], kind: str, vocab_size: int, sample_byte
         return CharTokenizer("".join(sorted(chars)))
     if kind == "bpe":
         check_vocab_size(vocab_size)
-        sample, size = [], 0
-        for text, n in text_chunks(files, 1 << 22):
-            sample.append(text)
-            size += n
-            if size >= sample_bytes:
-                break
-        return BPETokenizer.fit("".join(sample), vocab_size)
+        return BPETokenizer.fit("".join(head(text_chunks(files, 1 << 22), sample_bytes)), vocab_size)
     raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {kind!r}")
 
 
-class ChunkEncoder:
-    """Text -> token ids as a numpy array; picklable, so worker processes each hold one."""
+class Encoder:
+    """Text -> ids with the tokenizer ``tokenizer_json`` names, loaded on first use: picklable, so
+    worker processes each hold one."""
 
     def __init__(self, tokenizer_json: str, dtype: str) -> None:
         self.tokenizer_json, self.dtype = tokenizer_json, dtype
-        self.tokenizer: Tokenizer | None = None
-        self.table: np.ndarray | None = None
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_from_json(self.tokenizer_json)
+        return self._tokenizer
+
+
+class ChunkEncoder(Encoder):
+    """Text -> token ids as a numpy array (characters through one table lookup)."""
+
+    table: np.ndarray | None = None
 
     def __call__(self, text: str) -> np.ndarray:
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer_from_json(self.tokenizer_json)
-            if isinstance(self.tokenizer, CharTokenizer):  # code point -> id, one lookup per char
-                points = np.array([ord(c) for c in self.tokenizer.chars], dtype=np.int64)
-                self.table = np.full(points.max() + 1, -1, dtype=np.int64)
-                self.table[points] = np.arange(len(points))
-        if self.table is None:
-            return np.asarray(self.tokenizer.encode(text), dtype=self.dtype)
+        tok = self.tokenizer
+        if not isinstance(tok, CharTokenizer):
+            return np.asarray(tok.encode(text), dtype=self.dtype)
+        if self.table is None:  # code point -> id
+            points = np.array([ord(c) for c in tok.chars], dtype=np.int64)
+            self.table = np.full(points.max() + 1, -1, dtype=np.int64)
+            self.table[points] = np.arange(len(points))
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         ids = self.table[np.minimum(points, len(self.table) - 1)]
         if (ids < 0).any() or (points >= len(self.table)).any():
-            self.tokenizer.encode(text)  # raises, naming the characters
+            tok.encode(text)  # raises, naming the characters
         return ids.astype(self.dtype)
+
+
+def locate(ends: np.ndarray, i: int) -> tuple[int, int]:
+    """Item ``i`` of shards whose items end (cumulatively) at ``ends``: its shard and its index there."""
+    k = int(np.searchsorted(ends, i, side="right"))
+    return k, i - (int(ends[k - 1]) if k else 0)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -148,9 +170,21 @@ def check_vocab_size(n: int) -> None:
         raise ConfigError(f"vocab_size must be an integer from 1 to {MAX_VOCAB_SIZE}, got {n!r}")
 
 
+def split_shares(source: Any) -> tuple[float, float]:
+    """The validation and test shares of the text a source holds (its ``val_size``, ``test_size``;
+    null: 5% each), refused unless each is between 0 and 1 with room left for training."""
+    val_size, test_size = (getattr(source, f"{s}_size", None) for s in ("val", "test"))
+    val_size, test_size = 0.05 if val_size is None else val_size, 0.05 if test_size is None else test_size
+    if not (0.0 < val_size < 1.0 and 0.0 < test_size < 1.0 and val_size + test_size < 1.0):
+        raise ConfigError(
+            f"data.source.val_size ({val_size}) and data.source.test_size ({test_size}) must be "
+            "shares between 0 and 1, with room left for training"
+        )
+    return val_size, test_size
+
+
 def text_manifest(kind: str, tok: Any, dtype: str, splits: dict, files: Sequence[Path], **extra: Any) -> dict:
-    """The manifest of a text kind: what the kind says, the tokenizer (and its hash), the dtype of
-    the ids, the splits, the source files."""
+    """The manifest of a text kind: its own keys, the tokenizer (and hash), dtype, splits, sources."""
     tokenizer = tok.to_json()
     return {
         "version": 1,
@@ -181,6 +215,26 @@ class TextShards(ShardFolder):
 
     def tokenizer(self) -> Any:
         return tokenizer_from_json(self.tokenizer_json)
+
+    def own_tokenizer(self, current: Any, **asked: Any) -> Any:
+        """The shards' tokenizer: a checkpoint's (``current``) must be it, and each data key
+        ``asked`` (``vocab_size=8000``) null or what the shards have (their manifest's)."""
+        if current is not None and current.to_json() != self.tokenizer_json:
+            raise DataError(
+                f"{self.folder}: its shards were made with another tokenizer than the checkpoint's "
+                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
+            )
+        if current is not None:  # a checkpoint's run: its tokenizer is the shards', whatever the keys
+            return current
+        tok = self.tokenizer()
+        has = {"tokenizer": tok.kind, "vocab_size": tok.vocab_size}
+        for key, value in asked.items():
+            if value is not None and value != has[key]:
+                raise ConfigError(
+                    f"data.{key}={value!r}: the shards at {self.folder} have {key} {has[key]!r} "
+                    "(their manifest's); set it to that, or null"
+                )
+        return tok
 
     def _verify(self, path: Location, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
         return self.verify_once(path, sha256, self.dtype if ids else None, self.vocab_size, keep)
@@ -232,13 +286,9 @@ def prepare(
     bpe_sample_bytes: int = 100 << 20,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Tokenise the files ``inputs`` name into token shards in ``out_dir``; return the manifest.
-
-    The first ``val_tokens`` tokens validate and the next ``test_tokens`` are the test split
-    (held out from the start: a stream's length is not known before its end); the rest trains.
-    Everything is written to ``<out_dir>.partial`` and moved into place with its manifest at the
-    end (``attnlab.data.shards.writer``).
-    """
+    """Tokenise the files ``inputs`` name into token shards in ``out_dir``; return the manifest. The
+    first ``val_tokens`` validate, the next ``test_tokens`` test (a stream's end is not known
+    before it comes), the rest trains."""
     check_count("val_tokens", val_tokens, 0)
     check_count("test_tokens", test_tokens, 0)
     check_count("shard_tokens", shard_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -23,6 +24,8 @@ CAPTION_WORDS = r"""[\p{L}\p{N}]+(?:['-][\p{L}\p{N}]+)*|[^\s\p{L}\p{N}]"""
 
 class CharTokenizer:
     """One id per character of the training text (nanoGPT's shakespeare_char)."""
+
+    kind = "char"
 
     def __init__(self, chars: str) -> None:
         self.chars = chars
@@ -47,7 +50,7 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids)
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "char", "chars": self.chars})
+        return json.dumps({"kind": self.kind, "chars": self.chars})
 
 
 class HFTokenizer:
@@ -56,10 +59,23 @@ class HFTokenizer:
 
     kind = ""
     skip_special_tokens = False
+    specials: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def train(cls, lines: list[str], model: Any, trainer: Any, normalizer: Any = None, **parts: Any) -> Any:
+        """``model`` trained on ``lines`` by ``trainer`` (the class's specials first), with the
+        ``normalizer``, ``pre_tokenizer`` and ``decoder`` given."""
+        tok = Tokenizer(model)
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        for name, part in parts.items():
+            setattr(tok, name, part)
+        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+        return cls(tok)
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` alone: the specials an imported tokenizer's post-processor would add
@@ -83,26 +99,18 @@ class BPETokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, text: str, vocab_size: int) -> BPETokenizer:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+        pre, decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        return cls.train(
+            text.splitlines(keepends=True), models.BPE(), trainer, pre_tokenizer=pre, decoder=decoder
         )
-        lines = text.splitlines(keepends=True)
-        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-        return cls(tok)
 
 
 class SubwordTokenizer(HFTokenizer):
-    """Joint BPE over both languages of a parallel corpus, with special tokens.
-
-    Words are split at spaces and punctuation; a space is kept as "▁" on the following piece
-    (SentencePiece's convention), so ``decode`` gives back detokenised text, which is what
-    sacreBLEU wants. Ids 0-3 are ``<pad>``, ``<unk>``, ``<bos>``, ``<eos>``; ``decode`` drops them.
-    """
+    """Joint BPE over both languages of a parallel corpus: words split at spaces and punctuation,
+    a space kept as "▁" on the next piece (SentencePiece's), so ``decode`` gives detokenised text
+    (as sacreBLEU wants); ids 0-3 ``<pad> <unk> <bos> <eos>``, which ``decode`` drops."""
 
     kind = "subword"
     skip_special_tokens = True
@@ -111,25 +119,20 @@ class SubwordTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> SubwordTokenizer:
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation(behavior="isolated")]
-        )
-        tok.decoder = decoders.Metaspace()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
         )
-        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-        return cls(tok)
+        pre = pre_tokenizers.Sequence(
+            [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation(behavior="isolated")]
+        )
+        model, norm = models.BPE(unk_token="<unk>"), normalizers.NFC()
+        return cls.train(lines, model, trainer, norm, pre_tokenizer=pre, decoder=decoders.Metaspace())
 
 
 class WordPieceTokenizer(HFTokenizer):
-    """BERT's WordPiece: lower-cased, split at spaces and punctuation, words cut into pieces
-    ("##" marks a continuation), with the specials ``[PAD] [UNK] [CLS] [SEP] [MASK]``; ``encode``
-    adds none of them (the data builds ``[CLS] A [SEP] B [SEP]`` itself), ``decode`` drops them.
-    One trained here has them as ids 0-4 (the class's ids); an imported vocabulary where its file
-    puts them (BERT's: 0, 100, 101, 102, 103), which the instance's ids say."""
+    """BERT's WordPiece (lower-cased, "##" continuations) with ``[PAD] [UNK] [CLS] [SEP] [MASK]``,
+    which ``encode`` never adds and ``decode`` drops: ids 0-4 in one trained here, where its file
+    puts them in an imported one (BERT's: 0, 100-103; the instance's ids say)."""
 
     kind = "wordpiece"
     skip_special_tokens = True
@@ -148,27 +151,21 @@ class WordPieceTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> WordPieceTokenizer:
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece()
         trainer = trainers.WordPieceTrainer(
             vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
         )
-        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-        return cls(tok)
+        model, norm = models.WordPiece(unk_token="[UNK]"), normalizers.BertNormalizer(lowercase=True)
+        pre, decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+        return cls.train(lines, model, trainer, norm, pre_tokenizer=pre, decoder=decoder)
 
     def token(self, i: int) -> str:
         return self.tokenizer.id_to_token(i)
 
 
 class CaptionTokenizer(HFTokenizer):
-    """CLIP's kind of text encoding: lower-cased byte-level BPE (any text encodes, nothing is
-    unknown), each caption framed as ``<sot> ... <eot>`` and cut to a context length. One trained
-    here has ids 0-2 ``<pad>``, ``<sot>``, ``<eot>`` (the class's ids); OpenAI CLIP's vocabulary
-    (open_clip's, imported by ``import_tokenizer``) has ``<|startoftext|>`` 49406 and
-    ``<|endoftext|>`` 49407 and pads with 0, as ``open_clip.tokenize`` does. ``decode`` drops the
-    specials."""
+    """CLIP's text encoding: lower-cased byte-level BPE, each caption ``<sot> ... <eot>`` cut to a
+    context length; ids 0-2 ``<pad> <sot> <eot>`` in one trained here, OpenAI CLIP's
+    ``<|startoftext|>`` 49406 and ``<|endoftext|>`` 49407 (padding 0) in an imported one."""
 
     kind = "caption"
     skip_special_tokens = True
@@ -188,18 +185,13 @@ class CaptionTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> CaptionTokenizer:
-        tok = Tokenizer(models.BPE())
-        tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tok.decoder = decoders.ByteLevel()
+        alphabet, specials = pre_tokenizers.ByteLevel.alphabet(), list(cls.specials)
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(cls.specials),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
         )
-        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-        return cls(tok)
+        norm = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+        pre, decoder = pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel()
+        return cls.train(lines, models.BPE(), trainer, norm, pre_tokenizer=pre, decoder=decoder)
 
     def encode_captions(self, captions: list[str], context_length: int) -> tuple[torch.Tensor, int]:
         """Right-padded (N, context_length) ids, each caption ``<sot> ... <eot>``; captions too long
@@ -215,10 +207,8 @@ class CaptionTokenizer(HFTokenizer):
 
 
 class WordTokenizer(HFTokenizer):
-    """One id per lower-cased word of the training captions (HF ``tokenizers``' WordLevel), as
-    Show, Attend and Tell's vocabulary is: ids 0-3 ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``, then
-    the words, most frequent first. Words are ``CAPTION_WORDS``; ``decode`` joins them with spaces
-    and drops the specials."""
+    """One id per lower-cased word (``CAPTION_WORDS``) of the training captions, as Show, Attend and
+    Tell's vocabulary: ids 0-3 ``<pad> <bos> <eos> <unk>``, then the words, most frequent first."""
 
     kind = "word"
     skip_special_tokens = True
@@ -229,17 +219,15 @@ class WordTokenizer(HFTokenizer):
     def fit(cls, lines: list[str], vocab_size: int | None = None, min_frequency: int = 1) -> WordTokenizer:
         """The words of ``lines`` seen at least ``min_frequency`` times, the ``vocab_size`` (specials
         included) most frequent of them if given."""
-        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-        tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(CAPTION_WORDS), behavior="removed", invert=True)
         trainer = trainers.WordLevelTrainer(
             vocab_size=vocab_size or 1 << 30,
             min_frequency=min_frequency,
             special_tokens=list(cls.specials),
             show_progress=False,
         )
-        tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-        return cls(tok)
+        norm = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+        pre = pre_tokenizers.Split(Regex(CAPTION_WORDS), behavior="removed", invert=True)
+        return cls.train(lines, models.WordLevel(unk_token="<unk>"), trainer, norm, pre_tokenizer=pre)
 
     def words(self, text: str) -> list[str]:
         """``text``'s words as the tokenizer splits it, one id each."""
@@ -272,12 +260,9 @@ def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:
 
 
 def import_tokenizer(folder: Path) -> BPETokenizer | WordPieceTokenizer | CaptionTokenizer | None:
-    """transformers' or open_clip's saved tokenizer in ``folder`` as ours, through HF
-    ``tokenizers``: its ``tokenizer.json``, else GPT-2's or CLIP's ``vocab.json`` + ``merges.txt``
-    or BERT's ``vocab.txt`` (lower-cased unless ``tokenizer_config.json`` says ``do_lower_case:
-    false``); ``None`` when the folder has none of them. A byte-level BPE becomes a
-    ``BPETokenizer``, CLIP's (words ending in ``</w>``) a ``CaptionTokenizer``, a WordPiece a
-    ``WordPieceTokenizer``; ids are the file's, so they index the weights' embedding table."""
+    """transformers' or open_clip's saved tokenizer in ``folder`` (``tokenizer.json``, GPT-2's or
+    CLIP's ``vocab.json`` + ``merges.txt``, BERT's ``vocab.txt``) as ours, with the file's ids;
+    ``None`` when the folder has none of them."""
     folder = folder if folder.is_dir() else folder.parent
     try:
         if (folder / "tokenizer.json").is_file():

@@ -38,7 +38,7 @@ MULTI30K_SHA256 = {
     "test_2016_flickr.en": "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182",
     "test_2016_flickr.de": "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16",
 }
-SPLITS = {"multi30k": ("train", "val", "test_2016_flickr"), "synthetic": ("train", "val", "test")}
+SPLITS = {"multi30k": ("train", "val", "test_2016_flickr")}  # its files for train, val, test
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
@@ -57,26 +57,10 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
 # reverse order, each through a fixed dictionary, so a model must learn to align (attend), not
 # copy position by position.
 SYNTHETIC_WORDS = [
-    ("blau", "blue"),
-    ("rot", "red"),
-    ("grün", "green"),
-    ("hund", "dog"),
-    ("katze", "cat"),
-    ("mann", "man"),
-    ("frau", "woman"),
-    ("kind", "child"),
-    ("läuft", "runs"),
-    ("springt", "jumps"),
-    ("sitzt", "sits"),
-    ("schläft", "sleeps"),
-    ("groß", "big"),
-    ("klein", "small"),
-    ("haus", "house"),
-    ("baum", "tree"),
-    ("wasser", "water"),
-    ("ball", "ball"),
-    ("straße", "street"),
-    ("auto", "car"),
+    tuple(pair.split(":"))
+    for pair in "blau:blue rot:red grün:green hund:dog katze:cat mann:man frau:woman kind:child läuft:runs "
+    "springt:jumps sitzt:sits schläft:sleeps groß:big klein:small haus:house baum:tree wasser:water "
+    "ball:ball straße:street auto:car".split()
 ]
 
 
@@ -138,31 +122,19 @@ class Collate:
 
 
 class TranslationDataModule(DataModule):
-    """A parallel corpus, in either direction, with a joint BPE vocabulary.
-
-    Args:
-        source: ``Builtin("multi30k")`` (Task 1, files ``{train,val,test_2016_flickr}.{de,en}``;
-            downloaded with sha256 checks, or read from its ``data_dir``), ``Generated("synthetic")``
-            (made in code), or ``Shards(path)``: pair shards made by ``attnlab-prepare --mode
-            translation`` (a corpus of any size), training pairs read from disk as batches need
-            them, validation and test the folder's held-out text, the tokenizer the folder's.
-        src_lang, tgt_lang: translation direction, e.g. "de" -> "en" (shards: their two languages).
-        vocab_size: joint BPE vocabulary size, trained on the training split of both languages
-            and cached in the source's ``cache_dir``.
-        max_tokens: token budget of a training batch (padding included, longer side).
-        eval_max_tokens: token budget of a validation/test batch.
-        max_len: longest sentence in tokens: longer training pairs are dropped and longer
-            evaluation sources truncated (both counted in a warning).
-        num_workers: DataLoader workers.
-        seed: seed of the batch order.
-    """
+    """A parallel corpus, ``src_lang`` -> ``tgt_lang``: ``Builtin("multi30k")`` or
+    ``Generated("synthetic")`` (de-en, either way) with a joint BPE of ``vocab_size`` fitted on the
+    training split (cached in ``cache_dir``); or pair ``Shards``, tokenised when prepared
+    (``vocab_size`` then null, or the shards' own). Token-budget batches (``max_tokens``,
+    ``eval_max_tokens``); training pairs over ``max_len`` tokens are dropped, evaluation sources
+    cut."""
 
     def __init__(
         self,
         source: Source | None = None,
         src_lang: str = "de",
         tgt_lang: str = "en",
-        vocab_size: PositiveInt = 8000,
+        vocab_size: PositiveInt | None = None,
         max_tokens: PositiveInt = 4096,
         eval_max_tokens: PositiveInt = 8192,
         max_len: PositiveInt = 128,
@@ -187,7 +159,7 @@ class TranslationDataModule(DataModule):
                 f"data.max_tokens ({max_tokens}) must be at least data.max_len + 2 ({max_len + 2})"
             )
         self.source, self.src_lang, self.tgt_lang = source, src_lang, tgt_lang
-        self.vocab_size_wanted = vocab_size
+        self.vocab_size_wanted = vocab_size if isinstance(source, Shards) else vocab_size or 8000
         self.max_tokens, self.eval_max_tokens = max_tokens, eval_max_tokens
         self.max_len = max_len
         self.num_workers, self.seed = num_workers, seed
@@ -221,33 +193,27 @@ class TranslationDataModule(DataModule):
         return self.splits[stage].src_text
 
     # -- loading -----------------------------------------------------------------------------
-    def _split_name(self, stage: str) -> str:
-        return dict(zip(("train", "val", "test"), SPLITS[self.source.name], strict=True))[stage]
-
     def _files(self, split: str) -> tuple[Path, Path]:
-        paths = []
-        for lang in (self.src_lang, self.tgt_lang):
-            name = f"{split}.{lang}"
-            url = MULTI30K_URL.format(name=name)
-            paths.append(
-                fetch(
-                    name,
-                    url,
-                    MULTI30K_SHA256[name],
-                    self.source.data_dir,
-                    Path(self.source.cache_dir) / "multi30k",
-                    gunzip=True,
-                )
+        src, tgt = (
+            fetch(
+                f"{split}.{lang}",
+                MULTI30K_URL.format(name=f"{split}.{lang}"),
+                MULTI30K_SHA256[f"{split}.{lang}"],
+                self.source.data_dir,
+                Path(self.source.cache_dir) / "multi30k",
+                gunzip=True,
             )
-        return paths[0], paths[1]
+            for lang in (self.src_lang, self.tgt_lang)
+        )
+        return src, tgt
 
     def _read(self, stage: str) -> tuple[list[str], list[str]]:
-        split = self._split_name(stage)
         if isinstance(self.source, Generated):
             size = self.source.train_size
             n = size if stage == "train" else max(1, size // 10)
             src, tgt = synthetic_pairs(n, seed={"train": 0, "val": 1, "test": 2}[stage])
             return (src, tgt) if self.src_lang == "de" else (tgt, src)
+        split = dict(zip(("train", "val", "test"), SPLITS["multi30k"], strict=True))[stage]
         src_path, tgt_path = self._files(split)
         src, tgt = read_parallel(src_path, tgt_path)
         if not src:
@@ -259,30 +225,28 @@ class TranslationDataModule(DataModule):
             for split in SPLITS["multi30k"]:
                 self._files(split)
 
-    def _bpe_cache_path(self, train_src: list[str], train_tgt: list[str]) -> list[Path]:
-        """Where the trained BPE model is kept: the cache directory, keyed by the training text."""
+    def _bpe_cache_path(self, src: list[str], tgt: list[str]) -> Path:
+        """The joint BPE's file in ``cache_dir`` (never the user's ``data_dir``), keyed by the
+        training text (the same for both directions)."""
         h = hashlib.sha256()
-        for line in sorted([*train_src, *train_tgt]):  # the same for both directions
+        for line in sorted([*src, *tgt]):
             h.update(line.encode() + b"\n")
         name = f"bpe_{self.source.name}_{self.vocab_size_wanted}_{h.hexdigest()[:12]}.json"
-        return [Path(self.source.cache_dir).expanduser() / name]  # never written into the user's data_dir
+        return Path(self.source.cache_dir).expanduser() / name
 
     def _fit_tokenizer(self, src: list[str], tgt: list[str]) -> SubwordTokenizer:
-        candidates = self._bpe_cache_path(src, tgt)
-        for path in candidates:
-            if path.is_file() and (tok := cached_tokenizer(path)) is not None:
-                return tok
+        path = self._bpe_cache_path(src, tgt)
+        if path.is_file() and (tok := cached_tokenizer(path)) is not None:
+            return tok
         tok = SubwordTokenizer.fit([*src, *tgt], self.vocab_size_wanted)
-        for path in candidates:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".part")
-                tmp.write_text(tok.to_json())
-                tmp.replace(path)
-                log.info("BPE vocabulary (%d) trained and saved to %s", tok.vocab_size, path)
-                break
-            except OSError:
-                continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".part")
+            tmp.write_text(tok.to_json())
+            tmp.replace(path)
+            log.info("BPE vocabulary (%d) trained and saved to %s", tok.vocab_size, path)
+        except OSError:
+            pass
         return tok
 
     def setup(self, stage: str | None = None) -> None:
@@ -299,36 +263,21 @@ class TranslationDataModule(DataModule):
         self._log(self.source.name, len(tr), sum(map(len, tr.tgt)) / len(tr))
 
     def _setup_shards(self) -> None:
-        """Validation and test from the folder's text (read and encoded whole, as in memory);
-        training pairs read from its shards when a batch needs them (``ShardSide``)."""
+        """Validation and test from the folder's text, encoded whole; training pairs read from its
+        shards when a batch needs them (``ShardSide``)."""
         shards = PairShards(self.source.path)
         if {self.src_lang, self.tgt_lang} != set(shards.langs):
             raise DataError(
                 f"{shards.folder}: holds {shards.langs[0]}-{shards.langs[1]} pairs; data.src_lang and "
                 f"data.tgt_lang must be those two, got {self.src_lang!r} -> {self.tgt_lang!r}"
             )
-        if self.tokenizer is not None and self.tokenizer.to_json() != shards.tokenizer_json:
-            raise DataError(
-                f"{shards.folder}: its shards were made with another tokenizer than the checkpoint's "
-                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
-            )
-        self.tokenizer = self.tokenizer or shards.tokenizer()
+        self.tokenizer = shards.own_tokenizer(self.tokenizer, vocab_size=self.vocab_size_wanted)
         for s in ("val", "test"):
             self.splits[s] = self._encode(
                 s, *read_parallel(*shards.text_files(s, self.src_lang, self.tgt_lang))
             )
         src_len, tgt_len = shards.lengths(self.src_lang), shards.lengths(self.tgt_lang)
-        limit = self.max_len - 1  # room for <bos>/<eos>
-        keep = np.flatnonzero((src_len <= limit) & (tgt_len <= limit))
-        if len(keep) < len(src_len):
-            log.warning(
-                "dropped %d of %d training pairs longer than data.max_len=%d tokens",
-                len(src_len) - len(keep),
-                len(src_len),
-                self.max_len,
-            )
-        if not len(keep):
-            raise DataError(f"no training pair is shorter than data.max_len={self.max_len} tokens")
+        keep = self._short(src_len, tgt_len)
         self.train_lengths = np.maximum(src_len, tgt_len)[keep] + 1
         side = {lang: ShardSide(shards, lang, keep) for lang in shards.langs}
         self.splits["train"] = ParallelSplit(side[self.src_lang], side[self.tgt_lang], [], [])
@@ -347,25 +296,30 @@ class TranslationDataModule(DataModule):
             tgt_tokens,
         )
 
+    def _short(self, src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
+        """The training pairs that fit ``max_len`` with <bos>/<eos>; the others dropped (warned)."""
+        limit = self.max_len - 1
+        keep = np.flatnonzero((src_len <= limit) & (tgt_len <= limit))
+        if len(keep) < len(src_len):
+            n, total = len(src_len) - len(keep), len(src_len)
+            log.warning(
+                "dropped %d of %d training pairs longer than data.max_len=%d tokens", n, total, self.max_len
+            )
+        if not len(keep):
+            raise DataError(f"no training pair is shorter than data.max_len={self.max_len} tokens")
+        return keep
+
     def _encode(self, stage: str, src_text: list[str], tgt_text: list[str]) -> ParallelSplit:
         assert self.tokenizer is not None
         src, tgt = self.tokenizer.encode_batch(src_text), self.tokenizer.encode_batch(tgt_text)
         limit = self.max_len - 1  # room for <bos>/<eos>
-        long = [i for i in range(len(src)) if len(src[i]) > limit or len(tgt[i]) > limit]
         if stage == "train":
-            if long:
-                log.warning(
-                    "dropped %d of %d training pairs longer than data.max_len=%d tokens",
-                    len(long),
-                    len(src),
-                    self.max_len,
-                )
-                keep = sorted(set(range(len(src))) - set(long))
-                src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
-                src_text, tgt_text = [src_text[i] for i in keep], [tgt_text[i] for i in keep]
-            if not src:
-                raise DataError(f"no training pair is shorter than data.max_len={self.max_len} tokens")
-        elif long:  # every reference must be scored: truncate the inputs instead
+            keep = self._short(np.array([len(s) for s in src]), np.array([len(t) for t in tgt])).tolist()
+            src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+            src_text, tgt_text = [src_text[i] for i in keep], [tgt_text[i] for i in keep]
+            return ParallelSplit(src, tgt, src_text, tgt_text)
+        long = [i for i in range(len(src)) if len(src[i]) > limit or len(tgt[i]) > limit]
+        if long:  # every reference must be scored: truncate the inputs instead
             log.warning(
                 "truncated %d of %d %s pairs to data.max_len=%d tokens",
                 len(long),
@@ -378,31 +332,19 @@ class TranslationDataModule(DataModule):
 
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, stage: str, shuffle: bool) -> DataLoader:
-        """Token-budget batches of a split; under DDP each process gets its share (see
-        ``TokenBatchSampler``: training batches reshuffled every epoch, every evaluation pair
-        scored once). The sampler shards the batches itself, so Lightning injects none."""
-        split = self.splits[stage]
-        assert self.tokenizer is not None
+        """Token-budget batches of a split (``TokenBatchSampler``: under DDP each process its share,
+        every evaluation pair scored once, a repeated batch marked ``repeat``)."""
+        split, tok = self.splits[stage], self.tokenizer
         if stage == "train" and self.train_lengths is not None:
             lengths = self.train_lengths
         else:
             lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
-        budget = self.max_tokens if stage == "train" else self.eval_max_tokens
-        rank, world = self.rank_world()
-        sampler = TokenBatchSampler(
-            lengths, budget, shuffle=shuffle, seed=self.seed, num_replicas=world, rank=rank
-        )
         if shuffle:
-            sampler.resume(self.train_batches_consumed)
-        tok = self.tokenizer
-        return DataLoader(
-            Batches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler),
-            sampler=sampler,
-            batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),  # seeds workers: nothing drawn globally
-        )
+            sampler = self.token_sampler(lengths, self.max_tokens, "train")
+        else:
+            rank, world = self.rank_world()
+            sampler = TokenBatchSampler(lengths, self.eval_max_tokens, False, self.seed, world, rank)
+        return self.loader(Batches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

@@ -12,17 +12,17 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from timm.data import Mixup
-from timm.data.auto_augment import rand_augment_transform
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import DataModule
-from attnlab.data.sampling import Key, ResumableSampler, example_seed, seeded_globals
+from attnlab.data.base import SplitsDataModule
+from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
 from attnlab.data.sources import Builtin
-from attnlab.data.vision.datasets import ImageSplits, load_cifar10, load_idx_dataset
+from attnlab.data.vision.datasets import load_builtin
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,37 @@ def make_mixup(args: dict[str, float], num_classes: int) -> Mixup | None:
     return Mixup(**args, label_smoothing=0.0, num_classes=num_classes) if on else None
 
 
+# TrivialAugment (Müller & Hutter, 2021) in timm's RandAugment terms: one op per image, always
+# applied, its magnitude drawn uniformly (mstd > 100), severity increasing with magnitude
+TRIVIAL_AUGMENT = "rand-n1-m9-mstd101-p1-inc1"
+
+
+def timm_policy(key: str, policy: str, mean: list[float], translate: int | None = None) -> Any:
+    """timm's ``rand-...`` (RandAugment), ``augmix-...`` or AutoAugment (``original``, ``v0``) on PIL
+    images (``translate``: pixels of a full-magnitude shift); refused in one line naming ``key``."""
+    # magnitude_max 9: at magnitude 10 timm's increasing posterize keeps 0 bits, which Pillow refuses
+    hparams = {"img_mean": tuple(round(255 * m) for m in mean), "magnitude_max": 9}
+    if translate is not None:
+        hparams["translate_const"] = translate
+    make = auto_augment_transform
+    if policy.startswith("rand"):
+        make = rand_augment_transform
+    elif policy.startswith("augmix"):
+        make = augment_and_mix_transform
+    try:
+        return make(policy, hparams)
+    except (AssertionError, ValueError, KeyError, IndexError) as e:
+        raise ConfigError(
+            f"{key}={policy!r} is not a timm policy (e.g. 'rand-m9-mstd0.5-inc1', TrivialAugment "
+            f"'{TRIVIAL_AUGMENT}', 'original'): {e}"
+        ) from e
+
+
 class RandAugment:
-    """timm's RandAugment (``rand-m9-mstd0.5-inc1``, ...) on a (C, H, W) uint8 tensor."""
+    """A timm policy (``timm_policy``) on a (C, H, W) uint8 tensor."""
 
     def __init__(self, config: str, mean: list[float]) -> None:
-        # magnitude_max 9: at magnitude 10 timm's increasing posterize keeps 0 bits, which Pillow refuses
-        hparams = {"img_mean": tuple(round(255 * m) for m in mean), "magnitude_max": 9}
-        try:
-            self.transform = rand_augment_transform(config, hparams)
-        except (AssertionError, ValueError, KeyError, IndexError) as e:
-            raise ConfigError(
-                f"data.rand_augment={config!r} is not a timm RandAugment string "
-                f"(e.g. 'rand-m9-mstd0.5-inc1'): {e}"
-            ) from e
+        self.transform = timm_policy("data.rand_augment", config, mean)
 
     def __call__(self, x: Tensor) -> Tensor:
         array = x.permute(1, 2, 0).numpy()
@@ -87,26 +105,12 @@ def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
     return (images.float() / 255 - m) / s
 
 
-def image_loader(
-    dataset: Dataset,
-    batch_size: int,
-    num_workers: int,
-    sampler: ResumableSampler,
-    collate_fn: Any = None,
-) -> DataLoader:
-    """Training batches of a split in ``sampler``'s order, the last partial batch dropped. The
-    loader's own generator seeds its workers, so starting one draws nothing from the global
-    generator (which a resumed run restores). Evaluation splits: ``DataModule.eval_loader``."""
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(sampler.seed),
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-    )
+def sample_stats(split: Dataset, n: int = 512) -> tuple[list[float], list[float]]:
+    """``channel_stats`` of a split's first ``n`` readable images; a std of at least 1e-3 (a blank
+    sample divides by nothing)."""
+    items = [x for x in (split[i] for i in range(min(n, len(split)))) if x is not None]
+    mean, std = channel_stats(torch.stack([x[0] for x in items]))
+    return mean, [max(s, 1e-3) for s in std]
 
 
 def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
@@ -125,6 +129,19 @@ def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
         flipped = torch.rand(b, device=images.device) < flip
         images = torch.where(flipped[:, None, None, None], images.flip(-1), images)
     return images
+
+
+def erase_and_mix(x: Tensor, labels: Tensor, erasing: float, mixup: Mixup | None) -> tuple[Tensor, Tensor]:
+    """A normalised training batch, on its device: timm's random erasing per image (noise made
+    there), then mixup/cutmix (labels become (B, num_classes) mixtures; pairs are mixed, so an odd
+    batch left by a skipped record loses its last image)."""
+    if erasing:
+        x = RandomErasing(erasing, mode="pixel", device=x.device)(x)
+    if mixup is not None:
+        if len(x) % 2:
+            x, labels = x[:-1], labels[:-1]
+        x, labels = mixup(x, labels)
+    return x, labels
 
 
 class LabelledImages(Dataset):
@@ -147,35 +164,45 @@ class LabelledImages(Dataset):
             return self.transform(x), self.labels[i]
 
 
-class ImageClassificationDataModule(DataModule):
-    """Labelled images for classification.
+class LabelledImagesDataModule(SplitsDataModule):
+    """What the image classification DataModules share: ``classes``, ``img_size``, ``in_chans`` and
+    the normalisation (``mean``, ``std``), which travel in the checkpoint."""
 
-    Images are kept as uint8 tensors; RandAugment runs per image in the loader; random crops and
-    flips, per-channel normalisation (the training split's mean and std), random erasing and
-    mixup/cutmix run on whole batches after they reach the device.
+    classes: list[str] | None
+    img_size: int | None
+    in_chans: int | None
+    mean: list[float] | None
+    std: list[float] | None
+
+    def model_kwargs(self) -> dict[str, int]:
+        return {"num_classes": len(self.classes), "img_size": self.img_size, "in_chans": self.in_chans}
+
+    def artifacts(self) -> dict[str, Any]:
+        keys = ("classes", "img_size", "in_chans", "mean", "std")
+        return {k: getattr(self, k) for k in keys}
+
+    def normalize(self, images: Tensor) -> Tensor:
+        """uint8 (B, C, H, W) -> float, standardised per channel."""
+        return normalize(images, self.mean, self.std)
+
+
+class ImageClassificationDataModule(LabelledImagesDataModule):
+    """Labelled images held as uint8 tensors: RandAugment per image in the loader; crop, flip,
+    normalisation (the training split's statistics), erasing and mixup on the batch, on device.
 
     Args:
-        source: ``Builtin("mnist" | "fashion_mnist")`` (the IDX files; its ``url`` a base URL
-            to download them from) or ``Builtin("cifar10")`` (torchvision). (An image folder:
-            ``ImageFilesDataModule``, which reads any size and count.)
+        source: ``Builtin("mnist" | "fashion_mnist" | "cifar10")``, ``val_size`` images carved.
         img_size: resize images to this side once, at setup; ``None`` keeps the native size.
-        val_size: images carved (seeded) out of the training split to validate and select on.
-        batch_size: images per batch.
-        crop_padding: random crop after padding by this many pixels (0: none).
-        hflip: probability of a horizontal flip (0 for digits).
+        crop_padding, hflip: a random crop after padding by this many pixels; flip probability.
         rand_augment: a timm RandAugment string, e.g. "rand-m9-mstd0.5-inc1", or ``None``.
         random_erasing: probability of timm's random erasing per image.
-        mixup: timm's ``Mixup`` arguments (``mixup_alpha``, ``cutmix_alpha``, ``prob`` of mixing a
-            batch, ``switch_prob`` of cutmix instead); ``None`` or both alphas 0: off.
-        num_workers: DataLoader workers.
-        seed: of the validation split and the shuffling.
+        mixup: timm's ``Mixup`` arguments (``mixup_alpha``, ``cutmix_alpha``, ``prob``, ``switch_prob``).
     """
 
     def __init__(
         self,
         source: Builtin | None = None,
         img_size: PositiveInt | None = None,
-        val_size: PositiveInt = 5000,
         batch_size: PositiveInt = 128,
         crop_padding: int = 0,
         hflip: DropRate = 0.0,
@@ -186,7 +213,7 @@ class ImageClassificationDataModule(DataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        source = source or Builtin("fashion_mnist")
+        source = source or Builtin("fashion_mnist", val_size=5000)
         if source.name not in DATASETS:
             raise ConfigError(
                 f"data.source.name must be one of {', '.join(map(repr, DATASETS))}, got {source.name!r}"
@@ -194,8 +221,8 @@ class ImageClassificationDataModule(DataModule):
         if crop_padding < 0:
             raise ConfigError(f"data.crop_padding must be >= 0, got {crop_padding}")
         self.mixup_args = mixup_args(mixup, batch_size)
-        self.source = source
-        self.img_size, self.val_size, self.batch_size = img_size, val_size, batch_size
+        self.source, self.val_size = source, source.size("val")
+        self.img_size, self.in_chans, self.batch_size = img_size, None, batch_size
         self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
         self.random_erasing = random_erasing
         self.num_workers, self.seed = num_workers, seed
@@ -205,67 +232,30 @@ class ImageClassificationDataModule(DataModule):
         self.splits: dict[str, LabelledImages] = {}
         self.mixup: Mixup | None = None
 
-    # --- what the model and inference need -------------------------------------------------
-
-    @property
-    def in_chans(self) -> int:
-        return self.splits["train"].images.size(1)
-
-    @property
-    def size(self) -> int:
-        return self.splits["train"].images.size(-1)
-
-    def model_kwargs(self) -> dict[str, int]:
-        return {"num_classes": len(self.classes), "img_size": self.size, "in_chans": self.in_chans}
-
-    def artifacts(self) -> dict[str, Any]:
-        return {
-            "classes": self.classes,
-            "img_size": self.size,
-            "in_chans": self.in_chans,
-            "mean": self.mean,
-            "std": self.std,
-        }
-
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Keep the checkpoint's normalisation (resuming and evaluating see the same inputs)."""
         self.mean, self.std = artifacts["mean"], artifacts["std"]
 
     # --- loading ---------------------------------------------------------------------------
 
-    def _load(self) -> ImageSplits:
-        src = self.source
-        if src.name == "cifar10":
-            return load_cifar10(src.data_dir, src.cache_dir)
-        return load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
-
     def prepare_data(self) -> None:
         if self.source.data_dir is None:  # download once, on one process
-            self._load()
+            load_builtin(self.source)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        data = self._load()
+        data = load_builtin(self.source)
         images, labels = self._resize(data.train_images), data.train_labels
-        if self.val_size >= len(labels):
-            raise ConfigError(
-                f"data.val_size ({self.val_size}) must be smaller than the training split "
-                f"({len(labels)} images)"
-            )
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
-        val, train = order[: self.val_size], order[self.val_size :]
+        val, train = carve(len(labels), [self.val_size], self.seed)
         self.classes = data.classes
         if self.mean is None:
             self.mean, self.std = channel_stats(images[train])
         self.splits["train"] = LabelledImages(images[train], labels[train])
         self.splits["train"].transform, self.splits["train"].seed = self._train_transform(), self.seed
         self.splits["val"] = LabelledImages(images[val], labels[val])
-        if data.test_images is not None:
-            self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
-        else:
-            log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
-            self.splits["test"] = self.splits["val"]
+        self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
+        self.img_size, self.in_chans = images.size(-1), images.size(1)  # as resized
         self.mixup = make_mixup(self.mixup_args, len(self.classes))
         log.info(
             "%s: %d train / %d val / %d test images of %s, %d classes",
@@ -287,10 +277,6 @@ class ImageClassificationDataModule(DataModule):
 
     # --- batches ---------------------------------------------------------------------------
 
-    def normalize(self, images: Tensor) -> Tensor:
-        """uint8 (B, C, H, W) -> float, standardised per channel with the training statistics."""
-        return normalize(images, self.mean, self.std)
-
     def on_after_batch_transfer(
         self, batch: tuple[Tensor, Tensor], dataloader_idx: int
     ) -> tuple[Tensor, Tensor]:
@@ -298,20 +284,5 @@ class ImageClassificationDataModule(DataModule):
         training = self.trainer is not None and self.trainer.training
         if training and (self.crop_padding or self.hflip):
             images = random_crop_flip(images, self.crop_padding, self.hflip)
-        x = self.normalize(images)
-        if training:
-            if self.random_erasing:  # in place, per image; fills with noise made on the batch's device
-                x = RandomErasing(self.random_erasing, mode="pixel", device=x.device)(x)
-            if self.mixup is not None:
-                x, labels = self.mixup(x, labels)  # labels become (B, num_classes) mixtures
-        return x, labels
-
-    def train_dataloader(self) -> DataLoader:
-        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
-        return image_loader(self.splits["train"], self.batch_size, self.num_workers, sampler)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.eval_loader(self.splits["val"], self.batch_size, "val", num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.eval_loader(self.splits["test"], self.batch_size, "test", num_workers=self.num_workers)
+        x = normalize(images, self.mean, self.std)
+        return erase_and_mix(x, labels, self.random_erasing, self.mixup) if training else (x, labels)

@@ -7,9 +7,11 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import torchvision.transforms.v2.functional as TF
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
@@ -24,12 +26,12 @@ KEY = "data.source.data_dir"  # where a built-in set's files are read from inste
 
 @dataclass
 class ImageSplits:
-    """A labelled training split and an optional labelled test split, with the class names."""
+    """A labelled training split and a labelled test split, with the class names."""
 
     train_images: Tensor  # (N, C, H, W) uint8
     train_labels: Tensor  # (N,) int64
-    test_images: Tensor | None
-    test_labels: Tensor | None
+    test_images: Tensor
+    test_labels: Tensor
     classes: list[str]
 
 
@@ -156,6 +158,13 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
     return read_cifar_batches(Path(cache_dir) / CIFAR10_FOLDER)
 
 
+def load_builtin(source: Any) -> ImageSplits:
+    """A ``Builtin`` image set: CIFAR-10 (torchvision's files) or an IDX set."""
+    if source.name == "cifar10":
+        return load_cifar10(source.data_dir, source.cache_dir)
+    return load_idx_dataset(source.name, source.data_dir, source.cache_dir, source.url)
+
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
@@ -178,24 +187,10 @@ def read_image(path: Path, channels: int | None = None) -> Tensor:
     return torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
 
 
-def load_image_folder(root: str | None) -> ImageSplits:
-    """An ImageFolder tree (``scan_image_folder``) decoded whole into tensors; all images must
-    share one size (``data=image_folder`` reads any sizes lazily instead)."""
-    found, classes = scan_image_folder(root)
-
-    def split(name: str) -> tuple[Tensor, Tensor]:
-        files, labels = found[name]
-        images = [read_image(f) for f in files]
-        shapes = {tuple(img.shape) for img in images}
-        if len(shapes) > 1:
-            raise DataError(
-                f"{files[0].parent.parent}: images of different sizes or channels {sorted(shapes)[:3]}; "
-                "resize them to one size first"
-            )
-        return torch.stack(images), torch.tensor(labels)
-
-    test = split("test") if "test" in found else (None, None)
-    return ImageSplits(*split("train"), *test, classes)
+def square(image: Tensor, img_size: int) -> Tensor:
+    """(C, H, W) uint8 -> (C, S, S): the shorter side resized to S, the centre cropped."""
+    image = TF.resize(image, img_size, antialias=True)
+    return TF.center_crop(image, [img_size, img_size])
 
 
 def scan_image_folder(root: str | None) -> tuple[dict[str, tuple[list[Path], list[int]]], list[str]]:

@@ -18,11 +18,8 @@ IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x
 
 
 def read_idx(path: str | Path, ndim: int | None = None) -> Tensor:
-    """The array in an IDX file (gzipped when its name ends in ``.gz``), as a tensor.
-
-    ``ndim``: the number of dimensions the caller expects (3 for images, 1 for labels).
-    A wrong magic number or a truncated file is a ``DataError`` naming the file.
-    """
+    """The array in an IDX file (gzipped if ``.gz``) of ``ndim`` dimensions; a bad magic number or a
+    truncated file is a ``DataError`` naming it."""
     path = Path(path)
     try:
         data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()

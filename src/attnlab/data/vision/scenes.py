@@ -1,14 +1,8 @@
 """Scenes: 2 to 4 Fashion-MNIST or MNIST items placed without overlap on a blank canvas, captioned
-with the items and the spatial relations between them ("a sneaker to the left of a bag , which is
-above a shirt"), each item's box kept. A captioning set whose captions can be checked word by word
-(``attnlab.training.caption_metrics.scene_exact_match``) and whose attention can be checked against
-the boxes (``grounding_hit``); seeded, so the same seed gives the same scenes.
-
-How a caption is made: the items are named from left to right (or, for half the scenes, right to
-left) by their boxes' centres, each related to the next by the larger of the two offsets between
-their centres (horizontal: left of / right of; vertical: above / below), so every relation named is
-true and one ordering rule gives it. The words vary: three phrasings per relation, three openings
-and three ways to link the next item."""
+with the items and the relations between them ("a sneaker to the left of a bag , which is above a
+shirt"), each item's box kept, so captions can be checked word by word and attention against the
+boxes. Items are named left to right (or right to left) by their centres, each related to the next
+by the larger offset between them; seeded."""
 
 from __future__ import annotations
 
@@ -19,16 +13,16 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule
+from attnlab.data.base import SplitsDataModule
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import channel_stats, image_loader, normalize
-from attnlab.data.vision.datasets import load_idx_dataset
+from attnlab.data.vision.classification import channel_stats, normalize
+from attnlab.data.vision.datasets import load_builtin
 
 log = logging.getLogger(__name__)
 
@@ -215,30 +209,16 @@ class SceneSplit(Dataset):
         return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
 
 
-class ScenesDataModule(DataModule):
-    """Scenes built from Fashion-MNIST or MNIST (``make_scenes``): training and validation scenes
-    from disjoint halves of the source's training images, test scenes from its test images.
+class ScenesDataModule(SplitsDataModule):
+    """Scenes (``make_scenes``) of a ``Builtin`` IDX set: train and val scenes from disjoint halves of
+    its training images, test scenes from its test images; ``train_size``, ``val_size`` and
+    ``test_size`` count the scenes, ``items`` the fewest and most items on a ``canvas``-pixel side.
 
-    ``target="caption"`` batches (for ``CaptioningTask``): ``image`` (B, 1, H, W) normalised,
-    ``tokens`` (B, T) = ``<bos>`` words ``<eos>`` then ``<pad>`` (``WordTokenizer``, fitted on the
-    training captions and kept in the checkpoint), ``captions`` (the references), ``idx`` (B,)
-    the scenes' indices in their split, and for scoring: ``items`` (the names), ``relations``,
-    ``boxes`` ((k, 4) each) and ``words`` (per item, the index in ``tokens`` of the word naming it).
-    ``target="labels"`` batches (multi-label classification): ``image`` and ``target`` (B, labels)
-    float, 1 for each class in the scene; with ``label_grid`` g > 1, 1 for each (cell, class) of an
-    item whose centre lies in that cell of a g x g grid over the canvas (which classes are where).
-
-    Args:
-        source: ``Builtin("fashion_mnist" | "mnist")`` (the IDX files, read as
-            ``data=fashion_mnist`` reads them).
-        canvas: the scenes' side in pixels.
-        items: the fewest and most items in a scene.
-        train_size, val_size, test_size: scenes per split.
-        target: "caption" or "labels".
-        label_grid: for ``target="labels"``, the side of the grid of cells each class is named in
-            (1: the whole canvas, which classes are in the scene; 2: which are in each quadrant).
-        batch_size, num_workers, seed: loaders; the scenes and training order are seeded.
-    """
+    ``target="caption"`` batches: ``image``, ``tokens`` (``<bos>`` words ``<eos>``, a ``WordTokenizer``
+    kept in the checkpoint), ``captions``, ``idx``, and for scoring ``items``, ``relations``, ``boxes``
+    and ``words`` (per item, the index in ``tokens`` of the word naming it). ``target="labels"``:
+    ``image`` and ``target`` (B, labels), 1 per class in the scene, or per (cell, class) of a
+    ``label_grid`` x ``label_grid`` grid."""
 
     def __init__(
         self,
@@ -262,6 +242,11 @@ class ScenesDataModule(DataModule):
             )
         if len(items) != 2:
             raise ConfigError(f"data.items must be [min, max], got {list(items)}")
+        if source.carved():  # the scenes' sizes are data.train_size, ...
+            raise ConfigError(
+                "data.source.val_size: scenes are drawn from halves of the source's training images "
+                "(data.train_size, data.val_size, data.test_size count them): leave it null"
+            )
         self.source = source
         self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
@@ -304,15 +289,13 @@ class ScenesDataModule(DataModule):
     # --- loading ---------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        src = self.source
-        if src.data_dir is None:  # download once, on one process
-            load_idx_dataset(src.name, None, src.cache_dir, src.url)
+        if self.source.data_dir is None:  # download once, on one process
+            load_builtin(self.source)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        src = self.source
-        data = load_idx_dataset(src.name, src.data_dir, src.cache_dir, src.url)
+        data = load_builtin(self.source)
         order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
         half = len(order) // 2
         sources = {  # (images, labels, the pool's indices in them)
@@ -380,20 +363,8 @@ class ScenesDataModule(DataModule):
     def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
         return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
 
-    def train_dataloader(self) -> DataLoader:
-        split = self.splits["train"]
-        sampler = self.train_sampler(len(split), self.batch_size, self.seed)
-        return image_loader(split, self.batch_size, self.num_workers, sampler, _Collate(self, "train"))
-
-    def val_dataloader(self) -> DataLoader:
-        return self.eval_loader(
-            self.splits["val"], self.batch_size, "val", _Collate(self, "val"), self.num_workers
-        )
-
-    def test_dataloader(self) -> DataLoader:
-        return self.eval_loader(
-            self.splits["test"], self.batch_size, "test", _Collate(self, "test"), self.num_workers
-        )
+    def collate_of(self, split: str) -> _Collate:
+        return _Collate(self, split)
 
 
 class _Collate:

@@ -1,7 +1,5 @@
-"""Image shards (``attnlab-prepare --mode images``, kind ``images``): an ImageFolder tree as tar
-shards of ``key.jpg`` (or ``.png``) + ``key.cls`` (a class index), the class names in the manifest
-(``attnlab.data.shards.tar``: the layout, its writer and readers). What is image-specific here:
-reading and checking image files, decoding a record's image."""
+"""Image shards (kind ``images``): an ImageFolder tree as tar shards of ``key.jpg`` (or ``.png``) +
+``key.cls``, the class names in the manifest; reading, checking and decoding images."""
 
 from __future__ import annotations
 
@@ -14,8 +12,9 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.data.sampling import carve
 from attnlab.data.shards.tar import Item, Record, write_tar_shards
-from attnlab.data.shards.writer import carve
+from attnlab.data.shards.writer import check_free
 from attnlab.data.vision.datasets import scan_image_folder, unreadable_image
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
@@ -71,8 +70,15 @@ def image_items(files: list[Path], values: list[Any], field: str) -> Iterator[It
         )
 
 
-def image_folder_items(files: list[Path], labels: list[int]) -> Iterator[Item]:
-    return image_items(files, labels, "cls")
+def carved_items(
+    files: list[Path], values: list[Any], field: str, val_size: int, seed: int, what: str
+) -> dict:
+    """The train and val splits' items, ``val_size`` carved (seeded) out of ``what``."""
+    if val_size >= len(files):
+        raise ConfigError(f"--val-size ({val_size}) must be smaller than the {len(files)} {what}")
+    val, train = carve(len(files), [val_size], seed)
+    pick = lambda idx: image_items([files[i] for i in idx], [values[i] for i in idx], field)  # noqa: E731
+    return {"train": pick(train), "val": pick(val)}
 
 
 def write_shards(
@@ -97,17 +103,10 @@ def prepare_images(
 ) -> dict[str, Any]:
     """An ImageFolder tree (``folder/train/<class>/<image>``, optional ``folder/test/...``) into
     classification shards: ``val_size`` training images carved out (seeded) as the val split."""
-    from attnlab.data.shards.writer import check_free
-
     check_free(Path(out_dir))
     found, classes = scan_image_folder(str(folder))
-    files, labels = found["train"]
-    if val_size >= len(files):
-        raise ConfigError(f"--val-size ({val_size}) must be smaller than the {len(files)} training images")
-    pick = lambda idx: image_folder_items([files[i] for i in idx], [labels[i] for i in idx])  # noqa: E731
-    train, val = carve(len(files), val_size, seed)
-    splits = {"train": pick(train), "val": pick(val)}
+    splits = carved_items(*found["train"], "cls", val_size, seed, "training images")
     if "test" in found:
-        splits["test"] = image_folder_items(*found["test"])
+        splits["test"] = image_items(*found["test"], "cls")
     meta = {"kind": "images", "classes": classes, "source": str(folder)}
     return write_shards(splits, out_dir, meta, shard_records, on_bad_record)

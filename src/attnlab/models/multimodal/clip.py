@@ -8,16 +8,15 @@ Transformer read at the caption's end-of-text token, as in CLIP.
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
-from attnlab.nn import LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
-from attnlab.nn.attention import AttentionImpl
+from attnlab.nn import LearnedPositions, TokenEmbedding, TransformerBlock, flops
+from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops
 
@@ -43,6 +42,7 @@ class TextTransformer(nn.Module):
         pool: which token's state is the caption's feature: "last" (the last non-padding one)
             or "argmax" (the one of highest id: open_clip's, where end-of-text has the highest
             id and padding may share an id with a real token).
+        **attn: ``attnlab.nn.AttentionSpec``.
     """
 
     def __init__(
@@ -55,9 +55,9 @@ class TextTransformer(nn.Module):
         mlp_ratio: PositiveFloat = 4.0,
         dropout: DropRate = 0.0,
         pad_id: int = 0,
-        attn_impl: AttentionImpl = "auto",
         act: Activation = "gelu",
         pool: TextPool = "last",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         self.vocab_size, self.max_len, self.dim, self.pad_id = vocab_size, max_len, dim, pad_id
@@ -69,7 +69,7 @@ class TextTransformer(nn.Module):
                 n_head,
                 int(dim * mlp_ratio),
                 dropout=dropout,
-                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                attn_layer=attention_layer(**attn),
                 act_layer=activation(act),
             )
             for _ in range(depth)

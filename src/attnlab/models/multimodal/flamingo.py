@@ -1,30 +1,17 @@
-"""Flamingo (Alayrac et al. 2022): a frozen vision encoder and a frozen language model joined by
-a Perceiver Resampler and gated cross-attention layers, the only parts trained.
+"""Flamingo (Alayrac et al. 2022): a frozen vision encoder (our ``ConvNet``'s last-map cells, as
+the paper's NFNet, or a ``VisionTransformer``'s patch tokens) and a frozen ``GPT``, kept in eval mode
+and loaded from runs of their own (``model.init_from={vision: <run>, lm: <run>}``), joined by the
+only trained parts: a ``PerceiverResampler`` (learned latents attend to [image features with their
+places; latents]: ``n_latents`` vectors per image) and a ``GatedCrossAttentionBlock`` before every
+``cross_every``-th GPT block (branches added through ``tanh(gate)``, gate 0: the identity at first,
+the frozen LM untouched). ``FeatureCache`` keeps the frozen encoder's features of each image.
 
-- ``PerceiverResampler``: a few learned latents attend to [image features with their places;
-  latents], so every image reaches the language model as ``n_latents`` vectors whatever its
-  number of patches.
-- ``GatedCrossAttentionBlock``: text tokens attend to the latents, then an MLP; each branch is
-  added through ``tanh(gate)`` with the gate at 0, so at initialisation the block is the identity
-  and the frozen LM's predictions are untouched (exactly: ``x + 0 * y`` is ``x``).
-- ``Flamingo``: a vision encoder (our ``ConvNet``, the cells of its last map, as the paper's NFNet;
-  or our ``VisionTransformer``, its patch tokens) and our ``GPT``, frozen and kept in eval mode,
-  with a gated block before every ``cross_every``-th GPT block. Their weights come from runs of
-  their own (``model.init_from={vision: <run>, lm: <run>}``, ``experiment/flamingo_scenes``).
-- ``FeatureCache``: the frozen encoder's features of each image, kept after its first pass.
-
-Interleaved sequences: a row holds images (B, N, C, H, W) and tokens (B, T) in which the
-``image_token`` marks where each image stands (the i-th marker is the i-th image); every token
-attends only to the latents of the last image at or before it (the paper's masking), a token
-before any image to none. A row of one image (B, C, H, W), a ``Captioner``'s, is seen by
-every token, whatever follows. The marker is BOS by default: a caption ``[BOS] words [EOS]`` is an
-(image, text) chunk, and few-shot prompting puts example chunks before the query image's
-(``few_shot_prompt``).
-
-It is a ``Captioner`` (``attnlab.models.contracts``), which ``attnlab.training.captioning``
-trains. The attention of a word over the image patches is the gated cross-attention over the
-latents composed with the resampler's attention over the patches, each averaged over heads and
-layers.
+Interleaved sequences: images (B, N, C, H, W) and tokens (B, T) in which ``image_token`` (BOS by
+default) marks where the i-th image stands; a token attends only to the latents of the last image
+at or before it (the paper's masking), a token before any image to none; one image (B, C, H, W),
+a ``Captioner``'s, is seen by every token. Few-shot prompts put (image, caption) chunks before the
+query image's (``few_shot_prompt``). A word's attention over the patches is the gated
+cross-attention over the latents composed with the resampler's over the patches.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ exact GELU) so that ``attnlab.weights.bert`` maps its weights onto ours.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
-from attnlab.nn import Dropout, LearnedPositions, MultiHeadAttention, TokenEmbedding, TransformerBlock, flops
-from attnlab.nn.attention import AttentionImpl
+from attnlab.nn import Dropout, LearnedPositions, TokenEmbedding, TransformerBlock, flops
+from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.flops import Flops
 from attnlab.nn.positions import relative_positions
 
@@ -72,9 +72,9 @@ class Bert(nn.Module):
         max_len: longest input, in tokens.
         n_segments: segment ids (2: sentence A and B).
         dropout: on the embeddings and each residual branch.
-        attn_dropout: on the attention weights.
         positions: "learned" (BERT's), or relative ones inside the attention (docs/positions.md):
             "rope", "alibi" (symmetric: the distance either way) or "t5" (buckets both ways).
+        **attn: ``attnlab.nn.AttentionSpec`` (attn_dropout 0.1 unless set, as BERT's).
     """
 
     def __init__(
@@ -88,9 +88,8 @@ class Bert(nn.Module):
         max_len: PositiveInt = 128,
         n_segments: PositiveInt = 2,
         dropout: DropRate = 0.1,
-        attn_dropout: DropRate = 0.1,
-        attn_impl: AttentionImpl = "auto",
         positions: Literal["learned", "rope", "alibi", "t5"] = "learned",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         self.vocab_size, self.pad_id, self.dim, self.max_len = vocab_size, pad_id, dim, max_len
@@ -104,9 +103,8 @@ class Bert(nn.Module):
                 n_head,
                 int(mlp_ratio * dim),
                 dropout=dropout,
-                attn_dropout=attn_dropout,
                 norm_first=False,
-                attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+                attn_layer=attention_layer(**{"attn_dropout": 0.1, **attn}),
                 norm_layer=LayerNorm,
             )
             for _ in range(depth)

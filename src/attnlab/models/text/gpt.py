@@ -1,20 +1,11 @@
-"""GPT: a decoder-only Transformer language model (Radford et al. 2018/2019).
+"""GPT: a decoder-only Transformer language model (Radford et al. 2018/2019), nanoGPT's: token +
+learned position embeddings (``TokenEmbedding``, its table also the output layer), pre-LN
+``TransformerBlock``s (causal ``MultiHeadAttention`` with a ``KVCache`` for generation, GELU
+``MLP``), a final LayerNorm, the tied head.
 
-nanoGPT's model (token + learned position embeddings, pre-LN blocks with a GELU MLP, tied
-input/output embeddings), built from the shared blocks of ``attnlab.nn``:
-
-- ``TokenEmbedding`` (nn/embedding.py): token table + ``LearnedPositions`` + dropout; its table
-  is also the output layer (``logits = x @ tokens.weight.T``).
-- ``TransformerBlock`` (nn/blocks.py): ``x + attn(ln(x))`` then ``x + mlp(ln(x))`` (pre-LN),
-  with ``MultiHeadAttention`` (nn/attention.py: causal here, SDPA or explicit softmax, a
-  ``KVCache`` for generation) and ``MLP`` (Linear, GELU, Linear).
-
-The forward pass reads top-down: embed, the blocks in order, a final LayerNorm, the tied head.
-
-Positions and the attention pattern are chosen by name (docs/positions.md): ``positions`` learned
-(nanoGPT's), sinusoidal (both added to the embeddings), rope, alibi, t5 (inside the attention,
-``nn/positions.py``) or none; ``attention`` full, sliding, global_local (``nn/local_attention.py``)
-or linear (``nn/linear_attention.py``).
+Positions and the attention pattern are chosen by name (docs/positions.md): ``positions`` learned,
+sinusoidal, rope, alibi, t5 (``nn/positions.py``) or none; ``attention`` full, sliding,
+global_local (``nn/local_attention.py``) or linear (``nn/linear_attention.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -30,13 +21,12 @@ from torch import Tensor, nn
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import (
     LearnedPositions,
-    MultiHeadAttention,
     SinusoidalPositions,
     TokenEmbedding,
     TransformerBlock,
     flops,
 )
-from attnlab.nn.attention import AttentionImpl, KVCache
+from attnlab.nn.attention import AttentionSpec, KVCache, attention_layer
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
@@ -49,16 +39,17 @@ Cache = KVCache | LinearAttentionState
 
 
 def causal_attention_layer(
-    attention: Attention, window: int, n_global: int, impl: AttentionImpl, feature_map: FeatureMap = "elu"
+    attention: Attention, window: int, n_global: int, feature_map: FeatureMap = "elu", **attn: Any
 ) -> Callable[..., nn.Module]:
-    """The attention layer ``attention`` names, as a constructor for ``TransformerBlock``."""
+    """The attention layer ``attention`` names, with the ``AttentionSpec`` ``attn``, as a
+    constructor for ``TransformerBlock``."""
     if attention == "sliding":
-        return partial(SlidingWindowAttention, window=window, impl=impl)
+        return attention_layer(SlidingWindowAttention, window=window, **attn)
     if attention == "global_local":
-        return partial(GlobalLocalAttention, window=window, n_global=n_global, impl=impl)
+        return attention_layer(GlobalLocalAttention, window=window, n_global=n_global, **attn)
     if attention == "linear":
-        return partial(LinearAttention, feature_map=feature_map)
-    return partial(MultiHeadAttention, impl=impl)
+        return attention_layer(LinearAttention, feature_map=feature_map, **attn)
+    return attention_layer(**attn)
 
 
 def init_normal(module: nn.Module) -> None:
@@ -91,6 +82,7 @@ class GPT(nn.Module):
         n_global: global tokens of global_local attention.
         feature_map: linear attention's: "elu" (elu + 1, Katharopoulos et al.) or "taylor"
             (exp to its second order, Based: closer to softmax, more features per head).
+        **attn: ``attnlab.nn.AttentionSpec`` (attn_dropout: ``dropout`` unless set).
     """
 
     def __init__(
@@ -103,13 +95,13 @@ class GPT(nn.Module):
         mlp_ratio: PositiveFloat = 4.0,
         dropout: DropRate = 0.0,
         bias: bool = False,
-        attn_impl: AttentionImpl = "auto",
         act: Activation = "gelu",
         positions: Positions = "learned",
         attention: Attention = "full",
         window: PositiveInt = 32,
         n_global: PositiveInt = 4,
         feature_map: FeatureMap = "elu",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         if attention == "linear" and positions in ("alibi", "t5"):
@@ -136,9 +128,10 @@ class GPT(nn.Module):
             n_head,
             int(mlp_ratio * dim),
             dropout=dropout,
-            attn_dropout=dropout,
             bias=bias,
-            attn_layer=causal_attention_layer(attention, window, n_global, attn_impl, feature_map),
+            attn_layer=causal_attention_layer(
+                attention, window, n_global, feature_map, **{"attn_dropout": dropout, **attn}
+            ),
             norm_layer=partial(nn.LayerNorm, bias=bias),
             act_layer=activation(act),
         )

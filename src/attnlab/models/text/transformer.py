@@ -9,7 +9,7 @@ It follows the ``Decoder`` contract (``attnlab.models.contracts``).
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -18,13 +18,12 @@ from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.nn import (
     KVCache,
     LearnedPositions,
-    MultiHeadAttention,
     SinusoidalPositions,
     TokenEmbedding,
     TransformerBlock,
     flops,
 )
-from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.flops import Flops
 
 
@@ -37,12 +36,12 @@ class Transformer(nn.Module):
         enc_depth, dec_depth: number of blocks in each stack.
         mlp_ratio: feed-forward width over ``dim`` (the paper's 2048 / 512 = 4).
         dropout: on embeddings and residual branches.
-        attn_dropout: on the attention weights.
         norm_first: pre-LN (True) or the paper's post-LN (False).
         positions: "sinusoidal" (the paper) or "learned".
         max_len: longest sequence the positions cover.
         share_embeddings: one embedding matrix for source and target (the output layer is always
             tied to the target embedding).
+        **attn: ``attnlab.nn.AttentionSpec``, for every self- and cross-attention.
     """
 
     def __init__(
@@ -55,12 +54,11 @@ class Transformer(nn.Module):
         dec_depth: PositiveInt = 3,
         mlp_ratio: PositiveFloat = 4.0,
         dropout: DropRate = 0.1,
-        attn_dropout: DropRate = 0.0,
         norm_first: bool = False,
         positions: Literal["sinusoidal", "learned"] = "sinusoidal",
         max_len: PositiveInt = 256,
         share_embeddings: bool = True,
-        attn_impl: AttentionImpl = "auto",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         self.pad_id, self.dim, self.max_len = pad_id, dim, max_len
@@ -74,9 +72,8 @@ class Transformer(nn.Module):
             n_head,
             int(mlp_ratio * dim),
             dropout=dropout,
-            attn_dropout=attn_dropout,
             norm_first=norm_first,
-            attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            attn_layer=attention_layer(**attn),
             act_layer=nn.ReLU,
         )
         self.encoder = nn.ModuleList(block() for _ in range(enc_depth))

@@ -11,8 +11,9 @@ so one set of weights runs on any image size. The head reads the mean of the lat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Annotated
+from typing import Annotated, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
 from attnlab.models.vision.vit import drop_path_rates, init_linear
 from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, flops, fourier_features
-from attnlab.nn.attention import AttentionImpl
+from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.flops import Flops, Grad
 
 
@@ -37,16 +38,15 @@ class CrossAttentionBlock(nn.Module):
         n_head: int,
         mlp_dim: int,
         dropout: float = 0.0,
-        attn_dropout: float = 0.0,
         drop_path: float = 0.0,
-        attn_impl: AttentionImpl = "auto",
+        attn_layer: Callable[..., MultiHeadAttention] = MultiHeadAttention,
     ) -> None:
         super().__init__()
         self.norm_inputs = nn.LayerNorm(in_dim)
         self.norm1 = nn.LayerNorm(dim)
         # keys and values straight from the byte array's C' channels, as the paper projects them:
         # one linear map, not two in a row (whose product learns slowly from a small init)
-        self.attn = MultiHeadAttention(dim, n_head, dropout=attn_dropout, impl=attn_impl, kv_dim=in_dim)
+        self.attn = attn_layer(dim, n_head, kv_dim=in_dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, mlp_dim)
         self.drop = Dropout(dropout)
@@ -86,8 +86,9 @@ class Perceiver(nn.Module):
             past the border): 1 is the pixel alone (the paper's); 3 lets the keys and values,
             linear in the element, see edges and strokes (Perceiver IO's input for optical flow).
         mlp_ratio: MLP hidden width over ``dim``.
-        dropout: on each residual branch; attn_dropout: on the attention weights.
+        dropout: on each residual branch.
         drop_path: stochastic depth of the last latent block (linear from 0).
+        **attn: ``attnlab.nn.AttentionSpec``, for the cross-attention and the latent tower.
     """
 
     def __init__(
@@ -105,9 +106,8 @@ class Perceiver(nn.Module):
         neighbourhood: PositiveInt = 1,
         mlp_ratio: PositiveFloat = 2.0,
         dropout: DropRate = 0.0,
-        attn_dropout: DropRate = 0.0,
         drop_path: DropRate = 0.0,
-        attn_impl: AttentionImpl = "auto",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         if neighbourhood % 2 == 0:
@@ -126,15 +126,14 @@ class Perceiver(nn.Module):
             cross_heads,
             mlp_dim,
             dropout=dropout,
-            attn_dropout=attn_dropout,
-            attn_impl=attn_impl,
+            attn_layer=attention_layer(**attn),
         )
         self.cross_first = cross(drop_path=next(rates))
         self.cross = cross() if repeats > 1 else None  # every later repeat's
-        block = partial(TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_dropout=attn_dropout)
-        attn_layer = partial(MultiHeadAttention, impl=attn_impl)
-        # the latent tower, shared by every repeat
-        self.blocks = nn.ModuleList(block(drop_path=rate, attn_layer=attn_layer) for rate in rates)
+        block = partial(
+            TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_layer=attention_layer(**attn)
+        )
+        self.blocks = nn.ModuleList(block(drop_path=rate) for rate in rates)  # shared by every repeat
         self.norm = nn.LayerNorm(dim)
         self.num_features = dim
         self.head = nn.Linear(dim, num_classes)

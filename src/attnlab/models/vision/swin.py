@@ -72,12 +72,12 @@ class SwinStage(nn.Module):
                 int(out_dim * mlp_ratio),
                 dropout=dropout,
                 drop_path=drop_path[i],
-                attn_dropout=attn_dropout,
                 attn_layer=partial(
                     WindowAttention,
                     size=self.size,
                     window=window,
                     shift=shift if i % 2 else 0,
+                    dropout=attn_dropout,
                     impl=attn_impl,
                 ),
             )

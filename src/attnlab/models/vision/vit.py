@@ -10,16 +10,22 @@ Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
-from attnlab.nn import Dropout, MultiHeadAttention, Stem, TransformerBlock, flops, patch_embedding
-from attnlab.nn.attention import AttentionImpl
+from attnlab.nn import Dropout, Stem, TransformerBlock, flops, patch_embedding
+from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
+
+
+def norm_eps(pre_norm: bool) -> float:
+    """The LayerNorms' eps: CLIP's 1e-5 for a tower with ``norm_pre`` (open_clip's and timm's
+    ``vit_*_clip_*``), else timm's ViT's 1e-6."""
+    return 1e-5 if pre_norm else 1e-6
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -39,17 +45,17 @@ class VisionTransformer(nn.Module):
         n_head: attention heads; must divide ``dim``.
         mlp_ratio: MLP hidden width over ``dim``.
         dropout: on the embeddings and each residual branch.
-        attn_dropout: on the attention weights.
         drop_path: stochastic depth of the last block (linear from 0).
         stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
             convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
             or "conv_full" (the conv stem with a first convolution at full resolution).
-        pre_norm, norm_eps, patch_bias, act: what CLIP's image tower does differently (open_clip
-            and timm's ``vit_*_clip_*``): a LayerNorm on the tokens before the blocks
-            (``norm_pre``), LayerNorms of eps 1e-5 instead of 1e-6, a patch projection without
-            bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
+        pre_norm, patch_bias, act: what CLIP's image tower does differently (open_clip and
+            timm's ``vit_*_clip_*``): a LayerNorm on the tokens before the blocks (``norm_pre``;
+            with it every LayerNorm has CLIP's eps 1e-5, else timm's 1e-6), a patch projection
+            without bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
         global_pool: what the head reads: "token" ([CLS]) or "avg" (the mean patch token, as
             timm's; every patch token then feeds the loss).
+        **attn: ``attnlab.nn.AttentionSpec``: attn_impl, attn_dropout, n_kv_head, qk_norm.
     """
 
     num_prefix_tokens = 1  # [CLS]
@@ -65,15 +71,13 @@ class VisionTransformer(nn.Module):
         n_head: PositiveInt = 3,
         mlp_ratio: PositiveFloat = 4.0,
         dropout: DropRate = 0.0,
-        attn_dropout: DropRate = 0.0,
         drop_path: DropRate = 0.0,
-        attn_impl: AttentionImpl = "auto",
         stem: Stem = "patch",
         pre_norm: bool = False,
-        norm_eps: PositiveFloat = 1e-6,
         patch_bias: bool = True,
         act: Activation = "gelu",
         global_pool: Literal["token", "avg"] = "token",
+        **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
         self.num_classes, self.img_size, self.in_chans, self.global_pool = (
@@ -88,7 +92,7 @@ class VisionTransformer(nn.Module):
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)
         )
         self.pos_drop = Dropout(dropout)
-        norm_layer = partial(nn.LayerNorm, eps=norm_eps)
+        norm_layer = partial(nn.LayerNorm, eps=norm_eps(pre_norm))
         self.norm_pre = norm_layer(dim) if pre_norm else nn.Identity()
         block = partial(
             TransformerBlock,
@@ -96,8 +100,7 @@ class VisionTransformer(nn.Module):
             n_head,
             int(dim * mlp_ratio),
             dropout=dropout,
-            attn_dropout=attn_dropout,
-            attn_layer=partial(MultiHeadAttention, impl=attn_impl),
+            attn_layer=attention_layer(**attn),
             norm_layer=norm_layer,
             act_layer=activation(act),
         )
