@@ -237,3 +237,14 @@ def test_image_data_modules_take_no_split_size_and_at_most_12_arguments():
     ):
         params = inspect.signature(cls).parameters
         assert not {"val_size", "test_size"} & set(params) and len(params) <= 12, cls.__name__
+
+
+def test_an_image_folder_validates_on_images_it_does_not_train_on(tmp_path):
+    """The validation images are carved out of train/: none of them is also a training image."""
+    from attnlab.data import ImageFilesDataModule
+    from attnlab.data.sources import Folder
+
+    dm = ImageFilesDataModule(Folder(str(write_image_folder(tmp_path / "f")), val_size=4), img_size=16)
+    dm.setup("fit")
+    train, val = set(dm.splits["train"].files), set(dm.splits["val"].files)
+    assert len(train) == 20 and len(val) == 4 and not train & val
