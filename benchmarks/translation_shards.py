@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnlab.core.hardware import cpu_model
-    from attnlab.data.text.pair_shards import prepare_pairs
+    from attnlab.data.text.shards import prepare_pairs
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -230,6 +230,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def positions_multirun(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tiny ``attnlab-train -m seed=1,2,3 model.net.positions=learned,alibi`` (issue 59's
+    comparison, shared by attnlab-compare's and attnlab-report's tests); returns its multirun folder."""
+    cwd = tmp_path_factory.mktemp("positions")
+    steps = tiny("trainer.max_steps=4", "trainer.val_check_interval=2", "data.val_batches=1")
+    args = ["-m", "seed=1,2,3", "model.net.positions=learned,alibi", *steps, "logger=csv"]
+    assert_ok(run_cli("train", [*args, f"paths.root_dir={cwd}"], cwd))
+    (multirun,) = (cwd / "logs").glob("*/multiruns/*")
+    return multirun
+
+
 def needs_shared(name: str) -> Path:
     path = SHARED_DATA / name
     if not path.exists():

@@ -2,7 +2,8 @@
 in fp32: FlexAttention (``attn_impl: flex``) for every attention variant, decoding with the caches
 too, and a CPU's flash kernel in pieces for causal ALiBi and T5 (``nn/flash_pieces.py``).
 FlexAttention runs eagerly here (``flex.COMPILE`` off): compiling it on a CPU takes minutes, and
-its compiled CPU kernel has no backward; the compiled forward is checked once, in a slow test."""
+its compiled CPU kernel has no backward; the compiled forward is checked inside a compiled GPT
+(ALiBi, full), and in the slow tests also alone and with T5 in a sliding window."""
 
 from __future__ import annotations
 
@@ -177,8 +178,11 @@ def test_compiled_flex_forward_equals_math_on_a_cpu(monkeypatch):
     torch.testing.assert_close(y_flex, y_math, **TOL)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [("alibi", "full"), ("t5", "sliding")], ids="-".join)
+@pytest.mark.parametrize(
+    "variant",
+    [("alibi", "full"), pytest.param(("t5", "sliding"), marks=pytest.mark.slow)],  # alibi-full: seconds
+    ids="-".join,
+)
 def test_flex_inside_a_compiled_gpt_equals_math(variant: tuple[str, str], monkeypatch):
     """The whole model compiled (``model.optim.compile``), FlexAttention with it: strided heads gave wrong
     outputs and a bias computed in the graph did not lower on a CPU until worked around."""

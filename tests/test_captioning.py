@@ -123,7 +123,6 @@ def captioner(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return run_dir, cwd
 
 
-@pytest.mark.slow
 def test_the_loss_falls_on_a_batch_and_the_run_scores_draws_and_writes_captions(captioner):
     run_dir, _ = captioner
     m = read_metrics(run_dir)
@@ -143,7 +142,6 @@ def test_the_loss_falls_on_a_batch_and_the_run_scores_draws_and_writes_captions(
     assert len((run_dir / "test_captions.txt").read_text().splitlines()) == 12  # every test scene
 
 
-@pytest.mark.slow
 def test_attnlab_caption_prints_the_caption_and_draws_each_words_attention(captioner):
     from PIL import Image, ImageDraw
 
@@ -160,7 +158,6 @@ def test_attnlab_caption_prints_the_caption_and_draws_each_words_attention(capti
     assert "resized" in proc.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, content, needle",
     [("absent.png", None, "no such file or folder"), ("broken.png", b"not a png", "not a readable image")],

@@ -267,14 +267,15 @@ def test_debug_config_from_the_command_line(tmp_path):
     assert "fast_dev_run" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_multirun_gives_each_job_its_own_run(tmp_path):
-    proc = run_cli("train", ["-m", *tiny("task_name=sweep"), "model.optim.optimizer.lr=1e-3,3e-3"], tmp_path)
+def test_multirun_gives_each_job_its_own_run_and_logs_to_csv_wandb_and_tensorboard(tmp_path):
+    overrides = ["-m", *tiny("task_name=sweep", "logger=many"), "model.optim.optimizer.lr=1e-3,3e-3"]
+    proc = run_cli("train", overrides, tmp_path)
     assert_ok(proc)
     jobs = sorted((tmp_path / "logs/sweep/multiruns").glob("*/[0-9]"))
     assert len(jobs) == 2
     wandb_ids = {next((j / "wandb").glob("offline-run-*")).name for j in jobs}
     assert len(wandb_ids) == 2 and all(read_metrics(j)["test/loss"] for j in jobs)
+    assert all(list(j.glob("tensorboard/**/events.out.tfevents.*")) for j in jobs)
     # W&B: each job named by its overrides, the jobs grouped as one multirun
     wandb = [OmegaConf.load(j / "config.yaml").logger.wandb for j in jobs]
     assert [w.name.split()[-1] for w in wandb] == [
@@ -283,15 +284,6 @@ def test_multirun_gives_each_job_its_own_run(tmp_path):
     ]
     assert all(w.name.startswith("sweep model.net.depth=1") for w in wandb)
     assert wandb[0].group == wandb[1].group == f"sweep multirun {jobs[0].parent.name}"
-
-
-@pytest.mark.slow
-def test_many_loggers_write_csv_wandb_and_tensorboard(tmp_path):
-    proc = run_cli("train", tiny("logger=many", "task_name=many"), tmp_path)
-    assert_ok(proc)
-    (run_dir,) = run_dirs(tmp_path, "many")
-    assert list(run_dir.glob("tensorboard/**/events.out.tfevents.*"))
-    assert list((run_dir / "wandb").glob("offline-run-*")) and read_metrics(run_dir)["val/loss"]
 
 
 def test_ckpt_path_last_takes_the_newest_run_the_cli_can_serve(tmp_path, monkeypatch):

@@ -327,7 +327,6 @@ def test_missing_images_empty_captions_labels_and_templates_are_clear_errors(tmp
 
 
 # -- the run and its CLI ------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_clip_run_then_zeroshot_cli_on_an_image_and_on_the_test_split(tmp_path):
     from PIL import Image
 

@@ -1,19 +1,23 @@
 """attnlab-compare: varying hyperparameters found, seeds grouped as mean ± std, sorting,
-filtering, formats, the curve plot, and clear errors."""
+filtering, formats, the curve plot, clear errors, and the statistics on a real multirun (their
+maths on fixed values: tests/test_compare_stats.py)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import shutil
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from scipy import stats
 
 from attnlab.cli.compare import compare, main, parse_args
-from attnlab.experiments.compare import find_runs
+from attnlab.experiments.compare import find_runs, seeds_needed
 
 
 def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
@@ -229,45 +233,65 @@ def test_an_unknown_sort_or_metric_is_refused(sweep, capsys):
     assert status == 2 and "--metrics test/bleu: no run logged it" in err
 
 
-def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(tmp_path, monkeypatch):
-    """``attnlab-train -m seed=1,2 lr=a,b``: every data config takes ``seed: ${seed}``, so the
-    saved (resolved) configs differ in ``data.seed`` too; derived keys follow the key they come
-    from, and the two seeds of each learning rate make one row and one band."""
+def test_seeds_of_a_real_multirun_group_as_mean_and_std_and_plot_as_bands(
+    positions_multirun, tmp_path, monkeypatch
+):
+    """``attnlab-train -m seed=1,2,3 model.net.positions=learned,alibi``: every data config takes
+    ``seed: ${seed}``, so the saved (resolved) configs differ in ``data.seed`` too; derived keys
+    follow the key they come from, and the three seeds of each setting make one row and one band."""
     import attnlab.training.plots
-    from conftest import run_main, tiny
 
-    monkeypatch.chdir(tmp_path)
-    status, out = run_main(
-        "train",
-        [
-            "-m",
-            "seed=1,2",
-            "model.optim.optimizer.lr=1e-3,3e-3",
-            *tiny("trainer.max_steps=4", "trainer.val_check_interval=2", "data.val_batches=1"),
-            "logger=csv",  # tiny() is quiet already
-            "test=false",
-            f"paths.root_dir={tmp_path}",
-        ],
-    )
-    assert status == 0, out[-3000:]
-    (multirun,) = (tmp_path / "logs").glob("*/multiruns/*")
+    multirun = positions_multirun
     table = compare(parse_args([str(multirun), "--format", "csv", "--metrics", "val/loss"]))
     lines = table.strip().splitlines()
-    assert lines[0].startswith("model.optim.optimizer.lr,runs"), table  # no data.seed column
-    assert sorted(line.split(",")[:2] for line in lines[1:]) == [["0.001", "2"], ["0.003", "2"]]
+    assert lines[0].startswith("model.net.positions,runs"), table  # no data.seed column
+    assert sorted(line.split(",")[:2] for line in lines[1:]) == [["alibi", "3"], ["learned", "3"]]
     figures, draw = [], attnlab.training.plots.curves_figure
     monkeypatch.setattr(
         attnlab.training.plots, "curves_figure", lambda *a: figures.append(draw(*a)) or figures[-1]
     )
     compare(parse_args([str(multirun), "--plot", "val/loss", "--out", str(tmp_path / "loss.png")]))
     (ax,) = figures[0].axes
-    assert sorted(line.get_label() for line in ax.get_lines()) == ["lr=0.001 (2 seeds)", "lr=0.003 (2 seeds)"]
+    labels = ["positions=alibi (3 seeds)", "positions=learned (3 seeds)"]
+    assert sorted(line.get_label() for line in ax.get_lines()) == labels
     assert len(ax.collections) == 2  # a band around each mean
-    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
-        "lr=0.001 (2 seeds)",
-        "lr=0.003 (2 seeds)",
-    ]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == labels
     attnlab.training.plots.plt.close(figures[0])
+
+
+def test_a_real_multirun_prints_intervals_p_values_and_seeds_needed(positions_multirun, capsys):
+    """The bar of issue 59: ``attnlab-train -m seed=1,2,3 model.net.positions=learned,alibi``
+    compared against ``--baseline``, every figure equal to scipy's on the runs' own metrics.csv."""
+    from conftest import read_metrics
+
+    multirun = positions_multirun
+    values: dict[str, list[float]] = {"learned": [], "alibi": []}
+    for run in sorted(p.parent.parent for p in multirun.rglob("csv/metrics.csv")):
+        positions = yaml.safe_load((run / "config.yaml").read_text())["model"]["net"]["positions"]
+        values[positions].append(read_metrics(run)["test/loss"][-1][1])
+    args = [str(multirun), "--metrics", "test/loss", "--baseline", "model.net.positions=learned"]
+    main([*args, "--format", "json"])
+    table = json.loads(capsys.readouterr().out)
+    assert table["baseline"] == "model.net.positions=learned"
+    rows = {r["config"]["model.net.positions"]: r["metrics"]["test/loss"] for r in table["rows"]}
+    for name, got in rows.items():
+        vals = values[name]
+        assert got["n"] == 3 and got["mean"] == pytest.approx(statistics.fmean(vals))
+        ci = stats.t.interval(0.95, 2, np.mean(vals), stats.sem(vals))
+        assert got["ci"] == pytest.approx(ci)
+    welch = stats.ttest_ind(values["alibi"], values["learned"], equal_var=False)
+    assert rows["alibi"]["p"] == pytest.approx(welch.pvalue)
+    assert rows["alibi"]["diff_ci"] == pytest.approx(list(welch.confidence_interval(0.95)))
+    pooled = np.sqrt((np.var(values["alibi"], ddof=1) + np.var(values["learned"], ddof=1)) / 2)
+    assert rows["alibi"]["seeds_needed"] == seeds_needed(rows["alibi"]["diff"] / pooled)
+    assert rows["learned"]["p"] is None  # the baseline itself
+
+    main([*args, "--format", "csv"])  # what a user reads: the same figures, rounded
+    header, *body = capsys.readouterr().out.splitlines()
+    assert "test/loss (95% CI),Δ test/loss,p test/loss,seeds test/loss" in header
+    alibi = next(line for line in body if line.startswith("alibi"))
+    assert f"{welch.pvalue:.3g}" in alibi and f"[{rows['alibi']['ci'][0]:.3g}, " in alibi
+    assert alibi.endswith(f",{rows['alibi']['seeds_needed'] or '-'}")
 
 
 def test_runs_of_different_families_line_up_on_the_shared_names(tmp_path, monkeypatch):

@@ -830,3 +830,19 @@ def test_generate_refuses_a_bad_num_samples(tmp_path, value, shown):
 def test_generate_takes_a_positive_num_samples(tmp_path):
     status, out = run_main("generate", [f"ckpt_path={tmp_path / 'none.ckpt'}", "num_samples=3"])
     assert status == 2 and "num_samples" not in out and "none.ckpt" in out, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.val_size=3", "data.val_size: not a key of this config (did you mean data.source.val_size?)"),
+        ("trainer.max_step=3", "trainer.max_step: not a key of this config (did you mean trainer.max_steps"),
+        ("model.lora.r=0", "model.lora.r: model.lora is null here; give it whole: 'model.lora={r: ...}'"),
+    ],
+)
+def test_a_key_the_config_lacks_is_one_line(tmp_path, override, message):
+    """Hydra's own refusal is five lines and exit 1; attnlab-train's is one, exit 2."""
+    status, out = run_main("train", [override, f"paths.root_dir={tmp_path}"])
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert status == 2 and len(errors) == 1 and f"error: {message}" in errors[0], out[-3000:]
+    assert "not in struct" not in out, out[-3000:]

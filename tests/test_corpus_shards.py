@@ -16,11 +16,17 @@ from attnlab.core.errors import DataError
 from attnlab.data import MaskedLMDataModule, TranslationDataModule
 from attnlab.data.batching import TokenBatchSampler
 from attnlab.data.sources import Files, Shards
-from attnlab.data.text.document_shards import DocumentShards, ShardDocuments, prepare_documents
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.masked_lm import N_SPECIALS, NOT_NEXT, PairStream
-from attnlab.data.text.pair_shards import PairShards, prepare_pairs
-from attnlab.data.text.shards import MANIFEST, prepare
+from attnlab.data.text.shards import (
+    MANIFEST,
+    DocumentShards,
+    PairShards,
+    ShardDocuments,
+    prepare,
+    prepare_documents,
+    prepare_pairs,
+)
 from attnlab.data.text.tokenizers import SubwordTokenizer, WordPieceTokenizer
 from attnlab.data.text.translation import synthetic_pairs
 from conftest import QUIET, assert_ok, read_metrics, run_cli
@@ -112,7 +118,6 @@ def test_two_ranks_of_two_workers_share_the_bert_stream_out_once(tmp_path, monke
     assert sorted(i for m in matches for i in m) == list(range(16))  # each of batches 0-15 once
 
 
-@pytest.mark.slow  # two runs of 60 steps: about 40 s on 2 shared cores
 def test_a_bert_trains_from_document_shards_and_resumes_mid_run_exactly(tmp_path):
     documents(tmp_path, vocab_size=120)
     extra = ["data=bert_shards", f"data.source.path={tmp_path / 'docs'}", "data.max_len=32"]

@@ -238,7 +238,6 @@ GPT = [
 ]
 
 
-@pytest.mark.slow
 def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path):
     """Lightning relaunches rank 1 from the command line; in a multirun that line still held ``-m``
     and both values, so rank 1 ran a sweep of its own elsewhere (lightning-hydra-template #393)."""
@@ -266,4 +265,5 @@ def test_a_multirun_with_ddp_trains_each_job_once_in_its_own_directory(tmp_path)
         log = (job_dir / "sweep_ddp.log").read_text()
         assert log.count("Instantiating model") == 2  # rank 0 and rank 1, both here
         assert OmegaConf.load(job_dir / "config.yaml").model.optim.optimizer.lr == lr
+        assert OmegaConf.load(job_dir / "run.yaml").seeds.ranks == [1337, 1338]  # seed + rank
         assert len(read_metrics(job_dir)["val/loss"]) == 1

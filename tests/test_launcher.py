@@ -169,7 +169,6 @@ def test_a_job_resumed_in_its_own_folder_keeps_each_row_of_its_log_once(tmp_path
     assert metrics.read_text().splitlines() == ["epoch,step,train/loss", "0,9,2.5", "0,19,2.1"]
 
 
-@pytest.mark.slow
 @needs_proc
 def test_ddp_inside_a_local_job_runs_one_task_per_device_and_requeues(tmp_path):
     """``trainer=ddp_cpu``: submitit starts the job's two processes (Lightning none, no relaunch of

@@ -14,7 +14,7 @@ import pytest
 from attnlab.cli import prepare as cli
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.shards import writer as shard_writer
-from attnlab.data.text import document_shards, pair_shards, shards
+from attnlab.data.text import shards
 from attnlab.data.text.translation import synthetic_pairs
 
 WORDS = "the a film cast plot dog ran quickly over slow red house tree was good bad and".split()
@@ -67,10 +67,10 @@ def test_counts_out_of_range_are_refused_before_anything_is_read(tmp_path, capsy
     with pytest.raises(ConfigError, match="vocab_size must be an integer from 1 to 1048576, got 10"):
         shards.prepare([corpus], tmp_path / "a", tokenizer="bpe", vocab_size=10**9, progress=False)
     with pytest.raises(ConfigError, match="vocab_size must be an integer from 1 to 1048576"):
-        document_shards.prepare_documents([corpus], tmp_path / "b", vocab_size=10**9, progress=False)
+        shards.prepare_documents([corpus], tmp_path / "b", vocab_size=10**9, progress=False)
     (tmp_path / "p.tsv").write_text("ein hund .\ta dog .\n" * 10)
     with pytest.raises(ConfigError, match="vocab_size must be an integer from 1 to 1048576"):
-        pair_shards.prepare_pairs([str(tmp_path / "p.tsv")], tmp_path / "c", "de", "en", vocab_size=10**9)
+        shards.prepare_pairs([str(tmp_path / "p.tsv")], tmp_path / "c", "de", "en", vocab_size=10**9)
     with pytest.raises(ConfigError, match="workers must be a positive integer, got 0"):
         shards.prepare([corpus], tmp_path / "d", workers=0, val_tokens=10, test_tokens=10, progress=False)
     assert left_behind(tmp_path / "a") == left_behind(tmp_path / "d") == []
@@ -116,7 +116,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial(tmp_path, capsys, monkeyp
 
     cases = [
         (shards.SplitWriter, ["--val-tokens", "100", "--test-tokens", "100"]),
-        (document_shards.DocumentWriter, ["--mode", "bert", "--val-docs", "2", "--test-docs", "2"]),
+        (shards.DocumentWriter, ["--mode", "bert", "--val-docs", "2", "--test-docs", "2"]),
     ]
     for writer, options in cases:
         out = tmp_path / writer.__name__
@@ -216,7 +216,7 @@ def test_parallel_files_of_different_lengths_are_refused_either_way(tmp_path, lo
         f"{tmp_path / 'c.en'} has {counts['en']}; line i of one must translate line i of the other"
     )
     with pytest.raises(DataError) as e:
-        pair_shards.prepare_pairs(
+        shards.prepare_pairs(
             [str(tmp_path / "c")],
             tmp_path / "out",
             "de",

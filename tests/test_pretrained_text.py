@@ -318,7 +318,6 @@ def test_layer_wise_lr_decay_and_freezing(bert_dir):
     assert names["net.head.weight"].grad is not None
 
 
-@pytest.mark.slow
 def test_an_image_classifier_exports_to_onnx(tmp_path):
     """The ONNX graph of a ViT run gives its logits in ONNX Runtime, for another batch size too."""
     import onnxruntime

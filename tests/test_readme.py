@@ -34,9 +34,7 @@ from hydra import compose, initialize_config_dir
 
 from attnlab.data.multimodal.image_text_shards import prepare_image_text
 from attnlab.data.text.corpora import python_docs
-from attnlab.data.text.document_shards import prepare_documents
-from attnlab.data.text.pair_shards import prepare_pairs
-from attnlab.data.text.shards import prepare
+from attnlab.data.text.shards import prepare, prepare_documents, prepare_pairs
 from attnlab.data.text.translation import synthetic_pairs
 from attnlab.data.vision import shards as image_shards
 from conftest import (
@@ -456,9 +454,10 @@ def train_argv(cmd: Command, args: list[str], data: Path, beside_prerequisite: b
 
 
 def is_slow(cmd: Command) -> bool:
-    """Lines that start processes: ``trainer=ddp_cpu`` (two ranks), sweeps (a process per trial;
-    ``resume=`` needs the sweep above it)."""
-    return cmd.value("trainer") in ("ddp_cpu", "ddp") or cmd.entry == "sweep"
+    """Lines that start processes: ``trainer=ddp_cpu`` (two ranks; tests/test_distributed.py and
+    tests/test_scaleout.py run it by default), the docs' sweeps (a process per trial; ``resume=``
+    needs the sweep above it). The README's sweep and its resume stay: one real trial."""
+    return cmd.value("trainer") in ("ddp_cpu", "ddp") or (cmd.entry == "sweep" and cmd.page != "README.md")
 
 
 PARAMS = [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if is_slow(c) else []) for c in COMMANDS]
@@ -517,9 +516,9 @@ def test_readme_command(cmd: Command, workspaces: Workspaces, tmp_path: Path, tm
         status, out = run_in(cwd, "prepare", [*cmd.args, *tiny])
     elif cmd.entry == "compare" and any(a.startswith("postgresql") for a in cmd.args):
         pytest.skip(f"{cmd.text}: needs the PostgreSQL server it names (tests/test_compare.py reads studies)")
-    elif cmd.entry == "compare":
+    elif cmd.entry in ("compare", "report"):  # the report: on the same runs
         cwd = workspaces.compare()
-        status, out = run_in(cwd, "compare", concrete(cmd, cwd))
+        status, out = run_in(cwd, cmd.entry, concrete(cmd, cwd))
     else:
         cwd = workspaces(cmd.experiment)
         write_inputs(cmd.args, cwd)

@@ -22,9 +22,14 @@ from attnlab.data.remote import RemotePath
 from attnlab.data.shards.tar import BadRecords, ShardRecords
 from attnlab.data.shards.tar import TarShards as ImageShards
 from attnlab.data.sources import Shards
-from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
-from attnlab.data.text.pair_shards import PairShards
-from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards
+from attnlab.data.text.shards import (
+    MANIFEST,
+    DocumentShards,
+    PairShards,
+    ShardDocuments,
+    ShardWindows,
+    TokenShards,
+)
 from attnlab.data.text.translation import read_parallel
 from conftest import QUIET, read_metrics, run_main
 from test_image_shards import VIT, key_stream, loader_order

@@ -257,7 +257,7 @@ def test_a_refused_run_folder_is_removed_only_when_it_holds_no_result(tmp_path, 
     from attnlab.cli.common import exit_on_user_error
 
     run = tmp_path / "logs" / "t" / "runs" / "1"
-    for name in (".hydra/config.yaml", "t.log", "config.yaml", "machine.yaml"):
+    for name in (".hydra/config.yaml", "t.log", "config.yaml", "machine.yaml", "run.yaml"):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("x")
     (run / "csv" / "x3").mkdir(parents=True)  # an empty folder a logger made

@@ -2,8 +2,9 @@
 ``ddp_cpu`` runs of each family checked for what two processes must not get wrong, and each
 architecture trained by 2 processes on halves of the same global batches as one process.
 
-All the two-process work runs in one launch of ``scaleout_worker.py`` (an interpreter start per
-process, not per run); the one-process references run here.
+All the two-process work of the selected tests runs in one launch of ``scaleout_worker.py`` (an
+interpreter start per process, not per run); the one-process references run here. The default run
+takes a share of it (FAST_*), ``-m slow`` the rest.
 """
 
 from __future__ import annotations
@@ -84,6 +85,50 @@ def strategy_runs() -> list[tuple[str, str]]:
 
 
 STRATEGY_RUNS = strategy_runs()
+
+# The default run's share of this file (the rest runs with `-m slow`, each covered by these): one
+# experiment per strategy, the files of outputs gathered from both processes (confusion matrix,
+# captions, translations), a sharded checkpoint resumed and read by one process, CLIP's gathered
+# loss and a per-example loss trained like one process, and every family evaluated like one.
+FAST_RUNS = {("gpt_pydoc_char", "ddp_cpu"), ("vit_fashion_mnist", "fsdp2")}
+FAST_WHOLE = {"nmt_transformer_multi30k"}
+FAST_FIXED = {("gpt", "ddp_cpu"), ("vit", "fsdp2"), ("clip", "ddp_cpu")}
+
+
+def slow_unless(fast: bool) -> list[pytest.MarkDecorator]:
+    return [] if fast else [pytest.mark.slow]
+
+
+def jobs_read(test: str, params: dict[str, str]) -> list[str]:
+    """The worker's jobs that a test reads, by its name and parameters."""
+    arch, strategy, experiment = params.get("arch"), params.get("strategy"), params.get("experiment")
+    return {
+        "test_every_experiment_runs_its_fast_configuration_in_two_processes": [f"{experiment}-{strategy}"],
+        "test_ddp_cpu_trains_gpt": ["gpt_two"],
+        "test_ddp_cpu_trains_and_tests_synthetic_translation": ["nmt_two"],
+        "test_ddp_cpu_trains_the_multi30k_experiments": [f"{experiment}"],
+        "test_ddp_cpu_trains_and_tests_a_vision_transformer": ["vit_two"],
+        "test_ddp_cpu_trains_and_tests_show_attend_and_tell": ["sat_two"],
+        "test_two_processes_train_like_one_on_the_same_global_batches": [f"fixed:{arch}-{strategy}"],
+        "test_a_sharded_run_resumed_from_its_shards_ends_where_the_uninterrupted_run_ends": [
+            "vit_sharded",
+            "vit_sharded_resumed",
+        ],
+        "test_a_sharded_checkpoint_loads_in_one_process_for_eval_and_predict": ["vit_sharded"],
+        "test_two_processes_evaluate_like_one": [f"eval:{arch}"],
+        "test_every_process_draws_its_own_random_stream": ["gpt_pydoc_char-ddp_cpu"],
+    }.get(test, [])
+
+
+def selected_jobs(session: pytest.Session) -> set[str]:
+    """The jobs of this file's tests that this session runs (``-m``, ``-k`` or node ids select)."""
+    here = [item for item in session.items if item.path.name == Path(__file__).name]
+    params = [getattr(item, "callspec", None) for item in here]
+    return {
+        job
+        for item, p in zip(here, params, strict=True)
+        for job in jobs_read(item.originalname, p.params if p else {})
+    }
 
 
 STEPS = 4
@@ -245,15 +290,16 @@ def save_fixed_batches(arch: str, tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory):
-    """Start the worker on every job; return its results and the files the one-process runs need."""
+def two_processes(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """Start the worker on the jobs of the selected tests; return its results and the files the
+    one-process runs need."""
     tmp = tmp_path_factory.mktemp("scaleout")
-    with_ema = [
-        e for e in EXPERIMENTS if "ema" in (compose_train([f"experiment={e}"]).get("callbacks") or {})
-    ]
+    wanted = selected_jobs(request.session)
     runs = {}
     for experiment, strategy in STRATEGY_RUNS:
         name = f"{experiment}-{strategy}"
+        if name not in wanted:  # nor its data written
+            continue
         tiny = [o for o in tiny_overrides(experiment, tmp / name) if not o.startswith(PICTURES)]
         runs[name] = [
             f"experiment={experiment}",
@@ -266,11 +312,15 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
             *tiny,
             *pictures(experiment),
         ]
-        if strategy == "fsdp2" and experiment in with_ema:  # refused with sharding (tested below)
+        ema = strategy == "fsdp2" and "ema" in (
+            compose_train([f"experiment={experiment}"]).get("callbacks") or {}
+        )
+        if ema:  # refused with sharding (tested below)
             runs[name].append("~callbacks.ema")
     # a short FSDP2 run that writes sharded checkpoints, for the one-process tools below
     runs["vit_sharded"] = [
-        *runs["vit_fashion_mnist-fsdp2"][:2],
+        "experiment=vit_fashion_mnist",
+        "trainer=fsdp2",
         *QUIET,
         "~callbacks.ema",
         "task_name=vit_sharded",
@@ -293,15 +343,21 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
     ]
     runs.update(whole_runs(tmp))
     # every process's random draws in training (dropout, augmentation): their own stream each
-    runs["gpt_pydoc_char-ddp_cpu"].append("+callbacks.draws._target_=scaleout_worker.RandomDraws")
-    files = {arch: save_fixed_batches(arch, tmp) for arch in ARCHS}
+    if "gpt_pydoc_char-ddp_cpu" in runs:
+        runs["gpt_pydoc_char-ddp_cpu"].append("+callbacks.draws._target_=scaleout_worker.RandomDraws")
+    runs = {name: overrides for name, overrides in runs.items() if name in wanted}
+    archs = [a for a in ARCHS if f"eval:{a}" in wanted or any(f"fixed:{a}-{s}" in wanted for s in STRATEGIES)]
+    files = {arch: save_fixed_batches(arch, tmp) for arch in archs}
     fixed = {
         f"{arch}-{strategy}": {"file": str(file), "trainer": [f"trainer={strategy}"]}
         for arch, file in files.items()
         for strategy in STRATEGIES
+        if f"fixed:{arch}-{strategy}" in wanted
     }
     evals = {
-        f"{arch}-ddp_cpu": {"file": str(file), "trainer": ["trainer=ddp_cpu"]} for arch, file in files.items()
+        f"{arch}-ddp_cpu": {"file": str(file), "trainer": ["trainer=ddp_cpu"]}
+        for arch, file in files.items()
+        if f"eval:{arch}" in wanted
     }
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps({"runs": runs, "fixed": fixed, "evals": evals}))
@@ -319,8 +375,9 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory):
     return json.loads(spec.with_suffix(".out.json").read_text()), files, tmp
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("experiment", "strategy"), STRATEGY_RUNS)
+@pytest.mark.parametrize(
+    ("experiment", "strategy"), [pytest.param(*r, marks=slow_unless(r in FAST_RUNS)) for r in STRATEGY_RUNS]
+)
 def test_every_experiment_runs_its_fast_configuration_in_two_processes(two_processes, experiment, strategy):
     results, _, tmp = two_processes
     metrics = results[f"{experiment}-{strategy}"]
@@ -372,8 +429,9 @@ def test_ddp_cpu_trains_and_tests_synthetic_translation(two_processes):
     assert check_translations(eval_dir, e, refs) == hyps
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("experiment", list(MULTI30K))
+@pytest.mark.parametrize(
+    "experiment", [pytest.param(e, marks=slow_unless(e in FAST_WHOLE)) for e in MULTI30K]
+)
 def test_ddp_cpu_trains_the_multi30k_experiments(two_processes, experiment):
     run_dir = two_processes[2] / experiment
     m = read_metrics(run_dir)
@@ -381,7 +439,6 @@ def test_ddp_cpu_trains_the_multi30k_experiments(two_processes, experiment):
     check_translations(run_dir, m, synthetic_pairs(20, 2)[1])
 
 
-@pytest.mark.slow
 def test_ddp_cpu_trains_and_tests_a_vision_transformer(two_processes):
     run_dir = two_processes[2] / "vit_two"
     m = read_metrics(run_dir)
@@ -391,7 +448,6 @@ def test_ddp_cpu_trains_and_tests_a_vision_transformer(two_processes):
     assert len(list((run_dir / "attention").glob("*.png"))) == 2  # drawn by process 0
 
 
-@pytest.mark.slow
 def test_ddp_cpu_trains_and_tests_show_attend_and_tell(two_processes):
     run_dir = two_processes[2] / "sat_two"
     m = read_metrics(run_dir)
@@ -413,9 +469,10 @@ def test_ddp_cpu_trains_and_tests_show_attend_and_tell(two_processes):
 TOLERANCE = {"transformer": 2e-3, "seq2seq": 2e-4}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize(
+    ("arch", "strategy"),
+    [pytest.param(a, s, marks=slow_unless((a, s) in FAST_FIXED)) for a in ARCHS for s in STRATEGIES],
+)
 def test_two_processes_train_like_one_on_the_same_global_batches(two_processes, arch, strategy, tmp_path):
     results, files, _ = two_processes
     logging.getLogger("lightning").setLevel(logging.WARNING)
@@ -430,7 +487,6 @@ def test_two_processes_train_like_one_on_the_same_global_batches(two_processes, 
     assert max(abs(a - b) / abs(a) for a, b in zip(one, frozen, strict=True)) > 10 * tolerance
 
 
-@pytest.mark.slow
 def test_a_sharded_run_resumed_from_its_shards_ends_where_the_uninterrupted_run_ends(two_processes):
     _, _, tmp = two_processes
     want, got = read_metrics(tmp / "vit_sharded"), read_metrics(tmp / "vit_sharded_resumed")
@@ -443,7 +499,6 @@ def test_a_sharded_run_resumed_from_its_shards_ends_where_the_uninterrupted_run_
         assert [v for _, v in got[key]] == pytest.approx(values, **close), key
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_loads_in_one_process_for_eval_and_predict(two_processes):
     _, _, tmp = two_processes
     ckpts = tmp / "vit_sharded" / "checkpoints"
@@ -503,7 +558,6 @@ def test_checkpoints_of_compiled_and_eager_nets_load_either_way(tmp_path):
     assert torch.equal(eager.net(x), compiled.net.forward(x))  # .forward: the same weights, uncompiled
 
 
-@pytest.mark.slow
 def test_weight_averaging_with_sharded_training_is_a_clear_error(tmp_path):
     overrides = [
         "experiment=vit_fashion_mnist",
@@ -549,7 +603,6 @@ def test_ddp_spawn_trains_and_tests_in_two_new_processes(tmp_path):
     assert len(metrics["val/loss"]) == 2 and "test/loss" in metrics
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_two_processes_evaluate_like_one(two_processes, arch):
     """The validation and test metrics of the same weights, by 2 processes and by one, on splits

@@ -24,9 +24,18 @@ from attnlab.data.multimodal.image_text_shards import prepare_image_text as prep
 from attnlab.data.shards.tar import BadRecords, ShardRecords, ShardStream
 from attnlab.data.shards.tar import TarShards as ImageShards
 from attnlab.data.sources import StreamedShards
-from attnlab.data.text.document_shards import DocumentShards, ShardDocuments, prepare_documents
-from attnlab.data.text.pair_shards import PairShards, ShardSide, prepare_pairs
-from attnlab.data.text.shards import MANIFEST, ShardWindows, TokenShards, prepare
+from attnlab.data.text.shards import (
+    MANIFEST,
+    DocumentShards,
+    PairShards,
+    ShardDocuments,
+    ShardSide,
+    ShardWindows,
+    TokenShards,
+    prepare,
+    prepare_documents,
+    prepare_pairs,
+)
 from attnlab.data.text.translation import synthetic_pairs
 from attnlab.data.vision.shards import prepare_images, write_shards
 from conftest import QUIET, run_main, write_pairs

@@ -232,7 +232,6 @@ def sweep_args(url: str, name: str, folder: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow
 def test_a_driver_killed_mid_trial_leaves_it_to_the_other_to_run_again(url, tmp_path):
     """Two driver processes in their own folders; one is killed with SIGKILL during its second
     trial: its trial process ends with it, and the other driver runs that trial's values again,

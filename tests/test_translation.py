@@ -404,6 +404,7 @@ def test_a_tiny_transformer_learns_the_synthetic_task(nmt_run: Path):
     assert m["test/bleu"][-1][1] > 90
     assert m["val/bleu_best"][-1][1] > 90 and m["val/loss"][-1][1] < m["val/loss"][0][1]
     assert len((nmt_run / "test_translations.txt").read_text().splitlines()) == 500
+    assert len((nmt_run / "test_references.txt").read_text().splitlines()) == 500  # line by line
     pngs = sorted((nmt_run / "alignments").glob("*.png"))
     assert pngs and pngs[-1].read_bytes()[:4] == b"\x89PNG"
 

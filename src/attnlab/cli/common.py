@@ -3,6 +3,7 @@ No torch at module level: ``--help`` and a config error end before it loads (tes
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from attnlab.core.errors import AttnlabError, ConfigError, DataError
@@ -59,6 +60,42 @@ def compose_train(overrides: list[str]) -> DictConfig:
     return compose_config("train", overrides)
 
 
+def refuse_unknown_keys(name: str, overrides: list[str]) -> None:
+    """An override of a key the config does not have is one line (Hydra's is five): a key under a
+    null node (``model.lora.r=8``) says to give the node whole; another names the keys that end
+    the same way (``data.val_size`` -> ``data.source.val_size``). A multirun's sweeps are Hydra's."""
+    if {"-m", "--multirun"} & set(overrides):
+        return
+    plain = [o for o in overrides if not o.startswith("-")]
+    try:
+        compose_config(name, plain)
+    except ConfigError as e:
+        cause = e.__context__
+        while cause is not None and "not in struct" not in str(cause):
+            cause = cause.__cause__ or cause.__context__
+        if not getattr(cause, "full_key", None):
+            return
+        key = cause.full_key
+        parent, _, last = key.rpartition(".")
+        cfg = compose_config(name, [o for o in plain if not o.lstrip("+~").startswith(f"{key}=")])
+        if parent and OmegaConf.select(cfg, parent) is None:
+            raise ConfigError(
+                f"{key}: {parent} is null here; give it whole: '{parent}={{{last}: ...}}'"
+            ) from None
+        keys = list(_keys(OmegaConf.to_container(cfg)))
+        near = [k for k in keys if k.endswith(f".{last}")] or difflib.get_close_matches(key, keys, n=2)
+        hint = f"did you mean {' or '.join(near)}?" if near else f"a new key takes a leading +: +{key}=..."
+        raise ConfigError(f"{key}: not a key of this config ({hint})") from None
+
+
+def _keys(tree: Any, prefix: str = "") -> Iterator[str]:
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        yield path
+        if isinstance(v, dict):
+            yield from _keys(v, f"{path}.")
+
+
 def user_error(e: BaseException) -> AttnlabError | None:
     """The AttnlabError behind ``e`` (Hydra wraps constructors' errors; a constructor's
     ``ValueError`` is named by its node's key: ``refusal``), if any."""
@@ -101,8 +138,8 @@ def own_run_folder(cfg: DictConfig) -> Path | None:
 
 
 # what a refused run leaves that records only how it was asked for: Hydra's copy of the config,
-# attnlab-train's config.yaml and machine.yaml (with its log, ``*.log``)
-RUN_RECORDS = (".hydra", "config.yaml", "machine.yaml")
+# attnlab-train's config.yaml, machine.yaml and run.yaml (with its log, ``*.log``)
+RUN_RECORDS = (".hydra", "config.yaml", "machine.yaml", "run.yaml")
 
 
 @contextmanager

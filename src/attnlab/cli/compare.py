@@ -1,6 +1,7 @@
 """``attnlab-compare <run or sweep dirs, study URLs>...``: a table of the runs' metrics beside the
-hyperparameters that differ between them; runs differing only by seed grouped as mean ± std; the
-trials of a sweep with the machine each ran on.
+hyperparameters that differ between them; runs differing only by seed grouped as mean ± std, with
+confidence intervals, and p-values and the seeds needed against a ``--baseline`` row; the trials of
+a sweep with the machine each ran on.
 
 examples:
     attnlab-compare logs/gpt_pydoc_char/multiruns/2026-11-25_10-00-00-000000
@@ -11,6 +12,8 @@ examples:
     attnlab-compare logs/gpt_positions --plot 'eval/test/ppl_x*'     # against each name's number
     attnlab-compare postgresql://me@db/optuna --study gpt_pydoc_char     # every machine's trials
     attnlab-compare journal:/shared/sweeps/gpt.log logs/gpt_pydoc_char/sweeps/<time>
+    attnlab-compare logs/gpt_positions/multiruns/<time> --baseline model.net.positions=learned
+    attnlab-compare logs/... --metrics 'attn/entropy/*' --ci bootstrap --format json
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import math
 import shutil
 import sys
@@ -30,7 +34,10 @@ from attnlab.cli.common import exit_on_user_error
 from attnlab.core.errors import ConfigError
 from attnlab.experiments.compare import (
     Row,
+    Stats,
+    comparison,
     default_metrics,
+    expand_metrics,
     find_sources,
     format_value,
     lower_is_better,
@@ -51,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "postgresql://USER@HOST/DB, journal:FILE, sqlite:///FILE (every trial, with the machine it ran on)",
     )
     p.add_argument("--study", help="with a study URL: this study only (default: every study there)")
-    p.add_argument("--metrics", help="comma-separated metric names (default: the test metrics)")
+    p.add_argument(
+        "--metrics",
+        help="comma-separated metric names or globs ('attn/entropy/*'); a prefix stands for the "
+        "names under it (default: the test metrics)",
+    )
     p.add_argument("--best", action="store_true", help="each metric's best value, not its last")
     p.add_argument("--sort", help="sort by this metric (best first)")
     p.add_argument(
@@ -62,7 +73,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep runs whose config has KEY=VALUE (repeatable)",
     )
     p.add_argument("--no-group", action="store_true", help="one row per run, even across seeds")
-    p.add_argument("--format", choices=("table", "md", "csv"), default="table")
+    p.add_argument("--format", choices=("table", "md", "csv", "json"), default="table")
+    p.add_argument("--ci", choices=("t", "bootstrap"), help="show each mean's confidence interval")
+    p.add_argument("--level", type=float, help="the intervals' confidence level (default: 0.95)")
+    p.add_argument(
+        "--baseline",
+        metavar="ROW",
+        help="test every row against this one: its label (model.net.positions=learned) or 1-based "
+        "index; prints the p-value, the difference with its interval and the seeds needed",
+    )
+    p.add_argument(
+        "--test", choices=("welch", "mwu"), default="welch", help="Welch's t-test or Mann-Whitney U"
+    )
+    p.add_argument("--alpha", type=float, default=0.05, help="the level that marks a row better or worse")
     p.add_argument(
         "--plot", metavar="METRIC", help="write a PNG of METRIC against the step, one line per run"
     )
@@ -86,15 +109,8 @@ def matches(config: dict, where: list[str]) -> bool:
     return True
 
 
-def render(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
-    keys = list(table_rows[0].label) if table_rows else []
-    header = [*keys, "runs", *metrics]
-    body = [
-        [str(r.label[k]) for k in keys]
-        + [str(len(r.runs))]
-        + [format_value(r.values.get(m, [])) for m in metrics]
-        for r in table_rows
-    ]
+def render(header: list[str], body: list[list[str]], fmt: str, left: int) -> str:
+    """The table as CSV, Markdown or for the terminal (the first ``left`` columns left-aligned)."""
     if fmt == "csv":
         out = io.StringIO()
         csv.writer(out).writerows([header, *body])
@@ -103,14 +119,58 @@ def render(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
         lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body]) + "\n"
     table = Table(show_lines=False)
-    for name in header:
-        table.add_column(name, justify="right" if name in metrics or name == "runs" else "left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < left else "right")
     for row in body:
         table.add_row(*row)
     out = io.StringIO()
     # the terminal's width (COLUMNS where set); 200 when the table goes to a file or a pipe
     Console(file=out, width=shutil.get_terminal_size((200, 24)).columns).print(table)
     return out.getvalue()
+
+
+def plain_table(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
+    keys = list(table_rows[0].label) if table_rows else []
+    body = [
+        [str(r.label[k]) for k in keys]
+        + [str(len(r.runs))]
+        + [format_value(r.values.get(m, [])) for m in metrics]
+        for r in table_rows
+    ]
+    return render([*keys, "runs", *metrics], body, fmt, len(keys))
+
+
+def interval(ci: list[float | None] | None) -> str:
+    return "" if ci is None or None in ci else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+
+
+def stats_cells(c: dict, baseline: bool) -> list[str]:
+    """A metric's cells: mean ± std [interval]; against a baseline, the difference [its
+    interval], the p-value (sacreBLEU's paired bootstrap's beside) with the mark, the seeds needed."""
+    if not c["n"]:
+        return ["-"] * (4 if baseline else 1)
+    mean = f"{c['mean']:.4g}" + (f" ± {c['std']:.2g}" if c["std"] is not None else "") + interval(c["ci"])
+    if not baseline:
+        return [mean]
+    diff = "" if c["diff"] is None else f"{c['diff']:+.3g}" + interval(c["diff_ci"])
+    p = [f"{c['p']:.3g}"] if c["p"] is not None else []
+    p += [f"(paired bootstrap {c['bleu_p']:.3g})"] if c["bleu_p"] is not None else []
+    p += [c["mark"]] if c["mark"] else []
+    return [mean, diff or "-", " ".join(p) or "-", str(c["seeds_needed"] or "-")]
+
+
+def stats_table(table: dict, fmt: str) -> str:
+    baseline = table["baseline"] is not None
+    header = [*table["keys"], "runs"]
+    for m in table["metrics"]:
+        header += [f"{m} ({table['level']:.0%} CI)"] + [f"Δ {m}", f"p {m}", f"seeds {m}"] * baseline
+    body = [
+        [str(row["config"][k]) for k in table["keys"]]
+        + [str(len(row["runs"]))]
+        + [cell for m in table["metrics"] for cell in stats_cells(row["metrics"][m], baseline)]
+        for row in table["rows"]
+    ]
+    return render(header, body, fmt, len(table["keys"]))
 
 
 def compare(args: argparse.Namespace) -> str:
@@ -129,14 +189,21 @@ def compare(args: argparse.Namespace) -> str:
     if not args.metrics:  # what the studies optimised, where a trial has it
         metrics += [m for m in study_metrics if m not in metrics and any(m in r.curves for r in runs)]
     logged = sorted({m for r in runs for m in r.curves})
-    for option, names in (("--sort", [args.sort] if args.sort else []), ("--metrics", metrics)):
-        if unknown := [m for m in names if m not in logged]:
-            raise ConfigError(f"{option} {unknown[0]}: no run logged it (logged: {', '.join(logged)})")
+    if args.sort and args.sort not in logged:
+        raise ConfigError(f"--sort {args.sort}: no run logged it (logged: {', '.join(logged)})")
+    metrics = expand_metrics(metrics, logged)
     table_rows = rows(runs, metrics, group_seeds=not args.no_group, best=args.best)
     if args.sort:
         sign = 1 if lower_is_better(args.sort) else -1
         table_rows.sort(key=lambda r: (math.isnan(r.mean(args.sort)), sign * r.mean(args.sort)))
-    return render(table_rows, metrics, args.format)
+    if args.format != "json" and not (args.ci or args.level or args.baseline):
+        return plain_table(table_rows, metrics, args.format)  # as before the statistics
+    for option, value in (("--level", args.level), ("--alpha", args.alpha)):
+        if value is not None and not 0 < value < 1:
+            raise ConfigError(f"{option}: expected a number between 0 and 1, got {value}")
+    stats = Stats(args.baseline, args.ci or "t", args.level or 0.95, args.test, args.alpha)
+    table = comparison(table_rows, metrics, stats)
+    return json.dumps(table, indent=1) + "\n" if args.format == "json" else stats_table(table, args.format)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -151,12 +151,12 @@ def prepare_text(args: argparse.Namespace, options: dict) -> str:
         manifest = prepare(args.inputs, args.out, **options)
         counts = {s: sum(x["tokens"] for x in shards) for s, shards in manifest["splits"].items()}
     elif args.mode == "bert":
-        from attnlab.data.text.document_shards import prepare_documents
+        from attnlab.data.text.shards import prepare_documents
 
         manifest = prepare_documents(args.inputs, args.out, **options)
         counts = {s: sum(x["documents"] for x in shards) for s, shards in manifest["splits"].items()}
     else:
-        from attnlab.data.text.pair_shards import prepare_pairs
+        from attnlab.data.text.shards import prepare_pairs
 
         manifest = prepare_pairs(args.inputs, args.out, **options)
         splits = manifest["splits"]

@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder, user_error
+from attnlab.cli.common import config_dir, exit_on_user_error, own_run_folder, refuse_unknown_keys, user_error
 from attnlab.core.config import (
     check_config,
     constructor_errors,
@@ -157,6 +157,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO(), *cluster_plugins()]
     )
     WeightAveraging.refuse_sharding(trainer)
+    record_run(cfg, out, trainer.world_size, machine, ckpt_path)
     for lg in loggers:
         lg.log_hyperparams({**container(cfg), "machine": machine})
 
@@ -177,6 +178,18 @@ def record_machine(out: Path) -> dict[str, Any]:
     what = (machine["cpu"], machine["torch_threads"], machine["cpu_native_bf16"], machine["gpus"] or "none")
     log.info("machine: %s, %s threads, native bf16 %s, GPUs %s", *what)
     return machine
+
+
+def record_run(cfg: DictConfig, out: Path, world_size: int, machine: dict, ckpt_path: str | None) -> None:
+    """``run.yaml``: what attnlab-rerun needs to re-run the run and say what changed since (code,
+    uv.lock and data hashes, seeds, machine, command line, the checkpoint resumed); rank 0 writes it."""
+    import yaml
+
+    from attnlab.core.run_record import run_record
+
+    if trainer_rank_zero():
+        record = run_record(cfg, given_overrides(), world_size, machine, ckpt_path)
+        (out / "run.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
@@ -399,6 +412,7 @@ def main() -> float | None:
     """``attnlab-train``: an old hyper-parameter name refused before Hydra composes, then train."""
     with exit_on_user_error(console=True):
         refuse_renamed_overrides(sys.argv[1:])
+        refuse_unknown_keys("train", sys.argv[1:])
         check_launcher_overrides(sys.argv[1:])
     return hydra_main()
 

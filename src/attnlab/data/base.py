@@ -3,7 +3,8 @@ inference CLI handle text, images and image-text pairs the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -14,6 +15,13 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from attnlab.core.errors import DataError
 from attnlab.data.batching import Batches, TokenBatchSampler, collate_examples
 from attnlab.data.sampling import ResumableSampler
+
+log = logging.getLogger(__name__)
+
+
+def log_splits(where: str, sizes: Iterable[int], what: str) -> None:
+    """One line of what a DataModule holds: ``<where>: <n> train / <n> val / <n> test <what>``."""
+    log.info("%s: %d train / %d val / %d test %s", where, *sizes, what)
 
 
 class DataModule(L.LightningDataModule):
@@ -61,16 +69,34 @@ class DataModule(L.LightningDataModule):
             )
         return TokenBatchSampler(lengths, max_tokens, shuffle=False, num_replicas=world, rank=rank)
 
-    def loader(self, dataset: Dataset, sampler: Any = None) -> DataLoader:
-        """The batches ``dataset`` (or ``sampler``) makes, loaded in ``self.num_workers`` workers
-        seeded by the loader's own generator (``self.seed``: nothing drawn from the global one)."""
+    def split_loader(self, split: str) -> DataLoader:
+        """The batches of "train", "val" or "test" (what the three hooks below return)."""
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return self.split_loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self.split_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self.split_loader("test")
+
+    def loader(
+        self, dataset: Dataset, sampler: Any = None, workers: int | None = None, seed: int | None = None
+    ) -> DataLoader:
+        """The batches ``dataset`` (or ``sampler``) makes, in ``workers`` (None: ``self.num_workers``)
+        seeded by the loader's own generator (``seed``, None: ``self.seed``): starting them draws
+        nothing from the global one, which a resumed run restores and evaluation must leave alone."""
+        workers = self.num_workers if workers is None else workers
+        generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
         return DataLoader(
             dataset,
             sampler=sampler,
             batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            generator=generator,
         )
 
     def token_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
@@ -94,15 +120,8 @@ class DataModule(L.LightningDataModule):
         """Batches of a map-style split, in order, shared out as ``eval_sampler`` does (Lightning's
         ``DistributedSampler`` would pad it with copies, which every metric would count twice)."""
         sampler = self.eval_sampler([1] * len(dataset), batch_size, split)
-        return DataLoader(
-            Batches(partial(collate_examples, dataset, collate_fn), sampler),
-            sampler=sampler,
-            batch_size=None,
-            num_workers=num_workers,
-            persistent_workers=num_workers > 0,
-            # its own generator: starting its workers draws nothing from the global one (which a
-            # resumed run restores, and which an evaluation must leave where training had it)
-            generator=torch.Generator().manual_seed(0),
+        return self.loader(
+            Batches(partial(collate_examples, dataset, collate_fn), sampler), sampler, num_workers, 0
         )
 
     def rank_world(self) -> tuple[int, int]:
@@ -142,12 +161,6 @@ class SplitsDataModule(DataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
-
-    def val_dataloader(self) -> DataLoader:
-        return self.split_loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self.split_loader("test")
 
     def split_loader(self, split: str) -> DataLoader:
         return self.eval_loader(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import logging
 import os
 import shutil
@@ -12,16 +11,9 @@ import urllib.request
 from pathlib import Path
 
 from attnlab.core.errors import DataError
+from attnlab.core.run_record import sha256_file
 
 log = logging.getLogger(__name__)
-
-
-def sha256sum(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0, gunzip: bool = False) -> Path:
@@ -34,7 +26,7 @@ def download(url: str, dest: Path, sha256: str | None, timeout: float = 30.0, gu
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
             shutil.copyfileobj(gzip.GzipFile(fileobj=resp) if gunzip else resp, out)
-        got = sha256sum(Path(tmp))
+        got = sha256_file(Path(tmp))
         if sha256 is not None and got != sha256:
             raise DataError(
                 f"checksum mismatch for {url}: expected sha256 {sha256}, got {got}; "
@@ -67,17 +59,13 @@ def fetch(
             )
         if not path.is_file():
             raise DataError(f"data.source.data_dir={data_dir} has no file {filename} (expected {path})")
-        return check_not_empty(path)
+        if path.stat().st_size == 0:
+            raise DataError(f"data file {path} is empty")
+        return path
     path = Path(cache_dir).expanduser() / filename
-    if path.is_file() and (sha256 is None or sha256sum(path) == sha256):
+    if path.is_file() and (sha256 is None or sha256_file(path) == sha256):
         return path
     try:
         return download(url, path, sha256, gunzip=gunzip)
     except DataError as e:
         raise DataError(f"{e}. Offline? Set data.source.data_dir to a directory holding {filename}") from e
-
-
-def check_not_empty(path: Path) -> Path:
-    if path.stat().st_size == 0:
-        raise DataError(f"data file {path} is empty")
-    return path

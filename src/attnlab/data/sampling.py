@@ -7,10 +7,11 @@ import itertools
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, get_worker_info
+from torch.utils.data import DistributedSampler, IterableDataset, get_worker_info
 
 from attnlab.core.errors import ConfigError
 
@@ -54,16 +55,24 @@ def seeded_globals(seed: int) -> Iterator[None]:
             np.random.set_state(npy)
 
 
-def stream_batch_numbers(start: int) -> Iterator[int]:
-    """The batch numbers of an endless seeded stream this process and worker draw from its ``start``-th
-    on: ranks and workers interleave, so each is drawn once and a resumed stream restarts anywhere."""
-    rank, world = 0, 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    info = get_worker_info()
-    worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-    for n in itertools.count(start + worker, n_workers):
-        yield n * world + rank
+class BatchStream(IterableDataset):
+    """Endless seeded batches, ``batch(n)`` drawn from a generator seeded by ``(seed, n)``: ranks and
+    workers interleave the numbers ``n`` from the ``start``-th on, so each is drawn once and a
+    resumed run (``start``: the batches it had consumed) sees the uninterrupted run's batches."""
+
+    start = 0
+
+    def batch(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        for n in itertools.count(self.start + worker, n_workers):
+            yield self.batch(n * world + rank)
 
 
 class ResumableSampler(DistributedSampler):

@@ -3,6 +3,7 @@ shards. A split size is a field of a source the DataModule carves; a source alre
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 from annotated_types import Interval
@@ -57,6 +58,13 @@ class Builtin(Source):
         for split in self.SHIPS.get(name, ()):
             if getattr(self, f"{split}_size") is not None:
                 raise ConfigError(f"data.source.{split}_size: {name} ships its {split} split: leave it null")
+
+    def one_of(self, names: Iterable[str]) -> Builtin:
+        """This set, refused in one line unless it is one of ``names``."""
+        if self.name not in names:
+            expected = ", ".join(map(repr, names))
+            raise ConfigError(f"data.source.name must be one of {expected}, got {self.name!r}")
+        return self
 
     def carved(self) -> bool:
         """Whether a size is set (a DataModule that carves nothing refuses one)."""

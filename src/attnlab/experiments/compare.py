@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import fnmatch
 import functools
 import json
 import logging
@@ -13,6 +14,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,3 +522,186 @@ def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: b
     series = _series({label: list(seeds.values()) for label, seeds in groups.items()})
     xlabel = metric.split("*")[0].rsplit("/", 1)[-1].rstrip("_") if x == "*" else x
     return _save(curves_figure(series, metric.replace("*", ""), xlabel=xlabel, logx=True), out)
+
+
+# ---- statistics over the seeds of each row (scipy and sacreBLEU do the maths) ---------------------
+
+
+@dataclass
+class Stats:
+    """What ``comparison`` adds to each row's mean ± std: ``attnlab-compare``'s flags."""
+
+    baseline: str | None = None  # a row's label as printed ("model.net.positions=learned"), or "2"
+    ci: str = "t"  # Student's t, or "bootstrap"
+    level: float = 0.95
+    test: str = "welch"  # Welch's t-test, or "mwu" (Mann-Whitney U)
+    alpha: float = 0.05
+
+
+def confidence_interval(values: list[float], level: float = 0.95, method: str = "t") -> list[float] | None:
+    """The interval of the mean of ``values``: Student's t, or a BCa bootstrap (seeded: stable output)."""
+    import numpy as np
+    from scipy import stats
+
+    if len(values) < 2:
+        return None
+    if method == "bootstrap":
+        ci = stats.bootstrap((values,), np.mean, confidence_level=level, rng=0).confidence_interval
+    else:
+        ci = stats.ttest_1samp(values, 0.0).confidence_interval(level)
+    return [float(ci.low), float(ci.high)]
+
+
+def seeds_needed(d: float, alpha: float = 0.05, power: float = 0.8) -> int | None:
+    """Seeds per group for a two-sided two-sample t-test at ``alpha`` to detect an effect of
+    Cohen's ``d`` with ``power`` (the noncentral t's power); None for no effect."""
+    from scipy import stats
+
+    def short_of(n: int) -> float:
+        df, crit = 2 * n - 2, stats.t.ppf(1 - alpha / 2, 2 * n - 2)
+        nc = abs(d) * math.sqrt(n / 2)
+        reach = stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc)
+        if math.isnan(reach):  # the nct fails far out (large nc): the normal is exact enough there
+            reach = stats.norm.sf(crit - nc) + stats.norm.cdf(-crit - nc)
+        return reach - power
+
+    if not d or math.isnan(d):
+        return None
+    if math.isinf(d):  # seeds that all agree, and a difference
+        return 2
+    hi = 2
+    while short_of(hi) < 0:
+        hi *= 2
+    lo = max(2, hi // 2)  # the first n with enough power lies in (lo, hi] (or is 2)
+    if short_of(lo) >= 0:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if short_of(mid) >= 0 else (mid, hi)
+    return hi
+
+
+def versus(values: list[float], base: list[float], stats: Stats) -> dict[str, Any]:
+    """``values`` against the baseline's: the test's p-value, the difference of the means with its
+    Welch-Satterthwaite interval, and the seeds needed to detect it (Cohen's d, the pooled std)."""
+    from scipy import stats as st
+
+    if not values or not base:
+        return {}
+    out: dict[str, Any] = {"diff": statistics.fmean(values) - statistics.fmean(base)}
+    if min(len(values), len(base)) < 2:
+        return out
+    welch = st.ttest_ind(values, base, equal_var=False)
+    p = st.mannwhitneyu(values, base).pvalue if stats.test == "mwu" else welch.pvalue
+    ci = welch.confidence_interval(stats.level)
+    n, m = len(values), len(base)
+    pooled = math.sqrt(
+        ((n - 1) * statistics.variance(values) + (m - 1) * statistics.variance(base)) / (n + m - 2)
+    )
+    d = out["diff"] / pooled if pooled else math.inf
+    return out | {"p": p, "diff_ci": [ci.low, ci.high], "seeds_needed": seeds_needed(d, stats.alpha)}
+
+
+def paired_bleu(hyps: list[str], base_hyps: list[str], refs: list[str]) -> float:
+    """sacreBLEU's paired bootstrap p-value of ``hyps`` against the baseline's (its 1000
+    resamples and fixed seed)."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    test = PairedTest([("baseline", base_hyps), ("row", hyps)], {"BLEU": BLEU()}, [refs], test_type="bs")
+    return test()[1]["BLEU"][1].p_value
+
+
+def translations(row: Row) -> tuple[list[str], list[str]] | None:
+    """The test translations and references of the row's first run that saved both."""
+    for run in row.runs:
+        hyps, refs = (run.path / f"test_{name}.txt" for name in ("translations", "references"))
+        if hyps.is_file() and refs.is_file():
+            return hyps.read_text("utf-8").splitlines(), refs.read_text("utf-8").splitlines()
+    return None
+
+
+def row_label(row: Row) -> str:
+    return ", ".join(f"{k}={v}" for k, v in row.label.items())
+
+
+def baseline_row(table_rows: list[Row], name: str) -> Row:
+    """The row ``--baseline`` names: its 1-based index, or its ``key=value`` pairs (keys in full
+    or their last part)."""
+    if name.isdigit() and 1 <= int(name) <= len(table_rows):
+        return table_rows[int(name) - 1]
+    wanted = {part.strip() for part in name.split(",")}
+    found = [
+        r
+        for r in table_rows
+        if wanted <= {f"{key}={v}" for k, v in r.label.items() for key in (k, k.rsplit(".", 1)[-1])}
+    ]
+    if len(found) != 1:
+        labels = "; ".join(f"{i}: {row_label(r)}" for i, r in enumerate(table_rows, 1))
+        raise ConfigError(f"--baseline: {name!r} names {len(found)} rows, expected one of ({labels})")
+    return found[0]
+
+
+def cell(row: Row, base: Row | None, metric: str, stats: Stats) -> dict[str, Any]:
+    """A row's statistics for one metric, against ``base`` where given."""
+    values = row.values.get(metric, [])
+    out: dict[str, Any] = dict.fromkeys(("p", "diff", "diff_ci", "seeds_needed", "mark", "bleu_p"))
+    out |= {"n": len(values), "values": values, "mean": statistics.fmean(values) if values else None}
+    out |= {"std": statistics.stdev(values) if len(values) > 1 else None}
+    out["ci"] = confidence_interval(values, stats.level, stats.ci)
+    if base is None or base is row:
+        return out
+    out |= versus(values, base.values.get(metric, []), stats)
+    if "bleu" in metric and (mine := translations(row)) and (theirs := translations(base)):
+        out["bleu_p"] = paired_bleu(mine[0], theirs[0], theirs[1])
+    p = out["p"] if out["p"] is not None else out["bleu_p"]
+    if p is not None and p < stats.alpha and out["diff"]:
+        # attention health has no better side: its rows only differ
+        better = (out["diff"] < 0) == lower_is_better(metric)
+        out["mark"] = "differs" if metric.startswith("attn/") else "better" if better else "worse"
+    return out
+
+
+def plain(value: Any) -> Any:
+    """JSON's own types: numpy's numbers as floats, NaN and infinities as None."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    return float(value) if math.isfinite(value) else None
+
+
+def comparison(table_rows: list[Row], metrics: list[str], stats: Stats | None = None) -> dict[str, Any]:
+    """The table of ``attnlab-compare --format json``: every row's statistics per metric (and the
+    baseline's name); JSON-ready."""
+    stats = stats or Stats()
+    base = baseline_row(table_rows, stats.baseline) if stats.baseline else None
+    with warnings.catch_warnings():  # seeds with equal values: scipy warns, the interval is null
+        warnings.simplefilter("ignore")
+        out_rows = [
+            {
+                "label": row_label(row),
+                "config": row.label,
+                "runs": [str(r.path) for r in row.runs],
+                "metrics": {m: cell(row, base, m, stats) for m in metrics},
+            }
+            for row in table_rows
+        ]
+    head = {"metrics": metrics, "keys": list(table_rows[0].label) if table_rows else []}
+    settings = {k: v for k, v in vars(stats).items() if k != "baseline"}
+    return plain(head | {"baseline": row_label(base) if base else None} | settings | {"rows": out_rows})
+
+
+def expand_metrics(names: list[str], logged: list[str]) -> list[str]:
+    """Metric names as given: a logged name, a glob (``attn/entropy/*``), or a prefix standing for
+    the names under it (``attn/entropy`` where only ``attn/entropy/<layer>...`` were logged)."""
+    out: list[str] = []
+    for name in names:
+        found = [name] if name in logged else fnmatch.filter(logged, name)
+        found = found or [m for m in logged if m.startswith(name.rstrip("/") + "/")]
+        if not found:
+            raise ConfigError(f"--metrics {name}: no run logged it (logged: {', '.join(logged)})")
+        out += [m for m in found if m not in out]
+    return out

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from attnlab.core.hardware import native_bf16_cpu
 from attnlab.core.specs import DropRate, PositiveInt
+from attnlab.nn import health
 from attnlab.nn.flash_pieces import BLOCK, flash_pieces, pieces_apply
 from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
@@ -404,5 +405,24 @@ class MultiHeadAttention(nn.Module):
         if k_pos is None:
             k_pos = torch.arange(k.size(-2), device=x.device)
         y, weights = self.attend(q, k, v, mask, causal, positions, q_pos, k_pos, need_weights)
+        if health.is_recording() and cache is None:  # a probe's forward, not a decoding step
+            pad = key_padding_mask if memory is None else None
+            self._record(q, k, v, mask, causal, positions, q_pos, k_pos, weights, pad)
         y = y.transpose(1, 2).reshape(b, t, c)  # (B, T_q, C)
         return self.out_proj(y), weights
+
+    @torch.compiler.disable
+    def _record(self, q, k, v, mask, causal, positions, q_pos, k_pos, weights, padding) -> None:
+        """Record the first rows' weights as the math path gives them (``attnlab.nn.health``),
+        padding queries' rows NaN; without dropout, so the random state and the output stay."""
+        n = health.rows()
+        if weights is None:
+            if mask is not None and mask.dim() == 4:
+                mask = mask[:n]
+            training, self.training = self.training, False
+            _, weights = self.attend(q[:n], k[:n], v[:n], mask, causal, positions, q_pos, k_pos, True)
+            self.training = training
+        weights = weights[:n]
+        if padding is not None:
+            weights = weights.masked_fill(padding[:n, None, :, None], float("nan"))
+        health.record(self, weights, q_pos, k_pos)

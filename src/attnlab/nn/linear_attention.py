@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from attnlab.nn import health
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
 
@@ -110,6 +111,12 @@ class LinearAttention(MultiHeadAttention):
     def new_cache(self) -> LinearAttentionState:
         return LinearAttentionState()
 
+    def kernel_weights(self, q: Tensor, k: Tensor) -> Tensor:
+        """The (B, H, T, T) weights linear attention implies: phi(q) phi(k)^T, causal, each row
+        normalised (the quadratic form the chunks compute)."""
+        att = (self.feature_map(q) @ self.feature_map(k).transpose(-1, -2)).tril()
+        return att / att.sum(-1, keepdim=True)
+
     def attend_features(
         self, q: Tensor, k: Tensor, v: Tensor, state: State | None = None
     ) -> tuple[Tensor, State]:
@@ -144,9 +151,8 @@ class LinearAttention(MultiHeadAttention):
             y, state = self.attend_features(q, k, v, cache.state if cache is not None else None)
         if cache is not None:
             cache.state, cache.seen = state, cache.seen + t
-        weights = None
-        if need_weights and cache is None:
-            q, k = self.feature_map(q), self.feature_map(k)
-            att = (q @ k.transpose(-1, -2)).tril()  # (B, H, T, T)
-            weights = att / att.sum(-1, keepdim=True)
+        weights = self.kernel_weights(q, k) if need_weights and cache is None else None
+        if health.is_recording() and cache is None:
+            n = health.rows()
+            health.record(self, self.kernel_weights(q[:n].float(), k[:n].float()))
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c)), weights

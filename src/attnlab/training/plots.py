@@ -189,8 +189,12 @@ def publish_figure(
             path.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(path, dpi=DPI)
     at = {"step": task.global_step} if step else {}
+    # a figure saved to its own file goes to the loggers as that file: drawing it again costs more
+    images = [
+        str(p) if p is not None and paths.count(p) == 1 else f for f, p in zip(figures, paths, strict=True)
+    ]
     for lg in task.loggers if figures else []:
         if hasattr(lg, "log_image"):
-            lg.log_image(key=key, images=figures, **at)
+            lg.log_image(key=key, images=images, **at)
     for fig in figures:
         plt.close(fig)

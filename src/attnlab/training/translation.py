@@ -167,6 +167,9 @@ class TranslationTask(Task):
             path = Path(self.trainer.default_root_dir) / "test_translations.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(hyps[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
+            refs = self._data.references("test")  # line by line beside them: attnlab-compare's paired test
+            refs_path = path.with_name("test_references.txt")
+            refs_path.write_text("".join(refs[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
             log.info("test translations written to %s", path)
         self._hyps = {}
 

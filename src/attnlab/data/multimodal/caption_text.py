@@ -3,7 +3,6 @@ trained on before the captioner is."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from torch import Tensor
@@ -11,8 +10,6 @@ from torch import Tensor
 from attnlab.data.base import DataModule
 from attnlab.data.sources import Source
 from attnlab.data.text.language_modeling import TextDataModule
-
-log = logging.getLogger(__name__)
 
 
 class CaptionTextDataModule(TextDataModule):
@@ -60,14 +57,7 @@ class CaptionTextDataModule(TextDataModule):
             self.stream(self.captions.caption_texts(split)) for split in ("train", "val", "test")
         )
         self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
-        log.info(
-            "%s: %d train / %d val / %d test tokens, vocab %d (words)",
-            self.source.where,
-            len(self.train_tokens),
-            len(self.val_tokens),
-            len(self.test_tokens),
-            self.vocab_size,
-        )
+        self.log_tokens(self.source.where, len(self.train_tokens), " (words)")
 
     def stream(self, texts: list[str]) -> Tensor:
         """The captions' tokens, ``<bos> words <eos>`` each, one after another (N,)."""

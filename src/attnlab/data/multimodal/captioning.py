@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ from attnlab.data.sampling import carve
 from attnlab.data.sources import Captions, CaptionShards
 from attnlab.data.text.tokenizers import WordTokenizer
 from attnlab.data.vision.classification import normalize, sample_stats
-
-log = logging.getLogger(__name__)
 
 Listing = dict[str, tuple[list[str], str]]  # image name -> its captions, where it is first listed
 

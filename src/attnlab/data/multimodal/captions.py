@@ -58,11 +58,6 @@ ZEROSHOT_TEMPLATES = (
 )
 
 
-def class_phrases(dataset: str, classes: list[str]) -> list[str]:
-    """The caption names of ``classes`` (the built-in sets' phrases, else the lower-cased names)."""
-    return CLASS_PHRASES.get(dataset, [c.lower() for c in classes])
-
-
 def measure(images: Tensor) -> Tensor:
     """Per image (N, C, H, W) uint8: mean brightness of the item's pixels, the share of the image
     it covers, and the width over the height of its bounding box; (N, 3) float."""

@@ -17,19 +17,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import SplitsDataModule
+from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.multimodal import captions as cap
 from attnlab.data.sampling import Key, carve, example_seed
 from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, read_shard, stream_loader
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, normalize, random_crop_flip, sample_stats
-from attnlab.data.vision.datasets import load_builtin, square, unreadable_image
+from attnlab.data.vision.datasets import BuiltinImages, load_builtin, square, unreadable_image
 from attnlab.data.vision.shards import decode_image, image_bytes
 
 log = logging.getLogger(__name__)
-
-IDX_DATASETS = ("fashion_mnist", "mnist")
 
 
 class GeneratedCaptions(Dataset):
@@ -114,17 +112,11 @@ def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, 
     return out
 
 
-class ImageTextDataModule(SplitsDataModule):
-    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP.
-
-    Args:
-        source: ``Builtin("fashion_mnist" | "mnist")`` (captions generated from the label and
-            measured attributes; zero-shot prompts), ``Pairs(path)`` or ``CaptionShards(path)``.
-        img_size, in_chans: pairs' and shards' images are converted and resized to these.
-        max_len: caption tokens, ``<sot>`` and ``<eot>`` included; longer ones are cut.
-        vocab_size: of the byte-level BPE fitted on the training captions.
-        crop_padding, hflip: training augmentation of the images.
-    """
+class ImageTextDataModule(BuiltinImages, SplitsDataModule):
+    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP, from a
+    ``Builtin`` set (captions generated from the label and measured attributes; zero-shot prompts),
+    ``Pairs`` or ``CaptionShards`` (images made ``img_size``, ``in_chans``). ``max_len`` counts
+    ``<sot>`` and ``<eot>``; ``vocab_size``: the BPE fitted on the training captions."""
 
     def __init__(
         self,
@@ -141,10 +133,8 @@ class ImageTextDataModule(SplitsDataModule):
     ) -> None:
         super().__init__()
         source = source or Builtin("fashion_mnist", val_size=5000)
-        if isinstance(source, Builtin) and source.name not in IDX_DATASETS:
-            raise ConfigError(
-                f"data.source.name must be one of {', '.join(map(repr, IDX_DATASETS))}, got {source.name!r}"
-            )
+        if isinstance(source, Builtin):
+            source.one_of(cap.CLASS_PHRASES)
         if max_len < 3:
             raise ConfigError(f"data.max_len must be >= 3 (<sot>, a token, <eot>), got {max_len}")
         self.sizes = [] if isinstance(source, CaptionShards) else self.held_out(source)
@@ -196,10 +186,6 @@ class ImageTextDataModule(SplitsDataModule):
 
     # --- loading ---------------------------------------------------------------------------
 
-    def prepare_data(self) -> None:
-        if isinstance(self.source, Builtin) and self.source.data_dir is None:  # download once, on one process
-            load_builtin(self.source)
-
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
@@ -209,24 +195,23 @@ class ImageTextDataModule(SplitsDataModule):
             self.tokenizer = CaptionTokenizer.fit(corpus, self.vocab_size)
         _, truncated = self.tokenizer.encode_captions(corpus, self.max_len)
         if truncated:
-            log.warning(
-                "%d of %d training captions are longer than data.max_len=%d tokens: cut",
-                truncated,
-                len(corpus),
-                self.max_len,
-            )
+            n = (truncated, len(corpus), self.max_len)
+            log.warning("%d of %d training captions are longer than data.max_len=%d tokens: cut", *n)
         self.log_splits("pairs", f"a {self.tokenizer.vocab_size}-token caption vocabulary")
 
     def log_splits(self, what: str, vocabulary: str) -> None:
         train = len(self.splits["train"]) if "train" in self.splits else self.shards.count("train")
-        sizes = f"{train} train / {len(self.splits['val'])} val / {len(self.splits['test'])} test"
-        log.info("%s: %s %s, %s", self.source.where, sizes, what, vocabulary)
+        log_splits(
+            self.source.where,
+            (train, len(self.splits["val"]), len(self.splits["test"])),
+            f"{what}, {vocabulary}",
+        )
 
     def _setup_generated(self) -> list[str]:
         data = load_builtin(self.source)
         self.in_chans, self.img_size = data.train_images.size(1), data.train_images.size(-1)  # as stored
         val, train = carve(len(data.train_labels), self.sizes, self.seed)
-        self.classes = cap.class_phrases(self.source.name, data.classes)
+        self.classes = list(cap.CLASS_PHRASES[self.source.name])
         values = cap.measure(data.train_images)
         cuts = cap.tertile_cuts(values[train], data.train_labels[train], len(self.classes))
         levels = cap.attribute_levels(values, data.train_labels, cuts)

@@ -297,27 +297,10 @@ class ShardStream(IterableDataset):
 def stream_loader(dm: Any, shards: list[Shard], decode: Callable, collate: Callable) -> DataLoader:
     """The training loader of a DataModule (``dm``: its batch size, workers, seed, ``source``'s
     shuffling and bad-record policy) streaming ``shards`` from the batches it had consumed."""
-    rank, world = dm.rank_world()
-    stream = ShardStream(
-        shards,
-        dm.batch_size,
-        decode,
-        collate,
-        dm.seed,
-        lanes=dm.num_workers,
-        rank=rank,
-        world=world,
-        shuffle_batches=dm.source.shuffle_batches,
-        on_bad_record=dm.source.on_bad_record,
-    )
+    args = (dm.batch_size, decode, collate, dm.seed, dm.num_workers, *dm.rank_world())
+    stream = ShardStream(shards, *args, dm.source.shuffle_batches, dm.source.on_bad_record)
     stream.start = dm.train_batches_consumed
-    return DataLoader(  # batches made in the workers
-        stream,
-        batch_size=None,
-        num_workers=dm.num_workers,
-        persistent_workers=dm.num_workers > 0,
-        generator=torch.Generator().manual_seed(dm.seed),
-    )
+    return dm.loader(stream)  # batches made in the workers
 
 
 class ShardRecords(Dataset):

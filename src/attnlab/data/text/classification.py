@@ -3,7 +3,6 @@ or a label per word from CoNLL files, as ``[CLS] A [SEP] (B [SEP])`` batches of 
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -15,14 +14,12 @@ from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule
+from attnlab.data.base import DataModule, log_splits
 from attnlab.data.batching import Batches, pad
 from attnlab.data.sources import SplitFiles
+from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_conll, read_tsv
-from attnlab.data.text.glue import data_file
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
-
-log = logging.getLogger(__name__)
 
 Item = tuple[list[int], list[int], Any]  # ids, segment ids, label(s)
 
@@ -66,21 +63,8 @@ class LabelledTextDataModule(DataModule):
         self.tokenizer: WordPieceTokenizer | None = None
         self.splits: dict[str, list[Item]] = {}
 
-    # -- what a subclass says -----------------------------------------------------------------------
-    def read(self, path: Path) -> list[Any]:
-        """The examples of one file."""
-        raise NotImplementedError
-
-    def texts(self, examples: list[Any]) -> list[str]:
-        """Text to train a tokenizer on."""
-        raise NotImplementedError
-
-    def fit_classes(self, examples: list[Any]) -> list[str]:
-        raise NotImplementedError
-
-    def encode(self, examples: list[Any], path: Path) -> list[Item]:
-        raise NotImplementedError
-
+    # a subclass says how to read(path) a file's examples, their texts(examples) to fit a tokenizer
+    # on, fit_classes(examples) and encode(examples, path) into Items
     # -- shared --------------------------------------------------------------------------------------
     @property
     def num_classes(self) -> int:
@@ -121,27 +105,14 @@ class LabelledTextDataModule(DataModule):
         if self.classes is None:
             self.classes = self.fit_classes(raw["train"])
         self.splits = {split: self.encode(raw[split], self._path(split)) for split in self.files}
-        log.info(
-            "%s: %d train / %d val / %d test examples, %d classes, vocab %d",
-            type(self).__name__,
-            *(len(self.splits[s]) for s in ("train", "val", "test")),
-            self.num_classes,
-            self.tokenizer.vocab_size,
-        )
+        sizes = (len(self.splits[s]) for s in ("train", "val", "test"))
+        what = f"examples, {self.num_classes} classes, vocab {self.tokenizer.vocab_size}"
+        log_splits(type(self).__name__, sizes, what)
 
-    def _loader(self, split: str) -> DataLoader:
+    def split_loader(self, split: str) -> DataLoader:
         items = self.splits[split]
         sampler = self.token_sampler([len(it[0]) for it in items], self.max_tokens, split)
         return self.loader(Batches(partial(collate, items, self.tokenizer.pad_id), sampler), sampler)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
 
     def examples(self, n: int) -> list[Item]:
         """The first ``n`` validation examples (the same ones every time: attention pictures)."""

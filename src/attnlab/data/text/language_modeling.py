@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from attnlab.core.errors import AttnlabError, ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule
-from attnlab.data.sampling import stream_batch_numbers
+from attnlab.data.base import DataModule, log_splits
+from attnlab.data.sampling import BatchStream
 from attnlab.data.sources import Builtin, Shards, Source
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.shards import ShardWindows, TokenShards, split_shares
 from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-
-log = logging.getLogger(__name__)
 
 Batch = tuple[Tensor, Tensor]
 
@@ -37,18 +33,14 @@ def random_batch(tokens: Tensor, max_len: int, batch_size: int, seed: int) -> Ba
     return windows(tokens, starts, max_len)
 
 
-class RandomWindows(IterableDataset):
-    """Endless batches of random windows, as nanoGPT's ``get_batch``: batch ``n`` from a generator
-    seeded by ``(seed, n)``, so a resumed run (``start``) sees the uninterrupted run's batches;
-    ranks and workers interleave the stream."""
+class RandomWindows(BatchStream):
+    """Endless batches of random windows, as nanoGPT's ``get_batch``."""
 
     def __init__(self, tokens: Tensor, max_len: int, batch_size: int, seed: int) -> None:
         self.tokens, self.max_len, self.batch_size, self.seed = tokens, max_len, batch_size, seed
-        self.start = 0
 
-    def __iter__(self) -> Iterator[Batch]:
-        for index in stream_batch_numbers(self.start):
-            yield random_batch(self.tokens, self.max_len, self.batch_size, self.seed * 1_000_003 + index)
+    def batch(self, index: int) -> Batch:
+        return random_batch(self.tokens, self.max_len, self.batch_size, self.seed * 1_000_003 + index)
 
 
 class TextDataModule(DataModule):
@@ -138,15 +130,7 @@ class TextDataModule(DataModule):
         except AttnlabError as e:
             raise DataError(f"corpus {self.source.where} does not fit the checkpoint's tokenizer: {e}") from e
         self._check_lengths([("train", len(self.train_tokens)), ("validation", len(self.val_tokens))])
-        log.info(
-            "corpus %s: %d train / %d val / %d test tokens, vocab %d (%s)",
-            self.source.where,
-            len(self.train_tokens),
-            len(self.val_tokens),
-            len(self.test_tokens),
-            self.vocab_size,
-            self.tokenizer_kind,
-        )
+        self.log_tokens(f"corpus {self.source.where}", len(self.train_tokens), f" ({self.tokenizer_kind})")
 
     def _setup_shards(self) -> None:
         shards = TokenShards(self.source.path)
@@ -157,14 +141,11 @@ class TextDataModule(DataModule):
         largest = max((s.tokens for s in shards.splits["train"]), default=0)
         self._check_lengths([("train", largest), ("validation", len(self.val_tokens))])
         self.shards = shards
-        log.info(
-            "shards %s: %d train / %d val / %d test tokens, vocab %d",
-            self.source.path,
-            shards.tokens("train"),
-            len(self.val_tokens),
-            len(self.test_tokens),
-            self.vocab_size,
-        )
+        self.log_tokens(f"shards {self.source.path}", shards.tokens("train"))
+
+    def log_tokens(self, where: str, train: int, kind: str = "") -> None:
+        sizes = (train, len(self.val_tokens), len(self.test_tokens))
+        log_splits(where, sizes, f"tokens, vocab {self.vocab_size}{kind}")
 
     def _check_lengths(self, splits: list[tuple[str, int]]) -> None:
         shards = isinstance(self.source, Shards)

@@ -8,29 +8,25 @@ prediction (80% ``[MASK]``, 10% a random token, 10% kept).
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule
+from attnlab.data.base import DataModule, log_splits
 from attnlab.data.batching import Batches, pad
-from attnlab.data.sampling import stream_batch_numbers
-from attnlab.data.sources import Files, Shards
-from attnlab.data.text.document_shards import DocumentShards, ShardDocuments
+from attnlab.data.sampling import BatchStream
+from attnlab.data.sources import Files, Shards, Share
+from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_corpus
-from attnlab.data.text.glue import data_file
-from attnlab.data.text.shards import split_shares
+from attnlab.data.text.shards import DocumentShards, ShardDocuments, split_shares
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
-
-log = logging.getLogger(__name__)
 
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as Hugging Face's BertForPreTraining
 N_SPECIALS = len(WordPieceTokenizer.specials)  # ids below this are special tokens, never masked
@@ -117,11 +113,10 @@ def batch_of(
     }
 
 
-class PairStream(IterableDataset):
+class PairStream(BatchStream):
     """Endless MLM + NSP batches from ``docs`` (a list, or ``ShardDocuments``) as ``SegmentPairs``
     builds them: batch ``n`` draws documents (with replacement), cuts, partners and masks from
-    generators seeded by ``(seed, n)``, as many pairs as ``max_tokens`` holds; resumable
-    (``start``), ranks and workers interleaving the batch numbers."""
+    generators seeded by ``(seed, n)``, as many pairs as ``max_tokens`` holds."""
 
     def __init__(
         self,
@@ -134,7 +129,6 @@ class PairStream(IterableDataset):
     ) -> None:
         self.docs, self.max_len, self.max_tokens = docs, max_len, max_tokens
         self.vocab_size, self.mask_prob, self.seed = vocab_size, mask_prob, seed
-        self.start = 0
 
     def batch(self, index: int) -> dict[str, Tensor]:
         seed = self.seed * 1_000_003 + index
@@ -147,10 +141,6 @@ class PairStream(IterableDataset):
             items.append(pair)
             longest = longest_if_added
         return masked_batch(items, self.vocab_size, self.mask_prob, torch.Generator().manual_seed(seed))
-
-    def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for index in stream_batch_numbers(self.start):
-            yield self.batch(index)
 
 
 @dataclass
@@ -202,7 +192,7 @@ class MaskedLMDataModule(DataModule):
         vocab_size: PositiveInt | None = None,
         max_len: PositiveInt = 64,
         max_tokens: PositiveInt = 4096,
-        mask_prob: float = 0.15,
+        mask_prob: Share = 0.15,
         val_docs: PositiveInt = 2000,
         num_workers: int = 0,
         seed: int = 1234,
@@ -216,8 +206,6 @@ class MaskedLMDataModule(DataModule):
             raise ConfigError(f"data.max_len must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_len}")
         if max_tokens < max_len:
             raise ConfigError(f"data.max_tokens ({max_tokens}) must hold a pair of data.max_len ({max_len})")
-        if not 0.0 < mask_prob < 1.0:
-            raise ConfigError(f"data.mask_prob ({mask_prob}) must be between 0 and 1")
         self.source = source
         self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.mask_prob, self.val_docs_scored = mask_prob, val_docs
@@ -272,14 +260,7 @@ class MaskedLMDataModule(DataModule):
                 f"the corpus ({self.source.where}) has too few documents of two or more "
                 "tokens for a training, a validation and a test split"
             )
-        log.info(
-            "corpus %s: %d train / %d val / %d test documents, vocab %d",
-            self.source.where,
-            len(self.train_docs),
-            len(self.val_docs),
-            len(self.test_docs),
-            self.tokenizer.vocab_size,
-        )
+        self.log_documents(f"corpus {self.source.where}")
 
     def _setup_shards(self) -> None:
         shards = DocumentShards(self.source.path)
@@ -291,14 +272,11 @@ class MaskedLMDataModule(DataModule):
                 f"{shards.folder}: a training, a validation and a test split of documents are needed; "
                 f"it has {len(self.train_docs)} / {len(self.val_docs)} / {len(self.test_docs)}"
             )
-        log.info(
-            "shards %s: %d train / %d val / %d test documents, vocab %d",
-            self.source.path,
-            len(self.train_docs),
-            len(self.val_docs),
-            len(self.test_docs),
-            self.tokenizer.vocab_size,
-        )
+        self.log_documents(f"shards {self.source.path}")
+
+    def log_documents(self, where: str) -> None:
+        sizes = map(len, (self.train_docs, self.val_docs, self.test_docs))
+        log_splits(where, sizes, f"documents, vocab {self.tokenizer.vocab_size}")
 
     def _encode(self, docs: list[list[str]]) -> list[Document]:
         """Token ids of each document, without those too short to cut in two."""

@@ -1,7 +1,14 @@
-"""Token shards (``attnlab-prepare --mode lm``, kind ``tokens``): nanoGPT's ``train.bin`` cut into
-flat arrays of ids (uint16 while the vocabulary fits), read a window at a time with plain reads
-(a memory map's pages would count towards the process's memory). Also what the three text kinds
-share: reading the sources, sampling text to fit a tokenizer, ``Encoder``, ``TextShards``.
+"""Text shards, written once by ``attnlab-prepare`` and read a piece at a time as training goes
+(plain reads: a memory map's pages would count towards the process's memory). Three kinds:
+- ``tokens`` (``--mode lm``): nanoGPT's ``train.bin`` cut into flat arrays of ids (uint16 while
+  the vocabulary fits); the first ``val_tokens`` validate, the next ``test_tokens`` test.
+- ``documents`` (``--mode bert``): a corpus read as ``formats.read_corpus`` reads it, WordPiece
+  ids; a shard is ``<name>.tokens``, ``.sentences`` and ``.documents`` (int64 offsets); documents
+  of fewer than two tokens left out; the first ``val_docs`` validate, the next ``test_docs`` test.
+- ``pairs`` (``--mode translation``): a parallel corpus (TSV ``source<TAB>target``, JSONL
+  ``{"de": "...", "en": "..."}`` or two line-aligned files ``<prefix>.<src>``, ``<prefix>.<tgt>``)
+  in a joint BPE; the first ``val_pairs`` and ``test_pairs`` kept as text (BLEU needs the
+  references as written); per training shard and language ``<name>.<lang>.tokens`` and ``.offsets``.
 """
 
 from __future__ import annotations
@@ -9,37 +16,34 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice, zip_longest
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import IterableDataset
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.data.remote import RemotePath, read_array, read_arrays
-from attnlab.data.sampling import stream_batch_numbers
-from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, ShardFolder, check_file
-from attnlab.data.shards.writer import (
-    ShardWriter,
-    check_count,
-    counted,
-    parallel,
-    prepares,
-    progress_bar,
+from attnlab.data.sampling import BatchStream
+from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, ShardFolder, check_file, file_sha256
+from attnlab.data.shards.writer import ShardWriter, check_count, counted, parallel, prepares, progress_bar
+from attnlab.data.text.tokenizers import (
+    BPETokenizer,
+    CharTokenizer,
+    SubwordTokenizer,
+    WordPieceTokenizer,
+    tokenizer_from_json,
 )
-from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
 
 __all__ = ["MANIFEST", "SPLITS"]
 Tokenizer = CharTokenizer | BPETokenizer
 T = TypeVar("T")
-
-
-# ---- reading the sources ------------------------------------------------------------------------
 
 
 def source_files(patterns: Sequence[str]) -> list[Path]:
@@ -84,9 +88,6 @@ def _decode(
         return decoder.decode(data, final=final)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text near byte {offset + e.start} ({e.reason})") from None
-
-
-# ---- tokenising ---------------------------------------------------------------------------------
 
 
 def head(items: Iterable[tuple[T, int]], nbytes: int) -> Iterator[T]:
@@ -147,6 +148,24 @@ class ChunkEncoder(Encoder):
         if (ids < 0).any() or (points >= len(self.table)).any():
             tok.encode(text)  # raises, naming the characters
         return ids.astype(self.dtype)
+
+
+def encode_files(
+    files: Sequence[Path],
+    encoder: Callable[[str], T],
+    take: Callable[[T], Any],
+    chunk_bytes: int,
+    workers: int,
+    progress: bool,
+    end_file: Callable[[], Any] = lambda: None,
+) -> None:
+    """Each chunk of ``files`` through ``encoder`` (in ``workers`` processes) into ``take``, in
+    order, ``end_file()`` after each file; the progress in source bytes."""
+    with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
+        for path in files:
+            for item in imap(encoder, counted(text_chunks([path], chunk_bytes), advance)):
+                take(item)
+            end_file()
 
 
 def locate(ends: np.ndarray, i: int) -> tuple[int, int]:
@@ -252,7 +271,7 @@ class TextShards(ShardFolder):
         return read_array(path, np.dtype(np.int64), n, start * 8)
 
 
-# ---- token shards: writing ----------------------------------------------------------------------
+# ---- tokens (language modelling) -----------------------------------------------------------------
 
 
 class SplitWriter(ShardWriter):
@@ -298,15 +317,16 @@ def prepare(
     dtype = token_dtype(tok.vocab_size)
     writers = {s: SplitWriter(partial, s, shard_tokens) for s in SPLITS}
     held_out = {"val": val_tokens, "test": test_tokens}
-    encoder = ChunkEncoder(tok.to_json(), dtype)
-    with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
-        for ids in imap(encoder, counted(text_chunks(files, chunk_bytes), advance)):
-            for split in ("val", "test"):
-                take = min(held_out[split], len(ids))
-                writers[split].write(ids[:take])
-                held_out[split] -= take
-                ids = ids[take:]
-            writers["train"].write(ids)
+
+    def route(ids: np.ndarray) -> None:
+        for split in held_out:
+            take = min(held_out[split], len(ids))
+            writers[split].write(ids[:take])
+            held_out[split] -= take
+            ids = ids[take:]
+        writers["train"].write(ids)
+
+    encode_files(files, ChunkEncoder(tok.to_json(), dtype), route, chunk_bytes, workers, progress)
     for w in writers.values():
         w.close()
     check_trains(inputs, {s: sum(x["tokens"] for x in writers[s].shards) for s in SPLITS})
@@ -323,9 +343,6 @@ def check_trains(inputs: Sequence[str], tokens: dict[str, int]) -> None:
         f"{', '.join(inputs)}: {sum(tokens.values())} tokens, none left for training after "
         f"{tokens['val']} validation and {tokens['test']} test tokens; lower --val-tokens / --test-tokens"
     )
-
-
-# ---- token shards: reading ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -377,11 +394,10 @@ class TokenShards(TextShards):
         )
 
 
-class ShardWindows(IterableDataset):
+class ShardWindows(BatchStream):
     """Endless batches of random windows from the training shards, as ``RandomWindows`` draws
-    them from a tensor: batch ``n`` from a generator seeded by ``(seed, n)``, so a resumed run
-    sees the batches the uninterrupted one would have, and ranks and workers interleave the
-    stream. A window lies inside one shard, each shard chosen in proportion to its windows."""
+    them from a tensor. A window lies inside one shard, each shard chosen in proportion to its
+    windows."""
 
     def __init__(self, shards: TokenShards, max_len: int, batch_size: int, seed: int) -> None:
         self.shards, self.max_len, self.batch_size, self.seed = shards, max_len, batch_size, seed
@@ -393,7 +409,6 @@ class ShardWindows(IterableDataset):
         for shard in self.usable:  # here, before the loader's workers start: each checks none again
             shards.verify(shard)
         self.weights = torch.tensor([float(s.tokens - max_len - 1) for s in self.usable])
-        self.start = 0
 
     def batch(self, index: int) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -407,6 +422,544 @@ class ShardWindows(IterableDataset):
         chunk = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        for index in stream_batch_numbers(self.start):
-            yield self.batch(index)
+
+# ---- documents (BERT pre-training) ---------------------------------------------------------------
+
+PARTS = ("tokens", "sentences", "documents")  # the files of a shard, by suffix
+Document = list[list[int]]  # its sentences' token ids
+
+
+def fit_wordpiece(files: Sequence[Path], vocab_size: int, sample_bytes: int) -> WordPieceTokenizer:
+    """WordPiece trained on the sentences of the first ``sample_bytes`` of the corpus."""
+    check_vocab_size(vocab_size)
+    text = head(text_chunks(files, 1 << 22), sample_bytes)
+    lines = [s for chunk in text for line in chunk.splitlines() if (s := line.strip())]
+    if not lines:
+        raise DataError(f"{', '.join(map(str, files))}: no sentences (non-blank lines) to train WordPiece on")
+    return WordPieceTokenizer.fit(lines, vocab_size)
+
+
+@dataclass
+class Chunk:
+    """A piece of text tokenised: its sentences' ids end to end, each sentence's length, whether a
+    document starts at it (a blank line before it), and whether blank lines follow the last."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
+    blank_after: bool
+
+
+class DocumentEncoder(Encoder):
+    """Text (whole lines) -> ``Chunk``."""
+
+    def __call__(self, text: str) -> Chunk:
+        sentences, starts, blank = [], [], False
+        for line in text.splitlines():
+            if s := line.strip():
+                sentences.append(s)
+                starts.append(blank)
+                blank = False
+            else:
+                blank = True
+        ids, lengths, kept_starts, carry = [], [], [], False
+        for seq, start in zip(self.tokenizer.encode_batch(sentences), starts, strict=True):
+            if not seq:  # a sentence of nothing the vocabulary knows: dropped, as in memory
+                carry = carry or start
+                continue
+            ids += seq
+            lengths.append(len(seq))
+            kept_starts.append(start or carry)
+            carry = False
+        return Chunk(
+            np.asarray(ids, dtype=self.dtype),
+            np.asarray(lengths, dtype=np.int64),
+            np.asarray(kept_starts, dtype=bool),
+            blank or carry,
+        )
+
+
+class DocumentWriter(ShardWriter):
+    """Documents of one split into shards of about ``shard_tokens`` tokens (a document is never
+    cut between shards): the token ids and the two offset files, written as they come."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int) -> None:
+        super().__init__(folder, split, PARTS)
+        self.dtype, self.shard_tokens = dtype, shard_tokens
+
+    def write(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """One document: its ids and its sentences' lengths."""
+        if not self.files or self.shards[-1]["tokens"] >= self.shard_tokens:
+            self.open(tokens=0, sentences=0, documents=0)
+            for p in ("sentences", "documents"):
+                super().write(p, np.zeros(1, dtype=np.int64))  # offsets start at 0
+        shard = self.shards[-1]
+        super().write("tokens", ids.astype(self.dtype))
+        super().write("sentences", (shard["tokens"] + np.cumsum(lengths)).astype(np.int64))
+        super().write("documents", np.array([shard["sentences"] + len(lengths)], dtype=np.int64))
+        shard["tokens"] += len(ids)
+        shard["sentences"] += len(lengths)
+        shard["documents"] += 1
+
+
+class DocumentRouter:
+    """Sentences in corpus order -> whole documents -> the validation, test or training writer."""
+
+    def __init__(self, writers: dict[str, DocumentWriter], val_docs: int, test_docs: int) -> None:
+        self.writers, self.held_out = writers, {"val": val_docs, "test": test_docs}
+        self.ids: list[np.ndarray] = []
+        self.lengths: list[np.ndarray] = []
+        self.new_document = True
+        self.short = 0  # documents of fewer than two tokens, left out
+
+    def add(self, chunk: Chunk) -> None:
+        starts = np.flatnonzero(chunk.starts).tolist()
+        if self.new_document:
+            starts = [0, *(s for s in starts if s)]
+        bounds = [*starts, len(chunk.lengths)]
+        ends = np.concatenate([[0], np.cumsum(chunk.lengths)])
+        first = bounds[0]
+        if first:  # the sentences before the first start continue the open document
+            self._extend(chunk, ends, 0, first)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            self.end_document()
+            self._extend(chunk, ends, a, b)
+        self.new_document = chunk.blank_after or (self.new_document and not len(chunk.lengths))
+
+    def _extend(self, chunk: Chunk, ends: np.ndarray, a: int, b: int) -> None:
+        if b > a:
+            self.ids.append(chunk.ids[ends[a] : ends[b]])
+            self.lengths.append(chunk.lengths[a:b])
+
+    def end_file(self) -> None:
+        """A file ends its last document."""
+        self.end_document()
+        self.new_document = True
+
+    def end_document(self) -> None:
+        if not self.lengths:
+            return
+        ids, lengths = np.concatenate(self.ids), np.concatenate(self.lengths)
+        self.ids, self.lengths = [], []
+        if len(ids) < 2:  # too short to cut in two
+            self.short += 1
+            return
+        split = next((s for s in ("val", "test") if self.held_out[s] > 0), "train")
+        if split != "train":
+            self.held_out[split] -= 1
+        self.writers[split].write(ids, lengths)
+
+
+@prepares
+def prepare_documents(
+    inputs: Sequence[str],
+    partial: Path,
+    vocab_size: int = 8000,
+    val_docs: int = 2000,
+    test_docs: int = 2000,
+    shard_tokens: int = 100_000_000,
+    workers: int = 1,
+    chunk_bytes: int = 1 << 22,
+    sample_bytes: int = 100 << 20,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenise the documents of the files ``inputs`` name (paths or globs) with WordPiece into
+    document shards in ``out_dir``; return the manifest. Written into ``<out_dir>.partial`` and
+    moved into place at the end, as ``shards.prepare`` does."""
+    check_count("val_docs", val_docs, why=" (a split to score)")
+    check_count("test_docs", test_docs, why=" (a split to score)")
+    check_count("shard_tokens", shard_tokens)
+    files = source_files(inputs)
+
+    tok = fit_wordpiece(files, vocab_size, sample_bytes)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: DocumentWriter(partial, s, dtype, shard_tokens) for s in SPLITS}
+    router = DocumentRouter(writers, val_docs, test_docs)
+    encoder = DocumentEncoder(tok.to_json(), dtype)
+    encode_files(files, encoder, router.add, chunk_bytes, workers, progress, router.end_file)
+    for w in writers.values():
+        w.close()
+    counts = {s: sum(sh["documents"] for sh in writers[s].shards) for s in SPLITS}
+    if counts["train"] == 0:
+        raise DataError(
+            f"{', '.join(inputs)}: {sum(counts.values())} document(s) of two or more tokens, none left "
+            f"for training after {val_docs} validation and {test_docs} test documents"
+        )
+    splits = {s: writers[s].shards for s in SPLITS}
+    return text_manifest("documents", tok, dtype, splits, files, short_documents=router.short)
+
+
+@dataclass(frozen=True)
+class DocumentShard:
+    name: str
+    paths: dict[str, Location]
+    tokens: int
+    sentences: int
+    documents: int
+    sha256: dict[str, str]
+
+    def path(self, part: str) -> Location:
+        return self.paths[part]
+
+
+class DocumentShards(TextShards):
+    """A folder of document shards: each split's shards, their files inside the folder and of
+    their sizes; checked (sha256, ids) the first time this process reads a shard (``verify``)."""
+
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        super().__init__(folder, "documents")
+        with self.reading():
+            self.splits = {
+                s: [
+                    DocumentShard(e["name"], p, int(e["tokens"]), int(e["sentences"]), int(e["documents"]), h)
+                    for e, p, h in self.shards(s, PARTS)
+                ]
+                for s in SPLITS
+            }
+        for shard in (shard for split in SPLITS for shard in self.splits[split]):
+            self.check_tokens(shard.path("tokens"), shard.tokens)
+            self.check_offsets(shard.path("sentences"), shard.sentences, "sentence")
+            self.check_offsets(shard.path("documents"), shard.documents, "document")
+            if shard.documents == 0:
+                raise DataError(f"{shard.path('documents')}: an empty shard (no documents)")
+
+    def verify(self, shard: DocumentShard) -> None:
+        """Check the files of ``shard`` (sha256; ids in the vocabulary) unless this process did."""
+        for part in PARTS:
+            self._verify(shard.path(part), shard.sha256[part], ids=part == "tokens")
+
+    def read(self, shard: DocumentShard, first: int, n: int) -> list[Document]:
+        """Documents ``first .. first + n - 1`` of a shard."""
+        self.verify(shard)  # a set lookup once checked
+        docs = self.offsets(shard.path("documents"), first, n + 1)
+        sents = self.offsets(shard.path("sentences"), int(docs[0]), int(docs[-1] - docs[0]) + 1)
+        ids = self.ids(shard.path("tokens"), int(sents[0]), int(sents[-1] - sents[0])).tolist()
+        sents, docs = (sents - sents[0]).tolist(), (docs - docs[0]).tolist()
+        return [
+            [ids[sents[k] : sents[k + 1]] for k in range(docs[d], docs[d + 1])] for d in range(len(docs) - 1)
+        ]
+
+    def read_split(self, split: str) -> list[Document]:
+        """A whole (small) split in memory: validation and test."""
+        return [d for s in self.splits[split] for d in self.read(s, 0, s.documents)]
+
+
+class ShardDocuments(Sequence):
+    """The training documents of all shards as one sequence, each read from disk when indexed:
+    what ``make_pair`` takes (it draws a document, and another one for a random next segment)."""
+
+    def __init__(self, shards: DocumentShards) -> None:
+        self.shards, self.parts = shards, shards.splits["train"]
+        for shard in self.parts:  # here, before the loader's workers start: each checks none again
+            shards.verify(shard)
+        self.ends = np.cumsum([s.documents for s in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, i: int) -> Document:
+        k, first = locate(self.ends, i)
+        return self.shards.read(self.parts[k], first, 1)[0]
+
+
+# ---- pairs (translation) -------------------------------------------------------------------------
+
+Pair = tuple[str, str]
+HELD_OUT = ("val", "test")
+
+
+def lines(path: Path) -> Iterator[tuple[int, int, str]]:
+    """Each line of a UTF-8 file (without its line end), with its number and size in bytes; a
+    byte sequence that is not UTF-8 is named by the file and its byte offset."""
+    with open(path, "rb") as f:
+        offset = 0
+        for n, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}: not UTF-8 text near byte {offset + e.start} (line {n}: {e.reason})"
+                ) from None
+            offset += len(raw)
+            yield n, len(raw), text.rstrip("\r\n")
+
+
+def tsv_pairs(path: Path) -> Iterator[tuple[Pair, int]]:
+    for n, size, line in lines(path):
+        cells = line.split("\t")
+        if len(cells) < 2:
+            raise DataError(f"{path}:{n}: no tab; expected source<TAB>target")
+        yield (cells[0], cells[1]), size
+
+
+def jsonl_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[Pair, int]]:
+    for n, size, line in lines(path):
+        try:
+            row = json.loads(line)
+            pair = (row[src], row[tgt])
+        except (ValueError, KeyError, TypeError):
+            raise DataError(
+                f'{path}:{n}: expected a JSON object {{"{src}": "...", "{tgt}": "..."}}'
+            ) from None
+        if not all(isinstance(s, str) for s in pair):
+            raise DataError(f"{path}:{n}: the {src!r} and {tgt!r} values must be strings")
+        yield pair, size
+
+
+def aligned_pairs(src_path: Path, tgt_path: Path) -> Iterator[tuple[Pair, int]]:
+    """Line ``i`` of one file with line ``i`` of the other; files of different line counts are
+    refused, naming both and their counts (counted to the end of the longer)."""
+    n_a = n_b = 0
+    for a, b in zip_longest(lines(src_path), lines(tgt_path)):  # zip would drop a line of the longer
+        n_a, n_b = n_a + (a is not None), n_b + (b is not None)
+        if a is not None and b is not None:
+            yield (a[2], b[2]), a[1] + b[1]
+    if n_a != n_b:
+        raise DataError(
+            f"parallel files differ in length: {src_path} has {n_a} lines, {tgt_path} has "
+            f"{n_b}; line i of one must translate line i of the other"
+        )
+
+
+def pair_sources(inputs: Sequence[str], src: str, tgt: str) -> list[tuple[str, list[Path]]]:
+    """Each input as (format, files): a ``.tsv`` or ``.jsonl`` file (or glob), else a prefix of
+    two aligned files."""
+    out: list[tuple[str, list[Path]]] = []
+    for name in inputs:
+        if name.endswith((".tsv", ".jsonl")):
+            out += [("tsv" if f.suffix == ".tsv" else "jsonl", [f]) for f in source_files([name])]
+        else:
+            files = [Path(f"{name}.{src}"), Path(f"{name}.{tgt}")]
+            for f in files:
+                if not f.is_file():
+                    raise DataError(
+                        f"{f}: no such file ({name!r} is neither a .tsv nor a .jsonl file, so it is read "
+                        f"as the prefix of {files[0].name} and {files[1].name})"
+                    )
+            out.append(("aligned", files))
+    return out
+
+
+def read_pairs(sources: list[tuple[str, list[Path]]], src: str, tgt: str) -> Iterator[tuple[Pair, int]]:
+    """Every pair of the sources in order, with the bytes it was read from."""
+    for kind, files in sources:
+        if kind == "tsv":
+            yield from tsv_pairs(files[0])
+        elif kind == "jsonl":
+            yield from jsonl_pairs(files[0], src, tgt)
+        else:
+            yield from aligned_pairs(*files)
+
+
+class PairEncoder(Encoder):
+    """A block of pairs -> per side, the ids end to end and each sentence's length."""
+
+    def __call__(self, pairs: list[Pair]) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for side in zip(*pairs, strict=True):
+            ids = self.tokenizer.encode_batch(list(side))
+            flat = np.fromiter((t for s in ids for t in s), dtype=self.dtype)
+            out.append((flat, np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))))
+        return out
+
+
+class PairWriter(ShardWriter):
+    """Tokenised blocks of training pairs into shards of about ``shard_tokens`` tokens."""
+
+    def __init__(self, folder: Path, langs: tuple[str, str], shard_tokens: int) -> None:
+        super().__init__(folder, "train", [f"{lang}.{p}" for lang in langs for p in ("tokens", "offsets")])
+        self.langs, self.shard_tokens = langs, shard_tokens
+
+    def write(self, sides: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        if not self.files or sum(self.shards[-1]["tokens"].values()) >= self.shard_tokens:
+            self.open(pairs=0, tokens=dict.fromkeys(self.langs, 0))
+            for lang in self.langs:
+                super().write(f"{lang}.offsets", np.zeros(1, dtype=np.int64))
+        shard = self.shards[-1]
+        for lang, (ids, lengths) in zip(self.langs, sides, strict=True):
+            super().write(f"{lang}.tokens", ids)
+            super().write(f"{lang}.offsets", (shard["tokens"][lang] + np.cumsum(lengths)).astype(np.int64))
+            shard["tokens"][lang] += len(ids)
+        shard["pairs"] += len(sides[0][1])
+
+
+def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_bytes: int) -> SubwordTokenizer:
+    """The joint BPE of both languages, trained on the first ``sample_bytes`` of training pairs."""
+    check_vocab_size(vocab_size)
+    return SubwordTokenizer.fit([s for pair in head(pairs, sample_bytes) for s in pair], vocab_size)
+
+
+@prepares
+def prepare_pairs(
+    inputs: Sequence[str],
+    partial: Path,
+    src_lang: str,
+    tgt_lang: str,
+    vocab_size: int = 8000,
+    val_pairs: int = 1000,
+    test_pairs: int = 1000,
+    shard_tokens: int = 100_000_000,
+    workers: int = 1,
+    block_pairs: int = 10_000,
+    sample_bytes: int = 100 << 20,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenise the parallel corpus ``inputs`` name into pair shards in ``out_dir``; return the
+    manifest. Written into ``<out_dir>.partial`` and moved into place at the end."""
+    if not (src_lang and tgt_lang) or src_lang == tgt_lang:
+        raise ConfigError(
+            f"--src-lang and --tgt-lang must name two languages, got {src_lang!r}, {tgt_lang!r}"
+        )
+    check_count("val_pairs", val_pairs, why=" (a split to score)")
+    check_count("test_pairs", test_pairs, why=" (a split to score)")
+    check_count("shard_tokens", shard_tokens)
+    langs = (src_lang, tgt_lang)
+    sources = pair_sources(inputs, *langs)
+
+    held = {"val": val_pairs, "test": test_pairs}
+    tok = fit_joint_bpe(
+        islice(read_pairs(sources, *langs), val_pairs + test_pairs, None), vocab_size, sample_bytes
+    )
+    dtype = token_dtype(tok.vocab_size)
+    writer = PairWriter(partial, langs, shard_tokens)
+    files = [f for _, fs in sources for f in fs]
+    with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
+        stream = read_pairs(sources, *langs)
+        held_out = {split: write_text(partial, split, langs, stream, n, advance) for split, n in held.items()}
+        for sides in imap(PairEncoder(tok.to_json(), dtype), _blocks(stream, block_pairs, advance)):
+            writer.write(sides)
+    writer.close()
+    for split, n in held.items():
+        if held_out[split]["pairs"] < n:
+            raise DataError(
+                f"{', '.join(inputs)}: too few pairs for {val_pairs} validation and {test_pairs} test pairs"
+            )
+    if not writer.shards:
+        raise DataError(
+            f"{', '.join(inputs)}: no pairs left for training after {val_pairs} validation and "
+            f"{test_pairs} test pairs"
+        )
+    splits = {"train": writer.shards, **held_out}
+    return text_manifest("pairs", tok, dtype, splits, files, langs=list(langs))
+
+
+def write_text(
+    folder: Path, split: str, langs: tuple[str, str], stream: Iterator, n: int, advance: Callable
+) -> dict[str, Any]:
+    """The next ``n`` pairs as two line-aligned text files ``<split>.<lang>`` (a line break inside
+    a JSONL sentence becomes a space)."""
+    files = {lang: folder / f"{split}.{lang}" for lang in langs}
+    count = 0
+    with (
+        open(files[langs[0]], "w", encoding="utf-8") as fa,
+        open(files[langs[1]], "w", encoding="utf-8") as fb,
+    ):
+        for (x, y), size in islice(stream, n):
+            fa.write(" ".join(x.splitlines()) + "\n")
+            fb.write(" ".join(y.splitlines()) + "\n")
+            advance(size)
+            count += 1
+    return {
+        "pairs": count,
+        "bytes": {lang: p.stat().st_size for lang, p in files.items()},
+        "sha256": {lang: file_sha256(p) for lang, p in files.items()},
+    }
+
+
+def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance: Callable) -> Iterator[list[Pair]]:
+    while block := list(islice(stream, size)):
+        advance(sum(n for _, n in block))
+        yield [p for p, _ in block]
+
+
+@dataclass(frozen=True)
+class PairShard:
+    name: str
+    paths: dict[str, Location]
+    pairs: int
+    tokens: dict[str, int]
+    sha256: dict[str, str]
+
+    def path(self, lang: str, part: str) -> Location:
+        return self.paths[f"{lang}.{part}"]
+
+
+class PairShards(TextShards):
+    """A folder of pair shards: its languages, tokenizer, training shards and held-out text, every
+    file inside the folder and of its size; each checked (sha256, ids) the first time this
+    process reads it."""
+
+    def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
+        super().__init__(folder, "pairs")
+        with self.reading():
+            self.langs: tuple[str, str] = tuple(self.manifest["langs"])
+            parts = tuple(f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets"))
+            self.train = [
+                PairShard(e["name"], p, int(e["pairs"]), e["tokens"], h)
+                for e, p, h in self.shards("train", parts)
+            ]
+            self.held_out = {s: self.manifest["splits"][s] for s in HELD_OUT}
+            self.text = {
+                (s, lang): (
+                    self.file(f"{s}.{lang}", f"langs ({lang!r})"),
+                    self.held_out[s]["sha256"][lang],
+                )
+                for s in HELD_OUT
+                for lang in self.langs
+            }
+            for (s, lang), (path, _) in self.text.items():
+                entry = self.held_out[s]
+                check_file(path, int(entry["bytes"][lang]), f"{entry['pairs']} lines of text")
+        for shard in self.train:
+            if shard.pairs == 0:
+                raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
+            for lang in self.langs:
+                self.check_tokens(shard.path(lang, "tokens"), int(shard.tokens[lang]))
+                self.check_offsets(shard.path(lang, "offsets"), shard.pairs, "sentence")
+        self.ends = np.cumsum([s.pairs for s in self.train])
+
+    def verify(self, lang: str) -> None:
+        """Check the training shards of one language (before the loader's workers start, so that
+        none of them checks again)."""
+        for shard in self.train:
+            self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
+            self._verify(shard.path(lang, "offsets"), shard.sha256[f"{lang}.offsets"])
+
+    def text_files(self, split: str, src: str, tgt: str) -> tuple[Location, Location]:
+        """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
+        for lang in (src, tgt):
+            self._verify(*self.text[split, lang])
+        return self.text[split, src][0], self.text[split, tgt][0]
+
+    def lengths(self, lang: str) -> np.ndarray:
+        """Each training sentence's length in tokens, in ``lang`` (int32, one per pair)."""
+        offsets = [
+            np.frombuffer(
+                self._verify(s.path(lang, "offsets"), s.sha256[f"{lang}.offsets"], keep=True), np.int64
+            )
+            for s in self.train
+        ]
+        return np.concatenate([np.diff(o).astype(np.int32) for o in offsets])
+
+    def sentence(self, lang: str, i: int) -> list[int]:
+        """Training sentence ``i`` (over all shards) in ``lang``."""
+        k, j = locate(self.ends, i)
+        shard = self.train[k]
+        self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
+        a, b = self.offsets(shard.path(lang, "offsets"), j, 2).tolist()
+        return self.ids(shard.path(lang, "tokens"), a, b - a).tolist()
+
+
+class ShardSide(Sequence):
+    """One language's training sentences, the ``keep``-th pairs of the shards, read when indexed:
+    what ``Collate`` takes as a split's ``src`` or ``tgt``."""
+
+    def __init__(self, shards: PairShards, lang: str, keep: np.ndarray) -> None:
+        self.shards, self.lang, self.keep = shards, lang, keep
+        shards.verify(lang)
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.shards.sentence(self.lang, int(self.keep[i]))

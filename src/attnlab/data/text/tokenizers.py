@@ -91,6 +91,21 @@ class HFTokenizer:
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "tokenizer": self.tokenizer.to_str()})
 
+    def frame(
+        self, captions: list[str], max_len: int, start: int, end: int, width: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """(N, width) ids (None: the longest), each caption ``start ... end`` then padding; one over
+        ``max_len`` tokens loses its last words (``end`` is kept). The ids and how many were cut."""
+        rows, cut = [], 0
+        for ids in self.encode_batch(captions):
+            if len(ids) > max_len - 2:
+                ids, cut = ids[: max_len - 2], cut + 1
+            rows.append([start, *ids, end])
+        out = torch.full((len(rows), width or max(map(len, rows), default=2)), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row)
+        return out, cut
+
 
 class BPETokenizer(HFTokenizer):
     """Byte-level BPE (GPT-2 style); any text encodes."""
@@ -194,16 +209,8 @@ class CaptionTokenizer(HFTokenizer):
         return cls.train(lines, models.BPE(), trainer, norm, pre_tokenizer=pre, decoder=decoder)
 
     def encode_captions(self, captions: list[str], context_length: int) -> tuple[torch.Tensor, int]:
-        """Right-padded (N, context_length) ids, each caption ``<sot> ... <eot>``; captions too long
-        lose their last words (``<eot>`` is kept). Returns the ids and how many were cut."""
-        out = torch.full((len(captions), context_length), self.pad_id, dtype=torch.long)
-        cut = 0
-        for i, ids in enumerate(self.encode_batch(captions)):
-            if len(ids) > context_length - 2:
-                ids, cut = ids[: context_length - 2], cut + 1
-            row = [self.sot_id, *ids, self.eot_id]
-            out[i, : len(row)] = torch.tensor(row)
-        return out, cut
+        """(N, context_length) ids, each caption ``<sot> ... <eot>`` (``frame``)."""
+        return self.frame(captions, context_length, self.sot_id, self.eot_id, context_length)
 
 
 class WordTokenizer(HFTokenizer):
@@ -235,18 +242,8 @@ class WordTokenizer(HFTokenizer):
         return [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(text)]
 
     def encode_captions(self, captions: list[str], max_len: int) -> tuple[torch.Tensor, int]:
-        """(N, T) ids, each caption ``<bos> words <eos>`` then ``<pad>``, T the longest of them;
-        captions longer than ``max_len`` tokens lose their last words (``<eos>`` is kept). Returns
-        the ids and how many captions were cut."""
-        rows, cut = [], 0
-        for ids in self.encode_batch(captions):
-            if len(ids) > max_len - 2:
-                ids, cut = ids[: max_len - 2], cut + 1
-            rows.append([self.bos_id, *ids, self.eos_id])
-        out = torch.full((len(rows), max(map(len, rows), default=2)), self.pad_id, dtype=torch.long)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row)
-        return out, cut
+        """(N, T) ids, each caption ``<bos> words <eos>``, T the longest of them (``frame``)."""
+        return self.frame(captions, max_len, self.bos_id, self.eos_id)
 
 
 def tokenizer_from_json(s: str) -> CharTokenizer | HFTokenizer:

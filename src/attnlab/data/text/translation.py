@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule
+from attnlab.data.base import DataModule, log_splits
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
 from attnlab.data.sources import Builtin, Generated, Shards, Source
-from attnlab.data.text.pair_shards import PairShards, ShardSide
+from attnlab.data.text.shards import PairShards, ShardSide
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -194,18 +194,11 @@ class TranslationDataModule(DataModule):
 
     # -- loading -----------------------------------------------------------------------------
     def _files(self, split: str) -> tuple[Path, Path]:
-        src, tgt = (
-            fetch(
-                f"{split}.{lang}",
-                MULTI30K_URL.format(name=f"{split}.{lang}"),
-                MULTI30K_SHA256[f"{split}.{lang}"],
-                self.source.data_dir,
-                Path(self.source.cache_dir) / "multi30k",
-                gunzip=True,
-            )
-            for lang in (self.src_lang, self.tgt_lang)
-        )
-        return src, tgt
+        return self._file(f"{split}.{self.src_lang}"), self._file(f"{split}.{self.tgt_lang}")
+
+    def _file(self, name: str) -> Path:
+        url, cache = MULTI30K_URL.format(name=name), Path(self.source.cache_dir) / "multi30k"
+        return fetch(name, url, MULTI30K_SHA256[name], self.source.data_dir, cache, gunzip=True)
 
     def _read(self, stage: str) -> tuple[list[str], list[str]]:
         if isinstance(self.source, Generated):
@@ -284,17 +277,10 @@ class TranslationDataModule(DataModule):
         self._log(str(shards.folder), len(keep), float(tgt_len[keep].mean()))
 
     def _log(self, corpus: str, n_train: int, tgt_tokens: float) -> None:
-        log.info(
-            "%s %s->%s: %d / %d / %d pairs, joint BPE vocabulary %d, %.1f target tokens per sentence",
-            corpus,
-            self.src_lang,
-            self.tgt_lang,
-            n_train,
-            len(self.splits["val"]),
-            len(self.splits["test"]),
-            self.tokenizer.vocab_size,
-            tgt_tokens,
-        )
+        sizes = (n_train, len(self.splits["val"]), len(self.splits["test"]))
+        vocab = self.tokenizer.vocab_size
+        what = f"pairs, joint BPE vocabulary {vocab}, {tgt_tokens:.1f} target tokens per sentence"
+        log_splits(f"{corpus} {self.src_lang}->{self.tgt_lang}", sizes, what)
 
     def _short(self, src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
         """The training pairs that fit ``max_len`` with <bos>/<eos>; the others dropped (warned)."""
@@ -320,18 +306,13 @@ class TranslationDataModule(DataModule):
             return ParallelSplit(src, tgt, src_text, tgt_text)
         long = [i for i in range(len(src)) if len(src[i]) > limit or len(tgt[i]) > limit]
         if long:  # every reference must be scored: truncate the inputs instead
-            log.warning(
-                "truncated %d of %d %s pairs to data.max_len=%d tokens",
-                len(long),
-                len(src),
-                stage,
-                self.max_len,
-            )
+            n = (len(long), len(src), stage, self.max_len)
+            log.warning("truncated %d of %d %s pairs to data.max_len=%d tokens", *n)
             src, tgt = [s[:limit] for s in src], [t[:limit] for t in tgt]
         return ParallelSplit(src, tgt, src_text, tgt_text)
 
     # -- loaders -----------------------------------------------------------------------------
-    def _loader(self, stage: str, shuffle: bool) -> DataLoader:
+    def split_loader(self, stage: str) -> DataLoader:
         """Token-budget batches of a split (``TokenBatchSampler``: under DDP each process its share,
         every evaluation pair scored once, a repeated batch marked ``repeat``)."""
         split, tok = self.splits[stage], self.tokenizer
@@ -339,18 +320,9 @@ class TranslationDataModule(DataModule):
             lengths = self.train_lengths
         else:
             lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
-        if shuffle:
+        if stage == "train":
             sampler = self.token_sampler(lengths, self.max_tokens, "train")
         else:
             rank, world = self.rank_world()
             sampler = TokenBatchSampler(lengths, self.eval_max_tokens, False, self.seed, world, rank)
         return self.loader(Batches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)

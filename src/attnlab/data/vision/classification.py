@@ -3,7 +3,6 @@ carved from the training set, timm's augmentation per image and mixup/cutmix per
 
 from __future__ import annotations
 
-import logging
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,13 +17,11 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError
-from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import SplitsDataModule
+from attnlab.core.specs import DropRate, NonNegativeInt, PositiveInt
+from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
 from attnlab.data.sources import Builtin
-from attnlab.data.vision.datasets import load_builtin
-
-log = logging.getLogger(__name__)
+from attnlab.data.vision.datasets import BuiltinImages, ImageSplits
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 # timm's Mixup per batch (``data.mixup``): both alphas 0 turn it off
@@ -166,13 +163,35 @@ class LabelledImages(Dataset):
 
 class LabelledImagesDataModule(SplitsDataModule):
     """What the image classification DataModules share: ``classes``, ``img_size``, ``in_chans`` and
-    the normalisation (``mean``, ``std``), which travel in the checkpoint."""
+    the normalisation (``mean``, ``std``), which travel in the checkpoint; on the training batch,
+    on its device, ``augment``, then normalisation, random erasing and mixup."""
 
-    classes: list[str] | None
     img_size: int | None
     in_chans: int | None
-    mean: list[float] | None
-    std: list[float] | None
+
+    def __init__(
+        self, batch_size: int, random_erasing: float, mixup: dict | None, num_workers: int, seed: int
+    ) -> None:
+        super().__init__()
+        self.mixup_args = mixup_args(mixup, batch_size)
+        self.batch_size, self.random_erasing = batch_size, random_erasing
+        self.num_workers, self.seed = num_workers, seed
+        self.classes: list[str] | None = None
+        self.mean: list[float] | None = None
+        self.std: list[float] | None = None
+        self.splits: dict[str, Dataset] = {}
+        self.mixup: Mixup | None = None
+
+    def augment(self, images: Tensor) -> Tensor:
+        return images
+
+    def on_after_batch_transfer(
+        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
+    ) -> tuple[Tensor, Tensor]:
+        images, labels = batch
+        training = self.trainer is not None and self.trainer.training
+        x = self.normalize(self.augment(images) if training else images)
+        return erase_and_mix(x, labels, self.random_erasing, self.mixup) if training else (x, labels)
 
     def model_kwargs(self) -> dict[str, int]:
         return {"num_classes": len(self.classes), "img_size": self.img_size, "in_chans": self.in_chans}
@@ -186,25 +205,18 @@ class LabelledImagesDataModule(SplitsDataModule):
         return normalize(images, self.mean, self.std)
 
 
-class ImageClassificationDataModule(LabelledImagesDataModule):
-    """Labelled images held as uint8 tensors: RandAugment per image in the loader; crop, flip,
-    normalisation (the training split's statistics), erasing and mixup on the batch, on device.
-
-    Args:
-        source: ``Builtin("mnist" | "fashion_mnist" | "cifar10")``, ``val_size`` images carved.
-        img_size: resize images to this side once, at setup; ``None`` keeps the native size.
-        crop_padding, hflip: a random crop after padding by this many pixels; flip probability.
-        rand_augment: a timm RandAugment string, e.g. "rand-m9-mstd0.5-inc1", or ``None``.
-        random_erasing: probability of timm's random erasing per image.
-        mixup: timm's ``Mixup`` arguments (``mixup_alpha``, ``cutmix_alpha``, ``prob``, ``switch_prob``).
-    """
+class ImageClassificationDataModule(BuiltinImages, LabelledImagesDataModule):
+    """A ``Builtin`` set (its ``val_size`` carved) held as uint8 tensors, resized once to ``img_size``
+    (None: native): timm's ``rand_augment`` per image in the loader; a random crop of the image
+    padded by ``crop_padding`` and a flip (``hflip``), normalisation (the training split's
+    statistics), ``random_erasing`` and ``mixup`` (timm's ``Mixup`` arguments) on the device."""
 
     def __init__(
         self,
         source: Builtin | None = None,
         img_size: PositiveInt | None = None,
         batch_size: PositiveInt = 128,
-        crop_padding: int = 0,
+        crop_padding: NonNegativeInt = 0,
         hflip: DropRate = 0.0,
         rand_augment: str | None = None,
         random_erasing: DropRate = 0.0,
@@ -212,25 +224,11 @@ class ImageClassificationDataModule(LabelledImagesDataModule):
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
-        super().__init__()
-        source = source or Builtin("fashion_mnist", val_size=5000)
-        if source.name not in DATASETS:
-            raise ConfigError(
-                f"data.source.name must be one of {', '.join(map(repr, DATASETS))}, got {source.name!r}"
-            )
-        if crop_padding < 0:
-            raise ConfigError(f"data.crop_padding must be >= 0, got {crop_padding}")
-        self.mixup_args = mixup_args(mixup, batch_size)
+        source = (source or Builtin("fashion_mnist", val_size=5000)).one_of(DATASETS)
+        super().__init__(batch_size, random_erasing, mixup, num_workers, seed)
         self.source, self.val_size = source, source.size("val")
-        self.img_size, self.in_chans, self.batch_size = img_size, None, batch_size
+        self.img_size, self.in_chans = img_size, None
         self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
-        self.random_erasing = random_erasing
-        self.num_workers, self.seed = num_workers, seed
-        self.classes: list[str] | None = None
-        self.mean: list[float] | None = None
-        self.std: list[float] | None = None
-        self.splits: dict[str, LabelledImages] = {}
-        self.mixup: Mixup | None = None
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Keep the checkpoint's normalisation (resuming and evaluating see the same inputs)."""
@@ -238,51 +236,27 @@ class ImageClassificationDataModule(LabelledImagesDataModule):
 
     # --- loading ---------------------------------------------------------------------------
 
-    def prepare_data(self) -> None:
-        if self.source.data_dir is None:  # download once, on one process
-            load_builtin(self.source)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
-        data = load_builtin(self.source)
+    def build(self, data: ImageSplits) -> None:
         images, labels = self._resize(data.train_images), data.train_labels
         val, train = carve(len(labels), [self.val_size], self.seed)
         self.classes = data.classes
         if self.mean is None:
             self.mean, self.std = channel_stats(images[train])
-        self.splits["train"] = LabelledImages(images[train], labels[train])
-        self.splits["train"].transform, self.splits["train"].seed = self._train_transform(), self.seed
+        augment = RandAugment(self.rand_augment, self.mean) if self.rand_augment else None
+        self.splits["train"] = LabelledImages(images[train], labels[train], augment, self.seed)
         self.splits["val"] = LabelledImages(images[val], labels[val])
         self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
         self.img_size, self.in_chans = images.size(-1), images.size(1)  # as resized
         self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        log.info(
-            "%s: %d train / %d val / %d test images of %s, %d classes",
-            self.source.where,
-            len(train),
-            len(val),
-            len(self.splits["test"]),
-            tuple(images.shape[1:]),
-            len(self.classes),
-        )
+        what = f"images of {tuple(images.shape[1:])}, {len(self.classes)} classes"
+        log_splits(self.source.where, (len(train), len(val), len(self.splits["test"])), what)
 
     def _resize(self, images: Tensor) -> Tensor:
         if self.img_size is None or images.shape[-1] == images.shape[-2] == self.img_size:
             return images
         return TF.resize(images, [self.img_size, self.img_size], antialias=True)
 
-    def _train_transform(self) -> Any:
-        return RandAugment(self.rand_augment, self.mean) if self.rand_augment else None
-
-    # --- batches ---------------------------------------------------------------------------
-
-    def on_after_batch_transfer(
-        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
-    ) -> tuple[Tensor, Tensor]:
-        images, labels = batch
-        training = self.trainer is not None and self.trainer.training
-        if training and (self.crop_padding or self.hflip):
-            images = random_crop_flip(images, self.crop_padding, self.hflip)
-        x = normalize(images, self.mean, self.std)
-        return erase_and_mix(x, labels, self.random_erasing, self.mixup) if training else (x, labels)
+    def augment(self, images: Tensor) -> Tensor:
+        if self.crop_padding or self.hflip:
+            return random_crop_flip(images, self.crop_padding, self.hflip)
+        return images

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import pickle
 import re
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ from torch import Tensor
 
 from attnlab.core.errors import DataError
 from attnlab.data.download import fetch
+from attnlab.data.sources import Builtin
 from attnlab.data.vision.idx import read_idx
-
-log = logging.getLogger(__name__)
 
 KEY = "data.source.data_dir"  # where a built-in set's files are read from instead of downloaded
 
@@ -158,11 +156,30 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
     return read_cifar_batches(Path(cache_dir) / CIFAR10_FOLDER)
 
 
-def load_builtin(source: Any) -> ImageSplits:
+def load_builtin(source: Builtin) -> ImageSplits:
     """A ``Builtin`` image set: CIFAR-10 (torchvision's files) or an IDX set."""
     if source.name == "cifar10":
         return load_cifar10(source.data_dir, source.cache_dir)
     return load_idx_dataset(source.name, source.data_dir, source.cache_dir, source.url)
+
+
+class BuiltinImages:
+    """A DataModule mixin: a ``Builtin`` image set downloaded once, on one process, and the splits
+    built from it once (``build``)."""
+
+    source: Any
+    splits: dict
+
+    def prepare_data(self) -> None:
+        if isinstance(self.source, Builtin) and self.source.data_dir is None:
+            load_builtin(self.source)
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.splits:
+            self.build(load_builtin(self.source))
+
+    def build(self, data: ImageSplits) -> None:
+        raise NotImplementedError
 
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}

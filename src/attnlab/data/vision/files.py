@@ -8,24 +8,22 @@ import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
-from timm.data import Mixup
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
+from attnlab.data.base import log_splits
 from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
 from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, read_shard, stream_loader
 from attnlab.data.sources import Folder, StreamedShards
 from attnlab.data.vision.classification import (
     LabelledImagesDataModule,
-    erase_and_mix,
     make_mixup,
-    mixup_args,
     sample_stats,
     timm_policy,
 )
@@ -113,18 +111,11 @@ def collate_readable(items: list[Any]) -> Any:
 
 
 class ImageFilesDataModule(LabelledImagesDataModule):
-    """Labelled images of any size and count, decoded in the loader workers; validation and test
-    exact under any number of ranks.
-
-    Args:
-        source: ``Folder(path)`` (its ``val_size`` carved) or ``StreamedShards(path)`` (streamed).
-        img_size, in_chans: the (square) images the model sees; ``None``: the first val image's.
-        scale, hflip: timm's random resized crop's area range, and the flip probability.
-        auto_augment: a timm policy: "rand-m9-mstd0.5", ``TRIVIAL_AUGMENT``, "augmix-m5-w3",
-            "original" (AutoAugment), or ``None``.
-        normalize: per-channel ``mean`` and ``std``; ``None`` (either): measured on the val images.
-        random_erasing, mixup: as ``ImageClassificationDataModule``'s.
-    """
+    """Labelled images of any size and count from a ``Folder`` or ``StreamedShards``, decoded in the
+    loader workers. ``img_size``, ``in_chans``: None, the first val image's; ``scale``, ``hflip``:
+    timm's random resized crop and flip; ``auto_augment``: a timm policy ("rand-m9-mstd0.5",
+    ``TRIVIAL_AUGMENT``, "augmix-m5-w3", "original"); ``normalize``: ``mean`` and ``std`` (None:
+    measured on the val images)."""
 
     collate = staticmethod(collate_readable)
 
@@ -132,7 +123,7 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         self,
         source: Folder | StreamedShards,
         img_size: PositiveInt | None = None,
-        in_chans: int | None = None,
+        in_chans: Literal[1, 3] | None = None,
         batch_size: PositiveInt = 128,
         scale: tuple[float, float] = (0.35, 1.0),
         hflip: DropRate = 0.5,
@@ -143,24 +134,16 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
-        super().__init__()
-        if in_chans not in (None, 1, 3):
-            raise ConfigError(f"data.in_chans must be 1, 3 or null, got {in_chans!r}")
         if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
             raise ConfigError(f"data.scale must be [low, high] with 0 < low <= high <= 1, got {list(scale)}")
-        self.mixup_args = mixup_args(mixup, batch_size)
-        self.source = source
-        self.img_size, self.in_chans, self.batch_size = img_size, in_chans, batch_size
+        super().__init__(batch_size, random_erasing, mixup, num_workers, seed)
+        self.source, self.img_size, self.in_chans = source, img_size, in_chans
         self.scale, self.hflip, self.auto_augment = list(scale), hflip, auto_augment
-        self.mean, self.std = (normalize or {}).get("mean"), (normalize or {}).get("std")
-        if self.mean is None or self.std is None:
-            self.mean = self.std = None
-        self.random_erasing, self.num_workers, self.seed = random_erasing, num_workers, seed
+        mean, std = (normalize or {}).get("mean"), (normalize or {}).get("std")
+        if mean is not None and std is not None:
+            self.mean, self.std = mean, std
         self.bad = BadRecords(source.on_bad_record)
-        self.classes: list[str] | None = None
-        self.splits: dict[str, Dataset] = {}
         self.shards: TarShards | None = None
-        self.mixup: Mixup | None = None
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """The checkpoint's image size, channels and normalisation."""
@@ -184,17 +167,10 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         if train is not None:
             self.splits["train"] = ImageFiles(*train, self.train_transform, self.bad, self.seed)
         self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        log.info(
-            "%s: %d train / %d val / %d test images at %dx%d, %d channel(s), %d classes",
-            self.source.where,
-            len(self.splits["train"]) if train is not None else self.shards.count("train"),
-            len(self.splits["val"]),
-            len(self.splits["test"]),
-            self.img_size,
-            self.img_size,
-            self.in_chans,
-            len(self.classes),
-        )
+        n_train = len(self.splits["train"]) if train is not None else self.shards.count("train")
+        size, classes = f"{self.img_size}x{self.img_size}", len(self.classes)
+        what = f"images at {size}, {self.in_chans} channel(s), {classes} classes"
+        log_splits(self.source.where, (n_train, len(self.splits["val"]), len(self.splits["test"])), what)
 
     def _setup_folder(self) -> tuple[list[Path], list[int]]:
         """The val and test splits of the folder; returns the training files and labels."""
@@ -256,17 +232,6 @@ class ImageFilesDataModule(LabelledImagesDataModule):
                 return transform(img), label
 
         return decode
-
-    # --- batches ---------------------------------------------------------------------------
-
-    def on_after_batch_transfer(
-        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
-    ) -> tuple[Tensor, Tensor]:
-        images, labels = batch
-        x = self.normalize(images)
-        if self.trainer is not None and self.trainer.training:
-            return erase_and_mix(x, labels, self.random_erasing, self.mixup)
-        return x, labels
 
     def train_dataloader(self) -> DataLoader:
         if isinstance(self.source, Folder):

@@ -6,8 +6,9 @@ by the larger offset between them; seeded."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -17,14 +18,12 @@ from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import SplitsDataModule
+from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import channel_stats, normalize
-from attnlab.data.vision.datasets import load_builtin
-
-log = logging.getLogger(__name__)
+from attnlab.data.vision.datasets import BuiltinImages, ImageSplits
 
 # each relation (as scenes record it) and its phrasings in captions
 RELATIONS = {
@@ -209,7 +208,7 @@ class SceneSplit(Dataset):
         return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
 
 
-class ScenesDataModule(SplitsDataModule):
+class ScenesDataModule(BuiltinImages, SplitsDataModule):
     """Scenes (``make_scenes``) of a ``Builtin`` IDX set: train and val scenes from disjoint halves of
     its training images, test scenes from its test images; ``train_size``, ``val_size`` and
     ``test_size`` count the scenes, ``items`` the fewest and most items on a ``canvas``-pixel side.
@@ -235,13 +234,7 @@ class ScenesDataModule(SplitsDataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        source = source or Builtin("fashion_mnist")
-        if source.name not in CLASS_PHRASES:
-            raise ConfigError(
-                f"data.source.name must be one of {', '.join(map(repr, CLASS_PHRASES))}, got {source.name!r}"
-            )
-        if len(items) != 2:
-            raise ConfigError(f"data.items must be [min, max], got {list(items)}")
+        source = (source or Builtin("fashion_mnist")).one_of(CLASS_PHRASES)
         if source.carved():  # the scenes' sizes are data.train_size, ...
             raise ConfigError(
                 "data.source.val_size: scenes are drawn from halves of the source's training images "
@@ -288,14 +281,7 @@ class ScenesDataModule(SplitsDataModule):
 
     # --- loading ---------------------------------------------------------------------------
 
-    def prepare_data(self) -> None:
-        if self.source.data_dir is None:  # download once, on one process
-            load_builtin(self.source)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
-        data = load_builtin(self.source)
+    def build(self, data: ImageSplits) -> None:
         order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
         half = len(order) // 2
         sources = {  # (images, labels, the pool's indices in them)
@@ -304,15 +290,8 @@ class ScenesDataModule(SplitsDataModule):
             "test": (data.test_images, data.test_labels, torch.arange(len(data.test_labels))),
         }
         for k, (split, (images, labels, pool)) in enumerate(sources.items()):
-            scenes = make_scenes(
-                images[pool],
-                labels[pool],
-                self.phrases,
-                self.sizes[split],
-                self.seed + k,
-                self.canvas,
-                self.items,
-            )
+            n, seed = self.sizes[split], self.seed + k
+            scenes = make_scenes(images[pool], labels[pool], self.phrases, n, seed, self.canvas, self.items)
             self.splits[split] = SceneSplit(scenes, pool)
         train = self.splits["train"].scenes
         if self.mean is None:
@@ -322,15 +301,9 @@ class ScenesDataModule(SplitsDataModule):
                 self.tokenizer = WordTokenizer.fit(train.captions)
             longest = max(len(c.split()) for s in self.splits.values() for c in s.scenes.captions)
             self.max_len = max(self.max_len or 0, longest + 2)
-        log.info(
-            "scenes of %s: %d train / %d val / %d test, %d-%d items on %dx%d%s",
-            self.source.where,
-            *self.sizes.values(),
-            *self.items,
-            self.canvas,
-            self.canvas,
-            f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else "",
-        )
+        vocabulary = f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else ""
+        what = f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
+        log_splits(self.source.where, self.sizes.values(), what)
 
     def caption_texts(self, split: str) -> list[str]:
         """The captions of a split ("train", "val", "test"), in order (a language model's text)."""
@@ -363,15 +336,5 @@ class ScenesDataModule(SplitsDataModule):
     def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
         return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
 
-    def collate_of(self, split: str) -> _Collate:
-        return _Collate(self, split)
-
-
-class _Collate:
-    """A split's batches (picklable, for loader workers)."""
-
-    def __init__(self, data: ScenesDataModule, split: str) -> None:
-        self.data, self.split = data, split
-
-    def __call__(self, idx: list[int]) -> dict[str, Any]:
-        return self.data.batch(self.data.splits[self.split].scenes, idx)
+    def collate_of(self, split: str) -> Callable[[list[int]], dict[str, Any]]:
+        return partial(self.batch, self.splits[split].scenes)  # picklable, for loader workers

@@ -30,8 +30,8 @@ from attnlab.core.errors import DataError
 from attnlab.core.specs import NonNegativeInt, PositiveFloat, PositiveInt, nested
 from attnlab.models.text.gpt import GPT, Cache
 from attnlab.models.vision.convnet import ConvNet
-from attnlab.models.vision.vit import VisionTransformer
-from attnlab.nn import MLP, KVCache, MultiHeadAttention, flops, fourier_features
+from attnlab.models.vision.vit import VisionTransformer, grid_centres
+from attnlab.nn import MLP, KVCache, MultiHeadAttention, flops, fourier_features, health
 from attnlab.nn.flops import Flops
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,10 @@ class GatedCrossAttentionBlock(nn.Module):
         """x (B, T, D) over ``latents`` (B, K, D) (or their projection in ``cache``); ``visible``
         (B, T, K) bool, True where a token may attend a latent. A token that may attend none
         gets no cross-attention (zero output and weights). Returns x and the weights (B, H, T, K)."""
+        if health.is_recording():  # the latents have no place: no attention distance
+            health.give_positions(
+                self.attn, grid_centres(0, 0, prefix=x.size(1)), grid_centres(0, 0, prefix=visible.size(-1))
+            )
         sees_some = visible.any(-1, keepdim=True)  # (B, T, 1)
         mask = (visible | ~sees_some)[:, None]  # (B, 1, T, K): blind rows attend all, then zeroed
         y, weights = self.attn(self.norm1(x), latents, attn_mask=mask, cache=cache, need_weights=need_weights)
@@ -294,6 +298,10 @@ class Flamingo(nn.Module):
             place_bands,
             region_latents,
         )
+        # the latents attend to the cells' centres, in pixels, and to themselves, which have no place
+        nowhere = grid_centres(0, 0, prefix=n_latents)
+        cells = grid_centres(grid, grid, img_size / grid)
+        health.give_positions(self.resampler.layers, nowhere, torch.cat([cells, nowhere]))
         self.xattn_at = list(range(0, len(lm.blocks), cross_every))  # GPT blocks with one before them
         self.xattn = nn.ModuleList(GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in self.xattn_at)
         self.grid = (grid, grid)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.models.vision.vit import VisionTransformer
-from attnlab.nn import Dropout, flops
+from attnlab.nn import Dropout, flops, health
 from attnlab.nn.embedding import conv_bn_relu
 from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention
@@ -164,8 +164,13 @@ class ShowAttendTell(nn.Module):
             out, state = self._step(emb[:, t], state)
             outs.append(out)
             attns.append(state["attn"])
+        attn = torch.stack(attns, 1)  # (B, T, S)
+        if health.is_recording():  # the words as the queries of one record; a word has no place
+            n, nowhere = health.rows(), torch.full((tokens.size(1), 1), float("nan"))
+            padding = (tokens[:n] == self.pad_id)[:, None, :, None]
+            health.record(self.attn, attn[:n, None].masked_fill(padding, float("nan")), q_pos=nowhere)
         # the output layer once over every step: one large matmul instead of T small ones
-        return self.out(self.drop(torch.stack(outs, 1))), torch.stack(attns, 1)
+        return self.out(self.drop(torch.stack(outs, 1))), attn
 
     def flops(self, images: Tensor, tokens: Tensor) -> Flops:
         """Model FLOPs of a training step on ``images`` and caption ``tokens`` (B, T)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.core.specs import DropRate, PositiveInt, Probability
-from attnlab.nn import flops
+from attnlab.nn import flops, health
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.flops import Flops
 from attnlab.nn.rnn_attention import AdditiveAttention, MultiplicativeAttention
@@ -161,6 +161,7 @@ class Seq2Seq(nn.Module):
         state = self.start(src)
         emb = self.drop(self.tgt_emb(tgt_in))  # (B, T, E)
         forced = not self.training or self.teacher_forcing >= 1.0
+        keep = need_weights or health.is_recording()
         outs, weights, logits = [], [], []
         for t in range(tgt_in.size(1)):
             if t > 0 and not forced and random.random() >= self.teacher_forcing:
@@ -170,10 +171,14 @@ class Seq2Seq(nn.Module):
             outs.append(self._step(e, state))
             if not forced:
                 logits.append(self.out(self.drop(outs[-1])))
-            if need_weights:
+            if keep:
                 weights.append(state["weights"])
         # with teacher forcing the output layer runs once over all steps: one big matmul
         y = self.out(self.drop(torch.stack(outs, 1))) if forced else torch.stack(logits, 1)
+        if health.is_recording():  # the steps as the queries of one record, padding's left out
+            n = health.rows()
+            padding = (tgt_in[:n] == self.pad_id)[:, None, :, None]
+            health.record(self.attn, torch.stack(weights, 1)[:n, None].masked_fill(padding, float("nan")))
         return y, torch.stack(weights, 1) if need_weights else None  # (B, T, V), (B, T, S)
 
     def forward(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Tensor:

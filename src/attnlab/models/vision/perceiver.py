@@ -22,8 +22,17 @@ from timm.layers import DropPath
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
-from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import MLP, Dropout, KVCache, MultiHeadAttention, TransformerBlock, flops, fourier_features
+from attnlab.models.vision.vit import drop_path_rates, grid_centres, init_linear
+from attnlab.nn import (
+    MLP,
+    Dropout,
+    KVCache,
+    MultiHeadAttention,
+    TransformerBlock,
+    flops,
+    fourier_features,
+    health,
+)
 from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.flops import Flops, Grad
 
@@ -52,16 +61,19 @@ class CrossAttentionBlock(nn.Module):
         self.drop = Dropout(dropout)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def memory(self, inputs: Tensor) -> KVCache:
+    def memory(self, inputs: Tensor) -> KVCache | Tensor:
         """The keys and values (B, heads, M, D / heads) of a byte array (B, M, C'), made once for
-        every repeat that shares this block."""
-        return KVCache.of_memory(self.attn, self.norm_inputs(inputs))
+        every repeat that shares this block; while attention is recorded (``attnlab.nn.health``,
+        which records no call with a cache), the normalised byte array, projected at each call."""
+        inputs = self.norm_inputs(inputs)
+        return inputs if health.is_recording() else KVCache.of_memory(self.attn, inputs)
 
     def forward(
-        self, latents: Tensor, memory: KVCache, need_weights: bool = False
+        self, latents: Tensor, memory: KVCache | Tensor, need_weights: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """latents (B, N, D) -> (B, N, D), and the weights (B, H, N, M) when ``need_weights``."""
-        y, weights = self.attn(self.norm1(latents), cache=memory, need_weights=need_weights)
+        kv, cache = (None, memory) if isinstance(memory, KVCache) else (memory, None)
+        y, weights = self.attn(self.norm1(latents), kv, cache=cache, need_weights=need_weights)
         latents = latents + self.drop_path(self.drop(y))
         latents = latents + self.drop_path(self.drop(self.mlp(self.norm2(latents))))
         return latents, weights
@@ -134,6 +146,7 @@ class Perceiver(nn.Module):
             TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_layer=attention_layer(**attn)
         )
         self.blocks = nn.ModuleList(block(drop_path=rate) for rate in rates)  # shared by every repeat
+        health.give_positions(self.blocks, grid_centres(0, 0, prefix=n_latents))  # latents have no place
         self.norm = nn.LayerNorm(dim)
         self.num_features = dim
         self.head = nn.Linear(dim, num_classes)
@@ -174,6 +187,11 @@ class Perceiver(nn.Module):
 
     def forward_features(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> normalised latents (B, N, D)."""
+        if health.is_recording():  # the inputs' places in pixels; the latents have none
+            for cross in filter(None, (self.cross_first, self.cross)):
+                health.give_positions(
+                    cross, grid_centres(0, 0, prefix=len(self.latents)), grid_centres(*images.shape[-2:])
+                )
         return self.encode(self.byte_array(images))[0]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
-from attnlab.models.vision.vit import drop_path_rates, init_linear
-from attnlab.nn import Stem, TransformerBlock, flops, patch_embedding
+from attnlab.models.vision.vit import drop_path_rates, grid_centres, init_linear
+from attnlab.nn import Stem, TransformerBlock, flops, health, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops, Grad
 from attnlab.nn.window_attention import WindowAttention, window_reverse
@@ -160,6 +160,9 @@ class SwinTransformer(nn.Module):
                 zip(depths, n_head, per_stage(drop_path_rates(drop_path, sum(depths)), depths), strict=True)
             )
         )
+        for stage in self.layers:  # a window's tokens, in pixels, for attention distances
+            w = stage.blocks[0].attn.window
+            health.give_positions(stage.blocks, grid_centres(w, w, img_size / stage.size))
         out_dim = dim * 2 ** (len(depths) - 1)
         self.norm = nn.LayerNorm(out_dim)
         self.num_features = out_dim  # what forward_head(pre_logits=True) returns, as in timm

@@ -7,9 +7,13 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers import Attention
+from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from attnlab.core.specs import NonNegativeInt, PositiveInt
+from attnlab.models.vision.vit import grid_centres
+from attnlab.nn import health
 from attnlab.nn.flops import Flops, Grad
 
 
@@ -49,6 +53,12 @@ class TimmModel(nn.Module):
             except TypeError as e2:
                 raise ValueError(f"kwargs: timm model {name!r} refused them: {e2}") from e2
         self.probe()
+        for m in self.model.modules():  # timm's ViT attention, recorded (``attnlab.nn.health``)
+            if isinstance(m, Attention):
+                m.register_forward_hook(record_attention)
+        if isinstance(self.model, VisionTransformer):  # its patches' centres, in pixels
+            (gh, gw), prefix = self.model.patch_embed.grid_size, self.model.num_prefix_tokens
+            health.give_positions(self.model.blocks, grid_centres(gh, gw, img_size / gh, prefix))
 
     @torch.no_grad()
     def probe(self) -> None:
@@ -94,6 +104,21 @@ class TimmModel(nn.Module):
         if key not in self._flops:
             self._flops[key] = measure_on_meta(self, images.shape, grad, head)
         return self._flops[key]
+
+
+def record_attention(module: Attention, args: tuple[Tensor, ...], output: Tensor) -> None:
+    """A forward hook on timm's ``Attention``: while attention is recorded, the weights of the
+    first rows as timm's math path computes them (the output, from whichever kernel, stays)."""
+    if health.is_recording():
+        _record(module, args[0][: health.rows()])
+
+
+@torch.compiler.disable
+def _record(module: Attention, x: Tensor) -> None:
+    b, t, _ = x.shape
+    q, k, _ = module.qkv(x).reshape(b, t, 3, module.num_heads, module.head_dim).permute(2, 0, 3, 1, 4)
+    scores = (module.q_norm(q) * module.scale) @ module.k_norm(k).transpose(-2, -1)
+    health.record(module, scores.softmax(-1))
 
 
 def measure_on_meta(net: TimmModel, shape: torch.Size, grad: Grad, head: bool) -> Flops:

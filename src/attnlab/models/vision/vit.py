@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
-from attnlab.nn import Dropout, Stem, TransformerBlock, flops, patch_embedding
+from attnlab.nn import Dropout, Stem, TransformerBlock, flops, health, patch_embedding
 from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
@@ -26,6 +26,15 @@ def norm_eps(pre_norm: bool) -> float:
     """The LayerNorms' eps: CLIP's 1e-5 for a tower with ``norm_pre`` (open_clip's and timm's
     ``vit_*_clip_*``), else timm's ViT's 1e-6."""
     return 1e-5 if pre_norm else 1e-6
+
+
+def grid_centres(rows: int, cols: int, pixels: float = 1.0, prefix: int = 0) -> Tensor:
+    """(prefix + rows * cols, 2): the centres (row, col), in pixels, of a grid of cells ``pixels``
+    wide, row-major, behind ``prefix`` NaN rows (tokens with no place: [CLS], a latent); where
+    ``attnlab.nn.health`` measures attention distances in images."""
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    centres = (torch.stack([r, c], -1).reshape(-1, 2) + 0.5) * pixels
+    return torch.cat([torch.full((prefix, 2), float("nan")), centres])
 
 
 def drop_path_rates(rate: float, depth: int) -> list[float]:
@@ -105,6 +114,8 @@ class VisionTransformer(nn.Module):
             act_layer=activation(act),
         )
         self.blocks = nn.ModuleList(block(drop_path=rate) for rate in drop_path_rates(drop_path, depth))
+        g = self.patch_embed.grid_size
+        health.give_positions(self.blocks, grid_centres(g, g, img_size / g, self.num_prefix_tokens))
         self.norm = norm_layer(dim)
         self.num_features = dim  # what forward_head(pre_logits=True) returns, as in timm
         self.head = nn.Linear(dim, num_classes) if num_classes else nn.Identity()
