@@ -158,3 +158,8 @@ def test_a_run_logs_every_layer_and_head_at_every_validation(tiny_run):
 
 def test_a_run_draws_its_heat_maps_once(tiny_run):
     assert [p.name for p in (tiny_run / "figures").iterdir()] == ["attention_health.png"]
+
+
+def test_the_final_line_keeps_the_means_not_every_head(tiny_run):
+    (final,) = [line for line in (tiny_run / "health.log").read_text().splitlines() if "final: " in line]
+    assert "attn/entropy " in final and "attn/entropy/" not in final, final

@@ -373,7 +373,9 @@ def finish(
 
     if sample is not None:
         log.info("sample:\n%s\n%s\n%s", "-" * 60, sample, "-" * 60)
-    summary = " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+    # attention health per layer and head stays in the CSV and W&B: the line keeps its means
+    shown = {k: v for k, v in metrics.items() if not (k.startswith("attn/") and k.count("/") > 1)}
+    summary = " | ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items()))
     n_params = sum(p.numel() for p in model.parameters())
     log.info("final: %s | params %s | outputs in %s", summary, f"{n_params:,}", out)
     for lg in loggers:
