@@ -83,6 +83,7 @@ def open_page(browser, file: Path) -> tuple[dict, list[str]]:
             s.querySelector('h2').textContent.split(' (')[0], s.querySelectorAll('img').length])),
         numbers: [...document.querySelectorAll('[data-value]')].map(e => [e.closest('tr').dataset.label,
             e.dataset.metric, e.dataset.field, e.dataset.value, e.textContent]),
+        marked: document.querySelectorAll('td.better, td.worse, td.differs').length,
     })"""
     )
     page.close()
@@ -122,6 +123,8 @@ def test_the_report_of_a_multirun_opens_offline_with_every_figure_and_compares_n
     got = {(label, metric, field): float(value) for label, metric, field, value, _ in shown["numbers"]}
     assert got == expected and any(k[2] == "p" for k in got)  # every number, the p-values included
     assert all(text == f"{float(value):.4g}" for *_, value, text in shown["numbers"])
+    marks = [c["mark"] for row in table["rows"] for c in row["metrics"].values() if c["mark"]]
+    assert marks and shown["marked"] == len(marks)  # ALiBi's lower loss is drawn as better
 
 
 def test_bad_input_is_one_line(tmp_path):

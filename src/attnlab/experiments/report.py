@@ -118,9 +118,9 @@ def table_html(table: dict[str, Any]) -> str:
     for row in table["rows"]:
         cells = [f"<td>{html.escape(row['label'] or '-')}</td><td class=num>{len(row['runs'])}</td>"]
         for m, c in row["metrics"].items():
-            mark = f' class="{c["mark"]}"' if c["mark"] else ""
+            marked = f"num {c['mark']}" if c["mark"] else "num"  # one class attribute: a second is ignored
             cells.append(
-                f"<td class=num{mark}>{num(m, 'mean', c['mean'])} {interval(m, 'ci', c['ci'])}</td>"
+                f"<td class='{marked}'>{num(m, 'mean', c['mean'])} {interval(m, 'ci', c['ci'])}</td>"
                 f"<td class=num>{num(m, 'diff', c['diff'])} {interval(m, 'diff_ci', c['diff_ci'])}</td>"
                 f"<td class=num>{num(m, 'p', c['p'])}{paired_bleu(m, c['bleu_p'])}</td>"
                 f"<td class=num>{num(m, 'seeds_needed', c['seeds_needed'])}</td>"
