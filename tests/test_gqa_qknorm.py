@@ -136,6 +136,7 @@ def test_the_cli_refuses_n_kv_head_not_dividing_n_head_in_one_line(tmp_path):
     assert "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if "error: " in line]
     assert len(errors) == 1 and "model.net.n_kv_head: must divide n_head (2), got 3" in errors[0], out[-3000:]
+    assert "Instantiating" not in out, out[-3000:]  # refused at composition, before anything is built
 
 
 def test_a_timm_vit_with_qk_norm_loads_and_exports_with_it():

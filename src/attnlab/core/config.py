@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from attnlab.core.errors import AttnlabError, ConfigError, one_line
 from attnlab.core.legacy import renamed
@@ -174,6 +174,7 @@ def check_config(cfg: DictConfig, imports: bool = True) -> None:
             for path, node in target_nodes(cfg._get_node(key), key):
                 check_types(node, path, imports)
     check_lengths(cfg)
+    check_heads(cfg)
 
 
 # (the data's longest sequence, the model's position table that must cover it): the data modules
@@ -197,6 +198,18 @@ def check_lengths(cfg: DictConfig) -> None:
                 f"{data_key}={longest} is longer than {model_key}={table} (the model's position "
                 f"table): lower {data_key} or raise {model_key}"
             )
+
+
+def check_heads(cfg: DictConfig) -> None:
+    """Refuse key/value heads that do not divide the query heads (the model's own rule, which it
+    meets only once torch has loaded) in any net of the model, a nested one included."""
+    for path, node in target_nodes(cfg.get("model"), "model"):
+        try:
+            heads, kv = (OmegaConf.select(node, k, default=None) for k in ("n_head", "n_kv_head"))
+        except OmegaConfBaseException:  # an interpolation that cannot resolve yet: the model's check
+            continue
+        if is_int(heads) and is_int(kv) and kv > 0 and heads % kv:
+            raise ConfigError(f"{path}.n_kv_head: must divide n_head ({heads}), got {kv}")
 
 
 def check_types(node: DictConfig, path: str, imports: bool = True) -> None:
