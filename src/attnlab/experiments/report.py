@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import re
 import shlex
 import statistics
@@ -86,10 +87,10 @@ def figure_png(fig: Any) -> bytes:
     """A matplotlib figure as PNG bytes, the figure closed."""
     from attnlab.training.plots import plt
 
-    with tempfile.TemporaryDirectory() as tmp:
-        fig.savefig(Path(tmp) / "f.png", dpi=100)
-        plt.close(fig)
-        return (Path(tmp) / "f.png").read_bytes()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plt.close(fig)
+    return png.getvalue()
 
 
 def drawn(plot: Any, *args: Any) -> bytes:

@@ -420,8 +420,10 @@ class MultiHeadAttention(nn.Module):
             if mask is not None and mask.dim() == 4:
                 mask = mask[:n]
             training, self.training = self.training, False
-            _, weights = self.attend(q[:n], k[:n], v[:n], mask, causal, positions, q_pos, k_pos, True)
-            self.training = training
+            try:
+                _, weights = self.attend(q[:n], k[:n], v[:n], mask, causal, positions, q_pos, k_pos, True)
+            finally:
+                self.training = training
         weights = weights[:n]
         if padding is not None:
             weights = weights.masked_fill(padding[:n, None, :, None], float("nan"))
