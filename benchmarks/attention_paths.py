@@ -85,12 +85,12 @@ def time_variant(name: str, impl: str, train: bool, dtype: torch.dtype, args: ar
 
 @contextlib.contextmanager
 def _no_pieces():
-    pieces = attention._in_pieces
-    attention._in_pieces = lambda *a: False
+    pieces = attention.pieces_apply
+    attention.pieces_apply = lambda *a: False
     try:
         yield
     finally:
-        attention._in_pieces = pieces
+        attention.pieces_apply = pieces
 
 
 def auto_choice(name: str, dtype: torch.dtype, device: str) -> str:

@@ -127,7 +127,7 @@ def test_sdpa_adds_only_the_recomputed_scores():
     net = GPT(V, max_len=32, depth=2, n_head=2, dim=32, attn_impl="sdpa")
     x = tokens(3, 32)
     task = task_of(LanguageModelTask, net)
-    recomputed = 2 * flops.attention_recompute(3, 2, 32, 32, 16)  # two blocks
+    recomputed = 2 * flops.product(3 * 2, 32, 16, 32).forward  # q k^T again, in each of two blocks
     assert task.step_work((x, x))[1].total + recomputed == measured(task, (x, x))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from attnlab.data.multimodal.image_text_shards import prepare_image_text
+from attnlab.data.multimodal.image_text import prepare_image_text
 from attnlab.data.text.corpora import python_docs
 from attnlab.data.text.shards import prepare, prepare_documents, prepare_pairs
 from attnlab.data.text.translation import synthetic_pairs

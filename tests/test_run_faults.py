@@ -272,8 +272,8 @@ def test_a_refused_run_folder_is_removed_only_when_it_holds_no_result(tmp_path, 
 
 def test_an_undecodable_image_is_named_without_pil_s_in_memory_file():
     """PIL names an image decoded from bytes by its ``<_io.BytesIO object at 0x...>``: left out."""
-    from attnlab.data.vision.shards import check_image
+    from attnlab.data.vision.shards import decode_image
 
     with pytest.raises(DataError) as info:
-        check_image(b"hello", "train/dog/fake.jpg")
+        decode_image(b"hello", "train/dog/fake.jpg", None)
     assert str(info.value) == "train/dog/fake.jpg: not a readable image (cannot identify image file)"

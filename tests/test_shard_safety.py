@@ -20,7 +20,7 @@ from PIL import Image
 
 import attnlab.data.shards.folder as token_module
 from attnlab.core.errors import DataError
-from attnlab.data.multimodal.image_text_shards import prepare_image_text as prepare_image_pairs
+from attnlab.data.multimodal.image_text import prepare_image_text as prepare_image_pairs
 from attnlab.data.shards.tar import BadRecords, ShardRecords, ShardStream
 from attnlab.data.shards.tar import TarShards as ImageShards
 from attnlab.data.sources import StreamedShards

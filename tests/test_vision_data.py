@@ -18,8 +18,13 @@ from attnlab.data import ImageClassificationDataModule, ScenesDataModule
 from attnlab.data.sources import Builtin
 from attnlab.data.vision import datasets
 from attnlab.data.vision.classification import random_crop_flip
-from attnlab.data.vision.datasets import load_cifar10, load_idx_dataset, read_image, scan_image_folder
-from attnlab.data.vision.idx import read_idx
+from attnlab.data.vision.datasets import (
+    load_cifar10,
+    load_idx_dataset,
+    read_idx,
+    read_image,
+    scan_image_folder,
+)
 from conftest import needs_shared, write_cifar, write_idx, write_idx_dataset, write_image_folder
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import build_trainer, compose_config, exit_on_user_error
+from attnlab.cli.common import aligned, arg_parser, build_trainer, compose_config, exit_on_user_error
 from attnlab.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,9 +30,7 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="attnlab-average", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = arg_parser("attnlab-average", __doc__)
     p.add_argument("run_dir", type=Path, help="a run's folder (holding checkpoints/)")
     p.add_argument("--last", type=int, required=True, help="how many of its last checkpoints to average")
     p.add_argument("overrides", nargs="*", help="attnlab-eval's key=value overrides (trainer.*, data.*)")
@@ -47,31 +45,29 @@ def evaluate(cfg: DictConfig, run: TrainedRun) -> dict[str, float]:
     if run.artifacts:
         datamodule.load_artifacts(run.artifacts)
     datamodule.prepare_data()
-    task, trainer, metrics = (
-        run.task(),
-        build_trainer(cfg, logger=False, callbacks=[], enable_progress_bar=False),
-        {},
-    )
+    task, metrics = run.task(), {}
+    trainer = build_trainer(cfg, logger=False, callbacks=[], enable_progress_bar=False)
     for stage in (trainer.validate, trainer.test):
         stage(task, datamodule=datamodule, verbose=False)
         metrics |= {k: float(v) for k, v in trainer.callback_metrics.items() if not k.endswith("_best")}
     return metrics
 
 
-def table(rows: dict[str, dict[str, float]]) -> str:
-    """The rows as aligned text, one column per metric."""
-    names = sorted({k for metrics in rows.values() for k in metrics})
-    lines = [["checkpoint", *names]] + [
-        [label, *(f"{metrics[k]:.4f}" if k in metrics else "-" for k in names)]
-        for label, metrics in rows.items()
-    ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(names) + 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines)
+def table(report: dict[str, dict]) -> str:
+    """A row per checkpoint of the report, a column per metric."""
+    names = sorted({k for r in report.values() for k in r["metrics"]})
+    return aligned(
+        [["checkpoint", *names]]
+        + [
+            [f"{r['checkpoint']} (steps {', '.join(map(str, r['steps']))})"]
+            + [f"{r['metrics'][k]:.4f}" if k in r["metrics"] else "-" for k in names]
+            for r in report.values()
+        ]
+    )
 
 
 def average(args: argparse.Namespace) -> dict[str, dict]:
-    """Average, evaluate both, print and save: ``{"last": {...}, "average": {...}}``, each with
-    its ``checkpoint``, ``steps`` and ``metrics`` (the JSON file's content)."""
+    """Average, evaluate both, print and save; the report saved (``last`` and ``average``)."""
     if args.last < 1:
         raise ConfigError(f"--last must be a positive number of checkpoints, got {args.last}")
     run_dir = args.run_dir.resolve()
@@ -89,14 +85,7 @@ def average(args: argparse.Namespace) -> dict[str, dict]:
         }
         for name, path, kept in (("last", last, steps[-1:]), ("average", out, steps))
     }
-    print(
-        table(
-            {
-                f"{r['checkpoint']} (steps {', '.join(map(str, r['steps']))})": r["metrics"]
-                for r in report.values()
-            }
-        )
-    )
+    print(table(report))
     saved = run_dir / f"{out.stem}.json"
     saved.write_text(json.dumps(report, indent=2))
     print(f"average written to {out}; metrics saved to {saved}")

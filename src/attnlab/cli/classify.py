@@ -11,18 +11,13 @@ from attnlab.core.errors import CheckpointError
 
 def classify(cfg: DictConfig) -> list[tuple[str, float]]:
     sentences = read_sentences(cfg)
-    with trained_net(cfg, "TextClassificationTask", "attnlab-classify needs a sentence classifier") as (
-        run,
-        net,
-        _,
-    ):
+    need = "attnlab-classify needs a sentence classifier"
+    with trained_net(cfg, "TextClassificationTask", need) as (run, net, _):
         from attnlab.inference.text_classification import classify_sentences
         from attnlab.models import BertSequenceClassifier
 
         if not isinstance(net, BertSequenceClassifier):  # the same task also trains token taggers
-            raise CheckpointError(
-                f"checkpoint {run.path} holds a token tagger; attnlab-classify needs a sentence classifier"
-            )
+            raise CheckpointError(f"checkpoint {run.path} holds a token tagger; {need}")
         max_len = run.artifacts.get("max_len", net.encoder.max_len)
         classes = run.artifacts["classes"]
         with progress(len(sentences), "classifying", show=cfg.input is not None) as advance:

@@ -3,12 +3,13 @@ No torch at module level: ``--help`` and a config error end before it loads (tes
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import logging
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,9 +40,23 @@ def config_dir() -> str:
     raise RuntimeError(f"attnlab: no conf/ directory found near {here}")
 
 
+def arg_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """An argparse entry point's parser, its module docstring (with examples) as the description."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def aligned(lines: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as left-aligned text columns."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
 def compose_config(name: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
-    """``conf/<name>.yaml`` with ``overrides`` (``with_hydra``: the ``hydra`` node too); an override
-    Hydra refuses is a one-line ``ConfigError``."""
+    """``conf/<name>.yaml`` with ``overrides``; an override Hydra refuses is a one-line ``ConfigError``."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -205,16 +220,6 @@ def read_sentences(cfg: DictConfig) -> list[str]:
     return lines
 
 
-def free_output(cfg: DictConfig) -> Path | None:
-    """``output=<file>`` (``None``: print), refused before any work if it exists without ``overwrite``."""
-    if cfg.output is None:
-        return None
-    path = Path(str(cfg.output))
-    if path.exists() and not cfg.overwrite:
-        raise DataError(f"output={path} exists (set overwrite=true to replace it)")
-    return path
-
-
 def write_lines(path: Path, lines: list[str]) -> None:
     """One line each, written whole or not at all (through a temporary file)."""
     tmp = path.with_name(f".{path.name}.part")
@@ -229,8 +234,7 @@ def write_lines(path: Path, lines: list[str]) -> None:
 
 
 def resolve_checkpoint(cfg: DictConfig, task: str | None = None) -> None:
-    """``cfg.ckpt_path`` as the file it names (``last``: the newest run, of ``task`` if given),
-    before torch loads."""
+    """``cfg.ckpt_path`` as the file it names (``last``: the newest run, of ``task`` if given)."""
     from attnlab.core.run_paths import LAST_OF_ANY_RUN, resolve_ckpt_path
 
     tasks = (task,) if task else ()
@@ -265,8 +269,8 @@ def check_device(value: Any) -> None:
 def trained_net(
     cfg: DictConfig, task: str, need: str
 ) -> Iterator[tuple[TrainedRun, nn.Module, torch.device]]:
-    """The run ``ckpt_path`` names (of ``task``, else ``need`` says what the command needs), its
-    net on ``device=``, under ``torch.no_grad``; device and path checked before torch loads."""
+    """The run ``ckpt_path`` names (of ``task``, else ``need`` is the refusal) and its net on
+    ``device=``, under ``torch.no_grad``; device and path checked before torch loads."""
     check_device(cfg.device)
     resolve_checkpoint(cfg, task)
     import torch
@@ -281,20 +285,17 @@ def trained_net(
 
 
 def inference_device(value: Any) -> torch.device:
-    """The ``torch.device`` of ``device=`` (see ``check_device``)."""
-    check_device(value)
+    """The ``torch.device`` of ``device=``, checked by ``check_device``."""
     import torch
 
-    value = str(value)
-    if value == "auto":
+    if str(value) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(value)
+    return torch.device(str(value))
 
 
 @contextmanager
 def progress(total: int, description: str, show: bool = True) -> Iterator[Callable[[int], None]]:
-    """A progress bar over ``total`` items on stderr (stdout keeps only the outputs); yields
-    ``advance(n)``. ``show=False`` (one sentence or image): no bar."""
+    """A progress bar over ``total`` items on stderr (stdout keeps the outputs); yields ``advance(n)``."""
     if not show:
         yield lambda n: None
         return
@@ -337,7 +338,9 @@ def positive_option(cfg: DictConfig, key: str, default: Any = None) -> int:
 
 def print_or_write(cfg: DictConfig, lines: Callable[[], list[str]], what: str) -> None:
     """The ``lines`` printed, or written to ``output=`` (checked before they are made)."""
-    path = free_output(cfg)
+    path = None if cfg.output is None else Path(str(cfg.output))
+    if path is not None and path.exists() and not cfg.overwrite:
+        raise DataError(f"output={path} exists (set overwrite=true to replace it)")
     out = lines()
     if path is None:
         print("\n".join(out))
@@ -353,8 +356,7 @@ def print_top(name: Any, top: list[tuple[str, float]]) -> None:
 def inference_main(
     name: str, free_text: tuple[str, ...], body: Callable[[DictConfig], None]
 ) -> Callable[[], None]:
-    """The console script of ``conf/<name>.yaml``: ``free_text`` keys quoted, then ``body(cfg)``
-    with input errors as one line."""
+    """The console script of ``conf/<name>.yaml``: ``free_text`` keys quoted, input errors one line."""
     import hydra
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name=name)

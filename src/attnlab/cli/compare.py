@@ -30,16 +30,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from attnlab.cli.common import exit_on_user_error
+from attnlab.cli.common import arg_parser, exit_on_user_error
 from attnlab.core.errors import ConfigError
 from attnlab.experiments.compare import (
-    Row,
     Stats,
+    choose_metrics,
     comparison,
-    default_metrics,
-    expand_metrics,
     find_sources,
-    format_value,
+    logged_metrics,
     lower_is_better,
     plot_against,
     plot_curves,
@@ -48,9 +46,7 @@ from attnlab.experiments.compare import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="attnlab-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = arg_parser("attnlab-compare", __doc__)
     p.add_argument(
         "paths",
         nargs="+",
@@ -129,17 +125,6 @@ def render(header: list[str], body: list[list[str]], fmt: str, left: int) -> str
     return out.getvalue()
 
 
-def plain_table(table_rows: list[Row], metrics: list[str], fmt: str) -> str:
-    keys = list(table_rows[0].label) if table_rows else []
-    body = [
-        [str(r.label[k]) for k in keys]
-        + [str(len(r.runs))]
-        + [format_value(r.values.get(m, [])) for m in metrics]
-        for r in table_rows
-    ]
-    return render([*keys, "runs", *metrics], body, fmt, len(keys))
-
-
 def interval(ci: list[float | None] | None) -> str:
     return "" if ci is None or None in ci else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
 
@@ -149,7 +134,8 @@ def stats_cells(c: dict, baseline: bool) -> list[str]:
     interval], the p-value (sacreBLEU's paired bootstrap's beside) with the mark, the seeds needed."""
     if not c["n"]:
         return ["-"] * (4 if baseline else 1)
-    mean = f"{c['mean']:.4g}" + (f" ± {c['std']:.2g}" if c["std"] is not None else "") + interval(c["ci"])
+    mean = "nan" if c["mean"] is None else f"{c['mean']:.4g}"
+    mean += (f" ± {c['std']:.2g}" if c["std"] is not None else "") + interval(c["ci"])
     if not baseline:
         return [mean]
     diff = "" if c["diff"] is None else f"{c['diff']:+.3g}" + interval(c["diff_ci"])
@@ -163,7 +149,8 @@ def stats_table(table: dict, fmt: str) -> str:
     baseline = table["baseline"] is not None
     header = [*table["keys"], "runs"]
     for m in table["metrics"]:
-        header += [f"{m} ({table['level']:.0%} CI)"] + [f"Δ {m}", f"p {m}", f"seeds {m}"] * baseline
+        shown = f"{m} ({table['level']:.0%} CI)" if table["ci"] else m
+        header += [shown] + [f"Δ {m}", f"p {m}", f"seeds {m}"] * baseline
     body = [
         [str(row["config"][k]) for k in table["keys"]]
         + [str(len(row["runs"]))]
@@ -185,23 +172,18 @@ def compare(args: argparse.Namespace) -> str:
         else:
             out = plot_curves(runs, args.plot, out, not args.no_group)
         print(f"plot written to {out}", file=sys.stderr)
-    metrics = args.metrics.split(",") if args.metrics else default_metrics(runs)
-    if not args.metrics:  # what the studies optimised, where a trial has it
-        metrics += [m for m in study_metrics if m not in metrics and any(m in r.curves for r in runs)]
-    logged = sorted({m for r in runs for m in r.curves})
-    if args.sort and args.sort not in logged:
+    if args.sort and args.sort not in (logged := logged_metrics(runs)):
         raise ConfigError(f"--sort {args.sort}: no run logged it (logged: {', '.join(logged)})")
-    metrics = expand_metrics(metrics, logged)
+    metrics = choose_metrics(runs, args.metrics.split(",") if args.metrics else None, study_metrics)
     table_rows = rows(runs, metrics, group_seeds=not args.no_group, best=args.best)
     if args.sort:
         sign = 1 if lower_is_better(args.sort) else -1
         table_rows.sort(key=lambda r: (math.isnan(r.mean(args.sort)), sign * r.mean(args.sort)))
-    if args.format != "json" and not (args.ci or args.level or args.baseline):
-        return plain_table(table_rows, metrics, args.format)  # as before the statistics
     for option, value in (("--level", args.level), ("--alpha", args.alpha)):
         if value is not None and not 0 < value < 1:
             raise ConfigError(f"{option}: expected a number between 0 and 1, got {value}")
-    stats = Stats(args.baseline, args.ci or "t", args.level or 0.95, args.test, args.alpha)
+    plain = args.format != "json" and not (args.ci or args.level or args.baseline)  # mean ± std only
+    stats = Stats(args.baseline, None if plain else args.ci or "t", args.level or 0.95, args.test, args.alpha)
     table = comparison(table_rows, metrics, stats)
     return json.dumps(table, indent=1) + "\n" if args.format == "json" else stats_table(table, args.format)
 

@@ -21,6 +21,7 @@ from attnlab.cli.common import (
 )
 from attnlab.core.config import check_config
 from attnlab.core.errors import ConfigError
+from attnlab.core.specs import is_int
 
 if TYPE_CHECKING:
     from attnlab.inference.runs import TrainedRun
@@ -76,7 +77,7 @@ def length_multiples(value: object) -> list[int]:
     if value is None:
         return []
     given = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
-    if not given or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in given):
+    if not given or not all(is_int(m) and m > 0 for m in given):
         raise ConfigError(
             "lengths must be a list of positive integers (multiples of a language model's "
             f"data.max_len), e.g. lengths=[1,2,4], got {value}"
@@ -87,8 +88,8 @@ def length_multiples(value: object) -> list[int]:
 def test_at_lengths(
     cfg: DictConfig, run: TrainedRun, data_cfg: DictConfig, out: Path, lengths: list[int]
 ) -> dict[str, float]:
-    """A language model tested at each multiple in ``lengths`` of its ``data.max_len``
-    (``test/loss_x2``, ...); a length it cannot take is skipped, saying why (all: the error)."""
+    """A language model tested at each multiple in ``lengths`` of its ``data.max_len`` (``test/loss_x2``);
+    a length it cannot take is skipped, saying why (all: the error)."""
     from hydra.utils import get_class
 
     from attnlab.data.text.language_modeling import TextDataModule
@@ -119,8 +120,7 @@ def test_at_lengths(
 
 
 def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
-    """``metrics`` as ``eval/...`` (other data than the run's own test may be used) added at the
-    checkpoint's step to its run's CSV log and W&B run (continued under its id)."""
+    """``metrics`` as ``eval/...`` added at the checkpoint's step to its run's CSV log and W&B run."""
     if run.path.parent.name != "checkpoints":  # a checkpoint copied out of its run: no run to log to
         log.info("%s is not in a run's checkpoints/ folder: the metrics stay in this run's folder", run.path)
         return

@@ -15,35 +15,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from attnlab.cli.common import config_dir, exit_on_user_error, resolve_checkpoint
+from attnlab.cli.common import inference_main, resolve_checkpoint
 from attnlab.core.errors import ConfigError, DataError
 
 FORMATS = ("native", "onnx")
 # every file an export writes (transformers, timm, open_clip, ONNX): overwrite=true replaces a
 # folder holding only these, never one holding anything else (a user's files would go with it)
-EXPORT_FILES = {
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "open_clip_config.json",
-    "open_clip_model.safetensors",
-    "model.onnx",
-    "model.onnx.data",
-    "attnlab.json",
-    "adapter_config.json",
-    "adapter_model.safetensors",
-}
+EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"}
+EXPORT_FILES |= {"open_clip_config.json", "open_clip_model.safetensors", "model.onnx", "model.onnx.data"}
+EXPORT_FILES |= {"attnlab.json", "adapter_config.json", "adapter_model.safetensors"}
 
 
 def check_out(cfg: DictConfig) -> Path:
-    """``out=`` as a folder to write, refused (before torch loads) when it is a symlink, holds
-    one, or holds files and ``overwrite`` is not set (an earlier export is never replaced by
-    accident, and with ``overwrite`` only an earlier export is)."""
+    """``out=`` as a folder to write, checked before torch loads: with ``overwrite``, only an earlier
+    export is replaced; never a symlink or a folder holding one."""
     if cfg.format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
     if not isinstance(cfg.merge, bool):
@@ -76,8 +63,7 @@ def check_out(cfg: DictConfig) -> Path:
 
 
 def publish(partial: Path, out: Path) -> None:
-    """The complete export moved into place; an earlier one (checked by ``check_out``) is set
-    aside first and removed only once the new one is there."""
+    """The complete export moved into place; an earlier one removed only once the new one is there."""
     old = out.with_name(out.name + ".partial.old")
     shutil.rmtree(old, ignore_errors=True)
     if out.is_dir() and any(out.iterdir()):
@@ -145,15 +131,12 @@ def export(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="export")
-def run(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        out = export(cfg)
-        print(f"{cfg.ckpt_path} exported ({cfg.format}) to {out}")
+def show(cfg: DictConfig) -> None:
+    out = export(cfg)
+    print(f"{cfg.ckpt_path} exported ({cfg.format}) to {out}")
 
 
-def main() -> None:
-    run()
+main = inference_main("export", (), show)
 
 
 if __name__ == "__main__":

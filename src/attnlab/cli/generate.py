@@ -27,18 +27,8 @@ def generate(cfg: DictConfig) -> list[str]:
     with trained_net(cfg, "LanguageModelTask", "attnlab-generate needs a language model") as (run, net, _):
         from attnlab.inference.generation import generate_text
 
-        return generate_text(
-            net,
-            run.tokenizer,
-            str(cfg.prompt),
-            cfg.max_new_tokens,
-            cfg.temperature,
-            cfg.top_k,
-            cfg.top_p,
-            cfg.num_samples,
-            cfg.seed,
-            cfg.use_cache,
-        )
+        options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_samples", "seed", "use_cache")
+        return generate_text(net, run.tokenizer, str(cfg.prompt), **{k: cfg[k] for k in options})
 
 
 def show(cfg: DictConfig) -> None:

@@ -11,11 +11,8 @@ from attnlab.cli.common import image_batches, inference_main, positive_option, p
 
 def predict(cfg: DictConfig) -> list[tuple[Path, list[tuple[str, float]]]]:
     top_k = positive_option(cfg, "top_k")
-    with trained_net(cfg, "ImageClassificationTask", "attnlab-predict needs an image classifier") as (
-        run,
-        net,
-        device,
-    ):
+    need = "attnlab-predict needs an image classifier"
+    with trained_net(cfg, "ImageClassificationTask", need) as (run, net, device):
         from attnlab.inference.classification import classify
 
         results = []

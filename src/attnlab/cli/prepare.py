@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnlab.cli.common import exit_on_user_error
+from attnlab.cli.common import arg_parser, exit_on_user_error
 
 IMAGES = {"val_size": 1000, "shard_records": 10_000, "on_bad_record": "error", "seed": 1337}
 # the options of some modes only, with their defaults there
@@ -60,9 +60,7 @@ MAX_VOCAB_SIZE = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="attnlab-prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = arg_parser("attnlab-prepare", __doc__)
     p.add_argument(
         "inputs", nargs="+", help="files or globs (quoted: 'corpus/**/*.txt'), UTF-8; images: one folder"
     )
@@ -144,24 +142,15 @@ def vocabulary_note(asked: int, manifest: dict) -> str | None:
 def prepare_text(args: argparse.Namespace, options: dict) -> str:
     options["vocab_size"] = options["vocab_size"] or VOCAB_SIZE[args.mode]
     options["progress"] = not args.no_progress
-    t0 = time.perf_counter()
-    if args.mode == "lm":
-        from attnlab.data.text.shards import prepare
+    t0 = time.perf_counter()  # the import of the tokenisers included, as a user waits for it
+    from attnlab.data.text import shards
 
-        manifest = prepare(args.inputs, args.out, **options)
-        counts = {s: sum(x["tokens"] for x in shards) for s, shards in manifest["splits"].items()}
-    elif args.mode == "bert":
-        from attnlab.data.text.shards import prepare_documents
-
-        manifest = prepare_documents(args.inputs, args.out, **options)
-        counts = {s: sum(x["documents"] for x in shards) for s, shards in manifest["splits"].items()}
-    else:
-        from attnlab.data.text.shards import prepare_pairs
-
-        manifest = prepare_pairs(args.inputs, args.out, **options)
-        splits = manifest["splits"]
-        counts = {"train": sum(x["pairs"] for x in splits["train"]), "val": splits["val"]["pairs"]}
-        counts["test"] = splits["test"]["pairs"]
+    write = {"lm": shards.prepare, "bert": shards.prepare_documents, "translation": shards.prepare_pairs}
+    manifest = write[args.mode](args.inputs, args.out, **options)
+    unit = UNITS[args.mode]  # a split: its shards, or (translation's val and test) one file
+    counts = {
+        s: v[unit] if isinstance(v, dict) else sum(x[unit] for x in v) for s, v in manifest["splits"].items()
+    }
     seconds = time.perf_counter() - t0
     if options.get("tokenizer") != "char" and (note := vocabulary_note(options["vocab_size"], manifest)):
         print(note, file=sys.stderr)
@@ -179,7 +168,7 @@ def prepare_images(args: argparse.Namespace, options: dict) -> str:
     if args.mode == "images":
         from attnlab.data.vision.shards import prepare_images as write
     else:
-        from attnlab.data.multimodal.image_text_shards import prepare_image_text as write
+        from attnlab.data.multimodal.image_text import prepare_image_text as write
     t0 = time.perf_counter()
     with writing(Path(args.out)):  # one prepare at a time into --out; a failed one leaves nothing
         manifest = write(args.inputs[0], args.out, **options)

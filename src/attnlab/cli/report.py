@@ -15,14 +15,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnlab.cli.common import exit_on_user_error
+from attnlab.cli.common import arg_parser, exit_on_user_error
 from attnlab.core.errors import ConfigError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="attnlab-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = arg_parser("attnlab-report", __doc__)
     p.add_argument("paths", nargs="+", help="run directories, folders holding runs (sweeps), study URLs")
     p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
     p.add_argument(

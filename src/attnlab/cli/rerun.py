@@ -20,15 +20,13 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.cli.common import compose_train, exit_on_user_error
+from attnlab.cli.common import aligned, arg_parser, compose_train, exit_on_user_error
 from attnlab.core.errors import ConfigError
 from attnlab.core.run_record import code_state, data_hashes, differences
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="attnlab-rerun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = arg_parser("attnlab-rerun", __doc__)
     p.add_argument("run_dir", type=Path, help="a folder attnlab-train wrote (logs/<task>/runs/<time>)")
     p.add_argument("overrides", nargs="*", help="attnlab-train overrides added to the run's own")
     p.add_argument("--check", action="store_true", help="print the warnings only; train nothing")
@@ -64,10 +62,7 @@ def table(before: dict[str, float], after: dict[str, float]) -> str:
         a, b = before.get(k), after.get(k)
         diff = f"{b - a:+.4f}" if a is not None and b is not None else "-"
         lines.append((k, *(f"{v:.4f}" if v is not None else "-" for v in (a, b)), diff))
-    widths = [max(len(line[i]) for line in lines) for i in range(4)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )
+    return aligned(lines)
 
 
 def rerun(args: argparse.Namespace) -> int:

@@ -73,11 +73,8 @@ def quote_search_spaces(args: list[str]) -> list[str]:
     for arg in quote_free_text(args, keys):
         # a database URL holds '=', '?', '@' (postgresql://me@/db?host=/run/pg), which Hydra would parse
         key, _, value = arg.partition("=")
-        out += (
-            quote_free_text([arg], (key,))
-            if key.lstrip("+") == "sweep.storage" and value != "null"
-            else [arg]
-        )
+        storage = key.lstrip("+") == "sweep.storage" and value != "null"
+        out += quote_free_text([arg], (key,)) if storage else [arg]
     return out
 
 
@@ -97,8 +94,8 @@ class Plan:
 
 
 def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
-    """Config, overrides, folder and plan of a new sweep, or of the one ``resume=`` names; a new
-    folder is written only once the plan holds."""
+    """Config, overrides, folder and plan of a new sweep (its folder written once the plan holds), or
+    of the one ``resume=`` names."""
     if args and args[0].startswith("resume="):
         sweep_dir = Path(args[0].partition("=")[2])
         if len(args) > 1:
@@ -129,8 +126,7 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
 
 
 def plan(cfg: DictConfig, where: DictConfig | None = None) -> Plan:
-    """The sweep's parts, a device slot per trial run at once, and a shared study attached
-    (``where``: as a resumed driver first attached)."""
+    """The sweep's parts, its device slots, and a shared study attached (``where``: as first attached)."""
     s = cfg.sweep
     space, fixed, sampler, pruner = sweep_parts(s)
     trainer = cfg.get("trainer") or {}
@@ -205,9 +201,8 @@ def sweep(args: list[str]) -> None:
         fixed.append(f"logger.wandb.group={override_value(group)}")
     driver = {"slots": p.slots}
     if p.study is not None:
-        interval = s.get("heartbeat_interval", 60)
         driver |= {"storage": p.url, "study_name": study.study_name, "shared": True, "driver": p.driver}
-        driver |= {"poll": min(interval, 10), "lock": p.lock}
+        driver |= {"poll": min(s.get("heartbeat_interval", 60), 10), "lock": p.lock}
     run_sweep(study, p.space, overrides + fixed, sweep_dir, cfg.optimized_metric, s.n_trials, **driver)
     if any(t.value is not None for t in study.trials):
         best = study.best_trial

@@ -181,8 +181,7 @@ def record_machine(out: Path) -> dict[str, Any]:
 
 
 def record_run(cfg: DictConfig, out: Path, world_size: int, machine: dict, ckpt_path: str | None) -> None:
-    """``run.yaml``: what attnlab-rerun needs to re-run the run and say what changed since (code,
-    uv.lock and data hashes, seeds, machine, command line, the checkpoint resumed); rank 0 writes it."""
+    """``run.yaml``: what attnlab-rerun needs to re-run the run and say what changed since."""
     import yaml
 
     from attnlab.core.run_record import run_record
@@ -193,8 +192,7 @@ def record_run(cfg: DictConfig, out: Path, world_size: int, machine: dict, ckpt_
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict | None, dict]:
-    """``ckpt_path``'s file (``last``: this task's newest), checkpoint and metadata; the CSV rows its
-    run logged before it carried over."""
+    """``ckpt_path``'s file (``last``: this task's newest), checkpoint, metadata; its CSV rows carried."""
     from attnlab.training.loggers import continue_history
     from attnlab.weights.checkpoint import load_checkpoint, metadata, require_same_model
 
@@ -209,15 +207,13 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict |
         if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
             log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
         if trainer_rank_zero() and ckpt_path.parent.parent.resolve() == out.resolve():
-            # the run's own checkpoint (a requeued job): what it logged after the checkpoint, it
-            # logs again
+            # the run's own checkpoint (a requeued job): it logs again what it logged after it
             forget_rows_from(out / "csv" / "metrics.csv", step)
     return ckpt_path, ckpt, meta
 
 
 def forget_rows_from(metrics: Path, step: int) -> None:
-    """A CSV log rewritten without its rows from ``step`` on (a run resumed from its own checkpoint
-    logs them again) and a last line cut mid-write."""
+    """A CSV log rewritten without its rows from ``step`` on and a last line cut mid-write."""
     import csv
 
     if not metrics.is_file():
@@ -283,34 +279,22 @@ def record_run_config(cfg: DictConfig, meta: dict, out: Path) -> None:
 def build_callbacks(cfg: DictConfig, datamodule: Any, machine: dict) -> list[Any]:
     """The config's callbacks, those every run has, and a sweep trial's pruning report."""
     from attnlab.experiments.pruning import TrialPruning
-    from attnlab.training.callbacks import (
-        FiniteLoss,
-        ReleaseFreedMemory,
-        ResumableRandomness,
-        RunMetadata,
-    )
+    from attnlab.training.callbacks import FiniteLoss, ReleaseFreedMemory, ResumableRandomness, RunMetadata
 
     callbacks = instantiate_group(cfg, "callbacks")
-    callbacks.append(FiniteLoss())
-    callbacks.append(RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine))
-    callbacks.append(ResumableRandomness(cfg.get("seed")))
-    callbacks.append(ReleaseFreedMemory())
+    callbacks += [FiniteLoss(), RunMetadata(OmegaConf.to_yaml(cfg), datamodule.artifacts(), machine)]
+    callbacks += [ResumableRandomness(cfg.get("seed")), ReleaseFreedMemory()]
     if submitit_executor():  # a job of Hydra's submitit launcher: requeued at submitit's signal
         from attnlab.training.callbacks import SubmititRequeue
 
         callbacks.append(SubmititRequeue(own_last_checkpoint(cfg)))
-    if cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
+    if trial := cfg.get("sweep_trial"):  # a trial of attnlab-sweep: report to its study, for pruning
         import optuna
 
         pruner = (cfg.get("sweep") or {}).get("pruner")
+        pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
         callbacks.append(
-            TrialPruning(
-                cfg.sweep_trial.storage,
-                cfg.sweep_trial.number,
-                cfg.optimized_metric,
-                instantiate(pruner) if pruner else optuna.pruners.NopPruner(),
-                cfg.sweep_trial.get("study"),  # the shared study's name (sweep.study_name)
-            )
+            TrialPruning(trial.storage, trial.number, cfg.optimized_metric, pruner, trial.get("study"))
         )
     return callbacks
 
@@ -344,20 +328,10 @@ def closing_sample(cfg: DictConfig, trainer: Any, model: Any, datamodule: Any) -
     from attnlab.core.distributed import unsharded
     from attnlab.inference.generation import generate_text
 
-    s = cfg.sample
     # in the training precision: FSDP's mixed precision keeps each unit's weights in bf16/fp16
     # and casts only the inputs of the root's forward, which generation does not go through
     with unsharded(model.net), trainer.precision_plugin.forward_context():
-        return generate_text(
-            model.net,
-            datamodule.tokenizer,
-            s.prompt,
-            s.max_new_tokens,
-            s.temperature,
-            s.top_k,
-            s.top_p,
-            seed=cfg.get("seed"),
-        )[0]
+        return generate_text(model.net, datamodule.tokenizer, **cfg.sample, seed=cfg.get("seed"))[0]
 
 
 def finish(
@@ -433,9 +407,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
                 log.info("%s", e)  # a sweep trial stopped early: the sweep records it
                 return None
     except SystemExit as e:
-        # a submitit job's refused config (its line is in its log): the job's error, which Hydra's
-        # launcher carries back to the multirun, reported there in one line after the job's
-        # overrides (not submitit's "the job produced no output")
+        # a submitit job's refused config: the job's error, which Hydra's launcher reports in the
+        # multirun in one line after the job's overrides (not submitit's "the job produced no output")
         if submitit_executor() and e.code == 2 and (err := user_error(e.__context__)):
             raise JobRefused(f"error: {err}") from None
         raise

@@ -16,11 +16,8 @@ from attnlab.cli.common import (
 
 def translate(cfg: DictConfig) -> list[str]:
     sentences = read_sentences(cfg)
-    with trained_net(cfg, "TranslationTask", "attnlab-translate needs a translation model") as (
-        run,
-        net,
-        device,
-    ):
+    need = "attnlab-translate needs a translation model"
+    with trained_net(cfg, "TranslationTask", need) as (run, net, device):
         from attnlab.inference.translation import translate_sentences
 
         task = run.config.model

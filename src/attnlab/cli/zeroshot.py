@@ -31,8 +31,7 @@ DEFAULT_TEMPLATE = "a photo of a {}."  # init_from's prompt without templates= (
 
 
 def load_clip(cfg: DictConfig) -> tuple[CLIP, CaptionTokenizer, dict[str, Any], list[str]]:
-    """The CLIP, its tokenizer, its artifacts (image size, normalisation, caption length) and prompt
-    templates: a run's, or an open_clip folder's (``init_from``)."""
+    """The CLIP, tokenizer, artifacts and prompt templates of a run, or of an open_clip ``init_from``."""
     from attnlab.inference.zeroshot import read_templates
 
     device = inference_device(cfg.device)
@@ -118,12 +117,8 @@ def score_split(cfg: DictConfig) -> dict[str, float]:
         features.append(net.encode_image(data.normalize(images.to(device))).float())
         labels.append(batch_labels.to(device))
     acc = zeroshot_accuracy(torch.cat(features), classifier, torch.cat(labels))
-    return {
-        "top1": acc[1],
-        "top5": acc[5],
-        "images": float(sum(len(x) for x in labels)),
-        "templates": float(len(templates)),
-    }
+    images = float(sum(len(x) for x in labels))
+    return {"top1": acc[1], "top5": acc[5], "images": images, "templates": float(len(templates))}
 
 
 def show(cfg: DictConfig) -> None:

@@ -21,7 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from attnlab.core.errors import AttnlabError, ConfigError, one_line
 from attnlab.core.legacy import renamed
-from attnlab.core.signatures import signature, static_signature, unpacked
+from attnlab.core.signatures import parameters, signature, static_signature, unpacked
 from attnlab.core.specs import is_int
 from attnlab.core.targets import target_nodes
 
@@ -75,8 +75,7 @@ def resolve(cfg: DictConfig) -> None:
 
 
 def fill_missing(node: DictConfig, values: Mapping[str, Any], where: str) -> None:
-    """Set the ``???`` fields of ``node`` from ``values`` (e.g. the data's vocab_size), recursing
-    into nested mappings (``{"text": {"vocab_size": 8000}}`` fills ``<where>.text.vocab_size``)."""
+    """Set the ``???`` fields of ``node`` from ``values`` (the data's vocab_size, ...), nested too."""
     with open_dict(node):
         for key, value in values.items():
             if key not in node.keys():
@@ -106,13 +105,11 @@ def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
 
 @contextmanager
 def constructor_errors(key: str) -> Iterator[None]:
-    """Turn a constructor's refusal of a value (``ValueError``, Lightning's ``MisconfigurationException``)
-    into one ``ConfigError`` line naming ``key`` (``refusal``)."""
+    """A constructor's refusal of a value as one ``ConfigError`` line naming ``key`` (``refusal``)."""
     try:
         yield
     except Exception as e:
-        err = refusal(e, key)
-        if err is None:
+        if (err := refusal(e, key)) is None:
             raise
         raise err from e
 
@@ -133,7 +130,7 @@ def refusal(e: BaseException, key: str = "") -> ConfigError | None:
             if (
                 rest
                 and re.fullmatch(r"\w+(\.\w+|\[\d+\])*", name)
-                and re.split(r"[.[]", name)[0] in _params(target)
+                and re.split(r"[.[]", name)[0] in (parameters(target, static=False, trusted=True) or {})
             ):
                 return ConfigError(f"{where}.{name}: {rest}")
             return ConfigError(f"{where}: {message}" if where else message)
@@ -141,17 +138,8 @@ def refusal(e: BaseException, key: str = "") -> ConfigError | None:
     return None
 
 
-def _params(target: str | None) -> Mapping[str, Any]:
-    try:
-        found = signature(target, "") if target else None
-        return unpacked(*found)[0].parameters if found else {}
-    except Exception:  # not importable or no signature: the message names the node alone
-        return {}
-
-
 def refuse_renamed_overrides(overrides: list[str]) -> None:
-    """Refuse an override of an old key (``model.net.n_embd=64``) naming the new one (Hydra would only
-    say the key is missing); one in a config file is ``check_types``'s."""
+    """Refuse an override of an old key (``model.net.n_embd=64``) naming the new one."""
     for override in overrides:
         if not override.startswith("-") and "=" in override:
             if message := renamed(override.split("=", 1)[0].lstrip("+~")):
@@ -187,8 +175,7 @@ POSITION_TABLES = (
 
 
 def check_lengths(cfg: DictConfig) -> None:
-    """Refuse a data sequence length the model has no positions for, before anything is loaded
-    (else the run fails at the first long batch, after the data and the model are built)."""
+    """Refuse a data sequence length the model has no positions for, before anything is loaded."""
     for data_key, model_key in POSITION_TABLES:
         longest, table = (
             OmegaConf.select(cfg, k, default=None, throw_on_missing=False) for k in (data_key, model_key)
@@ -201,8 +188,7 @@ def check_lengths(cfg: DictConfig) -> None:
 
 
 def check_heads(cfg: DictConfig) -> None:
-    """Refuse key/value heads that do not divide the query heads (the model's own rule, which it
-    meets only once torch has loaded) in any net of the model, a nested one included."""
+    """Refuse key/value heads that do not divide the query heads, in any net of the model."""
     for path, node in target_nodes(cfg.get("model"), "model"):
         try:
             heads, kv = (OmegaConf.select(node, k, default=None) for k in ("n_head", "n_kv_head"))

@@ -41,8 +41,7 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``), which varying batch shapes
-    strand mid-heap; False off glibc."""
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``); False off glibc."""
     libc = glibc()
     return libc is not None and libc.malloc_trim(0) in (0, 1)
 

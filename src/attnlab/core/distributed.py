@@ -56,8 +56,7 @@ def relaunch_this_multirun_job() -> None:
 
 
 def module_classes(*paths: str) -> set[type]:
-    """The classes named by dotted paths, as a set: the form of FSDP's ``auto_wrap_policy`` and
-    ``activation_checkpointing_policy`` in Lightning's ``FSDPStrategy``."""
+    """The classes named by dotted paths, as a set (``FSDPStrategy``'s ``auto_wrap_policy``)."""
     return {get_class(p) for p in paths}
 
 
@@ -93,8 +92,7 @@ def submitit_executor() -> str | None:
 
 
 def export_local_ranks() -> None:
-    """Give the N processes of a ``submitit_local`` job torch's rank variables, as torchrun would, so
-    Lightning starts none of its own (under SLURM it reads SLURM's)."""
+    """Give a ``submitit_local`` job's processes torch's rank variables, as torchrun would."""
     if submitit_executor() != "local":
         return
     from submitit import JobEnvironment
@@ -123,8 +121,7 @@ def check_job_tasks(trainer: Any) -> None:
 
 
 def cluster_plugins() -> list[Any]:
-    """Under a ``submitit_slurm`` job: Lightning's SLURM environment without its own requeue on
-    SIGUSR1; submitit's requeue, on its own signal, is the one mechanism."""
+    """Under ``submitit_slurm``: Lightning's SLURM environment without its own requeue (submitit requeues)."""
     if submitit_executor() != "slurm":
         return []
     from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -153,18 +150,6 @@ def launcher_options(name: str | None) -> set[str] | None:
     return None if schema is None else {f.name for f in fields(schema)} - {"_target_"}
 
 
-def unknown_launcher_option(launcher: str, key: str, options: set[str]) -> ConfigError:
-    more = (
-        "; an sbatch option it lacks goes in hydra.launcher.additional_parameters"
-        if "slurm" in launcher
-        else ""
-    )
-    return ConfigError(
-        f"hydra.launcher.{key}: hydra/launcher={launcher} has no such option "
-        f"(its options: {', '.join(sorted(options))}){more}"
-    )
-
-
 def check_launcher_overrides(argv: list[str]) -> None:
     """A ``hydra.launcher.<key>=`` override naming no option of the chosen submitit launcher: one
     line, before Hydra composes (whose own error says only that the key is not in the struct)."""
@@ -175,7 +160,11 @@ def check_launcher_overrides(argv: list[str]) -> None:
     for arg in argv:
         key = arg.split("=", 1)[0].lstrip("+")  # +key, ++key: Hydra's schema refuses new keys too
         if key.startswith("hydra.launcher.") and (name := key.split(".")[2]) not in options:
-            raise unknown_launcher_option(str(chosen), name, options)
+            slurm = "; an sbatch option it lacks goes in hydra.launcher.additional_parameters"
+            raise ConfigError(
+                f"hydra.launcher.{name}: hydra/launcher={chosen} has no such option "
+                f"(its options: {', '.join(sorted(options))}){slurm if 'slurm' in str(chosen) else ''}"
+            )
 
 
 def _count(value: Any) -> bool:
@@ -183,8 +172,7 @@ def _count(value: Any) -> bool:
 
 
 def check_job_size(params: dict[str, Any], trainer: Any) -> None:
-    """A submitit job's size (tasks, GPUs per node, nodes), checked before anything is sent: one task per
-    device and node, as Lightning counts them under SLURM."""
+    """A submitit job's size checked before anything is sent: one task per device and node."""
     tasks, gpus, nodes = (params.get(k) for k in ("tasks_per_node", "gpus_per_node", "nodes"))
     devices, num_nodes = trainer.get("devices"), trainer.get("num_nodes")
     if not _count(tasks):
@@ -220,8 +208,7 @@ SUBMITIT_LAUNCHERS = {
 
 
 def check_submitit_launcher(config: Any) -> None:
-    """Check a multirun's submitit launcher before any job is sent: job size, options as submitit's
-    executor takes them, and for SLURM ``sbatch --test-only``'s verdict."""
+    """Check a multirun's submitit launcher before any job is sent (for SLURM, ``sbatch --test-only``)."""
     import shutil
     import tempfile
 
@@ -245,8 +232,7 @@ def check_submitit_launcher(config: Any) -> None:
 
 
 def submitit_executor_for(kind: str, params: dict[str, Any], folder: str) -> Any:
-    """submitit's executor for a launcher's options as Hydra's launcher gives them; a refused option is a
-    ConfigError."""
+    """submitit's executor for a launcher's options; a refused option is a ConfigError."""
     from dataclasses import fields
 
     import submitit
@@ -265,8 +251,7 @@ def submitit_executor_for(kind: str, params: dict[str, Any], folder: str) -> Any
 
 
 def sbatch_test_only(executor: Any, folder: Path) -> None:
-    """sbatch's verdict on one job of the executor's options, the script submitit would send,
-    without submitting it (``sbatch --test-only``)."""
+    """sbatch's verdict on the script submitit would send, without submitting it (``--test-only``)."""
     import subprocess
 
     from submitit.slurm.slurm import _make_sbatch_string

@@ -21,3 +21,8 @@ class CheckpointError(AttnlabError):
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (its type's name where it has none)."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's type and the first line of its message (200 characters at most)."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or ["no details"])[0][:200]

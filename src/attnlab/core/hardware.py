@@ -40,8 +40,6 @@ def cpu_model() -> str:
 
 
 def gpu_names() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
@@ -64,9 +62,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def uses_gpu(accelerator: str) -> bool:
-    if accelerator in ("gpu", "cuda"):
-        return True
-    return accelerator == "auto" and torch.cuda.is_available()
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def choose_precision(accelerator: str) -> tuple[str, str]:
@@ -81,8 +77,7 @@ def choose_precision(accelerator: str) -> tuple[str, str]:
 
 
 def resolve_precision(accelerator: str, precision: Any) -> str | Any:
-    """Replace ``auto`` with the precision that suits the hardware (one notice line); warn when
-    bf16 is asked for on a CPU that lacks it."""
+    """``auto`` replaced by the precision that suits the hardware; bf16 on a CPU without it warned of."""
     if str(precision) == "auto":
         chosen, why = choose_precision(accelerator)
         log.info("trainer.precision=auto -> %s (%s)", chosen, why)
@@ -123,12 +118,8 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 def compute_dtype(precision: Any) -> torch.dtype:
     """The dtype matmuls run in under a Trainer's ``precision`` ("bf16-mixed", "32-true", ...)."""
-    name = str(precision)
-    if name.startswith("bf16"):
-        return torch.bfloat16
-    if name.startswith("16"):
-        return torch.float16
-    return torch.float64 if name.startswith("64") else torch.float32
+    prefixes = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+    return next((t for p, t in prefixes.items() if str(precision).startswith(p)), torch.float32)
 
 
 def gpu_peak_flops(
@@ -170,8 +161,7 @@ def cpu_matmul_flops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> 
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
-    """The peak matmul FLOP/s of ``device`` in ``dtype`` (MFU's denominator) and where it comes
-    from: a GPU's datasheet, or on a CPU a matmul measured here (once per process)."""
+    """Peak matmul FLOP/s of ``device`` in ``dtype`` (MFU's denominator) and where it comes from."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, device)
     if device.type == "cpu":

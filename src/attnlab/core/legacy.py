@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnlab.core.signatures import signature, static_signature, unpacked
+from attnlab.core.signatures import parameters
 from attnlab.core.specs import is_int
-from attnlab.core.targets import is_allowed, target_nodes
+from attnlab.core.targets import target_nodes
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def translate(config: DictConfig) -> list[str]:
         if old is not None:
             node["_target_"] = target = NEW_NAMES[old] + target.removeprefix(old)
             done[f"{old}* -> {NEW_NAMES[old]}*"] = None
-        if path.split(".")[0] in ("model", "data") and (params := _params(target)) is not None:
+        if path.split(".")[0] in ("model", "data") and (params := parameters(target)) is not None:
             done |= dict.fromkeys(_translate_keys(node, path, target, params))
     return list(done)
 
@@ -191,7 +191,7 @@ def _source(moved: Moved, current: dict, raw: dict, target: str) -> dict[str, An
     with the split sizes its class takes (a source already split had them unused)."""
     sizes = {new: value for new, value in moved.values() if new in SIZES}
     node = _flat_source(raw, target) if len(sizes) < len(moved) else dict(current)
-    takes = _params(node.get("_target_")) or {}
+    takes = parameters(node.get("_target_")) or {}
     return node | {k: v for k, v in sizes.items() if k in takes}
 
 
@@ -231,7 +231,7 @@ BUILD: dict[str, Callable[..., dict[str, Any]]] = {"model.optim": _optim, "data.
 def _ratio(node: DictConfig, hidden: Any, target: str) -> Any:
     """An MLP's old width as the ratio to the model's width that gives it back."""
     width = next((node[k] for k in ("d_model", "emb_dim", "n_embd", "dim") if k in node), None)
-    if width is None and "dim" in (params := _params(target, imported=True) or {}):
+    if width is None and "dim" in (params := parameters(target, static=False) or {}):
         width = params["dim"].default
     return mlp_ratio_for(hidden, width) if is_int(hidden) and is_int(width) else hidden
 
@@ -243,17 +243,3 @@ def mlp_ratio_for(hidden: int, dim: int) -> float:
     while int(ratio * dim) < hidden:
         ratio = math.nextafter(ratio, math.inf)
     return ratio
-
-
-def _params(target: Any, imported: bool = False) -> Mapping[str, Any] | None:
-    """``target``'s parameters, read from its source, else imported if it may be (a saved config
-    is input, not code); None where neither tells."""
-    if not isinstance(target, str):
-        return None
-    try:
-        found = None if imported else static_signature(target)
-        if found is None and is_allowed(target):
-            found = signature(target, "")
-        return unpacked(*found)[0].parameters if found else None
-    except Exception:  # not importable or no signature: left to whoever builds it
-        return None

@@ -1,6 +1,5 @@
 """Peak memory of a stretch of work: the GPU's allocations, or on a CPU the process's resident
-memory (Linux's /proc: VmHWM, the high-water mark, restarted from VmRSS). One set for the
-``training_cost`` callback and ``benchmarks/long_context.py``."""
+memory (Linux's /proc: VmHWM, the high-water mark, restarted from VmRSS)."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import torch
 
 
 def process_mb(field: str) -> float:
-    """A memory figure of this process from /proc/self/status (VmRSS: resident now; VmHWM: its
-    peak), in MB; NaN where there is no /proc."""
+    """A memory figure (VmRSS, VmHWM) of this process from /proc/self/status in MB; NaN without /proc."""
     try:
         for line in open("/proc/self/status").read().splitlines():
             if line.startswith(f"{field}:"):

@@ -1,5 +1,4 @@
-"""Which checkpoint a command means: a file, a sharded folder, or ``last`` (the newest run's), found
-before torch loads."""
+"""Which checkpoint a command means: a file, a sharded folder, or ``last`` (the newest run's), torch-free."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ SHARDED_METADATA = "meta.pt"
 
 
 def find_last(root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path:
-    """The most recently written ``last.ckpt`` under ``root`` matching ``pattern``; with
-    ``tasks`` (class names), of a run that trained one of them."""
+    """The newest ``last.ckpt`` under ``root`` matching ``pattern`` (of a run of one of ``tasks``)."""
     found = sorted(Path(root).glob(pattern), key=lambda p: p.stat().st_mtime)
     if not found:
         raise CheckpointError(f"ckpt_path=last: no checkpoint matches {Path(root) / pattern}")
@@ -31,8 +29,7 @@ def find_last(root: Path, pattern: str, tasks: tuple[str, ...] = ()) -> Path:
 
 
 def trained_task(ckpt: Path) -> str | None:
-    """The task class a checkpoint's run trained, from the config its run folder saved
-    (``<run>/config.yaml`` beside ``<run>/checkpoints/``); None where there is none to read."""
+    """The task class a checkpoint's run trained, from its run's ``config.yaml``; None if unreadable."""
     from omegaconf import OmegaConf
 
     config = ckpt.parent.parent / "config.yaml"

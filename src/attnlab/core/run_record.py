@@ -29,8 +29,7 @@ HASH_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "
 def run_record(
     cfg: DictConfig, overrides: list[str], world_size: int, machine: dict, ckpt_path: str | None
 ) -> dict[str, Any]:
-    """The record of a run about to train with ``cfg`` on ``world_size`` processes (from
-    ``ckpt_path``, the file ``ckpt_path=last`` meant)."""
+    """The record of a run about to train with ``cfg`` on ``world_size`` processes."""
     seeds: dict[str, Any] = {
         k: v for k, v in flat(OmegaConf.to_container(cfg, resolve=True)) if k.endswith("seed")
     }
@@ -57,8 +56,7 @@ def flat(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def code_state() -> dict[str, Any]:
-    """The git commit of attnlab's checkout, the sha256 of ``git diff HEAD`` (tracked files; null
-    when there is none) and of ``uv.lock`` (null without one)."""
+    """The git commit of attnlab's checkout, the sha256 of ``git diff HEAD`` and of ``uv.lock`` (or null)."""
     lock = ROOT / "uv.lock"
     return {"git": git_state(), "uv_lock_sha256": sha256_file(lock) if lock.is_file() else None}
 

@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from importlib.machinery import PathFinder
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 from hydra.utils import get_object
 
 from attnlab.core.errors import ConfigError, one_line
+from attnlab.core.targets import is_allowed
 
 # stands for a default value that is not None: only "is the default None" matters to the check
 NOT_NONE = object()
@@ -38,13 +39,10 @@ class Unseen:
             raise AttributeError(name)
         return self
 
-    def __getitem__(self, item: Any) -> Any:
-        return self
-
     def __or__(self, other: Any) -> Any:
         return self
 
-    __ror__ = __call__ = __or__  # (callable: typing takes it as a type argument)
+    __ror__ = __getitem__ = __call__ = __or__  # (callable: typing takes it as a type argument)
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
         from pydantic_core import core_schema
@@ -257,3 +255,19 @@ def signature(target: str, path: str) -> tuple[inspect.Signature, dict[str, Any]
         if p.annotation is not p.empty
     }
     return sig, hints
+
+
+def parameters(
+    target: Any, static: bool = True, trusted: bool = False
+) -> Mapping[str, inspect.Parameter] | None:
+    """``target``'s parameters: read from its source (``static``), else imported if it is ``trusted``
+    or allowed in a run folder's config (which is input, not code); None where neither tells."""
+    if not isinstance(target, str):
+        return None
+    try:
+        found = static_signature(target) if static else None
+        if found is None and (trusted or is_allowed(target)):
+            found = signature(target, "")
+        return unpacked(*found)[0].parameters if found else None
+    except Exception:  # not importable or no signature: left to whoever builds it
+        return None

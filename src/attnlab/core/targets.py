@@ -3,10 +3,10 @@ torch.nn/optim's, timm's, and the Lightning, Optuna and Hydra parts the recipes 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from attnlab.core.errors import ConfigError
@@ -36,68 +36,38 @@ ALLOWED_CALLABLES = frozenset(
 )
 
 
-def _bases(package: str) -> tuple[type, ...]:
-    """The classes a package's allowed classes must derive from."""
-    if package == "attnlab":  # its nets, tasks, data, callbacks and loggers
-        import lightning.pytorch as pl
-        from hydra.experimental.callback import Callback as HydraCallback
-        from lightning.pytorch.loggers import Logger
-        from torch import nn
-
-        return (nn.Module, pl.LightningDataModule, pl.Callback, Logger, HydraCallback)
-    if package in ("torch.nn", "timm"):
-        from torch import nn
-
-        return (nn.Module,)
-    if package == "torch.optim":
-        import torch
-
-        return (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
-    if package == "lightning.pytorch":
-        import lightning.pytorch as pl
-        from lightning.pytorch.loggers import Logger
-        from lightning.pytorch.strategies import Strategy
-
-        return (pl.Trainer, pl.Callback, Logger, Strategy)
-    if package in ("hydra", "hydra_plugins"):  # a sweep's launcher and sweeper
-        from hydra.experimental.callback import Callback as HydraCallback
-        from hydra.plugins.launcher import Launcher
-        from hydra.plugins.sweeper import Sweeper
-
-        return (Launcher, Sweeper, HydraCallback)
-    import optuna  # "optuna"
-
-    return (optuna.samplers.BaseSampler, optuna.pruners.BasePruner)
-
-
-PACKAGES = (
-    "attnlab",
-    "torch.nn",
-    "torch.optim",
-    "timm",
-    "lightning.pytorch",
-    "optuna",
-    "hydra",
-    "hydra_plugins",
-)
+# each package whose classes a run folder may build, and the classes they must derive from
+BASES = {
+    "attnlab": (  # its nets, tasks, data, callbacks and loggers
+        "torch.nn.Module",
+        "lightning.pytorch.LightningDataModule",
+        "lightning.pytorch.Callback",
+        "lightning.pytorch.loggers.Logger",
+        "hydra.experimental.callback.Callback",
+    ),
+    "torch.nn": ("torch.nn.Module",),
+    "torch.optim": ("torch.optim.Optimizer", "torch.optim.lr_scheduler.LRScheduler"),
+    "timm": ("torch.nn.Module",),
+    "lightning.pytorch": (
+        "lightning.pytorch.Trainer",
+        "lightning.pytorch.Callback",
+        "lightning.pytorch.loggers.Logger",
+        "lightning.pytorch.strategies.Strategy",
+    ),
+    "optuna": ("optuna.samplers.BaseSampler", "optuna.pruners.BasePruner"),
+    **dict.fromkeys(  # a sweep's launcher and sweeper
+        ("hydra", "hydra_plugins"),
+        (
+            "hydra.plugins.launcher.Launcher",
+            "hydra.plugins.sweeper.Sweeper",
+            "hydra.experimental.callback.Callback",
+        ),
+    ),
+}
 
 
 def _package(name: str) -> str | None:
-    return next((p for p in PACKAGES if name == p or name.startswith(p + ".")), None)
-
-
-def _locate(target: str) -> Any:
-    """``target`` imported as Hydra would: the longest importable module prefix, then attributes."""
-    parts = target.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(target)
+    return next((p for p in BASES if name == p or name.startswith(p + ".")), None)
 
 
 def is_allowed(target: str) -> bool:
@@ -107,14 +77,16 @@ def is_allowed(target: str) -> bool:
     if package is None:
         return False
     try:
-        obj = _locate(target)
+        obj = get_object(target)
     except Exception:  # not importable: a missing _target_ is the constructor's error to report
         return True
     name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
     if name in ALLOWED_CALLABLES:
         return True
     home = _package(getattr(obj, "__module__", None) or "")
-    return isinstance(obj, type) and home == package and issubclass(obj, _bases(package))
+    return (
+        isinstance(obj, type) and home == package and issubclass(obj, tuple(map(get_object, BASES[package])))
+    )
 
 
 def targets(node: Any, key: str) -> Iterator[tuple[str, Any]]:

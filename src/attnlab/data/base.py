@@ -1,5 +1,5 @@
-"""What every attnlab DataModule declares beyond Lightning's hooks, so train, eval and every
-inference CLI handle text, images and image-text pairs the same way."""
+"""What every attnlab DataModule declares beyond Lightning's hooks, so train, eval and inference
+handle every modality the same way."""
 
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ def log_splits(where: str, sizes: Iterable[int], what: str) -> None:
 class DataModule(L.LightningDataModule):
     """A LightningDataModule that describes and rebuilds its data side: ``model_kwargs()`` fills
     ``model.net``'s ``???`` (nested for models of parts: ``{"text": {"vocab_size": 8000}}``);
-    ``artifacts()`` (JSON-able: tokenizer, classes, image size, normalisation) travel in every
-    checkpoint and ``load_artifacts`` uses them instead of fitting anew. The training batches
-    consumed travel too (``state_dict``), so a resumed run's loader continues where it stopped.
-    """
+    ``artifacts()`` (JSON-able: tokenizer, classes, normalisation) travel in every checkpoint and
+    ``load_artifacts`` uses them instead of fitting anew; so do the training batches consumed
+    (``state_dict``), so a resumed run's loader continues where it stopped."""
 
     train_batches_consumed = 0
 
@@ -51,16 +50,9 @@ class DataModule(L.LightningDataModule):
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         pass
 
-    def train_sampler(self, n: int, batch_size: int, seed: int) -> ResumableSampler:
-        """The training order of ``n`` examples on this process, after the batches consumed."""
-        rank, world = self.rank_world()
-        sampler = ResumableSampler(n, seed, world, rank)
-        sampler.resume(self.train_batches_consumed, batch_size)
-        return sampler
-
     def eval_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
         """This process's batches of an evaluation split, in order: every example scored once in
-        all, every process as many steps (a split smaller than the processes is refused)."""
+        all, every process as many steps."""
         rank, world = self.rank_world()
         if len(lengths) < world:
             raise DataError(
@@ -85,9 +77,8 @@ class DataModule(L.LightningDataModule):
     def loader(
         self, dataset: Dataset, sampler: Any = None, workers: int | None = None, seed: int | None = None
     ) -> DataLoader:
-        """The batches ``dataset`` (or ``sampler``) makes, in ``workers`` (None: ``self.num_workers``)
-        seeded by the loader's own generator (``seed``, None: ``self.seed``): starting them draws
-        nothing from the global one, which a resumed run restores and evaluation must leave alone."""
+        """The batches ``dataset`` (or ``sampler``) makes, in workers seeded by the loader's own
+        generator: starting them draws nothing from the global one, which a resumed run restores."""
         workers = self.num_workers if workers is None else workers
         generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
         return DataLoader(
@@ -100,8 +91,8 @@ class DataModule(L.LightningDataModule):
         )
 
     def token_sampler(self, lengths: list[int], max_tokens: int, split: str) -> TokenBatchSampler:
-        """Token-budget batches of a split: training's shuffled every epoch (resumed after the
-        batches consumed), an evaluation split's as ``eval_sampler`` shares them out."""
+        """Token-budget batches of a split: training's shuffled every epoch (resumed), an evaluation
+        split's as ``eval_sampler`` shares them out."""
         if split != "train":
             return self.eval_sampler(lengths, max_tokens, split)
         rank, world = self.rank_world()
@@ -125,7 +116,7 @@ class DataModule(L.LightningDataModule):
         )
 
     def rank_world(self) -> tuple[int, int]:
-        """This process's rank and the number of processes (the trainer's, else torch.distributed's)."""
+        """This process's rank and the number of processes."""
         if self.trainer is not None:
             return self.trainer.global_rank, self.trainer.world_size
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -134,8 +125,7 @@ class DataModule(L.LightningDataModule):
 
 
 class SplitsDataModule(DataModule):
-    """A DataModule whose splits are map-style datasets in ``splits``, batched by ``collate_of(split)``
-    (``collate``; ``batch_size``, ``num_workers`` and ``seed`` its own)."""
+    """A DataModule whose splits are map-style datasets in ``splits``, batched by ``collate_of(split)``."""
 
     splits: dict[str, Dataset]
     batch_size: int
@@ -148,9 +138,11 @@ class SplitsDataModule(DataModule):
         return self.collate
 
     def train_dataloader(self) -> DataLoader:
-        """Training batches in ``train_sampler``'s order, the last partial one dropped; the loader's
-        own generator seeds its workers (starting one draws nothing from the global generator)."""
-        sampler = self.train_sampler(len(self.splits["train"]), self.batch_size, self.seed)
+        """Training batches in this process's order, after the batches consumed, the last partial
+        one dropped."""
+        rank, world = self.rank_world()
+        sampler = ResumableSampler(len(self.splits["train"]), self.seed, world, rank)
+        sampler.resume(self.train_batches_consumed, self.batch_size)
         return DataLoader(
             self.splits["train"],
             batch_size=self.batch_size,

@@ -25,8 +25,7 @@ class TokenBatchSampler(DistributedSampler):
     (with noise when shuffling), cut, shuffled; rank ``r`` takes batches ``r, r + num_replicas, ...``.
     Training pads the list by repeating its first batches; evaluation halves its largest batches
     instead, repeating (``RepeatedBatch``, skipped by the task) only where it cannot. A
-    ``DistributedSampler`` so Lightning leaves it alone and calls ``set_epoch``; use it with
-    ``DataLoader(Batches(...), sampler=sampler, batch_size=None)``."""
+    ``DistributedSampler`` so Lightning leaves it alone and calls ``set_epoch``."""
 
     def __init__(
         self,
@@ -44,47 +43,32 @@ class TokenBatchSampler(DistributedSampler):
         self._cache: tuple[int, list[list[int]]] | None = None
         self._start: dict[int, int] = {}  # epoch -> its batches already seen (a resumed run)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def global_batches(self) -> list[list[int]]:
-        """The batches of all processes for this epoch, before padding."""
+    def global_batches(self) -> list[list[int]] | list[np.ndarray]:
+        """The batches of all processes for this epoch, before padding (for lengths in a numpy
+        array, millions of pairs read from shards: each batch a view of one index array)."""
+        n = len(self.lengths)
         if isinstance(self.lengths, np.ndarray):
-            return self._global_batches_of_array()
-        rng = random.Random(self.seed + self.epoch)
-        noise = [rng.random() if self.shuffle else 0.0 for _ in self.lengths]
-        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i] + noise[i], i))
-        batches, batch, longest = [], [], 0
-        for i in order:
-            longest_if_added = max(longest, self.lengths[i])
-            if batch and longest_if_added * (len(batch) + 1) > self.max_tokens:
-                batches.append(batch)
-                batch, longest_if_added = [], self.lengths[i]
-            batch.append(i)
-            longest = longest_if_added
-        if batch:
-            batches.append(batch)
-        if self.shuffle:
-            rng.shuffle(batches)
-        return batches
-
-    def _global_batches_of_array(self) -> list[np.ndarray]:
-        """``global_batches`` for lengths in a numpy array (millions of pairs read from shards):
-        the same rule, with no Python object per pair; each batch a view of one index array."""
-        rng = np.random.default_rng(self.seed + self.epoch)
-        lengths = self.lengths.astype(np.int64)
-        noise = rng.random(len(lengths)) if self.shuffle else np.zeros(len(lengths))
-        order = np.lexsort((np.arange(len(lengths)), lengths + noise))
-        longest = lengths[order]  # non-decreasing: a batch's longest pair is its last
-        cuts, start, n = [], 0, len(order)
-        while start < n:  # the first position whose pair would break the budget
+            rng = np.random.default_rng(self.seed + self.epoch)
+            noise = rng.random(n) if self.shuffle else np.zeros(n)
+        else:
+            rng = random.Random(self.seed + self.epoch)
+            noise = np.array([rng.random() if self.shuffle else 0.0 for _ in self.lengths])
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        order = np.lexsort((np.arange(n), lengths + noise))
+        longest = lengths[order]  # non-decreasing: a batch's longest example is its last
+        cuts, start = [], 0
+        while start < n:  # the first position whose example would break the budget
             end = bisect.bisect_right(
                 range(start, n), self.max_tokens, key=lambda q: longest[q] * (q - start + 1)
             )
             start = start + max(end, 1)
             cuts.append(start)
-        batches = np.split(order, cuts[:-1])
-        if self.shuffle:
+        batches = np.split(order, cuts[:-1]) if n else []
+        if isinstance(rng, random.Random):
+            batches = [b.tolist() for b in batches]
+            if self.shuffle:
+                rng.shuffle(batches)
+        elif self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 

@@ -1,16 +1,14 @@
-"""Shards read from object storage: an ``s3://``, ``gs://`` or ``https://`` folder read through fsspec
-as a local one is read from disk (``RemotePath`` has what the readers use of ``Path``; ranged reads
-here). Credentials come from each library's environment (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
-``GOOGLE_APPLICATION_CREDENTIALS``, ``FSSPEC_S3_ANON=true``, ...). A filesystem object is made in
-the process that uses it: fsspec's async filesystems refuse to cross a fork (the loader's workers)."""
+"""Shards read from an ``s3://``, ``gs://`` or ``https://`` folder through fsspec, as a local folder
+is read from disk. Credentials come from each library's environment (``AWS_ENDPOINT_URL``,
+``GOOGLE_APPLICATION_CREDENTIALS``, ``FSSPEC_S3_ANON=true``, ...)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,14 +24,15 @@ SCHEMES = {
     "http": ("aiohttp", "http"),
     "https": ("aiohttp", "https"),
 }
+SERVER = "the URL, and that the server is up and lets it be read"
 HINTS = {
     "s3": (
         "the endpoint (AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
         "or AWS_PROFILE)"
     ),
     "gs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS)",
-    "http": "the URL, and that the server is up and lets it be read",
-    "https": "the URL, and that the server is up and lets it be read",
+    "http": SERVER,
+    "https": SERVER,
 }
 # a streamed object is read ahead in blocks this large: a tar's headers come 512 bytes at a time,
 # each would otherwise be a request of its own
@@ -70,30 +69,18 @@ def location(folder: str | os.PathLike | RemotePath, key: str | None = None) -> 
     return RemotePath(folder)
 
 
+@dataclass(frozen=True, order=True)
 class RemotePath:
-    """A file or folder at a URL, with what the shard readers use of ``Path``."""
+    """A file or folder at a URL, with what the shard readers use of ``Path``. Its filesystem is
+    made in the process that uses it: fsspec's async filesystems refuse to cross a fork."""
 
-    __slots__ = ("url", "protocol")
+    url: str
 
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self.protocol = SCHEMES[URL.match(url).group(1).lower()][1]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.url.rstrip("/"))
 
-    # -- naming ---------------------------------------------------------------------------------
     def __str__(self) -> str:
         return self.url
-
-    def __repr__(self) -> str:
-        return f"RemotePath({self.url!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RemotePath) and other.url == self.url
-
-    def __hash__(self) -> int:
-        return hash(self.url)
-
-    def __lt__(self, other: RemotePath) -> bool:
-        return self.url < other.url
 
     def __truediv__(self, name: str) -> RemotePath:
         return RemotePath(f"{self.url}/{name}")
@@ -102,13 +89,16 @@ class RemotePath:
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
 
+    @property
+    def protocol(self) -> str:
+        return SCHEMES[URL.match(self.url).group(1).lower()][1]
+
     def inside(self, name: Any) -> bool:
         """``name`` is a plain relative name under this URL (no scheme, absolute path, ``..``, query)."""
         if not isinstance(name, str) or not name or is_url(name) or UNSAFE.search(name):
             return False
         return not name.startswith(("/", "~")) and all(p not in ("", ".", "..") for p in name.split("/"))
 
-    # -- reading --------------------------------------------------------------------------------
     def fs(self):
         import fsspec
 
@@ -145,23 +135,11 @@ class RemotePath:
             raise DataError(f"{self}: the server gives no size for it; serve it with its Content-Length")
         return int(info["size"])
 
-    def is_file(self) -> bool:
-        return self.size() is not None
-
-    def stat(self) -> SimpleNamespace:
-        size = self.size()
-        if size is None:
-            raise DataError(f"{self}: no such object")
-        return SimpleNamespace(st_size=size)
-
     def read_bytes(self) -> bytes:
         return self._io(self.fs().cat_file, self.url)
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
-
-    def read_range(self, start: int, n: int) -> bytes:
-        return self._io(self.fs().cat_file, self.url, start=start, end=start + n)
 
     def open(self, mode: str = "rb") -> Stream:
         """The object as a stream read ahead in ``STREAM_BLOCK`` pieces."""
@@ -180,11 +158,12 @@ class RemotePath:
                 pass
 
 
+@dataclass
 class Stream:
     """An open remote object: ``read`` raises one ``DataError`` naming the URL."""
 
-    def __init__(self, path: RemotePath, f: Any) -> None:
-        self.path, self.f = path, f
+    path: RemotePath
+    f: Any
 
     def read(self, n: int = -1) -> bytes:
         return self.path._io(self.f.read, n)
@@ -204,25 +183,16 @@ class Stream:
 
 def no_bucket(e: BaseException | None) -> bool:
     """``e`` says the bucket does not exist (s3fs raises it as one of several types)."""
-    if e is None:
-        return False
     text = f"{type(e).__name__} {e}".lower()
     return "nosuchbucket" in text or "bucket does not exist" in text
 
 
 def first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
+    return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
 def unreadable(path: RemotePath, e: BaseException) -> str:
-    return (
-        f"{path}: cannot be read ({type(e).__name__}: {first_line(e)}); check "
-        f"{HINTS.get(path.protocol, 'the URL')}"
-    )
-
-
-# ---- what a local file does with numpy or a seek ------------------------------------------------
+    return f"{path}: cannot be read ({type(e).__name__}: {first_line(e)}); check {HINTS[path.protocol]}"
 
 
 def file_size(path: Path | RemotePath) -> int | None:
@@ -233,27 +203,24 @@ def file_size(path: Path | RemotePath) -> int | None:
 
 
 def read_array(path: Path | RemotePath, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
-    """``count`` items of ``dtype`` from byte ``offset``: ``numpy.fromfile``, or one ranged request."""
-    if isinstance(path, RemotePath):
-        return np.frombuffer(path.read_range(offset, count * dtype.itemsize), dtype=dtype)
-    return np.fromfile(path, dtype=dtype, count=count, offset=offset)
+    """``count`` items of ``dtype`` from byte ``offset``."""
+    return read_arrays([(path, offset, count)], dtype)[0]
 
 
 def read_arrays(windows: list[tuple[Path | RemotePath, int, int]], dtype: np.dtype) -> list[np.ndarray]:
-    """For each ``(file, offset, count)``, ``count`` items of ``dtype`` from byte ``offset``; remote
-    ones in one concurrent batch of ranged requests."""
-    if not windows or not isinstance(windows[0][0], RemotePath):  # the files of one folder
-        return [read_array(path, dtype, count, offset) for path, offset, count in windows]
-    ranges = [(path, offset, count * dtype.itemsize) for path, offset, count in windows]
-    return [np.frombuffer(d, dtype=dtype) for d in cat_ranges(ranges)]
+    """For each ``(file, offset, count)``, ``count`` items of ``dtype`` from byte ``offset``:
+    ``numpy.fromfile``, or one concurrent batch of ranged requests (the files of one folder)."""
+    if windows and isinstance(windows[0][0], RemotePath):
+        data = cat_ranges([(path, offset, count * dtype.itemsize) for path, offset, count in windows])
+        return [np.frombuffer(d, dtype=dtype) for d in data]
+    return [np.fromfile(path, dtype=dtype, count=count, offset=offset) for path, offset, count in windows]
 
 
 def cat_ranges(ranges: list[tuple[RemotePath, int, int]]) -> list[bytes]:
     """The bytes at each ``(url, offset, size)``, in one concurrent batch of ranged requests."""
     first = ranges[0][0]
-    urls, starts = [str(p) for p, _, _ in ranges], [o for _, o, _ in ranges]
-    ends = [o + n for _, o, n in ranges]
-    return first._io(first.fs().cat_ranges, urls, starts, ends, on_error="raise")
+    urls, starts, ends = zip(*((str(p), o, o + n) for p, o, n in ranges), strict=True)
+    return first._io(first.fs().cat_ranges, list(urls), list(starts), list(ends), on_error="raise")
 
 
 def read_ranges(path: Path | RemotePath, ranges: list[tuple[int, int]]) -> list[bytes]:

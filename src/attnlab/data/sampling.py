@@ -1,5 +1,5 @@
-"""The training order of map-style datasets, resumable part-way through an epoch, and the seeds
-of the random draws made per example (augmentation), so a resumed run replays them too."""
+"""The training order of map-style datasets, resumable part-way through an epoch, and the seeds of
+each example's random draws (augmentation), so a resumed run replays them too."""
 
 from __future__ import annotations
 
@@ -77,8 +77,7 @@ class BatchStream(IterableDataset):
 
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler``'s permutation per ``(seed, epoch)`` as ``(epoch, index)`` keys (the
-    examples' draws are seeded by them), able to start part-way through an epoch: ``resume`` with a
-    checkpoint's batches consumed. A ``DistributedSampler`` so Lightning leaves it alone."""
+    examples' draws are seeded by them), able to start part-way through an epoch (``resume``)."""
 
     def __init__(self, n: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
         super().__init__(

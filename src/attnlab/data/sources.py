@@ -1,5 +1,5 @@
-"""Where a DataModule's examples come from (``data.source``): a built-in set, files, a folder or
-shards. A split size is a field of a source the DataModule carves; a source already split has none."""
+"""Where a DataModule's examples come from (``data.source``). A split size is a field of a source
+the DataModule carves; a source already split has none."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Builtin(Source):
                 raise ConfigError(f"data.source.{split}_size: {name} ships its {split} split: leave it null")
 
     def one_of(self, names: Iterable[str]) -> Builtin:
-        """This set, refused in one line unless it is one of ``names``."""
+        """This set, refused in one line unless one of ``names``."""
         if self.name not in names:
             expected = ", ".join(map(repr, names))
             raise ConfigError(f"data.source.name must be one of {expected}, got {self.name!r}")
@@ -150,7 +150,7 @@ class CaptionShards(StreamedShards):
         self,
         path: str,
         on_bad_record: BadRecord = "error",
-        shuffle_batches: int = 16,  # what image-caption shards were always streamed with
+        shuffle_batches: int = 16,
         fit_captions: int = 100_000,
     ) -> None:
         super().__init__(path, on_bad_record, shuffle_batches)

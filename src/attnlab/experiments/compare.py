@@ -33,39 +33,13 @@ from attnlab.experiments.study import (
 )
 
 # config keys that say where or how a run was logged, not what was trained
-IGNORED_PREFIXES = (
-    "paths.",
-    "hydra.",
-    "logger.",
-    "extras.",
-    "callbacks.",
-    "sweep_trial.",
-    "sweep.dir",
-    "sweep.executor.",
-    "sweep.resources.",
-)
-IGNORED_KEYS = {
-    "ckpt_path",
-    "sweep.n_jobs",
-    "sweep.devices_per_trial",
-    "sweep.storage",
-    "sweep.study_name",
-    "sweep.heartbeat_interval",
-    "sweep.grace_period",
-    "sweep.workers",
-    "tags",
-    "train",
-    "test",
-    "trainer.devices",
-    "trainer.accelerator",
-    "data.data_dir",
-    "data.cache_dir",
-    "data.source.data_dir",
-    "data.source.cache_dir",
-    "model.plot_dir",
-    "trainer.default_root_dir",
-    "model.net.plot_dir",
-}
+IGNORED_PREFIXES = ("paths.", "hydra.", "logger.", "extras.", "callbacks.", "sweep_trial.", "sweep.dir")
+IGNORED_PREFIXES += ("sweep.executor.", "sweep.resources.")
+IGNORED_KEYS = {"ckpt_path", "tags", "train", "test", "trainer.devices", "trainer.accelerator"}
+IGNORED_KEYS |= {"sweep.n_jobs", "sweep.devices_per_trial", "sweep.storage", "sweep.study_name"}
+IGNORED_KEYS |= {"sweep.heartbeat_interval", "sweep.grace_period", "sweep.workers"}
+IGNORED_KEYS |= {"data.data_dir", "data.cache_dir", "data.source.data_dir", "data.source.cache_dir"}
+IGNORED_KEYS |= {"model.plot_dir", "model.net.plot_dir", "trainer.default_root_dir"}
 SEED = "seed"
 HOST = "host"  # the machine a sweep trial ran on: a column wherever trials are listed
 # where `wandb leet inspect` cannot read an offline W&B run (an older wandb, a damaged file)
@@ -156,19 +130,18 @@ def load_run(run_dir: Path) -> Run:
 
 
 def read_config(file: Path, run_dir: Path, resolve: bool = True, notify: bool = True) -> dict[str, Any]:
-    """A run's saved config as a dict, a run saved before the redesign read with today's names
-    (one notice line, ``notify``)."""
+    """A run's saved config as a dict, in today's names (an old run: one notice line, ``notify``)."""
     from attnlab.core.legacy import read_saved
 
     config = OmegaConf.load(file)
     if not isinstance(config, DictConfig):
         raise DataError(f"{file}: not a config (a YAML mapping)")
-    if not notify:
-        logging.getLogger("attnlab.core.legacy").disabled = True
+    legacy = logging.getLogger("attnlab.core.legacy")
+    legacy.disabled = not notify
     try:
         config = read_saved(config, str(run_dir))
     finally:
-        logging.getLogger("attnlab.core.legacy").disabled = False
+        legacy.disabled = False
     return OmegaConf.to_container(config, resolve=resolve)
 
 
@@ -187,8 +160,7 @@ def derived_keys(run_dir: Path) -> set[str]:
 
 
 def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of an offline W&B run's ``.wandb`` log (``wandb leet inspect --json``: one
-    JSON object a line)."""
+    """The records of an offline W&B run's ``.wandb`` log (``wandb leet inspect --json``)."""
     beside = Path(sys.executable).with_name("wandb")  # the wandb of this environment first
     cli = str(beside) if beside.is_file() else shutil.which("wandb")
     if cli is None:
@@ -218,12 +190,8 @@ def load_wandb_run(run_dir: Path) -> Run:
             row = flatten(record["history"].get("item", {}), sep="/")
             step = int(row.get("trainer/global_step", row.get("_step", 0)))
             for k, v in row.items():
-                if (
-                    not k.startswith("_")
-                    and k not in ("epoch", "trainer/global_step")
-                    and isinstance(v, int | float)
-                    and not isinstance(v, bool)
-                ):
+                skipped = k.startswith("_") or k in ("epoch", "trainer/global_step")
+                if not skipped and type(v) in (int, float):  # JSON's numbers; not bool
                     curves.setdefault(k, []).append((step, float(v)))
     for key in ("machine", "_wandb"):
         config.pop(key, None)
@@ -310,11 +278,9 @@ def trial_columns(t: Any, again: set[int], host: str | None = None) -> dict[str,
     """A trial's columns: its number, how it ended (complete, pruned, fail, running, or interrupted:
     its sweep stopped, or its driver died, failed as stale with a ``host`` and no error, or run
     ``again``) and the machine it ran on (else ``host``)."""
-    state = t.state.name.lower()
-    if t.user_attrs.get("interrupted") or t.number in again:
-        state = "interrupted"
-    if t.state.name == "FAIL" and HOST in t.user_attrs and "error" not in t.user_attrs:
-        state = "interrupted"
+    stale = t.state.name == "FAIL" and HOST in t.user_attrs and "error" not in t.user_attrs
+    interrupted = stale or t.user_attrs.get("interrupted") or t.number in again
+    state = "interrupted" if interrupted else t.state.name.lower()
     host = t.user_attrs.get(HOST, host)
     return {"trial": t.number, "state": state} | ({HOST: host} if host else {})
 
@@ -404,7 +370,7 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 def default_metrics(runs: list[Run]) -> list[str]:
     """The test metrics (``eval/test/...`` too), else the validation ones, but bests and per-class."""
-    names = sorted({m for r in runs for m in r.curves})
+    names = logged_metrics(runs)
     test = [m for m in names if m.startswith(("test/", "eval/test/")) and "/acc_class/" not in m]
     return test or [m for m in names if m.startswith("val/") and not m.endswith("_best")]
 
@@ -435,14 +401,6 @@ def rows(runs: list[Run], metrics: list[str], group_seeds: bool = True, best: bo
             if v is not None:
                 row.values.setdefault(m, []).append(v)
     return list(out.values())
-
-
-def format_value(vals: list[float]) -> str:
-    if not vals:
-        return "-"
-    if len(vals) == 1:
-        return f"{vals[0]:.4g}"
-    return f"{statistics.fmean(vals):.4g} ± {statistics.stdev(vals):.2g}"
 
 
 def short(value: Any, width: int = 32) -> str:
@@ -495,12 +453,8 @@ def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: b
     ``*`` in ``metric`` stands for (``eval/test/ppl_x*``); a line per setting, log2 x axis."""
     from attnlab.training.plots import curves_figure
 
-    if x == "*":
-        pattern = re.compile(re.escape(metric).replace(r"\*", r"([0-9.]+)") + "$")
-        varying = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
-    else:
-        pattern = None
-        varying = [k for k in varying_keys(runs) if k != x and not (group_seeds and k == SEED)]
+    pattern = re.compile(re.escape(metric).replace(r"\*", r"([0-9.]+)") + "$") if x == "*" else None
+    varying = [k for k in varying_keys(runs) if k != x and not (group_seeds and k == SEED)]
     groups: dict[str, dict[str, dict[float, float]]] = {}
     for run in runs:
         points: dict[float, float] = {}
@@ -512,10 +466,8 @@ def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: b
             points[float(run.config[x])] = run.final(metric)
         if points:
             # runs of one setting that differ by seed average; runs at different x join one line
-            per_seed = groups.setdefault(_label(run, varying), {})
-            per_seed.setdefault(repr(run.config.get(SEED)) if group_seeds else str(run.path), {}).update(
-                points
-            )
+            seed = repr(run.config.get(SEED)) if group_seeds else str(run.path)
+            groups.setdefault(_label(run, varying), {}).setdefault(seed, {}).update(points)
     if not groups:
         what = f"a metric named like {metric}" if x == "*" else f"{metric} with a number at {x}"
         raise DataError(f"--plot {metric} --x {x}: no run logged {what}")
@@ -532,7 +484,7 @@ class Stats:
     """What ``comparison`` adds to each row's mean ± std: ``attnlab-compare``'s flags."""
 
     baseline: str | None = None  # a row's label as printed ("model.net.positions=learned"), or "2"
-    ci: str = "t"  # Student's t, or "bootstrap"
+    ci: str | None = "t"  # Student's t, "bootstrap", or None: no intervals
     level: float = 0.95
     test: str = "welch"  # Welch's t-test, or "mwu" (Mann-Whitney U)
     alpha: float = 0.05
@@ -603,8 +555,7 @@ def versus(values: list[float], base: list[float], stats: Stats) -> dict[str, An
 
 
 def paired_bleu(hyps: list[str], base_hyps: list[str], refs: list[str]) -> float:
-    """sacreBLEU's paired bootstrap p-value of ``hyps`` against the baseline's (its 1000
-    resamples and fixed seed)."""
+    """sacreBLEU's paired bootstrap p-value of ``hyps`` against the baseline's."""
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 
@@ -648,7 +599,7 @@ def cell(row: Row, base: Row | None, metric: str, stats: Stats) -> dict[str, Any
     out: dict[str, Any] = dict.fromkeys(("p", "diff", "diff_ci", "seeds_needed", "mark", "bleu_p"))
     out |= {"n": len(values), "values": values, "mean": statistics.fmean(values) if values else None}
     out |= {"std": statistics.stdev(values) if len(values) > 1 else None}
-    out["ci"] = confidence_interval(values, stats.level, stats.ci)
+    out["ci"] = confidence_interval(values, stats.level, stats.ci) if stats.ci else None
     if base is None or base is row:
         return out
     out |= versus(values, base.values.get(metric, []), stats)
@@ -674,8 +625,7 @@ def plain(value: Any) -> Any:
 
 
 def comparison(table_rows: list[Row], metrics: list[str], stats: Stats | None = None) -> dict[str, Any]:
-    """The table of ``attnlab-compare --format json``: every row's statistics per metric (and the
-    baseline's name); JSON-ready."""
+    """The table of ``attnlab-compare --format json``: every row's statistics per metric."""
     stats = stats or Stats()
     base = baseline_row(table_rows, stats.baseline) if stats.baseline else None
     with warnings.catch_warnings():  # seeds with equal values: scipy warns, the interval is null
@@ -694,9 +644,15 @@ def comparison(table_rows: list[Row], metrics: list[str], stats: Stats | None = 
     return plain(head | {"baseline": row_label(base) if base else None} | settings | {"rows": out_rows})
 
 
-def expand_metrics(names: list[str], logged: list[str]) -> list[str]:
-    """Metric names as given: a logged name, a glob (``attn/entropy/*``), or a prefix standing for
-    the names under it (``attn/entropy`` where only ``attn/entropy/<layer>...`` were logged)."""
+def logged_metrics(runs: list[Run]) -> list[str]:
+    return sorted({m for r in runs for m in r.curves})
+
+
+def choose_metrics(runs: list[Run], names: list[str] | None, study_metrics: list[str]) -> list[str]:
+    """``names`` as given: a logged name, a glob (``attn/entropy/*``), or a prefix standing for the
+    names under it; by default the test metrics and what the studies optimised."""
+    logged = logged_metrics(runs)
+    names = names or default_metrics(runs) + [m for m in study_metrics if m in logged]
     out: list[str] = []
     for name in names:
         found = [name] if name in logged else fnmatch.filter(logged, name)

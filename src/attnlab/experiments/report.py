@@ -23,11 +23,11 @@ from attnlab.experiments.compare import (
     Run,
     Stats,
     baseline_row,
+    choose_metrics,
     comparison,
-    default_metrics,
-    expand_metrics,
     find_sources,
     is_hyperparameter,
+    logged_metrics,
     plot_against,
     plot_curves,
     row_label,
@@ -48,10 +48,7 @@ pre{margin:0;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}figcapti
 def build_report(sources: list[str], metrics: list[str] | None = None, baseline: str | None = None) -> str:
     """The page for the runs under ``sources`` (run or sweep folders, study URLs)."""
     runs, study_metrics = find_sources(sources)
-    logged = sorted({m for r in runs for m in r.curves})
-    if not metrics:  # as attnlab-compare chooses them
-        metrics = default_metrics(runs) + [m for m in study_metrics if m in logged]
-    metrics = expand_metrics(metrics, logged)
+    metrics = choose_metrics(runs, metrics, study_metrics)
     table_rows = rows(runs, metrics)
     table = comparison(table_rows, metrics, Stats(baseline))
     base = baseline_row(table_rows, baseline) if baseline else table_rows[0]
@@ -185,25 +182,21 @@ def natural(name: str) -> list[Any]:
 
 
 def attention_maps(table_rows: list[Row]) -> str:
-    """The attention maps (PNGs of the task's plot folder) each group's first run saved last, the
-    groups side by side."""
+    """The attention maps each group's first run saved last, the groups side by side."""
     groups = []
     for row in table_rows:
         run = row.runs[0]
         files = sorted(f for d in MAP_DIRS for f in (run.path / d).glob("*.png"))
         last = files[-1].name.split("_")[0] if files else None  # step000120[_sentence0_...].png
         shown = "".join(img(f.read_bytes(), f.name) for f in files if f.name.split("_")[0] == last)
-        groups += (
-            [f"<div><h3>{html.escape(row_label(row) or run.path.name)}</h3>{shown}</div>"] if shown else []
-        )
+        if shown:
+            groups.append(f"<div><h3>{html.escape(row_label(row) or run.path.name)}</h3>{shown}</div>")
     return f'<div class="row">{"".join(groups)}</div>' if groups else ""
 
 
 def cost(runs: list[Run]) -> str:
     """Cost per token (``TrainingCost``'s ``cost/*_ms_per_token``) against the length, where logged."""
-    names = sorted(
-        {m for r in runs for m in r.curves if m.startswith("cost/") and m.endswith("_ms_per_token")}
-    )
+    names = [m for m in logged_metrics(runs) if m.startswith("cost/") and m.endswith("_ms_per_token")]
     figures = []
     for name in names:
         try:
@@ -231,9 +224,8 @@ def run_row(run: Run, ref: dict[str, Any]) -> str:
     record = read_yaml(run.path / "run.yaml")
     command = record.get("command") or ["attnlab-train", *read_yaml(run.path / ".hydra" / "overrides.yaml")]
     git = record.get("git") or {}
-    commit = str(git.get("commit") or "not recorded") + (
-        " + uncommitted changes" if git.get("diff_sha256") else ""
-    )
+    dirty = " + uncommitted changes" if git.get("diff_sha256") else ""
+    commit = f"{git.get('commit') or 'not recorded'}{dirty}"
     machine = yaml.safe_dump(record.get("machine") or read_yaml(run.path / "machine.yaml"), sort_keys=False)
     cells = [
         pre(str(run.path)),

@@ -42,18 +42,14 @@ def normalize_url(url: str, key: str | None = "sweep.storage") -> str:
     where SQLAlchemy's default, psycopg 3, is not there)."""
     url = str(url)
     said = f"{key}={shown(url)}" if key else shown(url)  # how messages name it
-    if url.startswith("journal:"):
-        path = Path(url.removeprefix("journal:")).expanduser()
-        if not path.name:
-            raise ConfigError(f"{said}: expected journal:<file>")
-        if not path.parent.resolve().is_dir():
-            raise ConfigError(f"{said}: no folder {path.parent} for the journal file")
-        return f"journal:{path.resolve()}"
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).expanduser()
-        if not path.parent.resolve().is_dir():
-            raise ConfigError(f"{said}: no folder {path.parent} for the SQLite file")
-        return f"sqlite:///{path.resolve()}"
+    for prefix, what in (("journal:", "journal"), ("sqlite:///", "SQLite")):
+        if url.startswith(prefix):
+            path = Path(url.removeprefix(prefix)).expanduser()
+            if not path.name:
+                raise ConfigError(f"{said}: expected {prefix}<file>")
+            if not path.parent.resolve().is_dir():
+                raise ConfigError(f"{said}: no folder {path.parent} for the {what} file")
+            return f"{prefix}{path.resolve()}"
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme == "postgresql":
         try:
@@ -99,11 +95,7 @@ def open_storage(
             heartbeat_stale_trial_callback=on_stale,
         )
     except Exception as e:  # SQLAlchemy's OperationalError, ArgumentError, a missing driver
-        why = (
-            str(e.__cause__ or e).strip().splitlines()[0]
-            if str(e.__cause__ or e).strip()
-            else type(e).__name__
-        )
+        why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
         why = why.removeprefix("(psycopg2.OperationalError) ")
         said = f"{key}={shown(url)}" if key else shown(url)
         raise ConfigError(f"{said}: cannot open the study's database ({why})") from None
@@ -159,8 +151,7 @@ def rerun_numbers(trials: list[Any]) -> set[int]:
 
 
 def load_trials(sweep_dir: Path) -> list[optuna.trial.FrozenTrial]:
-    """The trials of ``sweep_dir``'s ``optuna.db``, or of its shared study (``study.yaml``) those its
-    driver ran; none for any other folder."""
+    """The trials of ``sweep_dir``'s ``optuna.db``, or those its driver ran in a shared study."""
     shared = sweep_dir / SHARED
     if not (sweep_dir / "optuna.db").is_file() and not shared.is_file():
         return []

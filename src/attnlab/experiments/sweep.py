@@ -98,8 +98,6 @@ def open_study(
     study_name: str = STUDY,
 ) -> optuna.Study:
     """The study in ``<sweep_dir>/optuna.db``, or ``study_name`` in a shared ``storage``; created once."""
-    if direction not in ("minimize", "maximize"):
-        raise ConfigError(f"sweep.direction: expected minimize or maximize, got {direction!r}")
     if storage is None:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage = open_storage(storage_url(sweep_dir))
@@ -140,8 +138,7 @@ def check_same_search(
 
 @dataclass(frozen=True)
 class Slot:
-    """One worker's devices: ``env`` for its trials (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``),
-    ``cores`` their affinity; the default: what the driver has."""
+    """One worker's devices: ``env`` for its trials and ``cores`` their affinity (default: the driver's)."""
 
     label: str = ""
     env: tuple[tuple[str, str], ...] = ()
@@ -159,9 +156,7 @@ def visible_gpus(accelerator: str) -> list[str]:
     if str(accelerator) not in ("auto", "gpu", "cuda"):
         return []
     count = cuda_device_count()
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
-        return [str(i) for i in range(count)]
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(count))))
     return [d.strip() for d in listed.split(",") if d.strip()][:count]
 
 
@@ -235,8 +230,7 @@ def tally(trials: list[optuna.trial.FrozenTrial]) -> tuple[list, list]:
 
 
 def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Trials a killed sweep left running (a study one driver owns), failed as interrupted and
-    queued again; their numbers."""
+    """The numbers of trials a killed sweep left running, failed as interrupted and queued again."""
     numbers = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         requeue(study, optuna.trial.Trial(study, trial_id(study, t.number)), t.params)
@@ -274,15 +268,8 @@ def trial_command(
     """A trial's ``attnlab-train`` command: overrides, sampled values, run folder, where to report."""
     sampled = [f"{k}={override_value(v)}" for k, v in params.items()]
     where = f"storage:{override_value(storage)},number:{number},study:{override_value(study_name)}"
-    return [
-        sys.executable,
-        "-m",
-        "attnlab.cli.train",
-        *overrides,
-        *sampled,
-        f"hydra.run.dir={override_value(str(run_dir))}",
-        f"sweep_trial={{{where}}}",
-    ]
+    run = [f"hydra.run.dir={override_value(str(run_dir))}", f"sweep_trial={{{where}}}"]
+    return [sys.executable, "-m", "attnlab.cli.train", *overrides, *sampled, *run]
 
 
 def error_line(log_file: Path) -> str:
@@ -304,7 +291,7 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 def child_setup(driver: int, cores: tuple[int, ...] = (), blocked: tuple[int, ...] = ()) -> None:
     """In a trial's process before it starts: SIGTERM when the driver dies however it dies (Linux),
-    its slot's ``cores``, and ``blocked`` signals (the job's, for the driver to act on)."""
+    its slot's ``cores``, and the job's signals ``blocked`` (the driver acts on them)."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG (the driver's thread waits for the trial)
         if os.getppid() != driver:  # the driver died before the request was in place
@@ -319,12 +306,11 @@ def trial_environment(slot: Slot) -> tuple[dict[str, str], tuple[int, ...]]:
     """A trial's environment and blocked signals: a submitit driver's trial is a plain process
     (no submitit variables, no SLURM task count), and submitit's signal is the driver's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBMITIT_") and k != "SLURM_NTASKS"}
-    blocked: tuple[int, ...] = ()
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        from submitit import JobEnvironment
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return env | dict(slot.env), ()
+    from submitit import JobEnvironment
 
-        blocked = (getattr(signal, f"SIG{JobEnvironment.USR_SIG}"),)
-    return env | dict(slot.env), blocked
+    return env | dict(slot.env), (getattr(signal, f"SIG{JobEnvironment.USR_SIG}"),)
 
 
 class TrialFailed(Exception):
@@ -372,21 +358,6 @@ class Turn:
                 self.gate.release()
 
 
-class FileLock:
-    """A shared study file's lock: Optuna's for journals on NFS (a symlink, broken after ``grace`` s)."""
-
-    def __init__(self, path: Path, grace: int = 30) -> None:
-        target = path.with_name(path.name + ".ask")  # the lock's own, not the journal's (it appends)
-        target.touch(exist_ok=True)  # the link's target must exist for its grace period to count
-        self.lock = optuna.storages.journal.JournalFileSymlinkLock(str(target), grace_period=grace)
-
-    def acquire(self) -> None:
-        self.lock.acquire()
-
-    def release(self) -> None:
-        self.lock.release()
-
-
 class AdvisoryLock:
     """A PostgreSQL study's lock: an advisory lock on a connection of its own."""
 
@@ -410,13 +381,15 @@ class AdvisoryLock:
             conn.close()
 
 
-def study_lock(url: str, storage: optuna.storages.BaseStorage, study_name: str) -> FileLock | AdvisoryLock:
-    """The lock that drivers of the shared study at ``url`` (normalised) take turns on."""
-    if url.startswith("journal:"):
-        return FileLock(Path(url.removeprefix("journal:")))
-    if url.startswith("sqlite:///"):
-        return FileLock(Path(url.removeprefix("sqlite:///")))
-    return AdvisoryLock(storage.engine, study_name)
+def study_lock(url: str, storage: optuna.storages.BaseStorage, study_name: str) -> Any:
+    """The lock that drivers of the shared study at ``url`` (normalised) take turns on: a study
+    file's is Optuna's lock for journals on NFS (a symlink, broken after 30 s)."""
+    if not url.startswith(("journal:", "sqlite:///")):
+        return AdvisoryLock(storage.engine, study_name)
+    path = Path(url.removeprefix("journal:").removeprefix("sqlite:///"))
+    target = path.with_name(path.name + ".ask")  # the lock's own, not the journal's (it appends)
+    target.touch(exist_ok=True)  # the link's target must exist for its grace period to count
+    return optuna.storages.journal.JournalFileSymlinkLock(str(target), grace_period=30)
 
 
 class Driver:
@@ -437,7 +410,7 @@ class Driver:
         shared: bool = False,
         driver: str = "",
         poll: float = 5.0,
-        lock: FileLock | AdvisoryLock | None = None,
+        lock: Any = None,
     ) -> None:
         self.study, self.space, self.overrides, self.sweep_dir = study, space, overrides, sweep_dir
         self.metric, self.n_trials, self.echo, self.slots = metric, n_trials, echo, list(slots)

@@ -1,12 +1,11 @@
-"""Captioning images with a trained ``Captioner`` (greedy or beam search) and each word's attention,
-from one teacher-forced pass over the chosen words."""
+"""Captioning images with a trained ``Captioner``, with each word's attention."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from attnlab.inference.decoding import beam_search, greedy_decode
+from attnlab.inference.decoding import decode
 from attnlab.models.contracts import Captioner
 
 
@@ -20,17 +19,14 @@ def caption_batch(
     beam_size: int = 1,
     alpha: float = 0.0,
 ) -> list[tuple[list[int], Tensor]]:
-    """Per image of ``images``: the caption's tokens (no BOS/EOS, at most ``max_len``) and its words' (L, S)
-    attention; ``beam_size`` 1 is greedy, beams ranked with GNMT's length penalty ``alpha``."""
-    if beam_size == 1:
-        ids = greedy_decode(net, images, bos, eos, max_len)
-    else:
-        ids = beam_search(net, images, bos, eos, max_len, beam_size, alpha)
+    """Per image: the caption's tokens (no BOS/EOS, at most ``max_len``) and its words' (L, S)
+    attention; beams ranked with GNMT's length penalty ``alpha``."""
+    ids = decode(net, images, bos, eos, max_len, beam_size, alpha)
     return list(zip(ids, word_attention(net, images, ids, bos), strict=True))
 
 
 def word_attention(net: Captioner, images: Tensor, captions: list[list[int]], bos: int) -> list[Tensor]:
-    """The (L, S) attention of each caption's L words, by teacher forcing ``[BOS] + caption``."""
+    """The (L, S) attention of each caption's L words, from one teacher-forced pass."""
     longest = max((len(c) for c in captions), default=0)
     tokens = torch.full((len(captions), longest + 1), bos, dtype=torch.long, device=images.device)
     for i, c in enumerate(captions):  # after a caption's end: BOS, read by no step that is kept

@@ -30,14 +30,13 @@ def image_files(path: Path) -> list[Path]:
 
 
 def load_image(path: Path, artifacts: dict[str, Any]) -> Tensor:
-    """(C, H, W) uint8 as the model saw in training: converted to its channels and resized to its
-    size, each change noted on the log."""
+    """(C, H, W) uint8 in the model's channels and size, each change noted on the log."""
     channels, size = artifacts["in_chans"], artifacts["img_size"]
-    native = read_image(path)
-    image = read_image(path, channels) if native.size(0) != channels else native
-    if native.size(0) != channels:
+    image = read_image(path)
+    if image.size(0) != channels:
         kind = "grayscale" if channels == 1 else "RGB"
-        log.info("note: %s has %d channel(s); the model takes %s: converted", path, native.size(0), kind)
+        log.info("note: %s has %d channel(s); the model takes %s: converted", path, image.size(0), kind)
+        image = read_image(path, channels)
     if image.shape[-2:] != (size, size):
         h, w = image.shape[-2:]
         log.info("note: %s is %dx%d; the model takes %dx%d: resized", path, w, h, size, size)

@@ -9,12 +9,6 @@ from torch import Tensor
 from attnlab.models.contracts import Decoder
 
 
-def max_output_len(src: Tensor, pad_id: int, a: float, b: int, cap: int) -> int:
-    """Longest output allowed for this batch: ``a * longest source + b``, at most ``cap``."""
-    longest = int((src != pad_id).sum(1).max())
-    return max(1, min(cap, int(a * longest + b)))
-
-
 @torch.no_grad()
 def greedy_decode(net: Decoder, src: Tensor, bos: int, eos: int, max_len: int) -> list[list[int]]:
     """The most likely next token at each step, until <eos> or ``max_len`` tokens."""
@@ -30,11 +24,16 @@ def greedy_decode(net: Decoder, src: Tensor, bos: int, eos: int, max_len: int) -
         done |= tokens == eos
         if done.all():
             break
-    return [_until_eos(row, eos) for row in out.tolist()]
+    return [row[: row.index(eos)] if eos in row else row for row in out.tolist()]
 
 
-def _until_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos)] if eos in ids else ids
+def decode(
+    net: Decoder, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 1, alpha: float = 1.0
+) -> list[list[int]]:
+    """``greedy_decode`` (``beam_size`` 1) or ``beam_search``."""
+    if beam_size == 1:
+        return greedy_decode(net, src, bos, eos, max_len)
+    return beam_search(net, src, bos, eos, max_len, beam_size, alpha)
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -46,8 +45,8 @@ def length_penalty(length: int, alpha: float) -> float:
 def beam_search(
     net: Decoder, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
 ) -> list[list[int]]:
-    """Batched beam search (``beam_size=1``: greedy); the best hypothesis of each source, without <eos>,
-    finished ones scored with GNMT's length penalty."""
+    """The best hypothesis of each source, without <eos>, finished ones scored with GNMT's length
+    penalty."""
     b, k, dev = src.size(0), beam_size, src.device
     state = net.reorder(net.start(src), torch.arange(b, device=dev).repeat_interleave(k))
     scores = torch.full((b, k), float("-inf"), device=dev)
@@ -99,13 +98,11 @@ def translate_batch(
     max_len_a: float = 1.5,
     max_len_b: int = 10,
 ) -> list[list[int]]:
-    """Greedy (``beam_size`` 1) or beam-search translations of a padded source batch (B, S), at
-    most ``a * source length + b`` tokens long and within the positions the model has."""
+    """Translations of a padded source batch (B, S), at most ``a * longest source + b`` tokens long
+    and within the positions the model has."""
     cap = getattr(net, "max_len", 256) - 1
-    max_len = max_output_len(src, pad, max_len_a, max_len_b, cap)
-    if beam_size == 1:
-        return greedy_decode(net, src, bos, eos, max_len)
-    return beam_search(net, src, bos, eos, max_len, beam_size, alpha)
+    max_len = max(1, min(cap, int(max_len_a * int((src != pad).sum(1).max()) + max_len_b)))
+    return decode(net, src, bos, eos, max_len, beam_size, alpha)
 
 
 @torch.no_grad()
@@ -119,8 +116,8 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """A language model's continuation of ``idx`` (B, T) by ``max_new_tokens`` sampled tokens; ``use_cache``
-    False recomputes the window at every step."""
+    """``idx`` (B, T) continued by ``max_new_tokens`` sampled tokens; ``use_cache`` False recomputes
+    the window at every step."""
     state = net.start(idx[:, :-1], use_cache=use_cache)
     tokens = idx[:, -1]
     for _ in range(max_new_tokens):
@@ -146,9 +143,9 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
         # drop a token once the ones before it already cover top_p (always keep the first)
-        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= top_p
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)

@@ -22,17 +22,15 @@ class TrainedRun:
     """A checkpoint with the config and the data artifacts (e.g. tokenizer) it was trained with."""
 
     def __init__(self, spec: str, log_dir: Path, tasks: tuple[type, ...] = (), need: str = "") -> None:
-        """``spec``: a checkpoint, or ``last``: the newest run under ``log_dir`` (of one of
-        ``tasks``, when given). A checkpoint of another task than ``tasks`` is refused with one
-        line saying what it holds and ``need``."""
+        """``spec``: a checkpoint, or ``last``: the newest run under ``log_dir`` (of one of ``tasks``,
+        when given; a checkpoint of another task is refused in one line saying ``need``)."""
         names = tuple(t.__name__ for t in tasks)
         self.path = resolve_ckpt_path(spec, log_dir, LAST_OF_ANY_RUN, names)
         self.ckpt = load_checkpoint(self.path)
         meta = metadata(self.ckpt, self.path)
         if names:
             require_task(meta, self.path, names, need)
-        # old module names and keys read the new way (its weights are named as now)
-        self.config: DictConfig = read_saved(meta["config"], str(self.path))
+        self.config: DictConfig = read_saved(meta["config"], str(self.path))  # old names read as now
         # the saved config is input, not code: nothing in it is built unless attnlab allows it
         check_targets(self.config, str(self.path))
         self.artifacts: dict[str, Any] = meta["artifacts"]
@@ -40,8 +38,7 @@ class TrainedRun:
 
     @classmethod
     def for_cli(cls, cfg: Any, task: type, need: str) -> TrainedRun:
-        """The run an inference CLI's ``ckpt_path`` names (``last``: its task's newest under
-        ``paths.log_dir``), refused with ``need`` if it trained another task."""
+        """The run an inference CLI's ``ckpt_path`` names, refused with ``need`` if of another task."""
         return cls(str(cfg.ckpt_path), Path(cfg.paths.log_dir), (task,), need)
 
     @property
@@ -52,7 +49,7 @@ class TrainedRun:
 
     def net(self, merge: bool = True) -> nn.Module:
         """The bare model (``model.net``) with the checkpoint's weights; a LoRA run's adapters
-        merged into them (``merge=False``: kept, as it trained)."""
+        merged into them (``merge=False``: kept)."""
         net = instantiate(self.config.model.net)
         if lora := self.config.model.get("lora"):
             add_adapters(net, lora)

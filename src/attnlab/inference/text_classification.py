@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from attnlab.core.errors import DataError
+from attnlab.data.batching import pad
 from attnlab.data.text.tokenizers import WordPieceTokenizer
 
 MASK = "[MASK]"
@@ -56,10 +57,8 @@ def classify_sentences(
     batch_size: int = 64,
     progress: Callable[[int], None] | None = None,
 ) -> list[tuple[str, float]]:
-    """The most likely class of each sentence and its probability; ``progress(n)`` is called as
-    each batch of ``n`` sentences is done."""
-    from attnlab.data.batching import pad
-
+    """The most likely class of each sentence and its probability; ``progress(n)`` as each batch of
+    ``n`` is done."""
     out: list[tuple[str, float]] = []
     for start in range(0, len(sentences), batch_size):
         rows = [encode_sentence(tokenizer, s, max_len) for s in sentences[start : start + batch_size]]

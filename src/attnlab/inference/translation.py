@@ -1,4 +1,4 @@
-"""Translating raw sentences with a trained encoder-decoder (used by ``attnlab-translate``)."""
+"""Translating raw sentences with a trained encoder-decoder."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def translate_sentences(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Translations of ``sentences``, in order; sources longer than ``max_src_len`` tokens are cut.
-    ``progress(n)`` is called as each batch of ``n`` sentences is done."""
+    """Translations of ``sentences``, in order, sources cut to ``max_src_len`` tokens; ``progress(n)``
+    as each batch of ``n`` is done."""
     ids = tokenizer.encode_batch(sentences)
     long = sum(len(s) > max_src_len - 1 for s in ids)
     if long:
@@ -39,17 +39,8 @@ def translate_sentences(
     out: list[str] = [""] * len(ids)
     for batch in TokenBatchSampler([len(s) for s in ids], max_tokens, shuffle=False):
         src = pad([ids[i] for i in batch], tokenizer.pad_id).to(device)
-        hyps = translate_batch(
-            net,
-            src,
-            tokenizer.pad_id,
-            tokenizer.bos_id,
-            tokenizer.eos_id,
-            beam_size,
-            length_penalty,
-            max_len_a,
-            max_len_b,
-        )
+        special = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+        hyps = translate_batch(net, src, *special, beam_size, length_penalty, max_len_a, max_len_b)
         for i, h in zip(batch, hyps, strict=True):
             out[i] = tokenizer.decode(h)
         if progress is not None:

@@ -1,5 +1,5 @@
-"""Zero-shot classification with a trained CLIP: class embeddings from prompt templates (each
-class's prompts averaged and re-normalised, as open_clip does), images scored against them."""
+"""Zero-shot classification with a trained CLIP: class embeddings from prompt templates, images
+scored against them."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The contracts the nets follow, which tasks and inference are written against.
-
-- ``Decoder``: incremental decoding (GPT, Seq2Seq, Transformer, ShowAttendTell, Flamingo);
-  greedy, beam search and sampling (``attnlab.inference.decoding``) run on any of them.
-- ``ImageBackbone``: timm's ``forward_features`` / ``forward_head`` (ViT, DeiT, Swin, Perceiver,
-  ConvNet, TimmModel); a classifier's trunk for CLIP and Flamingo.
-- Attention maps, for plots: ``PatchAttention`` (image classifiers), ``Alignments``
-  (translation), ``Captioner`` (the attention of each word over the image).
-- ``DistillationHeads``: a student with a distillation token (DeiT).
-"""
+"""The contracts the nets follow, which tasks and inference are written against
+(docs/code-layout.md#contracts)."""
 
 from __future__ import annotations
 
@@ -21,11 +13,8 @@ State = Any
 
 @runtime_checkable
 class Decoder(Protocol):
-    """One token per row at a time. A search starts once, then steps; beam search reorders.
-
-    A step or reorder may change the state it is given in place (caches grow): use the state
-    returned, never the one passed in.
-    """
+    """One token per row at a time: a search starts once, then steps; beam search reorders. A step
+    or reorder may change its state in place (caches grow): use the state returned."""
 
     def start(self, src: Tensor) -> State:
         """Read what the output is conditioned on once: source ids (B, S), images (B, C, H, W),

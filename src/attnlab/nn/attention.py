@@ -1,22 +1,6 @@
-"""Scaled dot-product and multi-head attention (Vaswani et al. 2017).
-
-Masks, everywhere in attnlab: an attention mask is **boolean** (True where a query may attend a
-key, as ``F.scaled_dot_product_attention``) or **float** (added to the scores; ``-inf`` blocks),
-broadcast to (B, H, T_q, T_k); a padding mask is boolean (B, T_k), True at padding keys;
-``causal=True`` adds a bottom-right aligned causal mask (queries are the last T_q of T_k keys).
-
-Three paths compute the same thing (``impl``, a model's ``attn_impl``): ``sdpa`` (fused kernels; a
-causal ALiBi or T5 bias over a long sequence on a CPU goes to its flash kernel in pieces,
-``nn/flash_pieces.py``), ``flex`` (``nn/flex.py``: masks and biases as functions in one compiled
-kernel; no attention dropout) and ``math`` (matmul + softmax; returns the weights). ``auto``
-(``choose_impl``, as ``benchmarks/attention_paths.py`` measured): ``math`` when the weights are
-wanted and for bf16 on a CPU with native bf16, ``flex`` on a GPU for a bias or a window (without
-dropout; never on a CPU: no CPU backward), else ``sdpa``.
-
-Relative positions (``nn/positions.py``) come in through ``forward(positions=...)``: RoPE turns
-q and k (keys before they are cached), ALiBi and T5 add their bias to the mask. Subclasses change
-which pairs are scored (``attend``) and how decoding remembers (``new_cache``).
-"""
+"""Scaled dot-product and multi-head attention (Vaswani et al. 2017). Masks, everywhere in attnlab:
+boolean (True: may attend) or float (added to the scores, ``-inf`` blocks), broadcast to (B, H, T_q,
+T_k); a padding mask is (B, T_k), True at padding; ``causal`` is bottom-right aligned."""
 
 from __future__ import annotations
 
@@ -33,7 +17,7 @@ from torch import Tensor, nn
 from attnlab.core.hardware import native_bf16_cpu
 from attnlab.core.specs import DropRate, PositiveInt
 from attnlab.nn import health
-from attnlab.nn.flash_pieces import BLOCK, flash_pieces, pieces_apply
+from attnlab.nn.flash_pieces import flash_pieces, pieces_apply
 from attnlab.nn.flex import flex_attend
 from attnlab.nn.positions import RelativePositions
 
@@ -45,8 +29,7 @@ _announced: set[tuple] = set()
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device | None = None) -> Tensor:
-    """Boolean (t_q, t_k) mask, True where query i may attend key j; the queries are the last
-    ``t_q`` of the ``t_k`` keys (bottom-right aligned: a new token sees the cache and itself)."""
+    """Boolean (t_q, t_k), the queries being the last ``t_q`` of the keys (a new token sees the cache)."""
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
@@ -58,17 +41,14 @@ def _compute_dtype(q: Tensor) -> torch.dtype:
 
 @torch.compiler.assume_constant_result
 def _native_bf16() -> bool:
-    """``native_bf16_cpu``, a constant to a compiled block: dynamo cannot trace the CPU probes,
-    and a graph break in every block would split the compiled code."""
+    """A constant to a compiled block: dynamo cannot trace the CPU probes (a graph break per block)."""
     return native_bf16_cpu()
 
 
 def choose_impl(impl: AttentionImpl, q: Tensor, need_weights: bool, fused_only: bool, dropout: bool) -> str:
-    """The path a call takes: ``impl`` itself unless "auto" (see the module docstring).
-
-    ``fused_only``: the call has a bias or a window that only FlexAttention keeps in a fused
-    kernel; ``dropout``: attention dropout is active (FlexAttention has none).
-    """
+    """The path a call takes, ``impl`` unless "auto" (``benchmarks/attention_paths.py``): "math" (it
+    alone returns the weights) for the weights and for bf16 on a CPU with native bf16; "flex" on a GPU
+    for a bias or window (``fused_only``) without dropout (it has none; no CPU backward); else "sdpa"."""
     if need_weights:
         return "math"
     if impl != "auto":
@@ -90,7 +70,7 @@ def choose_impl(impl: AttentionImpl, q: Tensor, need_weights: bool, fused_only: 
 
 
 def _block(mask: Tensor | None, allowed: Tensor) -> Tensor:
-    """Combine an attention mask (bool or float, see above) with a boolean ``allowed`` mask."""
+    """``mask`` (bool or float) where ``allowed`` too."""
     if mask is None:
         return allowed
     if mask.dtype == torch.bool:
@@ -99,7 +79,7 @@ def _block(mask: Tensor | None, allowed: Tensor) -> Tensor:
 
 
 def with_bias(mask: Tensor | None, bias: Tensor) -> Tensor:
-    """A float mask: ``bias`` added to ``mask`` (bool or float, see above), ``-inf`` where blocked."""
+    """A float mask: ``bias`` added to ``mask`` (bool or float), ``-inf`` where it blocks."""
     if mask is None:
         return bias
     if mask.dtype == torch.bool:
@@ -117,12 +97,8 @@ def scaled_dot_product_attention(
     need_weights: bool = False,
     impl: AttentionImpl = "auto",
 ) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T / sqrt(d) + mask) v over (B, H, T, D) tensors.
-
-    ``mask``: boolean or float, broadcastable to (B, H, T_q, T_k) (see the module docstring).
-    ``causal`` adds a bottom-right aligned causal mask. Returns the output (B, H, T_q, D) and,
-    with ``need_weights``, the attention weights (B, H, T_q, T_k).
-    """
+    """softmax(q k^T / sqrt(d) + mask) v over (B, H, T, D) tensors, and with ``need_weights`` the
+    weights (B, H, T_q, T_k)."""
     if impl == "flex":
         raise ValueError("flex attention needs positions and structure: call MultiHeadAttention.attend")
     t_q, t_k = q.size(-2), k.size(-2)
@@ -148,20 +124,9 @@ def scaled_dot_product_attention(
     return att @ v, weights
 
 
-def _in_pieces(
-    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, positions: RelativePositions, dropout: float
-) -> bool:
-    """Whether a CPU's flash kernel takes this call in pieces (``nn/flash_pieces.py``): a causal
-    ALiBi or T5 bias over a whole sequence longer than a block, and nothing else."""
-    whole = q.size(-2) == k.size(-2) > BLOCK  # positions 0..T-1: no cache
-    plain = causal and mask is None and dropout == 0
-    return q.device.type == "cpu" and whole and plain and pieces_apply(positions)
-
-
 class KVCache:
-    """Keys and values (B, n_kv_head, T, D) of one attention layer across decoding steps: grown
-    by ``append`` with each key's position (``seen``: the next token's), or a cross-attention
-    memory projected once (``of_memory``); ``reorder`` follows a beam; subclasses ``forget``."""
+    """Keys and values (B, n_kv_head, T, D) of one layer across decoding steps, with each key's
+    position (``seen``: the next token's), or a cross-attention memory projected once (``static``)."""
 
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None, static: bool = False) -> None:
         self.k, self.v, self.static = k, v, static
@@ -170,32 +135,24 @@ class KVCache:
 
     @classmethod
     def of_memory(cls, attn: MultiHeadAttention, memory: Tensor) -> KVCache:
-        """The keys and values ``attn`` computes from ``memory`` (B, S, C), for cross-attention."""
         return cls(*attn.project_memory(memory), static=True)
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.size(-2)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add the new positions' (B, H, T, D) keys and values; return all of them."""
-        if self.k is not None:
-            self.forget()
         new = torch.arange(self.seen, self.seen + k.size(-2), device=k.device)
-        self.seen += k.size(-2)
         if self.k is None:
             self.k, self.v, self.positions = k, v, new
         else:
-            self.k = torch.cat([self.k, k], dim=-2)
-            self.v = torch.cat([self.v, v], dim=-2)
+            self.forget()
+            self.k, self.v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
             self.positions = torch.cat([self.positions, new])
+        self.seen += k.size(-2)
         return self.k, self.v
 
     def forget(self) -> None:
         """Drop keys the next queries cannot see (none here: full attention sees every one)."""
-
-    def keep(self, kept: Tensor) -> None:
-        """Keep only the cached keys where ``kept`` (T,) is True."""
-        self.k, self.v, self.positions = self.k[..., kept, :], self.v[..., kept, :], self.positions[kept]
 
     def reorder(self, index: Tensor) -> None:
         """Keep the rows at ``index`` (beam search)."""
@@ -204,9 +161,8 @@ class KVCache:
 
 
 class AttentionSpec(TypedDict, total=False):
-    """The attention settings a model hands to every ``MultiHeadAttention`` it builds: its
-    ``**attn``, flat keys (``model.net.n_kv_head``) typed once here; the defaults are
-    ``attention_layer``'s."""
+    """The attention settings a model hands to every attention layer, as flat keys
+    (``model.net.n_kv_head``); the defaults are ``attention_layer``'s."""
 
     attn_impl: AttentionImpl
     attn_dropout: DropRate
@@ -222,8 +178,7 @@ def attention_layer(
     qk_norm: QKNorm = False,
     **extra: Any,
 ) -> Callable[..., MultiHeadAttention]:
-    """``cls`` (``MultiHeadAttention``) with a model's ``AttentionSpec``: a ``TransformerBlock``'s
-    ``attn_layer``."""
+    """``cls`` with a model's ``AttentionSpec``: a ``TransformerBlock``'s ``attn_layer``."""
     return partial(
         cls or MultiHeadAttention,
         impl=attn_impl,
@@ -241,16 +196,10 @@ def _qk_norm(kind: QKNorm, head_dim: int) -> nn.Module:
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention for self-attention (``memory=None``) and cross-attention.
-
-    One packed ``in_proj`` of q, k, v (``torch.nn.MultiheadAttention``'s layout, so weights copy
-    across), then ``out_proj``. ``n_kv_head`` < ``n_head``: grouped-query attention (1: multi-query;
-    Llama's ``repeat_kv``), the cache holding ``n_kv_head`` heads. ``qk_norm``: LayerNorm (true,
-    "layernorm") or RMSNorm per head on q and k before the scores (ViT-22B, OLMo; timm's
-    ``q_norm``/``k_norm``). ``kv_dim``: a cross-attention memory's width other than ``dim``
-    (``kv_proj`` then makes the keys and values; such a layer attends only to a memory).
-    ``impl``: see the module docstring; "flex" takes no dropout.
-    """
+    """Self- (``memory=None``) and cross-attention, with one packed ``in_proj`` of q, k, v
+    (``torch.nn.MultiheadAttention``'s layout, so weights copy across). ``n_kv_head`` < ``n_head``:
+    grouped-query attention; ``qk_norm``: a norm per head on q and k (ViT-22B, OLMo); ``kv_dim``: a
+    memory's width other than ``dim`` (``kv_proj``; such a layer attends only to a memory)."""
 
     def __init__(
         self,
@@ -312,7 +261,7 @@ class MultiHeadAttention(nn.Module):
         positions: RelativePositions | None = None,
         start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries (B, H, T, D), keys and values (B, n_kv_head, T_k, D): the cache's kind."""
+        """Queries (B, H, T, D), keys and values (B, n_kv_head, T_k, D)."""
         if cache is not None and cache.static:  # cross-attention to a memory projected once
             return self._q(x), cache.k, cache.v
         if memory is None:  # self-attention: one matmul for q, k and v
@@ -331,12 +280,10 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def repeat_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Each of the n_kv_head key and value heads shared by its n_head / n_kv_head query heads."""
         n = self.n_head // self.n_kv_head
         return (k, v) if n == 1 else (k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))
 
     def new_cache(self) -> KVCache:
-        """An empty self-attention cache of the kind this layer decodes with."""
         return KVCache()
 
     def attend(
@@ -351,31 +298,22 @@ class MultiHeadAttention(nn.Module):
         k_pos: Tensor,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """(B, H, T_q, D) queries over (B, H, T_k, D) keys at positions ``q_pos`` (T_q,) and
-        ``k_pos`` (T_k,): every pair scored (subclasses score fewer)."""
+        """(B, H, T_q, D) queries over keys at positions ``q_pos`` (T_q,), ``k_pos`` (T_k,): every
+        pair scored (subclasses score fewer)."""
         dropout = self.dropout if self.training else 0.0
         fused_only = positions is not None and positions.adds_bias
         impl = choose_impl(self.impl, q, need_weights, fused_only, dropout > 0)
         if impl == "flex":
             y = flex_attend(q, k, v, mask=mask, causal=causal, positions=positions, q_pos=q_pos, k_pos=k_pos)
             return y, None
-        if impl == "sdpa" and fused_only and _in_pieces(q, k, mask, causal, positions, dropout):
+        if impl == "sdpa" and fused_only and pieces_apply(q, k, mask, causal, positions, dropout):
             return flash_pieces(q, k, v, positions), None
         bias = positions.bias(k_pos[None, :] - q_pos[:, None]) if positions is not None else None
         if bias is not None:  # (H, T_q, T_k)
             if causal:  # in the mask with the bias: the fused causal path takes no bias
                 mask, causal = _block(mask, k_pos[None, :] <= q_pos[:, None]), False
             mask = with_bias(mask, bias)
-        return scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=causal,
-            dropout_p=dropout,
-            need_weights=need_weights,
-            impl=impl,
-        )
+        return scaled_dot_product_attention(q, k, v, mask, causal, dropout, need_weights, impl)
 
     def forward(
         self,
@@ -389,21 +327,18 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         positions: RelativePositions | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from ``x`` (B, T_q, C) to itself or to ``memory`` (B, T_k, C); masks as in the
-        module docstring. ``cache``: a self-attention cache (the new keys and values appended) or a
-        cross-attention one (``KVCache.of_memory``: no ``memory`` then). Returns (B, T_q, C) and,
-        with ``need_weights``, the weights (B, H, T_q, T_k)."""
+        """Attend from ``x`` (B, T_q, C) to itself or to ``memory`` (B, T_k, C), or to a ``cache``'s
+        memory (``KVCache.of_memory``). Returns (B, T_q, C) and maybe the weights (B, H, T_q, T_k)."""
         b, t, c = x.shape
-        start = cache.seen if cache is not None and not cache.static else 0  # x's first position
+        own = cache is not None and not cache.static  # a self-attention cache, x after its keys
+        start = cache.seen if own else 0
         q, k, v = self._qkv(x, memory, cache, positions, start)
         k, v = self.repeat_kv(k, v)  # the cache keeps n_kv_head heads
         mask = attn_mask
         if key_padding_mask is not None:
             mask = _block(mask, ~key_padding_mask[:, None, None, :])  # (B, 1, 1, T_k)
         q_pos = torch.arange(start, start + t, device=x.device)
-        k_pos = cache.positions if cache is not None and not cache.static else None
-        if k_pos is None:
-            k_pos = torch.arange(k.size(-2), device=x.device)
+        k_pos = cache.positions if own else torch.arange(k.size(-2), device=x.device)
         y, weights = self.attend(q, k, v, mask, causal, positions, q_pos, k_pos, need_weights)
         if health.is_recording() and cache is None:  # a probe's forward, not a decoding step
             pad = key_padding_mask if memory is None else None
@@ -413,8 +348,8 @@ class MultiHeadAttention(nn.Module):
 
     @torch.compiler.disable
     def _record(self, q, k, v, mask, causal, positions, q_pos, k_pos, weights, padding) -> None:
-        """Record the first rows' weights as the math path gives them (``attnlab.nn.health``),
-        padding queries' rows NaN; without dropout, so the random state and the output stay."""
+        """Record the first rows' weights as the math path gives them, padding queries' rows NaN;
+        without dropout, so the random state and the output stay."""
         n = health.rows()
         if weights is None:
             if mask is not None and mask.dim() == 4:

@@ -1,5 +1,5 @@
-"""The Transformer block every attention model here is built from (GPT, the Transformer, and
-the encoders to come), with its attention, MLP and norm injected as in timm."""
+"""The Transformer block every attention model here is built from, its attention, MLP and norm
+injected as in timm."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ Activation = Literal["gelu", "gelu_tanh", "quick_gelu"]
 
 
 def activation(name: Activation) -> Callable[[], nn.Module]:
-    """The activation layer ``name`` names."""
     return {"gelu": nn.GELU, "gelu_tanh": partial(nn.GELU, approximate="tanh"), "quick_gelu": QuickGELU}[name]
 
 
@@ -47,13 +46,9 @@ class AttentionWeights(NamedTuple):
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention, optional cross-attention to a memory (``cross_attention``: decoders), and
-    an MLP, each a residual branch: pre-LN (``norm_first``; GPT, ViT) x + drop_path(dropout(f(norm(x))))
-    or post-LN (the 2017 paper, BERT) norm(x + dropout(f(x))); ``dropout`` is the paper's residual
-    dropout, ``drop_path`` stochastic depth. The layers are injected as constructors (timm's way):
-    ``attn_layer`` (with its own settings, ``attnlab.nn.attention_layer``), ``mlp_layer``,
-    ``norm_layer``, ``act_layer``; ``bias`` for the projections and the MLP.
-    """
+    """Self-attention, optional cross-attention to a memory (decoders) and an MLP, each a residual
+    branch: pre-LN (``norm_first``; GPT, ViT) x + drop_path(dropout(f(norm(x)))) or post-LN (the 2017
+    paper, BERT) norm(x + dropout(f(x))). The layers are injected as constructors (timm's way)."""
 
     def __init__(
         self,
@@ -74,11 +69,8 @@ class TransformerBlock(nn.Module):
         self.norm_first = norm_first
         self.norm1 = norm_layer(dim)
         self.attn = attn_layer(dim, n_head, bias=bias)
-        if cross_attention:
-            self.norm_cross = norm_layer(dim)
-            self.cross_attn = attn_layer(dim, n_head, bias=bias)
-        else:
-            self.cross_attn = None
+        self.norm_cross = norm_layer(dim) if cross_attention else None
+        self.cross_attn = attn_layer(dim, n_head, bias=bias) if cross_attention else None
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(dim, mlp_dim, act_layer=act_layer, bias=bias)
         self.drop = Dropout(dropout)
@@ -103,10 +95,8 @@ class TransformerBlock(nn.Module):
         need_weights: bool = False,
         positions: RelativePositions | None = None,
     ) -> tuple[Tensor, AttentionWeights]:
-        """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``. Masks as in
-        ``attnlab.nn.attention``; ``cache``: earlier positions' keys and values; ``memory`` (B, S, C)
-        with ``memory_padding_mask``, or its projection ``cross_cache``, feeds the cross-attention;
-        ``positions``: RoPE, ALiBi or T5 for the self-attention."""
+        """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``; ``memory``
+        (B, S, C), or its projection ``cross_cache``, feeds the cross-attention."""
         weights: dict[str, Tensor | None] = {}
 
         def self_attn(h: Tensor) -> Tensor:

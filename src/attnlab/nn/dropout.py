@@ -1,12 +1,6 @@
-"""Dropout whose mask costs one random byte per element on CPU.
-
-On CPU, ``nn.Dropout`` samples a Bernoulli per element through torch's float sampler, slow enough
-to be a visible share of a small Transformer's training step; comparing random bytes to a
-threshold gives the same kind of mask for a fraction of that (``benchmarks/dropout.py`` measures
-both on your machine). The drop probability is rounded to a multiple of 1/256 (0.2 -> 51/256 =
-0.199) and the kept elements are scaled by the exact inverse keep probability, so the expectation
-is unchanged. Elsewhere (CUDA's fused kernel is fast) it is ``F.dropout``.
-"""
+"""Dropout whose mask costs one random byte per element on CPU, where ``nn.Dropout``'s float
+Bernoulli sampling is a visible share of a small model's step (``benchmarks/dropout.py``); elsewhere
+(CUDA's fused kernel is fast) ``F.dropout``."""
 
 from __future__ import annotations
 
@@ -23,7 +17,9 @@ def byte_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p)
-    threshold = min(round(p * 256), 255)  # p below 1/512 rounds to no dropout at all
+    # p rounded to a multiple of 1/256 (0.2 -> 51/256), the kept scaled by the exact inverse keep
+    # probability; p below 1/512 rounds to no dropout at all
+    threshold = min(round(p * 256), 255)
     # 8 random bytes per int64 draw: full-range int64s make every byte uniform on 0..255
     n_words = -(-x.numel() // 8)
     words = torch.randint(-(2**63), 2**63 - 1, (n_words,), dtype=torch.int64)

@@ -25,13 +25,8 @@ def sinusoids(pos: Tensor, dim: int) -> Tensor:
 
 
 def fourier_features(h: int, w: int, n_bands: int, max_freq: tuple[float, float], device=None) -> Tensor:
-    """Position features (H * W, 2 + 4 * n_bands) of an H x W grid, row-major, as the Perceiver's code
-    (Jaegle et al. 2021).
-
-    Each pixel's coordinates x_d (d = row, column) run linearly over [-1, 1]; the features are
-    [x_1, x_2, sin(pi f_k x_d) for d, k, cos(pi f_k x_d) for d, k], the frequencies f_k spaced
-    linearly from 1 to ``max_freq[d]`` (the Nyquist frequency of the resolution the bands are for).
-    """
+    """The Perceiver's (H * W, 2 + 4 * n_bands) features of an H x W grid, row-major: the coordinates
+    x_d in [-1, 1], sin(pi f_k x_d) and cos(pi f_k x_d), f_k linear from 1 to ``max_freq[d]`` (Nyquist)."""
     axes = [torch.linspace(-1.0, 1.0, n, device=device) for n in (h, w)]
     pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(h * w, 2)  # (M, 2)
     freqs = torch.stack([torch.linspace(1.0, f, n_bands, device=device) for f in max_freq])  # (2, K)
@@ -41,8 +36,7 @@ def fourier_features(h: int, w: int, n_bands: int, max_freq: tuple[float, float]
 
 class SinusoidalPositions(nn.Module):
     """Fixed sin/cos position encodings (Vaswani et al. 2017), kept for the first ``max_len``
-    positions and computed for any position past them (a model may be run on longer inputs than it
-    was trained on)."""
+    positions and computed past them."""
 
     def __init__(self, dim: int, max_len: int) -> None:
         super().__init__()
@@ -56,8 +50,7 @@ class SinusoidalPositions(nn.Module):
 
 
 class PastTheTable(AttnlabError, ValueError):
-    """A sequence longer than a position table: an input error, one line at any entry point
-    (``attnlab-eval`` names ``data.max_len``)."""
+    """A sequence longer than a position table: an input error (``attnlab-eval`` names ``data.max_len``)."""
 
 
 class LearnedPositions(nn.Module):
@@ -79,18 +72,8 @@ class LearnedPositions(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """Token ids -> vectors, plus positions, then dropout; ``unembed`` maps states back to logits
-    with the same table (Press & Wolf 2017), so the input and output layers are tied by construction.
-
-    Args:
-        vocab_size: number of token ids.
-        dim: embedding width.
-        positions: a ``SinusoidalPositions`` or ``LearnedPositions`` (or ``None``: none, or
-            relative ones inside the attention).
-        dropout: on the sum.
-        scale: multiply token vectors by sqrt(dim) (the Transformer paper, with a small init).
-        padding_idx: id whose vector is zero and gets no gradient.
-    """
+    """Token ids -> vectors (times sqrt(dim) with ``scale``), plus absolute ``positions``, then
+    dropout; ``unembed`` maps states back to logits through the same table (tied, Press & Wolf 2017)."""
 
     def __init__(
         self,
@@ -119,22 +102,33 @@ class TokenEmbedding(nn.Module):
         return self.drop(x)
 
     def unembed(self, x: Tensor) -> Tensor:
-        """States (..., C) -> logits (..., vocab_size) through the token table."""
         return F.linear(x, self.tokens.weight)
 
 
-class PatchEmbedding(nn.Module):
-    """An image cut into non-overlapping ``patch_size`` squares, each projected to ``dim``
-    (Dosovitskiy et al. 2020): a strided convolution, then an optional norm (Swin has one).
+class _ImageTokens(nn.Module):
+    """(B, C, H, W) images -> (B, N, D) tokens, row by row, N = (img_size / patch_size)^2."""
 
-    Args:
-        img_size: height and width of the input images.
-        patch_size: side of a patch; must divide ``img_size``.
-        in_chans: image channels.
-        dim: embedding width.
-        norm_layer: applied to each patch embedding, or ``None``.
-        bias: a bias in the projection (CLIP's image tower has none).
-    """
+    def __init__(self, img_size: int, patch_size: int, in_chans: int) -> None:
+        super().__init__()
+        if img_size % patch_size != 0:
+            raise ValueError(f"img_size: must be divisible by patch_size ({patch_size}), got {img_size}")
+        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+
+    def forward(self, x: Tensor) -> Tensor:
+        c, h, w = x.shape[1:]
+        if (c, h, w) != (self.in_chans, self.img_size, self.img_size):
+            raise ValueError(
+                f"expected images of shape ({self.in_chans}, {self.img_size}, {self.img_size}), "
+                f"got ({c}, {h}, {w})"
+            )
+        return self.norm(self.proj(self.convs(x)).flatten(2).transpose(1, 2))  # (B, N, D)
+
+
+class PatchEmbedding(_ImageTokens):
+    """An image cut into non-overlapping ``patch_size`` squares, each projected to ``dim``
+    (Dosovitskiy et al. 2020): a strided convolution, then an optional norm (Swin's)."""
 
     def __init__(
         self,
@@ -145,36 +139,18 @@ class PatchEmbedding(nn.Module):
         norm_layer: Callable[[int], nn.Module] | None = None,
         bias: bool = True,
     ) -> None:
-        super().__init__()
-        check_divisible(img_size, patch_size)
-        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
-        self.grid_size = img_size // patch_size
-        self.num_patches = self.grid_size**2
+        super().__init__(img_size, patch_size, in_chans)
+        self.convs = nn.Identity()  # no stem: the strided projection alone
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, bias=bias)
         self.norm = norm_layer(dim) if norm_layer else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
-        check_image_shape(x, self.in_chans, self.img_size)
-        return self.norm(self.proj(x).flatten(2).transpose(1, 2))  # (B, N, D)
 
-
-class ConvStem(nn.Module):
-    """Patch embedding by a small convolutional stem instead of one ``patch_size``-strided layer:
-    ViT's "hybrid" input (Dosovitskiy et al. 2020, section 3.1), convolutions as in Xiao et al.
-    2021 ("Early convolutions help transformers see better"), which make a ViT learn much faster on
-    small data. Each halving of the resolution is a stride-2 and a stride-1 3x3 conv-BN-ReLU; a 1x1
-    convolution projects to ``dim``. Same tokens out as ``PatchEmbedding``: (B, N, D) with
-    N = (img_size / patch_size)^2, row by row.
-
-    ``patch_size`` must be a power of two (one stage per halving); the stages widen from
-    ``dim / patch_size`` channels (at least 8) to ``dim / 2``, or to ``dim`` from full resolution.
-
-    Args: as ``PatchEmbedding``, and
-        full_resolution: first a 3x3 conv-BN-ReLU of ``dim / patch_size`` channels at the image's
-            own resolution, then the halvings, each twice as wide: fine detail (a collar, a seam)
-            is seen before the first stride, for about a third more compute in ``vit_mini``.
-    """
+class ConvStem(_ImageTokens):
+    """ViT's "hybrid" input (Dosovitskiy et al. 2020, 3.1) as in Xiao et al. 2021: per halving of the
+    resolution a stride-2 and a stride-1 3x3 conv-BN-ReLU, then a 1x1 projection to ``dim``; much
+    faster learning on small data. The stages widen from ``dim / patch_size`` channels (at least 8).
+    ``full_resolution``: first a conv-BN-ReLU at the image's own resolution (fine detail before the
+    first stride, about a third more compute in ``vit_mini``)."""
 
     def __init__(
         self,
@@ -185,13 +161,9 @@ class ConvStem(nn.Module):
         norm_layer: Callable[[int], nn.Module] | None = None,
         full_resolution: bool = False,
     ) -> None:
-        super().__init__()
-        check_divisible(img_size, patch_size)
+        super().__init__(img_size, patch_size, in_chans)
         if patch_size < 2 or patch_size & (patch_size - 1):
             raise ValueError(f"patch_size: must be a power of two >= 2 for a conv stem, got {patch_size}")
-        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
-        self.grid_size = img_size // patch_size
-        self.num_patches = self.grid_size**2
         layers, chans, width = [], in_chans, max(dim // patch_size, 8)
         if full_resolution:
             layers, chans, width = [conv_bn_relu(in_chans, width)], width, width * 2
@@ -201,11 +173,6 @@ class ConvStem(nn.Module):
         self.convs = nn.Sequential(*layers)
         self.proj = nn.Conv2d(chans, dim, kernel_size=1)
         self.norm = norm_layer(dim) if norm_layer else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, N, D) patch embeddings, row by row."""
-        check_image_shape(x, self.in_chans, self.img_size)
-        return self.norm(self.proj(self.convs(x)).flatten(2).transpose(1, 2))  # (B, N, D)
 
 
 Stem = Literal["patch", "conv", "conv_full"]
@@ -220,9 +187,8 @@ def patch_embedding(
     norm_layer: Callable[[int], nn.Module] | None = None,
     bias: bool = True,
 ) -> nn.Module:
-    """The image-to-tokens layer a net's ``stem`` names: "patch" (``PatchEmbedding``, as the
-    papers and timm), "conv" (``ConvStem``) or "conv_full" (``ConvStem`` from full resolution);
-    ``bias=False``: a patch projection without bias (CLIP's)."""
+    """The image-to-tokens layer a net's ``stem`` names; ``bias=False``: a patch projection without
+    bias (CLIP's)."""
     if stem == "patch":
         return PatchEmbedding(img_size, patch_size, in_chans, dim, norm_layer, bias)
     if not bias:
@@ -230,21 +196,6 @@ def patch_embedding(
     return ConvStem(img_size, patch_size, in_chans, dim, norm_layer, full_resolution=stem == "conv_full")
 
 
-def check_divisible(img_size: int, patch_size: int) -> None:
-    if img_size % patch_size != 0:
-        raise ValueError(f"img_size: must be divisible by patch_size ({patch_size}), got {img_size}")
-
-
-def check_image_shape(x: Tensor, in_chans: int, img_size: int) -> None:
-    """(B, C, H, W) images must be what the embedding was built for."""
-    c, h, w = x.shape[1:]
-    if (c, h, w) != (in_chans, img_size, img_size):
-        raise ValueError(
-            f"expected images of shape ({in_chans}, {img_size}, {img_size}), got ({c}, {h}, {w})"
-        )
-
-
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int = 1) -> nn.Sequential:
-    """A 3x3 convolution (padding 1, no bias), batch norm and ReLU."""
     conv = nn.Conv2d(in_chans, out_chans, 3, stride=stride, padding=1, bias=False)
     return nn.Sequential(conv, nn.BatchNorm2d(out_chans), nn.ReLU(inplace=True))

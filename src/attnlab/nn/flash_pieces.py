@@ -1,27 +1,12 @@
-"""Causal attention with ALiBi's or T5's bias on a CPU's flash kernel, in pieces.
-
-The flash kernel takes a bias only as an (H, T, T) float mask, read in full and kept for the
-backward pass: at long lengths that path costs many times full attention. But each bias is simple
-away from the diagonal:
-- T5's is the same for every pair farther apart than its last bucket's distance (a constant per
-  head);
-- ALiBi's ``slope * (j - i)`` is a key part ``slope * j`` plus a query part ``-slope * i``.
-
-So each block of queries attends its keys in pieces: the near ones (the diagonal block, and for T5
-the keys within its distance) with their bias as a small dense mask, the far ones with a per-key
-mask (ALiBi) or none, plus a constant or a per-query term added to the piece's log-sum-exp. The
-pieces are merged by their log-sum-exps (as split-KV and ring attention do), and the backward pass
-runs the flash kernel's own backward on each piece with the merged output and log-sum-exp, which
-gives each piece's exact share of the gradients. Nothing of size T x T is held.
-
-Positions are measured from each block's start so that the added terms stay small: their rounding
-stays far below the scores' own.
-"""
+"""Causal attention with ALiBi's or T5's bias on a CPU's flash kernel, in pieces merged by their
+log-sum-exps (as split-KV attention), each piece's backward the kernel's own: its bias as an (H, T, T)
+float mask would be read in full and kept for the backward, many times full attention's cost."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import groupby
 
 import torch
 from torch import Tensor
@@ -37,10 +22,9 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 @dataclass
 class Piece:
     """Queries ``q0:q1`` over keys ``k0:k1``; the scores get ``mask`` (broadcast to (B, H, Q, K)),
-    or ``offsets``' bias, an (H, Q + K - 1) vector over the offsets ``j - i`` (causal: ``-inf``
-    past the query), ``row`` (H, Q) and ``const`` (H,); ``causal``: top-left aligned (the
-    diagonal block). ``mask``, ``offsets`` and ``const`` index the tensors given to the Function:
-    the last two may need gradients (T5's)."""
+    or ``offsets``' bias, an (H, Q + K - 1) vector over the offsets ``j - i`` (``-inf`` past the
+    query), ``row`` (H, Q) and ``const`` (H,); ``causal``: top-left aligned. ``mask``, ``offsets`` and
+    ``const`` index the tensors given to the Function: the last two may need gradients (T5's)."""
 
     q0: int
     q1: int
@@ -53,8 +37,8 @@ class Piece:
     const: int | None = None
 
     def relative(self, device: torch.device) -> Tensor:
-        """(Q, K) index of each pair's offset ``j - i`` into ``offsets``' vector, or one past its
-        end for a key after the query (the ``-inf`` appended there)."""
+        """(Q, K) index of each pair's offset into ``offsets``' vector, past its end (the ``-inf``
+        appended there) for a key after the query."""
         return _toeplitz(self.q1 - self.q0, self.k1 - self.k0, self.q0 - self.k0, device)
 
     def dense_mask(self, tensors: tuple[Tensor, ...]) -> Tensor | None:
@@ -67,19 +51,20 @@ class Piece:
 
 @lru_cache(maxsize=8)
 def _toeplitz(n_q: int, n_k: int, start: int, device: torch.device) -> Tensor:
-    """``Piece.relative`` for queries starting ``start`` positions after the keys: one per shape."""
     relative = torch.arange(n_k, device=device)[None, :] - torch.arange(n_q, device=device)[:, None] - start
     size = n_q + n_k - 1
     return torch.where(relative > 0, size, relative + n_q - 1 + start)
 
 
-def pieces_apply(positions: RelativePositions) -> bool:
-    """Whether this module splits ``positions``' bias (causal ALiBi and T5)."""
-    return (
-        isinstance(positions, ALiBi)
-        and not positions.symmetric
-        or (isinstance(positions, T5RelativeBias) and positions.causal)
-    )
+def pieces_apply(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, positions: RelativePositions, dropout: float
+) -> bool:
+    """Whether a call goes in pieces: a causal ALiBi or T5 bias over a whole sequence (no cache)
+    longer than a block on a CPU, and nothing else."""
+    alibi = isinstance(positions, ALiBi) and not positions.symmetric
+    t5 = isinstance(positions, T5RelativeBias) and positions.causal
+    whole = q.size(-2) == k.size(-2) > BLOCK
+    return q.device.type == "cpu" and whole and causal and mask is None and dropout == 0 and (alibi or t5)
 
 
 def t5_reach(positions: T5RelativeBias) -> int:
@@ -90,18 +75,22 @@ def t5_reach(positions: T5RelativeBias) -> int:
 
 
 def plan(positions: RelativePositions, t: int, device: torch.device) -> tuple[list[Piece], list[Tensor]]:
-    """The pieces of causal attention over ``t`` positions, and the tensors they index."""
+    """The pieces of causal attention over ``t`` positions, and the tensors they index. Each block
+    of queries attends the near keys (the diagonal block; for T5 those within its reach) with their
+    bias as a small dense mask, the far ones with a per-key mask and a per-query term (ALiBi's
+    ``slope * (j - i)``) or T5's far constant alone; positions from the block's middle keep the
+    added terms small."""
     pieces, tensors = [], []
     reach = t5_reach(positions) if isinstance(positions, T5RelativeBias) else 0
     if isinstance(positions, T5RelativeBias):
         tensors.append(positions.bias(torch.tensor([-reach], device=device))[:, 0])  # (H,): the far constant
     for q0 in range(0, t, BLOCK):
         q1 = min(t, q0 + BLOCK)
-        q_rel = torch.arange(q1 - q0, device=device)  # from the block's start
+        q_rel = torch.arange(q1 - q0, device=device)
         near = max(0, q0 - reach)
         if isinstance(positions, ALiBi):  # slope * (j - i): a per-key mask, a per-query term
             slopes = positions.slopes[:, None]  # (H, 1)
-            middle = (q1 - q0) // 2  # measured from the block's middle: the terms stay small
+            middle = (q1 - q0) // 2
             q_rel = q_rel - middle
             for k0, k1, causal in ((0, q0, False), (q0, q1, True)):  # the far keys, the diagonal block
                 if k1 > k0:
@@ -133,11 +122,8 @@ class FlashPieces(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], *tensors: Tensor) -> Tensor:
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
         kept = {}  # piece -> (output, lse) where a constant needs its gradient
-        by_block: dict[int, list[Piece]] = {}
-        for p in pieces:
-            by_block.setdefault(p.q0, []).append(p)
-        for q0, block in by_block.items():
-            q1 = block[0].q1
+        for q0, block in groupby(pieces, key=lambda p: p.q0):  # planned block by block
+            q1 = q0 + min(BLOCK, q.size(-2) - q0)
             outs, lses = [], []
             for p in block:
                 mask = p.dense_mask(tensors)

@@ -1,19 +1,6 @@
-"""Attention through FlexAttention (``torch.nn.attention.flex_attention``): the mask and the score
-modification are small Python functions, compiled into one fused kernel that skips the blocks the
-mask rules out.
-
-- a ``mask_mod`` says which (query, key) pairs may attend: causal, a sliding window with global
-  tokens, key padding, any boolean mask; from it a ``BlockMask`` (which blocks of 128 x 128 hold
-  any allowed pair), built once per shape when it depends only on positions;
-- a ``score_mod`` adds to a score: ALiBi's and T5's bias read from one vector over the offsets
-  (never an (H, T, T) matrix), or a float mask.
-
-Where the kernel is compiled: on a GPU always; on a CPU for inference only. PyTorch has no CPU
-kernel for FlexAttention's backward, so with gradients on a CPU the operator's own eager
-implementation runs (dense, O(T^2) memory): the same numbers, for tests and small models, not for
-speed. Queries and keys are taken to be at positions 0..T-1 whenever T_q == T_k (every call
-without a cache, and a cache's first); other calls (decoding) pass their positions.
-"""
+"""Attention through FlexAttention: the mask (``mask_mod``) and the score bias (``score_mod``) as small
+functions compiled into one fused kernel that skips the blocks the mask rules out; compiled on a GPU
+always, on a CPU for inference only (no CPU backward kernel: the eager operator, same numbers)."""
 
 from __future__ import annotations
 
@@ -42,13 +29,17 @@ def _pick(mask: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> 
     return mask[idx[0], idx[1], idx[2], idx[3]]
 
 
-def structural_mask(causal: bool, window: int | None, n_global: int) -> MaskMod | None:
-    """The mask of queries and keys at positions 0..T-1: causal, within ``window`` keys back, or
-    among the first ``n_global`` (seen by every later query)."""
+def structural_mask(
+    causal: bool, window: int | None, n_global: int, q_pos: Tensor | None = None, k_pos: Tensor | None = None
+) -> MaskMod | None:
+    """Causal, within ``window`` keys back or among the first ``n_global``, of queries and keys at
+    ``q_pos`` (T_q,) and ``k_pos`` (T_k,), or at 0..T-1."""
     if not causal:
         return None
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if q_pos is not None:
+            q_idx, kv_idx = q_pos[q_idx], k_pos[kv_idx]
         back = q_idx - kv_idx
         if window is None:
             return back >= 0
@@ -61,22 +52,8 @@ def structural_mask(causal: bool, window: int | None, n_global: int) -> MaskMod 
 def cached_block_mask(
     causal: bool, window: int | None, n_global: int, t_q: int, t_k: int, device: torch.device
 ) -> BlockMask:
-    """The block mask of a structural mask (``structural_mask``): one per shape and run."""
+    """The block mask of a ``structural_mask``: one per shape and run."""
     return create_block_mask(structural_mask(causal, window, n_global), None, None, t_q, t_k, device=device)
-
-
-def positioned_mask(
-    causal: bool, window: int | None, n_global: int, q_pos: Tensor, k_pos: Tensor
-) -> MaskMod | None:
-    """``structural_mask`` for queries and keys at positions ``q_pos`` (T_q,) and ``k_pos`` (T_k,)."""
-    inner = structural_mask(causal, window, n_global)
-    if inner is None:
-        return None
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return inner(b, h, q_pos[q_idx], k_pos[kv_idx])
-
-    return mask_mod
 
 
 def _and(first: MaskMod | None, second: MaskMod | None) -> MaskMod | None:
@@ -101,18 +78,16 @@ def _add(first: ScoreMod | None, second: ScoreMod | None) -> ScoreMod | None:
 
 @torch.compiler.disable
 def offset_table(positions: RelativePositions, t: int, device: torch.device) -> Tensor:
-    """(H, 2T - 1): the bias at each offset ``key - query`` from -(T - 1) to T - 1. Outside any
-    compiled graph: inside one, the CPU kernel refused a score_mod reading a tensor computed there
-    (torch 2.15); as an input it is taken."""
+    """(H, 2T - 1): the bias at each offset ``key - query``. Outside any compiled graph: the CPU
+    kernel refused a score_mod reading a tensor computed there (torch 2.15), not an input."""
     return positions.bias(torch.arange(-(t - 1), t, device=device))
 
 
 def relative_bias(
     positions: RelativePositions, t_q: int, t_k: int, q_pos: Tensor, k_pos: Tensor
 ) -> ScoreMod | None:
-    """ALiBi's or T5's bias as a ``score_mod``: at positions 0..T-1 read from one (H, 2T - 1)
-    vector over the offsets ``key - query``; otherwise (decoding: few queries) an (H, T_q, T_k)
-    matrix."""
+    """ALiBi's or T5's bias as a ``score_mod``: at positions 0..T-1 from one vector over the offsets,
+    never an (H, T, T) matrix; otherwise (decoding: few queries) from an (H, T_q, T_k) one."""
     if t_q == t_k:
         table = offset_table(positions, t_q, q_pos.device)  # (H, 2T - 1)
 
@@ -146,13 +121,11 @@ def mask_mods(mask: Tensor | None) -> tuple[MaskMod | None, ScoreMod | None]:
 @contextlib.contextmanager
 def _cpu_backward() -> Iterator[None]:
     """Let the eager operator differentiate on a CPU: FlexAttention refuses gradients there only
-    because its compiled CPU kernel has no backward; the eager one has."""
+    because its compiled CPU kernel has no backward; the eager one has (dense, O(T^2) memory)."""
     check = torch_flex._validate_device
     torch_flex._validate_device = lambda *args: None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            yield
+        yield
     finally:
         torch_flex._validate_device = check
 
@@ -168,7 +141,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, block_mask
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     if COMPILE and q.size(-2) > 1 and (q.device.type != "cpu" or not grads):
         return _compiled()(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    with _cpu_backward() if q.device.type == "cpu" else warnings.catch_warnings():
+    with warnings.catch_warnings(), _cpu_backward() if q.device.type == "cpu" else contextlib.nullcontext():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -186,14 +159,11 @@ def flex_attend(
     window: int | None = None,
     n_global: int = 0,
 ) -> Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v over (B, H, T, D) tensors through FlexAttention.
-
-    ``mask``: boolean or float, broadcastable to (B, H, T_q, T_k) (``attnlab.nn.attention``'s
-    convention); ``causal``, ``window`` and ``n_global``: which keys each query sees by position
-    (``SlidingWindowAttention``); ``positions``: ALiBi or T5 bias (RoPE is already applied).
-    """
+    """softmax(q k^T / sqrt(d) + bias) v over (B, H, T, D) tensors; ``causal``, ``window`` and
+    ``n_global``: which keys each query sees by position; RoPE is already applied. Queries and keys
+    are at 0..T-1 whenever T_q == T_k (every call without a cache, and a cache's first)."""
     t_q, t_k = q.size(-2), k.size(-2)
-    plain = t_q == t_k  # positions 0..T-1 (see the module docstring)
+    plain = t_q == t_k  # positions 0..T-1
     extra_mask, float_mod = mask_mods(mask)
     biased = positions is not None and positions.adds_bias
     bias_mod = relative_bias(positions, t_q, t_k, q_pos, k_pos) if biased else None
@@ -201,9 +171,8 @@ def flex_attend(
     if plain and extra_mask is None:
         block_mask = cached_block_mask(causal, window, n_global, t_q, t_k, q.device) if causal else None
     else:
-        structural = structural_mask(causal, window, n_global) if plain else None
-        structural = structural or positioned_mask(causal, window, n_global, q_pos, k_pos)
-        mask_mod = _and(structural, extra_mask)
+        at = () if plain else (q_pos, k_pos)
+        mask_mod = _and(structural_mask(causal, window, n_global, *at), extra_mask)
         block_mask = None
         if mask_mod is not None:
             batch = mask.size(0) if mask is not None and mask.dim() == 4 and mask.size(0) > 1 else None

@@ -1,20 +1,6 @@
-"""Attention health: what the heads of a net do, measured on the weights of a probe batch.
-
-While ``recording(net)`` is active, every attention module inside ``net`` calls ``record`` with
-the weights (B, H, T_q, T_k) of the first ``rows`` rows of its batch, computed through the math
-path beside whatever kernel computes the output (so outputs do not change). ``health`` turns the
-records into four numbers per layer and head:
-
-- ``entropy``: of each query's distribution over the keys, in nats (log T_k for uniform attention);
-- ``distance``: the mean distance between a query and the keys it attends to, in the units of their
-  positions (token indices by default, pixels where a model gives its patches' centres with
-  ``give_positions``); query rows at a NaN position (a class token, a latent) are left out, and
-  keys at one are left out of each row's mean;
-- ``first_token``: the mass on key 0 (attention sinks);
-- ``max_weight``: each query's largest weight.
-Each is a mean over the queries of the recorded rows; a query row of NaN weights (padding) is
-left out. A layer is its module's dotted name in ``net`` (``blocks.0.attn``).
-"""
+"""Attention health: while ``recording(net)``, each attention module in ``net`` records the weights of
+its batch's first rows through the math path, beside its kernel (the outputs do not change); per layer
+and head: ``entropy`` (nats), ``distance`` (query to keys), ``first_token`` (sinks), ``max_weight``."""
 
 from __future__ import annotations
 
@@ -30,7 +16,8 @@ METRICS = ("entropy", "distance", "first_token", "max_weight")
 
 @dataclass
 class AttentionRecord:
-    """One call's weights (B, H, T_q, T_k) with its queries' and keys' positions (T, d)."""
+    """One call's weights (B, H, T_q, T_k) with its queries' and keys' positions (T, d); a layer is
+    its module's dotted name in the net (``blocks.0.attn``)."""
 
     layer: str
     weights: Tensor
@@ -49,12 +36,10 @@ _active: _Recording | None = None
 
 
 def is_recording() -> bool:
-    """Whether a ``recording`` is active: the one check attention modules make otherwise."""
     return _active is not None
 
 
 def rows() -> int:
-    """How many rows of its batch an attention module records."""
     return _active.rows if _active is not None else 0
 
 
@@ -97,7 +82,9 @@ def record(
 
 
 def _sums(r: AttentionRecord) -> dict[str, tuple[Tensor, Tensor]]:
-    """Per head (H,): each metric's sum over the record's query rows, and how many rows."""
+    """Per head (H,): each metric's sum over the record's query rows, and how many rows: a query row
+    of NaN weights (padding) is left out; of ``distance`` a query at a NaN position (a class token, a
+    latent) too, and keys at one from each row's mean."""
     w = r.weights
     ok = ~w.isnan().any(-1)  # (B, H, T_q)
     w = w.nan_to_num(0.0)
@@ -116,8 +103,8 @@ def _sums(r: AttentionRecord) -> dict[str, tuple[Tensor, Tensor]]:
 
 
 def per_head(records: list[AttentionRecord]) -> dict[str, dict[str, Tensor]]:
-    """``{metric: {layer: (H,) values}}``, a layer's calls pooled row by row; a head with no row
-    that counts (no positions) is NaN."""
+    """``{metric: {layer: (H,) values}}``, a layer's calls pooled row by row; a mean over the queries
+    of the recorded rows, NaN for a head with no row that counts."""
     totals: dict[str, dict[str, list[Tensor]]] = {k: {} for k in METRICS}
     for r in records:
         for k, (s, n) in _sums(r).items():
@@ -133,7 +120,6 @@ def health(records: list[AttentionRecord]) -> dict[str, float]:
 
 
 def flat(values: dict[str, dict[str, Tensor]]) -> dict[str, float]:
-    """``per_head``'s values as ``health`` logs them."""
     out: dict[str, float] = {}
     for metric, layers in values.items():
         every = []

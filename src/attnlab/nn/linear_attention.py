@@ -1,22 +1,6 @@
-"""Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs").
-
-Softmax attention weighs key j for query i by exp(q_i . k_j / sqrt(d)); linear attention by a
-kernel phi(q_i) . phi(k_j) of a positive feature map: elu(x) + 1 (Katharopoulos et al.), or the
-second-order Taylor features of exp (Based, Arora et al. 2024), whose kernel 1 + s + s^2 / 2 of
-s = q . k / sqrt(d) is softmax's own, cut after three terms. The output
-
-    y_i = sum_{j<=i} phi(q_i) . phi(k_j) v_j  /  sum_{j<=i} phi(q_i) . phi(k_j)
-        = phi(q_i) S_i / phi(q_i) . z_i,   S_i = sum_{j<=i} phi(k_j) v_j^T,  z_i = sum_{j<=i} phi(k_j)
-
-needs only the running sums (S, z): a recurrent state of fixed size instead of a KV cache, and a
-cost linear in the length. Training computes it in chunks: the quadratic form inside each chunk,
-the state of the chunks before it for the rest (one prefix sum over chunk states).
-
-There is no score matrix, so no bias can be added to it: ALiBi and T5 do not apply. RoPE turns q
-and k before the feature map: with Taylor features the kernel is a function of q . k, so the
-positions stay relative, as in softmax attention; elu + 1 features give each token its position,
-not a purely relative one.
-"""
+"""Causal linear attention (Katharopoulos et al. 2020): key j weighs for query i by phi(q_i) . phi(k_j)
+of a positive feature map (elu + 1, or Based's Taylor features of exp), so y_i = phi(q_i) S_i /
+phi(q_i) . z_i needs only running sums S_i = sum_j<=i phi(k_j) v_j^T, z_i = sum_j<=i phi(k_j)."""
 
 from __future__ import annotations
 
@@ -32,17 +16,16 @@ from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.positions import RelativePositions
 
 State = tuple[Tensor, Tensor]  # S (B, H, D, E), z (B, H, D)
+CHUNK = 64  # the chunk length training computes in
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
-    """phi(x) = elu(x) + 1 > 0."""
     return F.elu(x) + 1
 
 
 def taylor_feature_map(x: Tensor) -> Tensor:
-    """Features (..., 1 + d + d(d+1)/2) of (..., d) with phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k
-    / sqrt(d): exp(s) to its second order, which has no real root, so every weight is > 0.
-    s^2 / 2 = sum_i q_i^2 k_i^2 / 2 + sum_{i<j} q_i q_j k_i k_j: each pair i <= j once, the
+    """Features (..., 1 + d + d(d+1)/2) with phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k / sqrt(d):
+    exp(s) to second order (no real root: every weight > 0); s^2 / 2 as each pair i <= j once, the
     squares weighted by sqrt(1/2)."""
     d = x.size(-1)
     x = x * d**-0.25  # so that the scaled pair's product is q . k / sqrt(d)
@@ -56,11 +39,11 @@ FEATURE_MAPS = {"elu": elu_feature_map, "taylor": taylor_feature_map}
 
 
 def causal_linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, state: State | None = None, chunk: int = 64, eps: float = 1e-6
+    q: Tensor, k: Tensor, v: Tensor, state: State | None = None, chunk: int = CHUNK, eps: float = 1e-6
 ) -> tuple[Tensor, State]:
-    """Causal linear attention of features ``q``, ``k`` (B, H, T, D) (already phi'd) over values
-    ``v`` (B, H, T, E), continuing from ``state`` (the sums of the keys before; zeros when None).
-    Returns the outputs (B, H, T, E) and the state after the last position."""
+    """Features ``q``, ``k`` (B, H, T, D) over values (B, H, T, E), continuing from ``state`` (zeros
+    when None): the outputs (B, H, T, E) and the state after the last position. In chunks: the
+    quadratic form inside each, the state of the chunks before (a prefix sum) for the rest."""
     b, h, t, d = q.shape
     e = v.size(-1)
     dtype = v.dtype
@@ -72,10 +55,8 @@ def causal_linear_attention(
     ksum = kc.sum(-2)  # (B, H, n, D)
     s0, z0 = state if state is not None else (q.new_zeros(b, h, d, e), q.new_zeros(b, h, d))
     # the state before each chunk: the start state plus the sums of the chunks before it
-    s_before = s0[:, :, None] + torch.cat([torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]], dim=2)
-    z_before = z0[:, :, None] + torch.cat(
-        [torch.zeros_like(ksum[:, :, :1]), ksum.cumsum(2)[:, :, :-1]], dim=2
-    )
+    before = [torch.cat([torch.zeros_like(x[:, :, :1]), x.cumsum(2)[:, :, :-1]], dim=2) for x in (kv, ksum)]
+    s_before, z_before = s0[:, :, None] + before[0], z0[:, :, None] + before[1]
     scores = (qc @ kc.transpose(-1, -2)).tril()  # (B, H, n, c, c): inside the chunk, causal
     num = scores @ vc + qc @ s_before  # (B, H, n, c, E)
     den = scores.sum(-1) + (qc * z_before[..., None, :]).sum(-1)  # (B, H, n, c)
@@ -85,24 +66,22 @@ def causal_linear_attention(
 
 
 class LinearAttentionState:
-    """The recurrent state of one linear-attention layer across decoding steps (its "KV cache"):
-    S (B, H, D, E) and z (B, H, D), and how many positions went through it."""
+    """One layer's recurrent state across decoding steps (its "KV cache"), and its positions seen."""
 
     def __init__(self) -> None:
         self.state: State | None = None
         self.seen = 0
 
     def reorder(self, index: Tensor) -> None:
-        """Keep the rows at ``index`` (beam search)."""
         if self.state is not None:
             self.state = (self.state[0][index], self.state[1][index])
 
 
 class LinearAttention(MultiHeadAttention):
-    """Causal multi-head linear attention with ``MultiHeadAttention``'s projections; decodes from a
-    ``LinearAttentionState``. ``feature_map``: "elu" (elu + 1, d features per head) or "taylor"
-    (1 + d + d(d+1)/2 features: closer to softmax, dearer per token). ``dropout`` is unused:
-    there are no attention weights to drop."""
+    """Causal multi-head linear attention with ``MultiHeadAttention``'s projections. ``feature_map``
+    "taylor" is closer to softmax, dearer per token; ``dropout`` is unused (no weights to drop). RoPE
+    turns q and k before the feature map (relative with Taylor's, not purely with elu + 1's); a bias
+    (ALiBi, T5) has no score matrix to go to."""
 
     def __init__(self, dim: int, n_head: int, *args, feature_map: FeatureMap = "elu", **kwargs) -> None:
         super().__init__(dim, n_head, *args, **kwargs)
@@ -112,15 +91,13 @@ class LinearAttention(MultiHeadAttention):
         return LinearAttentionState()
 
     def kernel_weights(self, q: Tensor, k: Tensor) -> Tensor:
-        """The (B, H, T, T) weights linear attention implies: phi(q) phi(k)^T, causal, each row
-        normalised (the quadratic form the chunks compute)."""
+        """The (B, H, T, T) weights it implies: phi(q) phi(k)^T, causal, each row normalised."""
         att = (self.feature_map(q) @ self.feature_map(k).transpose(-1, -2)).tril()
         return att / att.sum(-1, keepdim=True)
 
     def attend_features(
         self, q: Tensor, k: Tensor, v: Tensor, state: State | None = None
     ) -> tuple[Tensor, State]:
-        """Causal linear attention of queries and keys through the feature map (B, H, T, E)."""
         return causal_linear_attention(self.feature_map(q), self.feature_map(k), v, state)
 
     def forward(
@@ -135,8 +112,6 @@ class LinearAttention(MultiHeadAttention):
         need_weights: bool = False,
         positions: RelativePositions | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, C) -> (B, T, C); with ``need_weights`` (no cache) also the (B, H, T, T) weights
-        of the quadratic form, phi(q) phi(k)^T masked and normalised per row."""
         if memory is not None or key_padding_mask is not None or attn_mask is not None or not causal:
             raise ValueError("linear attention here is causal self-attention: no memory or masks")
         b, t, c = x.shape

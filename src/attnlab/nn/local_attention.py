@@ -1,14 +1,6 @@
-"""Causal local attention: each token sees only the ``window`` most recent tokens (itself included),
-as in Longformer's and Mistral's sliding window, optionally plus the first ``n_global`` tokens of
-the sequence, which every token sees (Longformer's/BigBird's global tokens; in a causal model a
-global token's own row is already complete, as everything before it is global too).
-
-The cost grows linearly with the length: through FlexAttention (``attn_impl: flex``, ``auto`` on a
-GPU) the window is a block mask whose empty blocks the kernel skips; otherwise queries go in blocks
-of ``window``, and each block is scored against the keys of its own block and the one before
-(2 x window keys, plus the global ones), not against all T keys. A decoding step sees at most
-``window`` cached keys: the cache forgets the others (``LocalKVCache``).
-"""
+"""Causal local attention: each token sees the ``window`` most recent tokens (Longformer's and
+Mistral's sliding window) and the first ``n_global`` (Longformer's and BigBird's global tokens), at
+a cost linear in the length; a decoding step's cache forgets the keys no later query sees."""
 
 from __future__ import annotations
 
@@ -26,30 +18,26 @@ from attnlab.nn.attention import (
     scaled_dot_product_attention,
     with_bias,
 )
-from attnlab.nn.flex import flex_attend
+from attnlab.nn.flex import flex_attend, structural_mask
 from attnlab.nn.positions import RelativePositions
 
 
 class LocalKVCache(KVCache):
-    """A KV cache that keeps the keys a future query may still see: the last ``window - 1`` (the
-    next query is the window's last) and the first ``n_global``."""
+    """Keeps the keys a future query may still see: the last ``window - 1`` and the first ``n_global``."""
 
     def __init__(self, window: int, n_global: int = 0) -> None:
         super().__init__()
         self.window, self.n_global = window, n_global
 
     def forget(self) -> None:
-        self.keep((self.positions > self.seen - self.window) | (self.positions < self.n_global))
+        kept = (self.positions > self.seen - self.window) | (self.positions < self.n_global)
+        self.k, self.v, self.positions = self.k[..., kept, :], self.v[..., kept, :], self.positions[kept]
 
 
 class SlidingWindowAttention(MultiHeadAttention):
-    """Causal multi-head attention within a sliding window of ``window`` keys (the query's own
-    position and the ``window - 1`` before it); the projections are ``MultiHeadAttention``'s.
-
-    Args: as ``MultiHeadAttention``, and
-        window: keys each query sees, itself included.
-        n_global: the first ``n_global`` positions are seen by every query (``GlobalLocalAttention``).
-    """
+    """Causal attention within a sliding window of ``window`` keys (the query's own and the
+    ``window - 1`` before it), and to the first ``n_global`` positions. Through FlexAttention a block
+    mask; else queries in blocks of ``window``, each against its and the previous block's keys."""
 
     def __init__(self, dim: int, n_head: int, window: PositiveInt, n_global: int = 0, **kwargs: Any) -> None:
         super().__init__(dim, n_head, **kwargs)
@@ -57,11 +45,6 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     def new_cache(self) -> LocalKVCache:
         return LocalKVCache(self.window, self.n_global)
-
-    def allowed(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """Boolean (T_q, T_k): True where a query at ``q_pos`` may attend a key at ``k_pos``."""
-        back = q_pos[:, None] - k_pos[None, :]  # how far back the key is
-        return (back >= 0) & ((back < self.window) | (k_pos[None, :] < self.n_global))
 
     def attend(
         self,
@@ -89,14 +72,13 @@ class SlidingWindowAttention(MultiHeadAttention):
         if need_weights or t_q != t_k or t_k <= self.window:
             # every pair scored, those outside the window blocked: the weights as a (T_q, T_k)
             # matrix, a decoding step (at most window + n_global cached keys), or a short sequence
-            allowed = self.allowed(q_pos, k_pos)
+            allowed = structural_mask(True, self.window, self.n_global)(None, None, q_pos[:, None], k_pos)
             return super().attend(q, k, v, allowed, False, positions, q_pos, k_pos, need_weights)
         y = self.blocked(q, k, v, positions)
         return y, None
 
     def blocked(self, q: Tensor, k: Tensor, v: Tensor, positions: RelativePositions | None) -> Tensor:
-        """The same attention over a whole sequence (positions 0..T-1) in blocks of ``window``
-        queries, each scored against 2 x window local keys and the global ones: O(T * window)."""
+        """The attention over a whole sequence (positions 0..T-1) in blocks: O(T * window)."""
         b, h, t, d = q.shape
         w, g = self.window, self.n_global
         n = -(-t // w)  # blocks
@@ -130,8 +112,7 @@ class SlidingWindowAttention(MultiHeadAttention):
 
 
 class GlobalLocalAttention(SlidingWindowAttention):
-    """Sliding-window attention plus ``n_global`` global tokens: the first ``n_global`` positions
-    (a [CLS] or a prompt's start) are seen by every later query."""
+    """Sliding-window attention with ``n_global`` >= 1 global tokens (a [CLS], a prompt's start)."""
 
     def __init__(
         self, dim: int, n_head: int, window: PositiveInt, n_global: PositiveInt, **kwargs: Any

@@ -1,16 +1,6 @@
-"""Relative positions: how far apart a query and a key are, applied inside the attention instead of
-added to the token embeddings (``nn/embedding.py`` holds the absolute ones, learned and sinusoidal).
-
-Two ways in, one hook each (``RelativePositions``):
-- ``rotate``: RoPE (Su et al. 2021) turns each query and key by an angle proportional to its
-  position, so their dot product depends only on the offset between them;
-- ``bias``: ALiBi (Press et al. 2022) and T5 (Raffel et al. 2020) add a per-head bias to the
-  attention scores, a function of ``relative = key position - query position`` (<= 0 for the past,
-  T5's sign).
-
-One instance serves every layer of a model (T5 shares its bias table across layers), and the
-attention layers ask it for what they need (``MultiHeadAttention.forward(positions=...)``).
-"""
+"""Relative positions, applied inside the attention: RoPE (Su et al. 2021) turns queries and keys
+(``rotate``); ALiBi (Press et al. 2022) and T5 (Raffel et al. 2020) add a per-head bias (``bias``)
+of ``relative = key position - query position`` (<= 0 for the past, T5's sign)."""
 
 from __future__ import annotations
 
@@ -24,7 +14,8 @@ Positions = Literal["learned", "sinusoidal", "rope", "alibi", "t5", "none"]
 
 
 class RelativePositions(nn.Module):
-    """The two hooks an attention layer calls; each subclass overrides one."""
+    """The two hooks an attention layer calls (``forward(positions=...)``); each subclass overrides
+    one. One instance serves every layer of a model (T5 shares its table across layers)."""
 
     adds_bias = False  # whether ``bias`` adds to the scores (ALiBi, T5)
 
@@ -38,19 +29,13 @@ class RelativePositions(nn.Module):
 
 
 def rotate_half(x: Tensor) -> Tensor:
-    """(x1, x2) -> (-x2, x1) over the two halves of the last dim: a 90-degree turn of each pair."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class Rotary(RelativePositions):
     """RoPE: pair i of a head's dims (i, i + D/2, as GPT-NeoX and Llama) is turned by the angle
-    ``pos * base^(-2i/D)``. Keys are turned before they are cached, at their own positions.
-
-    Args:
-        head_dim: dims per head (even).
-        base: the wavelength scale (10000 in the paper).
-    """
+    ``pos * base^(-2i/D)``; keys are turned before they are cached."""
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
@@ -116,13 +101,8 @@ def t5_bucket(
 
 
 class T5RelativeBias(RelativePositions):
-    """T5: a learned scalar per head and bucket of offsets (``t5_bucket``), added to the scores.
-
-    Args:
-        n_head: heads (one bias each per bucket).
-        causal: offsets into the future are never seen, so all buckets go to the past.
-        num_buckets, max_distance: T5's 32 and 128.
-    """
+    """T5: a learned scalar per head and bucket of offsets (``t5_bucket``), added to the scores;
+    ``causal``: the future is never seen, so all buckets go to the past."""
 
     adds_bias = True
 
@@ -137,8 +117,7 @@ class T5RelativeBias(RelativePositions):
 
 
 def relative_positions(kind: Positions, head_dim: int, n_head: int, causal: bool) -> RelativePositions | None:
-    """The ``RelativePositions`` a model's ``positions`` names, or ``None`` for the absolute ones
-    (added to the embeddings) and for "none"."""
+    """The ``RelativePositions`` ``kind`` names; ``None`` for the absolute ones and "none"."""
     if kind == "rope":
         return Rotary(head_dim)
     if kind == "alibi":

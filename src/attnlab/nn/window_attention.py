@@ -1,14 +1,10 @@
-"""Self-attention inside (shifted) windows of a feature map, with a relative position bias: the
-attention of the Swin Transformer (Liu et al. 2021).
-
-A feature map of R x R tokens is cut into windows of w x w tokens; each token attends only to the
-tokens of its own window, so the cost grows with R^2 w^2 instead of R^4. Every other block shifts
-the map by w/2 (cyclically) before cutting it, so information crosses window borders; the tokens
-that wrapped around the map's edge land in windows with tokens that were never their neighbours,
-and a mask keeps them apart.
-"""
+"""The Swin Transformer's attention (Liu et al. 2021): each token attends within its window of the
+map, every other block shifted by half a window so information crosses window borders; a mask keeps
+apart the tokens that wrapped around the map's edge."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,19 +48,9 @@ def shifted_window_mask(size: int, window: int, shift: int) -> Tensor:
 
 
 class WindowAttention(MultiHeadAttention):
-    """Multi-head self-attention within ``window`` x ``window`` windows of a ``size`` x ``size``
-    feature map, shifted by ``shift`` tokens first, plus a learned bias per head and relative offset.
-
-    Takes the place of ``MultiHeadAttention`` in a ``TransformerBlock`` (``attn_layer``): it reads
-    the block's (B, size * size, C) tokens as a map. Weights copy from timm's ``WindowAttention``
-    (``qkv`` -> ``in_proj``, ``proj`` -> ``out_proj``).
-
-    Args:
-        dim, n_head, dropout, bias, impl: see ``MultiHeadAttention``.
-        size: side of the feature map, in tokens.
-        window: side of a window; must divide ``size``.
-        shift: cyclic shift before partitioning (``window // 2`` in every other block), or 0.
-    """
+    """Self-attention within ``window`` x ``window`` windows of a ``size`` x ``size`` map of tokens,
+    cyclically shifted by ``shift`` first, plus a learned bias per head and relative offset: a
+    ``TransformerBlock``'s ``attn_layer``. Weights copy from timm's (``qkv``, ``proj``)."""
 
     def __init__(
         self,
@@ -93,27 +79,17 @@ class WindowAttention(MultiHeadAttention):
         return {"relative_position_bias_table"}
 
     def relative_position_bias(self) -> Tensor:
-        """(H, N, N): the bias each head adds to the score of query i and key j."""
+        """(H, N, N): each head's bias on the score of query i and key j."""
         n = self.window**2
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]  # (N * N, H)
         return bias.view(n, n, -1).permute(2, 0, 1)
 
     def forward(
-        self,
-        x: Tensor,
-        memory: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        causal: bool = False,
-        cache: object | None = None,
-        need_weights: bool = False,
-        positions: object | None = None,
+        self, x: Tensor, memory: Tensor | None = None, *, need_weights: bool = False, **unset: Any
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, size * size, C) -> (B, size * size, C), and with ``need_weights`` the weights
-        (B * nW, H, N, N) of every window."""
-        extras = (memory, key_padding_mask, attn_mask, cache, positions)
-        if causal or any(e is not None for e in extras):
+        (B * nW, H, N, N) of every window; a ``TransformerBlock``'s other arguments must be unset."""
+        if memory is not None or any(e is not None and e is not False for e in unset.values()):
             raise ValueError(
                 "window attention is self-attention over a whole feature map with its own relative "
                 "bias: no masks, caches or other positions"

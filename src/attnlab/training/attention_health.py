@@ -23,14 +23,10 @@ UNITS = {
 
 class AttentionHealth(L.Callback):
     """Log ``attn/<metric>/<layer>/h<head>``, ``attn/<metric>/<layer>`` and ``attn/<metric>``
-    (``attnlab.nn.health``) at every validation, and draw them as layer x head heat maps, a
-    panel per metric, once fitting ends (``<plot_dir>/attention_health.png`` and W&B).
-
-    The probe is the first ``rows`` rows of the first validation batch, the same at every
-    validation (validation loaders are not shuffled): the task's own forward of that batch is
-    recorded, in eval mode and without gradients as Lightning runs it, on global rank 0 only
-    (eagerly: a compiled net's probe batch may round differently than its other batches).
-    """
+    (``attnlab.nn.health``) at every validation; draw them as layer x head heat maps, a panel per
+    metric, once fitting ends (``<plot_dir>/attention_health.png`` and W&B). The probe: the task's
+    own forward of the first ``rows`` rows of the first validation batch (unshuffled, the same each
+    time), on global rank 0, run eagerly (a compiled net's probe may round differently)."""
 
     def __init__(self, rows: PositiveInt = 8, plot_dir: str | None = None) -> None:
         self.rows, self.plot_dir = rows, plot_dir
@@ -51,15 +47,7 @@ class AttentionHealth(L.Callback):
             self._stack.enter_context(torch.compiler.set_stance("force_eager"))
             self._records = self._stack.enter_context(health.recording(pl_module.net, self.rows))
 
-    def on_validation_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self._records is None:
             return
         self._stack.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -22,19 +23,9 @@ from attnlab.weights.init import load_init
 # methods. Decoding (start/step, generate) runs a different number of steps on each process and
 # gathers everything once instead (``attnlab.core.distributed.unsharded``).
 ENTRY_POINTS = (
-    "forward_heads",
-    "forward_features",
-    "forward_head",
-    "patch_attention",
-    "attention_maps",
-    "alignments",
-    "encode_image",
-    "encode_text",
-    "scale",
-    "encode",
-    "decode",
-    "logits",
-)
+    "forward_heads forward_features forward_head patch_attention attention_maps alignments encode_image "
+    "encode_text scale encode decode logits"
+).split()
 
 
 log = logging.getLogger(__name__)
@@ -85,6 +76,8 @@ class Task(L.LightningModule):
     """Base of the tasks: trains ``net`` as ``optim`` says, from ``init_from``'s weights (``load_init``)
     with ``lora`` adapters (``attnlab.training.lora``: only they train) when set."""
 
+    items = "samples"  # what ``step_work`` counts, named in ``throughput/<items>_per_sec``
+
     def __init__(
         self,
         net: nn.Module,
@@ -134,9 +127,41 @@ class Task(L.LightningModule):
         return bool(every) and (self.global_step + 1) % every == 0
 
     def log_best(self, name: str, best: Metric, value: Tensor) -> None:
-        """Log ``val/<name>_best``: ``best`` (a ``best_so_far``) updated with ``value``."""
-        best.update(value)
-        self.log(f"val/{name}_best", best.compute())
+        """Log ``val/<name>_best``: ``best`` (a ``best_so_far``) updated with ``value``; the sanity
+        check does not count."""
+        if not self.trainer.sanity_checking:
+            best.update(value)
+            self.log(f"val/{name}_best", best.compute())
+
+    def log_loss(self, key: str, metric: Metric, prog_bar: bool = False) -> Tensor:
+        """Log ``metric``'s loss as ``key`` and its exp as the same key with ``ppl`` for ``loss``; reset it.
+        compute() sums the states over the processes: global values, no sync_dist needed."""
+        loss = metric.compute()
+        metric.reset()
+        self.log(key, loss, prog_bar=prog_bar)
+        self.log(key.replace("loss", "ppl"), torch.exp(loss))
+        return loss
+
+    def figure_path(self, name: str) -> Path | None:
+        """``<plot_dir>/<name>``, or None without a ``plot_dir``."""
+        plot_dir = getattr(self, "plot_dir", None)
+        return Path(plot_dir) / name if plot_dir else None
+
+    def write_lines(self, name: str, lines: list[str]) -> Path:
+        """Write ``lines`` to ``<run folder>/<name>``, one a line."""
+        path = Path(self.trainer.default_root_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        return path
+
+    def train_loss(self, batch: Any) -> Tensor:
+        """The loss ``training_step`` logs and returns."""
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.train_loss(batch)
+        self.log_train_loss(loss)
+        return loss
 
     def log_train_loss(self, loss: Tensor, **kwargs: Any) -> None:
         if self.logs_this_step():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,9 +153,7 @@ class FiniteLoss(L.Callback):
                 self.check(trainer)
             return
         loss = loss.detach().float().reshape(-1)[:1]
-        bad = ~torch.isfinite(loss)
-        step = torch.full_like(loss, trainer.global_step)
-        here = torch.cat([torch.where(bad, step, -1.0), loss])
+        here = torch.cat([torch.where(torch.isfinite(loss), -1.0, float(trainer.global_step)), loss])
         if self.first_bad is None or self.first_bad.device != loss.device:
             self.first_bad = here
         else:
@@ -266,9 +265,7 @@ class TrainingCost(L.Callback):
     def __init__(self, warmup: int = 1, new_tokens: int = 16) -> None:
         self.warmup, self.new_tokens = warmup, new_tokens
         self._steps: list[float] = []
-        self._tokens = 0
-        self._t0 = 0.0
-        self._baseline = 0.0
+        self._tokens, self._t0, self._baseline = 0, 0.0, 0.0
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
@@ -363,25 +360,18 @@ class SubmititRequeue(L.Callback):
     optimizer step and the job is requeued (and resumes from it)."""
 
     def __init__(self, last: Any) -> None:
-        import signal
-
         from submitit import JobEnvironment
 
         self.last = last
         self.signum = getattr(signal, f"SIG{JobEnvironment.USR_SIG}")
-        self.submitit_handler: Any = None
-        self.sigterm_handler: Any = None
+        self.submitit_handler = self.sigterm_handler = None
         self.received = self.saved = False
         self.step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        import signal
-
         self.sigterm_handler = signal.getsignal(signal.SIGTERM)  # submitit's, before Lightning's
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import signal
-
         # after Lightning registered its handlers; its teardown puts submitit's back
         self.submitit_handler = signal.getsignal(self.signum)
         signal.signal(self.signum, self.receive)
@@ -407,8 +397,6 @@ class SubmititRequeue(L.Callback):
             self.saved = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import signal
-
         signal.signal(self.signum, self.submitit_handler)  # from here on, submitit's own handler
         if trainer.strategy.reduce_boolean_decision(self.received, all=False):
             if not self.saved:  # the signal came after the last step: the weights as they end
@@ -416,8 +404,6 @@ class SubmititRequeue(L.Callback):
             self.requeue()
 
     def requeue(self) -> None:
-        import signal
-
         signal.signal(self.signum, self.submitit_handler)
         if callable(self.submitit_handler):
             self.submitit_handler(self.signum, None)  # process 0: requeue the job and exit
@@ -431,14 +417,10 @@ class Throughput(L.Callback):
     _sync = staticmethod(sync)  # (a test counts the waits)
 
     def __init__(self, peak_tflops: PositiveFloat | None = None) -> None:
-        self.peak_tflops = peak_tflops
-        self.peak: float | None = None
-        self.counting = True
-        self._t0: float | None = None
-        self._paused: float | None = None
-        self._step = -1
-        self._items: Any = 0
-        self._flops: Any = 0
+        self.peak_tflops, self.peak, self.counting = peak_tflops, None, True
+        self._t0: float | None = None  # the clock, None until the first step is done
+        self._paused: float | None = None  # when a validation began
+        self._step, self._items, self._flops = -1, 0, 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -509,8 +491,7 @@ class Throughput(L.Callback):
         }
         if self.peak:
             metrics["throughput/mfu"] = flops / seconds / self.peak
-        for name, value in metrics.items():
-            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
         self._t0, self._items, self._flops = now, 0, 0
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -81,10 +81,7 @@ def _item(found: list[tuple[str, str]], k: int) -> str:
 
 
 def scene_exact_match(
-    hyp: str,
-    items: list[str],
-    relations: list[tuple[str, str, str]],
-    names: list[str] | None = None,
+    hyp: str, items: list[str], relations: list[tuple[str, str, str]], names: list[str] | None = None
 ) -> bool:
     """Whether ``hyp`` names exactly the scene's ``items`` and ``relations`` (inverse relations alike),
     ``names`` the item names looked for."""

@@ -4,7 +4,6 @@ CIDEr, exact match and grounding of decoded captions; attention pictures. Any ``
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Unpack
 
 import torch
@@ -51,13 +50,8 @@ class CaptioningTask(Task):
         self.attention_reg, self.label_smoothing = attention_reg, label_smoothing
         self.beam_size, self.length_penalty, self.max_len = beam_size, length_penalty, max_len
         self.plot_images, self.plot_dir = plot_images, plot_dir
-        self.scores = nn.ModuleDict(
-            {
-                f"{stage}_{name}": MeanMetric()
-                for stage in ("val", "test")
-                for name in ("loss", "exact_match", "grounding")
-            }
-        )
+        names = ("loss", "exact_match", "grounding")
+        self.scores = nn.ModuleDict({f"{s}_{n}": MeanMetric() for s in ("val", "test") for n in names})
         self.best = nn.ModuleDict({name: best_so_far("max") for name in ("bleu4", "cider")})
         self._pairs: list[tuple[int, str, list[str]]] = []  # (index, hypothesis, references)
         self._shown: Tensor | None = None
@@ -80,20 +74,19 @@ class CaptioningTask(Task):
     # -- loops -----------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         logits, attn, target, scored = self._teacher_forced(batch)
-        nll = F.cross_entropy(logits[scored].float(), target[scored], label_smoothing=self.label_smoothing)
-        loss = nll
+        loss = F.cross_entropy(logits[scored].float(), target[scored], label_smoothing=self.label_smoothing)
         if self.attention_reg:
             reg = doubly_stochastic_penalty(attn, scored)
-            loss = nll + self.attention_reg * reg
+            loss = loss + self.attention_reg * reg
             if self.logs_this_step():
                 self.log("train/attention_reg", reg)
         self.log_train_loss(loss, batch_size=target.size(0))
         return loss
 
-    items = "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+    items = "images"
 
     def step_work(self, batch: dict[str, Any]) -> tuple[Count, Flops]:
-        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``."""
+        """The images and the model FLOPs (``attnlab.nn.flops``) of a training step."""
         return batch["image"].size(0), self.net.flops(batch["image"], batch["tokens"][:, :-1])
 
     def _evaluate(self, batch: dict[str, Any], stage: str, beam: int) -> None:
@@ -167,9 +160,7 @@ class CaptioningTask(Task):
     def on_test_epoch_end(self) -> None:
         self._log_scores("test")
         if self.trainer.is_global_zero and self._captions:
-            path = Path(self.trainer.default_root_dir) / "test_captions.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(c + "\n" for c in self._captions), encoding="utf-8")
+            path = self.write_lines("test_captions.txt", self._captions)
             log.info("test captions written to %s", path)
 
     # -- what people look at ------------------------------------------------------------------------
@@ -177,7 +168,7 @@ class CaptioningTask(Task):
     def _plot_attention(self) -> None:
         if not self.plot_images or self._shown is None:
             return
-        from attnlab.training.plots import caption_attention_figure, publish_figure  # matplotlib
+        from attnlab.training.plots import caption_attention_figure, publish_figure, stretched
 
         tok, images = self._tokenizer, self._shown
         with unsharded(self.net):
@@ -187,15 +178,6 @@ class CaptioningTask(Task):
         figures, paths = [], []
         for i, (ids, attn) in enumerate(out):
             words = [tok.decode([t]) or "?" for t in ids]
-            figures.append(caption_attention_figure(visible(images[i]).cpu(), words, attn, self.net.grid))
-            paths.append(
-                Path(self.plot_dir) / f"step{self.global_step:06d}_img{i}.png" if self.plot_dir else None
-            )
+            figures.append(caption_attention_figure(stretched(images[i]).cpu(), words, attn, self.net.grid))
+            paths.append(self.figure_path(f"step{self.global_step:06d}_img{i}.png"))
         publish_figure(self, "val/caption_attention", figures, paths)
-
-
-def visible(image: Tensor) -> Tensor:
-    """A normalised (C, H, W) image stretched to [0, 1] for drawing."""
-    image = image.float()
-    lo, hi = image.amin(), image.amax()
-    return (image - lo) / (hi - lo).clamp_min(1e-12)

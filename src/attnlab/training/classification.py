@@ -4,7 +4,6 @@ accuracy, a confusion matrix, attention pictures; ``multilabel``: BCE per class,
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Unpack
 
 import torch
@@ -105,17 +104,14 @@ class ImageClassificationTask(Task):
         if self.distillation is not None:  # held outside the module tree: not saved with the student
             self.distillation.teacher.to(self.device)
 
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+    def train_loss(self, batch: Batch) -> Tensor:
         images, targets = images_and_targets(batch)
-        if self.distillation is not None:
-            cls_logits, dist_logits = self.net.forward_heads(images)
-            loss = self.distillation.loss(cls_logits, dist_logits, targets, images, self.label_smoothing)
-        else:
-            loss = self.loss(self(images).float(), targets, self.label_smoothing)
-        self.log_train_loss(loss)
-        return loss
+        if self.distillation is None:
+            return self.loss(self(images).float(), targets, self.label_smoothing)
+        cls_logits, dist_logits = self.net.forward_heads(images)
+        return self.distillation.loss(cls_logits, dist_logits, targets, images, self.label_smoothing)
 
-    items = "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+    items = "images"
 
     def step_work(self, batch: Batch) -> tuple[Count, Flops]:
         """The images and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``,
@@ -127,7 +123,7 @@ class ImageClassificationTask(Task):
             f = f + teacher.flops(images, grad="none")
         return images.size(0), f
 
-    def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *metrics: Metric) -> Tensor:
+    def _evaluate(self, batch: Batch, loss_metric: MeanMetric, *metrics: Metric) -> None:
         images, labels = images_and_targets(batch)
         logits = self(images).float()
         loss_metric.update(self.loss(logits, labels), len(labels))
@@ -135,7 +131,6 @@ class ImageClassificationTask(Task):
             logits, labels = logits.sigmoid(), labels.long()
         for metric in metrics:
             metric.update(logits, labels)
-        return logits
 
     def _log_metrics(self, split: str, loss: MeanMetric, metrics: nn.ModuleDict) -> Tensor:
         """Log and reset the loss and ``metrics`` of ``split``; return its accuracy."""
@@ -152,8 +147,8 @@ class ImageClassificationTask(Task):
 
     def on_validation_epoch_end(self) -> None:
         acc = self._log_metrics("val", self.val_loss, self.val_metrics)
+        self.log_best("acc", self.val_acc_best, acc)
         if not self.trainer.sanity_checking:
-            self.log_best("acc", self.val_acc_best, acc)
             self._plot_attention()  # every process: a sharded net needs them all
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
@@ -183,14 +178,12 @@ class ImageClassificationTask(Task):
     def _save_confusion(self, matrix: Tensor, classes: list[str]) -> None:
         from attnlab.training.plots import confusion_matrix_figure, publish_figure  # matplotlib when plotting
 
-        out = Path(self.trainer.default_root_dir)
-        out.mkdir(parents=True, exist_ok=True)
         rows = [",".join(["true\\predicted", *classes])]
         rows += [",".join([name, *map(str, matrix[i].tolist())]) for i, name in enumerate(classes)]
-        (out / "confusion_matrix.csv").write_text("\n".join(rows) + "\n")
+        path = self.write_lines("confusion_matrix.csv", rows)
         fig = confusion_matrix_figure(matrix, classes)
-        publish_figure(self, "test/confusion_matrix", fig, out / "confusion_matrix.png", step=False)
-        log.info("confusion matrix written to %s", out / "confusion_matrix.csv")
+        publish_figure(self, "test/confusion_matrix", fig, path.with_suffix(".png"), step=False)
+        log.info("confusion matrix written to %s", path)
 
     @torch.no_grad()
     def _plot_attention(self) -> None:
@@ -214,5 +207,4 @@ class ImageClassificationTask(Task):
             for t, p in zip([int(y) for _, y in items], predicted, strict=True)
         ]
         fig = attention_overlay_figure(raw.float() / 255, maps, captions)
-        path = Path(self.plot_dir) / f"step{self.global_step:06d}.png" if self.plot_dir else None
-        publish_figure(self, "val/attention", fig, path)
+        publish_figure(self, "val/attention", fig, self.figure_path(f"step{self.global_step:06d}.png"))

@@ -4,21 +4,19 @@ batch under DDP), zero-shot classification through prompt templates, and image-t
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_gather
-from torchmetrics import MaxMetric, MinMetric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from attnlab.core.specs import LoRA
+from attnlab.core.specs import Start
 from attnlab.inference.zeroshot import class_embeddings, zeroshot_accuracy
 from attnlab.nn.flops import Count, Flops
-from attnlab.training.base import Task
+from attnlab.training.base import Task, best_so_far
 from attnlab.training.optim import Optimization
 
 ContrastiveLoss = Literal["clip", "siglip"]
@@ -36,14 +34,10 @@ def gather_with_grad(x: Tensor) -> Tensor:
 
 
 def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor) -> Tensor:
-    """Symmetric InfoNCE (Radford et al. 2021): the i-th image should pick the i-th caption among
-    all captions of the (global) batch, and the i-th caption the i-th image; the mean of the two
-    cross-entropies. Features are (B, E), unit length; ``logit_scale`` is the multiplier exp(t).
-
-    Under DDP each rank computes the loss of the whole global batch from gathered features; the
-    gather's backward sums every rank's gradient into each rank's part, and DDP's averaging then
-    gives the gradient of the global loss (open_clip's ``gather_with_grad=True``, ``local_loss=False``).
-    """
+    """Symmetric InfoNCE (Radford et al. 2021) over the (global) batch: the mean of the image->caption
+    and caption->image cross-entropies; features (B, E) of unit length, ``logit_scale`` exp(t). Under
+    DDP each rank scores the whole gathered batch; the gather's backward sums every rank's gradient
+    into its part and DDP's averaging gives the global loss's (open_clip's ``gather_with_grad``)."""
     images, texts = gather_with_grad(image_features), gather_with_grad(text_features)
     logits = logit_scale * images.float() @ texts.float().t()  # (N, N): images x captions
     targets = torch.arange(logits.size(0), device=logits.device)
@@ -109,46 +103,29 @@ def recall_at_k(sim: Tensor, image_ids: Tensor, ks: tuple[int, ...] = (1, 5, 10)
 
 
 class ContrastiveTask(Task):
-    """Trains a ``CLIP`` on image-caption batches with the symmetric contrastive loss, or SigLIP's.
-
-    Logs ``train/loss`` and ``train/logit_scale`` (and ``train/logit_bias``); ``val/loss`` (the
-    training loss over the whole split:
-    every image against every caption, so it does not depend on how the split is batched or shared
-    out between processes) and its best, ``val/zeroshot_acc`` and its best (zero-shot
-    classification of the validation images through the data's held-out prompt templates, when
-    the data has classes); at test ``test/loss``,
-    ``test/zeroshot_acc``, ``test/zeroshot_acc_top5``, image->text and text->image recall at 1/5/10
-    (``test/i2t_r1``, ...), and a picture of the similarities of the first test pairs.
-
-    Args:
-        net: the ``CLIP``.
-        optim, init_from, lora: see ``Task``.
-        loss: ``clip`` (softmax over the batch, both ways) or ``siglip`` (a sigmoid per pair, with
-            a learned bias; the net's scale starts at 10 instead of CLIP's 1/0.07).
-        plot_pairs: test pairs in the similarity picture (0: none).
-        plot_dir: where the picture goes (also to W&B).
-    """
+    """Trains a ``CLIP`` with the symmetric contrastive loss (``clip``) or SigLIP's sigmoid per pair
+    with a learned bias (``siglip``, the scale starting at 10). Validation and test score the whole
+    split (every image against every caption, however it is batched or shared out), zero-shot
+    accuracy through the data's held-out prompt templates (when it has classes) and, at test,
+    image<->text recall at 1/5/10 and a picture of the first ``plot_pairs`` pairs' similarities."""
 
     def __init__(
         self,
         net: nn.Module,
         optim: Optimization,
-        init_from: str | None = None,
-        lora: LoRA | None = None,
         loss: ContrastiveLoss = "clip",
         plot_pairs: int = 8,
         plot_dir: str | None = None,
+        **start: Unpack[Start],
     ) -> None:
         if loss == "siglip":  # before init_from, whose scale takes precedence
             with torch.no_grad():
                 net.logit_scale.fill_(SIGLIP_INIT_SCALE)
-        super().__init__(net, optim, init_from, lora)
+        super().__init__(net, optim, **start)
         self.loss, self.plot_pairs, self.plot_dir = loss, plot_pairs, plot_dir
         if loss == "siglip":  # the task's, not the net's: a CLIP exported to open_clip has none
             self.logit_bias = nn.Parameter(torch.full((1,), SIGLIP_INIT_BIAS))
-        self.val_acc_best, self.val_loss_best = MaxMetric(), MinMetric()
-        self.val_acc_best.persistent(True)
-        self.val_loss_best.persistent(True)
+        self.val_acc_best, self.val_loss_best = best_so_far("max"), best_so_far("min")
         self.classifier: Tensor | None = None
         self.outputs: dict[str, list[Tensor]] = {}
 
@@ -169,13 +146,10 @@ class ContrastiveTask(Task):
                 self.log("train/logit_bias", self.logit_bias.squeeze(0))
         return loss
 
-    items = (
-        "images"  # what throughput counts (``attnlab.training.callbacks.Throughput``): image-caption pairs
-    )
+    items = "images"  # image-caption pairs
 
     def step_work(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Count, Flops]:
-        """The image-caption pairs and the model FLOPs (``attnlab.nn.flops``) of a training step
-        on ``batch``."""
+        """The image-caption pairs and the model FLOPs (``attnlab.nn.flops``) of a training step."""
         images, tokens, _ = batch
         return images.size(0), self.net.flops(images, tokens)
 
@@ -187,25 +161,19 @@ class ContrastiveTask(Task):
             return None
         return class_embeddings(self.net, data.tokenizer, data.max_len, data.classes, data.templates)
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor, Tensor]) -> None:
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
         images, tokens, labels = batch
         image_features, text_features, self.eval_scale = self(images, tokens)
-        self.outputs.setdefault("images", []).append(image_features.float())
-        self.outputs.setdefault("texts", []).append(text_features.float())
-        self.outputs.setdefault("tokens", []).append(tokens)
-        self.outputs.setdefault("labels", []).append(labels)
+        outputs = (image_features.float(), text_features.float(), tokens, labels)
+        for key, x in zip(("images", "texts", "tokens", "labels"), outputs, strict=True):
+            self.outputs.setdefault(key, []).append(x)
 
     def on_validation_epoch_start(self) -> None:
         self.outputs = {}
         self.classifier = self._zeroshot_classifier()
 
     on_test_epoch_start = on_validation_epoch_start
-
-    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch)
-
-    def test_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch)
+    test_step = validation_step
 
     def _gathered(self, key: str) -> Tensor:
         """Every process's outputs under ``key``, concatenated (processes may hold different
@@ -222,15 +190,11 @@ class ContrastiveTask(Task):
     def on_validation_epoch_end(self) -> None:
         loss = self._split_loss()
         self.log("val/loss", loss, prog_bar=True)
-        if not self.trainer.sanity_checking:
-            self.val_loss_best.update(loss)
-            self.log("val/loss_best", self.val_loss_best.compute())
+        self.log_best("loss", self.val_loss_best, loss)
         if self.classifier is not None:
             acc = zeroshot_accuracy(self._gathered("images"), self.classifier, self._gathered("labels"))
             self.log("val/zeroshot_acc", acc[1], prog_bar=True)
-            if not self.trainer.sanity_checking:
-                self.val_acc_best.update(acc[1])
-                self.log("val/zeroshot_acc_best", self.val_acc_best.compute())
+            self.log_best("zeroshot_acc", self.val_acc_best, acc[1])
         self.outputs = {}
 
     def on_test_epoch_end(self) -> None:
@@ -263,5 +227,4 @@ class ContrastiveTask(Task):
         fig = similarity_figure(
             raw.float() / 255, [c for _, c, _ in items], (images @ texts.t()).float().cpu()
         )
-        path = Path(self.plot_dir) / "similarity.png" if self.plot_dir else None
-        publish_figure(self, "test/similarity", fig, path, step=False)
+        publish_figure(self, "test/similarity", fig, self.figure_path("similarity.png"), step=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,10 +45,6 @@ class HardDistillation:
                 "train the teacher on the same data and image size"
             )
 
-    @torch.no_grad()
-    def teacher_labels(self, images: Tensor) -> Tensor:
-        return self.teacher(images).argmax(-1)
-
     def loss(
         self,
         cls_logits: Tensor,
@@ -60,7 +55,9 @@ class HardDistillation:
     ) -> Tensor:
         """``targets``: class ids (B,) or mixed label distributions (B, K) after mixup."""
         base = F.cross_entropy(cls_logits.float(), targets, label_smoothing=label_smoothing)
-        distilled = F.cross_entropy(dist_logits.float(), self.teacher_labels(images))
+        with torch.no_grad():
+            teacher_labels = self.teacher(images).argmax(-1)
+        distilled = F.cross_entropy(dist_logits.float(), teacher_labels)
         return (1 - self.alpha) * base + self.alpha * distilled
 
 
@@ -90,7 +87,9 @@ def load_teacher(
     trained = TrainedRun(str(ckpt_path), Path(log_dir))
     need = "model.distillation.teacher needs an image classifier"
     require_task(trained.meta, trained.path, ("ImageClassificationTask",), need)
-    return _checked_classifier(trained.net(), str(ckpt_path))
+    net = trained.net()  # an image classifier's: it has num_classes
+    log.info("teacher from %s: %s, %d classes", ckpt_path, type(net).__name__, net.num_classes)
+    return net
 
 
 def timm_teacher(timm_name: str, weights: str | None) -> nn.Module:
@@ -124,23 +123,14 @@ def timm_teacher(timm_name: str, weights: str | None) -> nn.Module:
     return model.eval()
 
 
-def _checked_classifier(net: nn.Module, where: str) -> nn.Module:
-    if getattr(net, "num_classes", None) is None:
-        raise ConfigError(f"model.distillation.teacher: {where} is not an image classifier")
-    log.info("teacher from %s: %s, %d classes", where, type(net).__name__, net.num_classes)
-    return net
-
-
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise ConfigError(f"model.distillation.teacher.weights={path}: no such file")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        loader = load_file
-    else:
-        loader = partial(torch.load, map_location="cpu", weights_only=True)
     try:
-        return loader(path)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a corrupt or foreign file: pickle, zip and safetensors errors vary
         raise ConfigError(f"model.distillation.teacher.weights={path}: not a state dict ({e})") from e

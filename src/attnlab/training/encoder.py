@@ -3,10 +3,8 @@ attention pictures of a few validation sentences."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Unpack
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
@@ -42,23 +40,14 @@ class EncoderTask(Task):
     def make_metrics(self) -> dict[str, Metric]:
         raise NotImplementedError
 
-    def train_loss(self, batch: Batch) -> Tensor:
-        raise NotImplementedError
-
     def inputs(self, batch: Batch) -> tuple[Tensor, ...]:
         """What the net takes from ``batch``."""
         return batch["ids"], batch["segments"]
 
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self.train_loss(batch)
-        self.log_train_loss(loss)
-        return loss
-
-    items = "tokens"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+    items = "tokens"
 
     def step_work(self, batch: Batch) -> tuple[Count, Flops]:
-        """The tokens (padding left out) and the model FLOPs (``attnlab.nn.flops``) of a
-        training step on ``batch``."""
+        """The tokens (padding left out) and the model FLOPs (``attnlab.nn.flops``) of a training step."""
         return (batch["ids"] != self.net.encoder.pad_id).sum(), self.net.flops(*self.inputs(batch))
 
     def evaluate(self, batch: Batch, metrics: nn.ModuleDict) -> None:
@@ -79,10 +68,10 @@ class EncoderTask(Task):
 
     def on_validation_epoch_end(self) -> None:
         values = self._log("val")
+        self.log_best(self.best[0], self.val_best, values[self.best[0]])
         if not self.trainer.sanity_checking:
-            self.log_best(self.best[0], self.val_best, values[self.best[0]])
             with unsharded(self.net):  # every process: a sharded net needs them all
-                draw_attention(self, self.net.encoder, self.plot_sentences, self.plot_dir)
+                draw_attention(self, self.net.encoder, self.plot_sentences)
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self.evaluate(batch, self.metrics["test"])
@@ -92,7 +81,7 @@ class EncoderTask(Task):
 
 
 @torch.no_grad()
-def draw_attention(task: L.LightningModule, encoder: nn.Module, n: int, plot_dir: str | None) -> None:
+def draw_attention(task: Task, encoder: nn.Module, n: int) -> None:
     """Draw the first ``n`` validation examples of the task's data (``examples(n)``)."""
     if not n:
         return
@@ -109,5 +98,5 @@ def draw_attention(task: L.LightningModule, encoder: nn.Module, n: int, plot_dir
         cls = torch.stack([w[0, :, 0].mean(0) for w in weights]).float().cpu()  # (layers, T)
         figures = {"heads": alignment_figure(maps, tokens, tokens), "cls": cls_attention_figure(cls, tokens)}
         for kind, fig in figures.items():
-            path = Path(plot_dir) / f"step{task.global_step:06d}_sentence{i}_{kind}.png" if plot_dir else None
+            path = task.figure_path(f"step{task.global_step:06d}_sentence{i}_{kind}.png")
             publish_figure(task, f"val/attention_{kind}_{i}", fig, path)

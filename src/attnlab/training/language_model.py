@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Unpack
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -35,29 +34,22 @@ class LanguageModelTask(Task):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-100)
         return loss, (y != -100).sum()
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self._loss(batch)
-        self.log_train_loss(loss)
-        return loss
+    def train_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        return self._loss(batch)[0]
 
-    items = "tokens"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+    items = "tokens"
 
     def step_work(self, batch: tuple[Tensor, Tensor]) -> tuple[Count, Flops]:
         """The tokens and the model FLOPs (``attnlab.nn.flops``) of a training step on ``batch``."""
-        x, _ = batch
-        return x.numel(), self.net.flops(x)
+        return batch[0].numel(), self.net.flops(batch[0])
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, n = self._loss(batch)
         self.val_loss.update(loss, n)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss))
-        if not self.trainer.sanity_checking:  # the sanity check must not count as the best
-            self.log_best("loss", self.val_loss_best, loss)
+        loss = self.log_loss("val/loss", self.val_loss, prog_bar=True)
+        self.log_best("loss", self.val_loss_best, loss)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         loss, n = self._loss(batch)
@@ -67,7 +59,5 @@ class LanguageModelTask(Task):
         # loader 0: non-overlapping windows; loader 1 (optional): sliding windows, see TextDataModule
         for metric, name in zip(self.test_losses, ("test/loss", "test/loss_sliding"), strict=True):
             if metric.update_called:
-                loss = metric.compute()
-                self.log(name, loss)
-                self.log(name.replace("loss", "ppl"), torch.exp(loss))
+                self.log_loss(name, metric)
             metric.reset()

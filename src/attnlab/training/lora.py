@@ -43,12 +43,7 @@ def train_adapters(net: nn.Module, lora: Mapping[str, Any], before: Mapping[str,
     total = sum(p.numel() for p in net.parameters())
     spec = lora_spec(lora)
     log.info(
-        "model.lora: %s of %s parameters train (%.2f%%): adapters of rank %d on %d layers (%s)%s",
-        f"{trained:,}",
-        f"{total:,}",
-        100 * trained / total,
-        spec["r"],
-        len(layers),
-        ", ".join(spec["targets"]),
-        f", and {', '.join(new)} (new)" if new else "",
+        f"model.lora: {trained:,} of {total:,} parameters train ({100 * trained / total:.2f}%): adapters of "
+        f"rank {spec['r']} on {len(layers)} layers ({', '.join(spec['targets'])})"
+        + (f", and {', '.join(new)} (new)" if new else "")
     )

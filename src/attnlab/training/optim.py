@@ -68,37 +68,27 @@ def param_groups(
             if blocks
             else dict.fromkeys((n for n, _ in module.named_parameters()), 1)  # no blocks: one depth
         )
-    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+
+    def group(layer: int, decayed: bool) -> dict[str, Any]:
+        scale = 1.0 if lr_decay is None else lr_decay ** (depth + 1 - layer)
+        return {"params": [], "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale}
+
+    # without lr_decay: the two groups, decayed first, even when one is empty
+    groups = {key: group(*key) for key in ((0, True), (0, False))} if lr_decay is None else {}
     for n, p in named:
-        decayed = p.dim() >= 2 and n not in excluded
-        group = groups.setdefault(
-            (ids[n], decayed),
-            {"params": [], "weight_decay": weight_decay if decayed else 0.0, "lr_scale": 1.0},
-        )
-        if lr_decay is not None:
-            group["lr_scale"] = lr_decay ** (depth + 1 - ids[n])
-        group["params"].append(p)
-    if lr_decay is None:  # the two groups, decayed first, even when one is empty
-        return [
-            groups.get((0, True), {"params": [], "weight_decay": weight_decay, "lr_scale": 1.0}),
-            groups.get((0, False), {"params": [], "weight_decay": 0.0, "lr_scale": 1.0}),
-        ]
-    return [groups[k] for k in sorted(groups)]
+        key = (ids[n], p.dim() >= 2 and n not in excluded)
+        groups.setdefault(key, group(*key))["params"].append(p)
+    return list(groups.values()) if lr_decay is None else [groups[k] for k in sorted(groups)]
 
 
 def freeze(net: nn.Module, patterns: list[str]) -> None:
     """Turn off the gradients under each pattern (a dotted prefix in ``net`` or in the module holding its
     blocks: ``embed``, ``blocks.0``); a pattern naming nothing is a ``ConfigError``."""
-    blocks, _ = trunk_blocks(net)
-    trunk = blocks.rpartition(".")[0]
+    trunk = trunk_blocks(net)[0].rpartition(".")[0]
+    roots = ("", f"{trunk}.") if trunk else ("",)
     for pattern in patterns:
-        hits = [
-            p
-            for name, p in net.named_parameters()
-            if any(
-                f"{name}.".startswith(f"{where}{pattern}.") for where in ("", f"{trunk}." if trunk else "")
-            )
-        ]
+        prefixes = tuple(f"{root}{pattern}." for root in roots)
+        hits = [p for name, p in net.named_parameters() if f"{name}.".startswith(prefixes)]
         if not hits:
             names = sorted({n.split(".")[0] for n, _ in net.named_parameters()})
             raise ConfigError(
@@ -165,10 +155,7 @@ class Optimization:
 
 
 def clip_gradients(
-    module: L.LightningModule,
-    optimizer: torch.optim.Optimizer,
-    clip_val: float | None,
-    algorithm: str | None,
+    module: L.LightningModule, optimizer: torch.optim.Optimizer, clip_val: float | None, algorithm: str | None
 ) -> None:
     """Lightning's clipping, also for a fused optimizer without a gradient scaler (bf16, fp32 grads are
     unscaled), and by the whole gradient's norm under FSDP (each process holds a shard)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +14,34 @@ from matplotlib.figure import Figure  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 
-def overlay_heat(ax: plt.Axes, heat: Tensor, w: int, h: int, interpolation: str) -> None:
-    """Draw ``heat`` (values in [0, 1], any grid) over the w x h image already on ``ax``."""
-    ax.imshow(
-        heat.numpy(),
-        cmap="inferno",
-        alpha=0.6,
-        extent=(-0.5, w - 0.5, h - 0.5, -0.5),
-        interpolation=interpolation,
-        vmin=0.0,
-        vmax=1.0,
-    )
+def stretched(x: Tensor) -> Tensor:
+    """``x`` mapped linearly onto [0, 1] (a constant onto 0)."""
+    x = x.float()
+    lo, hi = x.amin(), x.amax()
+    return (x - lo) / (hi - lo).clamp_min(1e-12)
+
+
+def _picture(image: Tensor) -> tuple[Any, str | None]:
+    """A (C, H, W) image as imshow takes it and its colour map: (H, W) gray for one channel."""
+    img = image.permute(1, 2, 0).numpy()
+    return (img[:, :, 0], "gray") if img.shape[2] == 1 else (img, None)
+
+
+def heat_panels(
+    axes: Any, image: Tensor, panels: list[tuple[str, Tensor | None]], fontsize: int, interpolation: str
+) -> None:
+    """On each axis the (C, H, W) ``image`` (in [0, 1]) titled, under its panel's heat (in [0, 1],
+    any grid; None: none)."""
+    img, cmap = _picture(image)
+    h, w = img.shape[:2]
+    over = {"extent": (-0.5, w - 0.5, h - 0.5, -0.5), "interpolation": interpolation}
+    for ax, (title, heat) in zip(axes, panels, strict=False):
+        ax.imshow(img, cmap=cmap, vmin=0.0, vmax=1.0)
+        if heat is not None:
+            ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, vmin=0.0, vmax=1.0, **over)
+        ax.set_title(title, fontsize=fontsize)
+    for ax in axes:
+        ax.axis("off")
 
 
 def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens: list[str]) -> Figure:
@@ -31,12 +49,8 @@ def alignment_figure(maps: dict[str, Tensor], src_tokens: list[str], out_tokens:
     n_rows, n_cols = len(maps), max(w.size(0) for w in maps.values())
     t, s = len(out_tokens), len(src_tokens)
     cell = 0.18 + 0.02 * max(t, s)
-    fig, axes = plt.subplots(
-        n_rows,
-        n_cols,
-        figsize=(1.2 + cell * s * n_cols / 6 + 2 * n_cols, 1.0 + cell * t * n_rows / 6 + 2 * n_rows),
-        squeeze=False,
-    )
+    size = (1.2 + cell * s * n_cols / 6 + 2 * n_cols, 1.0 + cell * t * n_rows / 6 + 2 * n_rows)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=size, squeeze=False)
     for r, (name, weights) in enumerate(maps.items()):
         for c in range(n_cols):
             ax = axes[r][c]
@@ -56,19 +70,9 @@ def attention_overlay_figure(images: Tensor, maps: dict[str, Tensor], captions: 
     n, cols = images.size(0), 1 + len(maps)
     fig, axes = plt.subplots(n, cols, figsize=(2.2 * cols, 2.3 * n), squeeze=False)
     for i in range(n):
-        img = images[i].permute(1, 2, 0).numpy()
-        cmap = "gray" if img.shape[2] == 1 else None
-        h, w = img.shape[:2]
-        axes[i][0].imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
-        axes[i][0].set_title(captions[i], fontsize=7)
-        for j, (name, m) in enumerate(maps.items(), start=1):
-            ax = axes[i][j]
-            ax.imshow(img[:, :, 0] if cmap else img, cmap=cmap, vmin=0.0, vmax=1.0)
-            lo, hi = m[i].min(), m[i].max()  # stretched per image: rollout sits on a large constant
-            overlay_heat(ax, (m[i] - lo) / (hi - lo).clamp_min(1e-12), w, h, "nearest")
-            ax.set_title(name, fontsize=7)
-        for ax in axes[i]:
-            ax.axis("off")
+        # stretched per image: rollout sits on a large constant
+        panels = [(captions[i], None), *((name, stretched(m[i])) for name, m in maps.items())]
+        heat_panels(axes[i], images[i], panels, fontsize=7, interpolation="nearest")
     fig.tight_layout()
     return fig
 
@@ -78,9 +82,8 @@ def confusion_matrix_figure(matrix: Tensor, classes: list[str]) -> Figure:
     k = len(classes)
     fig, ax = plt.subplots(figsize=(1.5 + 0.5 * k, 1.2 + 0.5 * k))
     ax.imshow(matrix.numpy(), cmap="Blues")
-    for r in range(k):
-        for c in range(k):
-            ax.text(c, r, str(int(matrix[r, c])), ha="center", va="center", fontsize=6)
+    for r, c in product(range(k), repeat=2):
+        ax.text(c, r, str(int(matrix[r, c])), ha="center", va="center", fontsize=6)
     ax.set_xticks(range(k), classes, rotation=90, fontsize=7)
     ax.set_yticks(range(k), classes, fontsize=7)
     ax.set_xlabel("predicted")
@@ -110,14 +113,12 @@ def similarity_figure(images: Tensor, captions: list[str], sim: Tensor) -> Figur
     grid = fig.add_gridspec(2, n, height_ratios=[1, 0.5 * n], hspace=0.05, wspace=0.05)
     for j in range(n):
         ax = fig.add_subplot(grid[0, j])
-        picture = images[j].permute(1, 2, 0).squeeze(-1).numpy()
-        ax.imshow(picture, cmap="gray" if picture.ndim == 2 else None)
+        ax.imshow(*_picture(images[j]))
         ax.axis("off")
     ax = fig.add_subplot(grid[1, :])
     ax.imshow(sim.t().numpy(), cmap="viridis", aspect="auto")
-    for r in range(n):
-        for c in range(n):
-            ax.text(c, r, f"{sim[c, r]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    for r, c in product(range(n), repeat=2):
+        ax.text(c, r, f"{sim[c, r]:.2f}", ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(n), captions, fontsize=8)
     ax.set_xticks([])
     ax.set_title("cosine similarity: captions (rows) x images (columns)", fontsize=9)
@@ -154,18 +155,8 @@ def caption_attention_figure(image: Tensor, words: list[str], attn: Tensor, grid
     cols = min(6, len(words) + 1)
     rows = -(-(len(words) + 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.0 * rows), squeeze=False)
-    img = image.permute(1, 2, 0).numpy()
-    cmap = "gray" if img.shape[2] == 1 else None
-    img = img[:, :, 0] if cmap else img
-    h, w = img.shape[:2]
-    panels = [("", None), *((word, attn[i].reshape(grid)) for i, word in enumerate(words))]
-    for ax, (title, weights) in zip(axes.flat, panels, strict=False):
-        ax.imshow(img, cmap=cmap, vmin=0.0, vmax=1.0)
-        if weights is not None:
-            overlay_heat(ax, weights / weights.max().clamp_min(1e-12), w, h, "bilinear")
-        ax.set_title(title, fontsize=9)
-    for ax in axes.flat:
-        ax.axis("off")
+    heats = [(w, a.reshape(grid) / a.max().clamp_min(1e-12)) for w, a in zip(words, attn, strict=False)]
+    heat_panels(axes.ravel(), image, [("", None), *heats], fontsize=9, interpolation="bilinear")
     fig.tight_layout()
     return fig
 

@@ -16,12 +16,9 @@ def check_steps(name: str, value: int, low: int) -> None:
     """``model.optim.scheduler.<name>`` must be an integer >= ``low``."""
     if not is_int(value) or value < low:
         bound = "a non-negative" if low == 0 else "a positive"
-        # total_steps follows trainer.max_steps unless set, and -1 there means "no limit"
-        why = (
-            " (set it, or model.optim.scheduler=null, when trainer.max_steps=-1)"
-            if name == "total_steps"
-            else ""
-        )
+        why = ""
+        if name == "total_steps":  # it follows trainer.max_steps unless set, and -1 there means "no limit"
+            why = " (set it, or model.optim.scheduler=null, when trainer.max_steps=-1)"
         raise ConfigError(f"model.optim.scheduler.{name}={value!r}: must be {bound} integer{why}")
 
 
@@ -47,9 +44,8 @@ def warmup_cosine(
     """``LambdaLR`` stepping ``WarmupCosine`` once per optimizer step."""
     check_steps("warmup_steps", warmup_steps, 0)
     check_steps("total_steps", total_steps, 1)
-    ratio = min_lr_ratio
-    if not is_number(ratio) or not 0 <= ratio <= 1:
-        raise ConfigError(f"model.optim.scheduler.min_lr_ratio={ratio!r}: must be in [0, 1]")
+    if not is_number(min_lr_ratio) or not 0 <= min_lr_ratio <= 1:
+        raise ConfigError(f"model.optim.scheduler.min_lr_ratio={min_lr_ratio!r}: must be in [0, 1]")
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Unpack
 
 import torch
@@ -83,27 +82,33 @@ class TranslationTask(Task):
         mine = self._hyps if indices is None else {i: self._hyps[i] for i in indices if i in self._hyps}
         return dict(gather_objects(list(mine.items())))
 
-    def _score(self, metric: SacreBLEUScore, batch: dict[str, Tensor], stage: str, beam: int) -> None:
+    def _evaluate(
+        self,
+        batch: dict[str, Tensor],
+        stage: str,
+        loss: MeanMetric,
+        bleu: SacreBLEUScore | None,
+        beam: int = 1,
+    ) -> None:
+        """Add ``batch`` to ``loss`` and, translated with ``beam`` beams, to ``bleu``. A repeated batch
+        only keeps the processes' step counts equal: computed (a sharded net needs every process in
+        each forward), not counted."""
+        nll, n = self._nll(batch, 0.0)
+        if not batch.get("repeat"):
+            loss.update(nll, n)
+        if bleu is None:
+            return
         tok = self._data.tokenizer
         # gathered once (FSDP2): then each process decodes as many steps as its own batch needs
         with unsharded(self.net):
-            if batch.get("repeat"):  # a copy that only keeps the processes' step counts equal
+            if batch.get("repeat"):
                 return
-            ids = translate_batch(
-                self.net,
-                batch["src"],
-                tok.pad_id,
-                tok.bos_id,
-                tok.eos_id,
-                beam,
-                self.length_penalty,
-                self.max_len_a,
-                self.max_len_b,
-            )
+            lengths = (self.length_penalty, self.max_len_a, self.max_len_b)
+            ids = translate_batch(self.net, batch["src"], tok.pad_id, tok.bos_id, tok.eos_id, beam, *lengths)
         hyps = [tok.decode(h) for h in ids]
         refs = self._data.references(stage)
         idx = batch["idx"].tolist()
-        metric.update(hyps, [[refs[i]] for i in idx])
+        bleu.update(hyps, [[refs[i]] for i in idx])
         self._hyps.update(zip(idx, hyps, strict=True))
 
     # -- loops -----------------------------------------------------------------------------------
@@ -112,31 +117,20 @@ class TranslationTask(Task):
         self.log_train_loss(loss, batch_size=batch["src"].size(0))
         return loss
 
-    items = "tokens"  # what throughput counts (``attnlab.training.callbacks.Throughput``)
+    items = "tokens"
 
     def step_work(self, batch: dict[str, Tensor]) -> tuple[Count, Flops]:
-        """The source and target tokens (padding left out) and the model FLOPs
-        (``attnlab.nn.flops``) of a training step on ``batch``."""
+        """The source and target tokens (padding left out) and the model FLOPs of a training step."""
         scored = batch["tgt_out"] != self.net.pad_id
         tokens = (batch["src"] != self.net.pad_id).sum() + scored.sum()
         return tokens, self.net.flops(batch["src"], batch["tgt_in"], scored)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        # a repeated batch only keeps the processes' step counts equal: computed, not counted
-        # (a sharded net needs every process in each forward)
-        loss, n = self._nll(batch, 0.0)
-        if not batch.get("repeat"):
-            self.val_loss.update(loss, n)
-        if self.val_bleu_on and not self.trainer.sanity_checking:
-            self._score(self.val_bleu, batch, "val", beam=1)
+        bleu = self.val_bleu if self.val_bleu_on and not self.trainer.sanity_checking else None
+        self._evaluate(batch, "val", self.val_loss, bleu)
 
     def on_validation_epoch_end(self) -> None:
-        # the metrics' compute() sums their states over the processes: the values logged below
-        # are global and the same everywhere (no sync_dist needed, whatever Lightning's hint says)
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        self.log_loss("val/loss", self.val_loss, prog_bar=True)
         if self.trainer.sanity_checking or not self.val_bleu_on:
             return
         bleu = 100 * self.val_bleu.compute()
@@ -150,26 +144,17 @@ class TranslationTask(Task):
         self._hyps = {}
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, n = self._nll(batch, 0.0)  # as in validation_step
-        if not batch.get("repeat"):
-            self.test_loss.update(loss, n)
-        self._score(self.test_bleu, batch, "test", beam=self.beam_size)
+        self._evaluate(batch, "test", self.test_loss, self.test_bleu, self.beam_size)
 
     def on_test_epoch_end(self) -> None:
-        loss = self.test_loss.compute()
-        self.log("test/loss", loss)
-        self.log("test/ppl", torch.exp(loss))
+        self.log_loss("test/loss", self.test_loss)
         self.log("test/bleu", 100 * self.test_bleu.compute())
-        self.test_loss.reset()
         self.test_bleu.reset()
         hyps = self._gather_hyps()
         if self.trainer.is_global_zero and hyps:
-            path = Path(self.trainer.default_root_dir) / "test_translations.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(hyps[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
+            path = self.write_lines("test_translations.txt", [hyps[i] for i in sorted(hyps)])
             refs = self._data.references("test")  # line by line beside them: attnlab-compare's paired test
-            refs_path = path.with_name("test_references.txt")
-            refs_path.write_text("".join(refs[i] + "\n" for i in sorted(hyps)), encoding="utf-8")
+            self.write_lines("test_references.txt", [refs[i] for i in sorted(hyps)])
             log.info("test translations written to %s", path)
         self._hyps = {}
 
@@ -212,7 +197,5 @@ class TranslationTask(Task):
             images.append(
                 alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
             )
-            paths.append(
-                Path(self.plot_dir) / f"step{self.global_step:06d}_sent{i}.png" if self.plot_dir else None
-            )
+            paths.append(self.figure_path(f"step{self.global_step:06d}_sent{i}.png"))
         publish_figure(self, "val/alignments", images, paths)

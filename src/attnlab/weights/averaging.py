@@ -18,8 +18,7 @@ KEEP_ALL = "callbacks.model_checkpoint.save_top_k=-1"  # the override that keeps
 
 
 def run_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """The checkpoints in a run's ``checkpoints/`` folder by training step, one per step
-    (``last.ckpt`` only where no other file holds its step), earlier averages left out."""
+    """The checkpoints in a run's ``checkpoints/`` folder, one per training step, averages left out."""
     by_step: dict[int, Path] = {}
     for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.name == "last.ckpt"):
         if path.name.startswith("average_last"):
@@ -49,9 +48,8 @@ def last_checkpoints(folder: Path, n: int) -> list[tuple[int, Path]]:
 
 
 def average_state_dicts(states: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """The mean of each floating-point tensor (summed in float64, as timm does, then cast back);
-    integer and boolean tensors (step counters, masks) copied from the last: a mean of counters
-    is no counter."""
+    """The mean of each floating-point tensor (summed in float64, as timm does); integer and boolean
+    tensors (step counters, masks) copied from the last."""
     last = states[-1]
     for i, state in enumerate(states[:-1]):
         if state.keys() != last.keys():
@@ -68,10 +66,8 @@ def average_state_dicts(states: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def average_last(run_dir: Path, n: int) -> tuple[Path, Path, list[int]]:
-    """Write the average of the run's last ``n`` checkpoints as ``checkpoints/average_last<n>.ckpt``:
-    the last checkpoint's record (config, artifacts, step) with the averaged weights and without
-    its optimizer state (an average is evaluated or fine-tuned from, not resumed). Returns the
-    average's path, the last checkpoint's and the steps averaged."""
+    """The average of the run's last ``n`` checkpoints written as ``checkpoints/average_last<n>.ckpt``
+    (the last's record, no optimizer state): its path, the last checkpoint's and the steps averaged."""
     folder = run_dir / "checkpoints"
     chosen = last_checkpoints(folder, n)
     ckpts = [load_checkpoint(path) for _, path in chosen]

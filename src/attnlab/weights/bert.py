@@ -4,36 +4,39 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.models.text.bert import BertClassifier
-from attnlab.weights.hf_files import Mapped, load_mapped, read_folder, read_weights, write_folder
+from attnlab.weights.hf_files import Mapped, load_mapped, read_folder, read_weights, renamers, write_folder
 from attnlab.weights.hf_tokenizer import write_tokenizer
 
 # transformers' names (after "bert.") -> ours; "{}" stands for a layer's number
-NAMES = {
-    "embeddings.word_embeddings.": "embed.tokens.tokens.",
-    "embeddings.position_embeddings.": "embed.tokens.positions.emb.",
-    "embeddings.token_type_embeddings.": "embed.segments.",
-    "embeddings.LayerNorm.": "embed.norm.",
-    "encoder.layer.{}.attention.output.dense.": "blocks.{}.attn.out_proj.",
-    "encoder.layer.{}.attention.output.LayerNorm.": "blocks.{}.norm1.",
-    "encoder.layer.{}.intermediate.dense.": "blocks.{}.mlp.fc1.",
-    "encoder.layer.{}.output.dense.": "blocks.{}.mlp.fc2.",
-    "encoder.layer.{}.output.LayerNorm.": "blocks.{}.norm2.",
-    "pooler.dense.": "pooler.",
-}
-HEADS = {  # (not under "bert.")
-    "classifier.": "head.",
-    "cls.predictions.transform.dense.": "mlm.dense.",
-    "cls.predictions.transform.LayerNorm.": "mlm.norm.",
-    "cls.predictions.bias": "mlm.bias",
-    "cls.seq_relationship.": "nsp.",
-}
+_from_hf, _to_hf = renamers(
+    {
+        "embeddings.word_embeddings.": "embed.tokens.tokens.",
+        "embeddings.position_embeddings.": "embed.tokens.positions.emb.",
+        "embeddings.token_type_embeddings.": "embed.segments.",
+        "embeddings.LayerNorm.": "embed.norm.",
+        "encoder.layer.{}.attention.output.dense.": "blocks.{}.attn.out_proj.",
+        "encoder.layer.{}.attention.output.LayerNorm.": "blocks.{}.norm1.",
+        "encoder.layer.{}.intermediate.dense.": "blocks.{}.mlp.fc1.",
+        "encoder.layer.{}.output.dense.": "blocks.{}.mlp.fc2.",
+        "encoder.layer.{}.output.LayerNorm.": "blocks.{}.norm2.",
+        "pooler.dense.": "pooler.",
+    }
+)
+_heads_from_hf, _heads_to_hf = renamers(  # (not under "bert.")
+    {
+        "classifier.": "head.",
+        "cls.predictions.transform.dense.": "mlm.dense.",
+        "cls.predictions.transform.LayerNorm.": "mlm.norm.",
+        "cls.predictions.bias": "mlm.bias",
+        "cls.seq_relationship.": "nsp.",
+    }
+)
 _QKV = re.compile(r"^encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.(weight|bias)$")
 _IN_PROJ = re.compile(r"^blocks\.(\d+)\.attn\.in_proj\.(weight|bias)$")
 # our net's class -> transformers' class, and the prefix our encoder's names have in it
@@ -43,23 +46,6 @@ _CLASSES = {
     "BertSequenceClassifier": ("BertForSequenceClassification", "encoder."),
     "BertTokenClassifier": ("BertForTokenClassification", "encoder."),
 }
-
-
-def _renamer(table: dict[str, str]) -> Callable[[str], str | None]:
-    """``name`` renamed by the first entry of ``table`` it starts with, or None."""
-    rules = [(re.compile("^" + re.escape(old).replace(r"\{\}", r"(\d+)")), new) for old, new in table.items()]
-
-    def rename(name: str) -> str | None:
-        for pattern, new in rules:
-            if m := pattern.match(name):
-                return new.format(*m.groups()) + name[m.end() :]
-        return None
-
-    return rename
-
-
-_from_hf, _heads_from_hf = _renamer(NAMES), _renamer(HEADS)
-_to_hf, _heads_to_hf = (_renamer({v: k for k, v in t.items()}) for t in (NAMES, HEADS))
 
 
 def mapped_from_hf(state: dict[str, Tensor], prefix: str) -> Mapped:
@@ -85,14 +71,13 @@ def mapped_from_hf(state: dict[str, Tensor], prefix: str) -> Mapped:
 
 
 def load_hf_weights(model: nn.Module, hf_model: nn.Module) -> nn.Module:
-    """Copy a transformers ``BertModel`` or ``BertForPreTraining`` into our ``Bert`` or
-    ``BertPreTraining`` of the same configuration (every tensor must fit)."""
+    """Copy a transformers ``BertModel`` or ``BertForPreTraining`` into our net of the same configuration."""
     mapped = mapped_from_hf(hf_model.state_dict(), _CLASSES[type(model).__name__][1])
     model.load_state_dict({ours: value for ours, (_, value) in mapped.items()})
     return model
 
 
-def state_to_hf(net: nn.Module) -> dict[str, Tensor]:
+def export_state(net: nn.Module) -> dict[str, Tensor]:
     """Our BERT net's state dict named as its transformers class names it."""
     hf_class, prefix = _CLASSES[type(net).__name__]
     base = "" if hf_class == "BertModel" else "bert."
@@ -114,8 +99,7 @@ def state_to_hf(net: nn.Module) -> dict[str, Tensor]:
 
 
 def load(net: nn.Module, source: Path) -> None:
-    """A transformers BERT folder (or weights file) into ``net``: the encoder tensor for tensor,
-    the heads where the file has them at our size (else fresh, with a notice)."""
+    """A transformers BERT folder (or weights file) into ``net``; heads of another size start fresh."""
     read_folder(
         source,
         ("bert",),
@@ -160,4 +144,4 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
         config["label2id"] = {str(c): i for i, c in enumerate(classes)}
         config["classifier_dropout"] = float(net.drop.p)
     config.update(write_tokenizer(artifacts, out_dir, "bert", encoder.max_len))
-    write_folder(out_dir, config, state_to_hf(net))
+    write_folder(out_dir, config, export_state(net))

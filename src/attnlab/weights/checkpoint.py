@@ -21,27 +21,21 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from attnlab.core.errors import CheckpointError
+from attnlab.core.errors import CheckpointError, first_line
 from attnlab.core.run_paths import is_sharded, model_names
 
 log = logging.getLogger(__name__)
 
+# what torch.load and the sharded reader raise on a file that is no checkpoint (not our bugs)
+UNREADABLE = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError)
+UNREADABLE += (AttributeError, KeyError, TypeError, AssertionError)
+
 
 # The records torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``.
+_METADATA_RECORDS = "Metadata MetadataIndex StorageMeta TensorStorageMetadata BytesStorageMetadata"
+_METADATA_RECORDS += " ChunkStorageMetadata TensorProperties _MEM_FORMAT_ENCODING"
 _METADATA_GLOBALS = {
-    *(
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ),
+    *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA_RECORDS.split()),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
@@ -51,8 +45,7 @@ _METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds only those records and torch dtypes: any other global a pickle names (``os.system``,
-    ``builtins.eval``, ...) is refused before it can be called."""
+    """Rebuilds only those records and torch dtypes: any other global a pickle names is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS or (
@@ -93,8 +86,7 @@ class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
 
 
 def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
-    """A sharded checkpoint assembled into full tensors in this process, with no process group:
-    Lightning's ``_load_distributed_checkpoint`` with nothing unpickled beyond plain data."""
+    """A sharded checkpoint assembled into full tensors here, no process group, only plain data unpickled."""
     reader = SafeFileSystemReader(folder)
     reader.read_metadata()  # a planted or broken .metadata fails here with its own message
     ckpt: dict[str, Any] = {}
@@ -117,21 +109,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             if is_sharded(path)
             else torch.load(path, map_location="cpu", weights_only=True)
         )
-    except (
-        RuntimeError,
-        OSError,
-        EOFError,
-        pickle.UnpicklingError,
-        zipfile.BadZipFile,
-        ValueError,
-        AttributeError,
-        KeyError,
-        TypeError,
-        AssertionError,
-    ) as e:
-        reason = (str(e).strip().splitlines() or ["no details"])[0][:200]
+    except UNREADABLE as e:
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {reason})"
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({first_line(e)})"
         ) from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"checkpoint {path} has no 'state_dict': not a Lightning checkpoint")
@@ -166,8 +146,7 @@ def require_same_model(meta: dict[str, Any], path: Path, model: Any) -> None:
 
 
 def require_task(meta: dict[str, Any], path: Path | str, tasks: tuple[str, ...], need: str) -> None:
-    """Refuse a checkpoint whose run trained another task than those named (class names, e.g.
-    ``ImageClassificationTask``), by what it recorded, before anything is built from it."""
+    """Refuse a checkpoint whose run trained another task than ``tasks`` (class names), by its record."""
     task, net = recorded_model(meta)
     if task not in tasks:
         raise CheckpointError(f"checkpoint {path} holds a {task} ({net}); {need} ({' or '.join(tasks)})")
@@ -191,8 +170,7 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write each checkpoint to a temporary file, then rename it into place (a killed run keeps the
-    previous one); a failed write is one ``CheckpointError``."""
+    """Each checkpoint written to a temporary file, then renamed into place; a failed write is one line."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None

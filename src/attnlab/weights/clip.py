@@ -1,23 +1,11 @@
-"""open_clip's CLIP weights into ours, and ours out as open_clip's saved format.
-
-open_clip's CLIP is ours with its image tower a ``VisionTransformer(num_classes=0,
-pre_norm=True, patch_bias=False)`` (LayerNorm eps 1e-5) and its text tower a ``TextTransformer(
-pool="argmax")``, both with ``act="quick_gelu"`` for OpenAI's weights; its projections are
-matrices applied on the right (ours: bias-free ``nn.Linear``, the transpose). ``model.init_from``
-takes a folder as ``open_clip.push_to_hf_hub`` writes it (``open_clip_config.json`` +
-``open_clip_model.safetensors``) or a bare state dict; ``export`` writes that folder, which
-``open_clip.create_model("local-dir:<folder>")`` loads.
-
-Each tower is fitted as timm's weights are (``attnlab.weights.timm_vision``): another image
-size resamples the image position embeddings, RGB weights adapt to another channel count, and a
-shorter caption length keeps the first text positions, each with a logged notice.
-"""
+"""open_clip's CLIP weights into ours, and ours out as open_clip's saved format (``open_clip_config.json``
++ ``open_clip_model.safetensors``, which ``open_clip.create_model("local-dir:<folder>")`` loads); the image
+tower fitted as timm's weights are, a longer text position table cut to the net's."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +13,8 @@ from torch import Tensor, nn
 
 from attnlab.core.errors import CheckpointError
 from attnlab.weights.checkpoint import check_fits
-from attnlab.weights.hf_files import read_weights
-from attnlab.weights.timm_vision import (
-    fit_input_channels,
-    fit_positions,
-    read_json,
-)
+from attnlab.weights.hf_files import act_name, read_json, read_weights, renamers
+from attnlab.weights.timm_vision import fit_input_channels, fit_positions
 
 log = logging.getLogger(__name__)
 
@@ -39,56 +23,45 @@ CLIP_EOT = "<|endoftext|>"  # OpenAI CLIP's end-of-text (open_clip's vocabulary)
 CAPTION_EOT_ID = 2  # our caption tokenizer's end-of-text (attnlab.data.text.tokenizers.CaptionTokenizer)
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
 # open_clip's names inside a residual block -> ours
-_BLOCK = (
-    ("ln_1.", "norm1."),
-    ("ln_2.", "norm2."),
-    ("attn.in_proj_weight", "attn.in_proj.weight"),
-    ("attn.in_proj_bias", "attn.in_proj.bias"),
-    ("mlp.c_fc.", "mlp.fc1."),
-    ("mlp.c_proj.", "mlp.fc2."),
-)
-# open_clip's names outside the blocks -> ours (the projections transposed, see ``_RESHAPE``)
-_TOP = {
-    "visual.conv1.weight": "image.patch_embed.proj.weight",
-    "visual.class_embedding": "image.cls_token",
-    "visual.positional_embedding": "image.pos_embed",
-    "visual.ln_pre.weight": "image.norm_pre.weight",
-    "visual.ln_pre.bias": "image.norm_pre.bias",
-    "visual.ln_post.weight": "image.norm.weight",
-    "visual.ln_post.bias": "image.norm.bias",
-    "visual.proj": "image_proj.weight",
-    "token_embedding.weight": "text.embed.tokens.weight",
-    "positional_embedding": "text.embed.positions.emb.weight",
-    "ln_final.weight": "text.norm.weight",
-    "ln_final.bias": "text.norm.bias",
-    "text_projection": "text_proj.weight",
-    "logit_scale": "logit_scale",
+_BLOCK = {
+    "ln_1.": "norm1.",
+    "ln_2.": "norm2.",
+    "attn.in_proj_weight": "attn.in_proj.weight",
+    "attn.in_proj_bias": "attn.in_proj.bias",
+    "attn.out_proj.": "attn.out_proj.",
+    "mlp.c_fc.": "mlp.fc1.",
+    "mlp.c_proj.": "mlp.fc2.",
 }
-_BLOCKS = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.*)$")
+# open_clip's names -> ours ("{}": a block's number); some shapes differ (``_reshape``)
+_from_open_clip, _to_open_clip = renamers(
+    {
+        "visual.conv1.weight": "image.patch_embed.proj.weight",
+        "visual.class_embedding": "image.cls_token",
+        "visual.positional_embedding": "image.pos_embed",
+        "visual.ln_pre.": "image.norm_pre.",
+        "visual.ln_post.": "image.norm.",
+        "visual.proj": "image_proj.weight",
+        "token_embedding.weight": "text.embed.tokens.weight",
+        "positional_embedding": "text.embed.positions.emb.weight",
+        "ln_final.": "text.norm.",
+        "text_projection": "text_proj.weight",
+        "logit_scale": "logit_scale",
+    }
+    | {f"visual.transformer.resblocks.{{}}.{a}": f"image.blocks.{{}}.{b}" for a, b in _BLOCK.items()}
+    | {f"transformer.resblocks.{{}}.{a}": f"text.blocks.{{}}.{b}" for a, b in _BLOCK.items()}
+)
 
 
-def _ours(name: str) -> str | None:
-    if name in _TOP:
-        return _TOP[name]
-    m = _BLOCKS.match(name)
-    if not m:
-        return None
-    rest = m[3]
-    for theirs, mine in _BLOCK:
-        rest = rest.replace(theirs, mine)
-    return f"{'image' if m[1] else 'text'}.blocks.{m[2]}.{rest}"
-
-
-def _reshape(name: str, value: Tensor) -> Tensor:
-    """open_clip's tensor under our name -> our shape (and back, with ``back=True``)."""
-    if name in ("image_proj.weight", "text_proj.weight"):
+def _reshape(ours: str, value: Tensor, back: bool = False) -> Tensor:
+    """open_clip's tensor in our shape (``back``: ours in open_clip's)."""
+    if ours in ("image_proj.weight", "text_proj.weight"):
         return value.t()  # x @ proj (D, E) <-> Linear weight (E, D)
-    if name == "image.cls_token":
-        return value.reshape(1, 1, -1)
-    if name == "image.pos_embed":
-        return value.unsqueeze(0)
-    if name == "logit_scale":
-        return value.reshape(1)
+    if ours == "image.cls_token":
+        return value.reshape(-1) if back else value.reshape(1, 1, -1)
+    if ours == "image.pos_embed":
+        return value.squeeze(0) if back else value.unsqueeze(0)
+    if ours == "logit_scale":
+        return value.reshape(()) if back else value.reshape(1)
     return value
 
 
@@ -97,36 +70,22 @@ def state_dict_from_open_clip(state: dict[str, Tensor], where: Path) -> dict[str
     for name, value in state.items():
         if name == "attn_mask" or name.endswith(".attn_mask"):
             continue  # the causal mask, a buffer older open_clip saved
-        mine = _ours(name)
-        if mine is None:
+        if (ours := _from_open_clip(name)) is None:
             raise CheckpointError(
                 f"model.init_from={where}: {name} has no counterpart in our CLIP "
                 "(open_clip's ViT image tower and Transformer text tower are supported)"
             )
-        out[mine] = _reshape(mine, value)
+        out[ours] = _reshape(ours, value)
     return out
 
 
-def state_dict_to_open_clip(net: nn.Module) -> dict[str, Tensor]:
-    back = {}
-    for theirs in list(_TOP):
-        back[_TOP[theirs]] = theirs
+def export_state(net: nn.Module) -> dict[str, Tensor]:
+    """Our CLIP's state dict under open_clip's names and shapes."""
     out = {}
     for name, value in net.state_dict().items():
-        if name in back:
-            theirs = back[name]
-            if name in ("image_proj.weight", "text_proj.weight"):
-                value = value.t()
-            elif name in ("image.cls_token", "image.pos_embed"):
-                value = value.reshape(value.shape[-2:]) if name == "image.pos_embed" else value.reshape(-1)
-            elif name == "logit_scale":
-                value = value.reshape(())
-        else:
-            tower, _, index, rest = name.split(".", 3)
-            for t, mine in _BLOCK:
-                rest = rest.replace(mine, t)
-            theirs = f"{'visual.' if tower == 'image' else ''}transformer.resblocks.{index}.{rest}"
-        out[theirs] = value.detach().contiguous()
+        if (theirs := _to_open_clip(name)) is None:
+            raise CheckpointError(f"attnlab-export: the net's {name} has no counterpart in open_clip's CLIP")
+        out[theirs] = _reshape(name, value, back=True).detach().contiguous()
     return out
 
 
@@ -134,13 +93,8 @@ def state_dict_to_open_clip(net: nn.Module) -> dict[str, Tensor]:
 # the architecture in open_clip's config against ours
 
 
-def _act(module: nn.Module) -> str:
-    return "quick_gelu" if type(module).__name__ == "QuickGELU" else "gelu"
-
-
 def architecture_of(net: nn.Module) -> dict[str, Any]:
-    """What open_clip's config says about an architecture, read from our CLIP (no tensor shows
-    head counts, norms' eps, activations or pooling)."""
+    """What open_clip's config says and no tensor shows (heads, norms' eps, activations, pooling)."""
     image, text = net.image, net.text
     if type(image).__name__ != "VisionTransformer" or type(image.patch_embed).__name__ != "PatchEmbedding":
         raise CheckpointError(
@@ -151,10 +105,10 @@ def architecture_of(net: nn.Module) -> dict[str, Any]:
     return {
         "image heads": block.attn.n_head,
         "image norm eps": block.norm1.eps,
-        "image act": _act(block.mlp.act),
+        "image act": act_name(block.mlp.act),
         "text heads": tblock.attn.n_head,
         "text norm eps": tblock.norm1.eps,
-        "text act": _act(tblock.mlp.act),
+        "text act": act_name(tblock.mlp.act),
         "text pooling": text.pool,
     }
 
@@ -218,18 +172,8 @@ def check_architecture(net: nn.Module, model_cfg: dict[str, Any], where: Path) -
 # in
 
 
-def read_open_clip(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
-    """An open_clip folder (weights + ``open_clip_config.json``) or a bare state dict: (state,
-    ``model_cfg``)."""
-    if source.is_dir():
-        config = read_folder_config(source)
-        return read_weights(source, WEIGHT_FILES), config["model_cfg"]
-    return read_weights(source), None
-
-
 def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
-    """A text position table longer than the net's keeps its first rows (causal attention never
-    lets a caption's tokens see the positions after it, so short captions are unchanged)."""
+    """A longer text position table keeps its first rows (causal: a caption never sees those after it)."""
     key, length = "text.embed.positions.emb.weight", net.text.max_len
     table = state.get(key)
     if table is not None and table.shape[0] > length and table.shape[1] == net.text.dim:
@@ -238,15 +182,12 @@ def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
 
 
 def load(net: nn.Module, source: Path) -> None:
-    """``model.init_from``: an open_clip folder or state dict copied into our CLIP (both towers,
-    both projections and the logit scale)."""
-    state, model_cfg = read_open_clip(source)
-    if model_cfg is not None:
-        check_architecture(net, model_cfg, source)
-    state = state_dict_from_open_clip(state, source)
+    """``model.init_from``: an open_clip folder or state dict copied into our CLIP."""
+    if source.is_dir():
+        check_architecture(net, read_folder_config(source)["model_cfg"], source)
+    state = state_dict_from_open_clip(read_weights(source, WEIGHT_FILES), source)
     image = {k.removeprefix("image."): v for k, v in state.items() if k.startswith("image.")}
-    expected = net.image.state_dict()
-    fit_input_channels(image, expected, source)
+    fit_input_channels(image, net.image.state_dict(), source)
     fit_positions(net.image, image, source)
     state |= {f"image.{k}": v for k, v in image.items()}
     fit_context(net, state, source)
@@ -274,8 +215,7 @@ def read_folder_config(folder: Path) -> dict[str, Any]:
 
 
 def preprocess(folder: Path) -> dict[str, Any]:
-    """What an open_clip folder says about its inputs, as our data's artifacts: the image size,
-    RGB, the normalisation (``preprocess_cfg``, else OpenAI's) and the caption length."""
+    """An open_clip folder's inputs as our data's artifacts (normalisation: ``preprocess_cfg``'s)."""
     config = read_folder_config(folder)
     model_cfg, pre = config["model_cfg"], config.get("preprocess_cfg") or {}
     size = (_VISION_DEFAULTS | model_cfg.get("vision_cfg", {}))["image_size"]
@@ -289,8 +229,7 @@ def preprocess(folder: Path) -> dict[str, Any]:
 
 
 def clip_from_open_clip(folder: Path) -> nn.Module:
-    """Our CLIP built as an open_clip folder's ``model_cfg`` describes, with its weights: what
-    ``open_clip.create_model("local-dir:<folder>")`` gives, for ``attnlab-zeroshot init_from=``."""
+    """Our CLIP as an open_clip folder's ``model_cfg`` describes it, with its weights."""
     from attnlab.models import CLIP, TextTransformer, VisionTransformer
 
     model_cfg = read_folder_config(folder)["model_cfg"]
@@ -383,17 +322,13 @@ def caption_vocab(artifacts: dict) -> dict[str, int]:
 
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
-    """``net`` as ``open_clip.push_to_hf_hub`` saves a model: ``open_clip_config.json``
-    (``model_cfg``, ``preprocess_cfg`` with the normalisation the run's data used) and
-    ``open_clip_model.safetensors``, with the run's caption tokenizer as ``tokenizer.json`` (which
-    ``model.init_from`` and ``attnlab-zeroshot init_from`` read back);
-    ``open_clip.create_model("local-dir:<out_dir>")`` loads it."""
+    """``net`` as ``open_clip.push_to_hf_hub`` saves it, with the run's normalisation and tokenizer."""
     from safetensors.torch import save_file
 
     config: dict[str, Any] = {"model_cfg": model_config(net, artifacts)}
     if "mean" in artifacts and "std" in artifacts:
         config["preprocess_cfg"] = {"mean": list(artifacts["mean"]), "std": list(artifacts["std"])}
-    save_file(state_dict_to_open_clip(net), str(out_dir / "open_clip_model.safetensors"))
+    save_file(export_state(net), str(out_dir / "open_clip_model.safetensors"))
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
     write_caption_tokenizer(artifacts, out_dir)
     pre = config.get("preprocess_cfg")
@@ -405,10 +340,8 @@ def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
 
 
 def write_caption_tokenizer(artifacts: dict, out_dir: Path) -> None:
-    """The run's caption tokenizer as ``tokenizer.json`` (HF ``tokenizers``) beside the weights.
-    OpenAI CLIP's (a CLIP fine-tuned from an open_clip folder) is open_clip's own; one fitted on
-    the run's captions has no open_clip counterpart (its ``get_tokenizer`` gives OpenAI's ids):
-    only attnlab reads it back, as a notice says."""
+    """The run's caption tokenizer as ``tokenizer.json`` beside the weights: OpenAI CLIP's is open_clip's
+    own; one fitted on the run's captions only attnlab reads back (open_clip's gives OpenAI's ids)."""
     vocab = caption_vocab(artifacts)
     if not vocab:
         log.warning("%s: the run has no caption tokenizer: the weights are exported without one", out_dir)

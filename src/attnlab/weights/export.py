@@ -14,6 +14,7 @@ from torch import nn
 
 from attnlab.core.errors import CheckpointError
 from attnlab.models.text.bert import BertClassifier
+from attnlab.weights.pretrained import converter, export_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -39,34 +40,29 @@ def text_model(net: nn.Module) -> nn.Module:
 
 
 def export_onnx(net: nn.Module, task: str, artifacts: dict[str, Any], out_dir: Path) -> Path:
-    """``net`` as ``out_dir/model.onnx`` (batch, and for text the length, dynamic) with
-    ``attnlab.json`` (its input and what preparing it needs) and a text model's ``tokenizer.json``."""
+    """``net`` as ``out_dir/model.onnx`` (dynamic batch and text length) with ``attnlab.json``."""
     if task not in ONNX_TASKS:
         raise CheckpointError(
             f"--format onnx: a {task} does not export to ONNX (these do: {', '.join(ONNX_TASKS)})"
         )
     name = ONNX_TASKS[task]
-    x = example_input(task, net, artifacts)
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    dims = {0: batch}
+    dims = {0: torch.export.Dim("batch", min=1, max=1024)}
     if name == "ids":
         dims[1] = torch.export.Dim("length", min=2, max=text_model(net).max_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
     program = torch.onnx.export(
         net.eval(),
-        (x,),
+        (example_input(task, net, artifacts),),
         dynamo=True,
         input_names=[name],
         output_names=["logits"],
-        dynamic_shapes=({0: batch} if name == "images" else dims,),
+        dynamic_shapes=(dims,),
         verbose=False,
     )
     program.save(str(path))
     info = {"task": task, "input": name, "output": "logits"}
-    info.update(
-        {k: v for k, v in artifacts.items() if k in ("classes", "img_size", "in_chans", "mean", "std")}
-    )
+    info |= {k: v for k, v in artifacts.items() if k in ("classes", "img_size", "in_chans", "mean", "std")}
     if "tokenizer" in artifacts:
         state = json.loads(artifacts["tokenizer"])
         info["tokenizer"] = state["kind"]
@@ -76,25 +72,11 @@ def export_onnx(net: nn.Module, task: str, artifacts: dict[str, Any], out_dir: P
     return path
 
 
-# the converter module (``attnlab.weights.pretrained.CONVERTERS``) -> its function naming our
-# state dict as the counterpart library's model names it
-LIBRARY_NAMES = {
-    "attnlab.weights.gpt2": "state_to_hf",
-    "attnlab.weights.bert": "state_to_hf",
-    "attnlab.weights.timm_vision": "state_dict_to_timm",
-    "attnlab.weights.clip": "state_dict_to_open_clip",
-}
-
-
 def library_layer_names(net: nn.Module, layers: list[str]) -> dict[str, tuple[str, bool]]:
-    """Each of ``layers`` (our names) as the counterpart library's model names that layer, and
-    whether it keeps the weight transposed (GPT-2's ``Conv1D``): the tensor the converter writes
-    for it is ours (the same memory, all of it). A layer with none (BERT's packed q, k and v are
-    three layers in transformers) is refused, named."""
-    from attnlab.weights.pretrained import converter
-
+    """Each of ``layers`` by the counterpart library's name for it, and whether it keeps the weight
+    transposed (GPT-2's ``Conv1D``); a layer with none (BERT's packed q, k, v) is refused."""
     module = converter(net, "attnlab-export merge=false")
-    theirs = getattr(module, LIBRARY_NAMES[module.__name__])(net)
+    theirs = module.export_state(net)
     names: dict[str, tuple[str, bool]] = {}
     for layer in layers:
         ours = net.get_submodule(layer).weight
@@ -114,15 +96,12 @@ def library_layer_names(net: nn.Module, layers: list[str]) -> dict[str, tuple[st
 
 
 def export_adapters(net: nn.Module, lora: Any, out_dir: Path, artifacts: dict[str, Any]) -> None:
-    """A LoRA net kept apart (``merge=false``): its base weights exported as ``export_pretrained``
-    writes them, and beside them its adapters as a PEFT adapter folder under the library's layer
-    names (``adapter_config.json``, ``adapter_model.safetensors``), which PEFT's
-    ``PeftModel.from_pretrained(<the library's model of out_dir>, out_dir)`` loads."""
+    """A LoRA net kept apart (``merge=false``): its base weights as ``export_pretrained`` writes them,
+    its adapters beside them as a PEFT adapter folder under the library's layer names."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
     from attnlab.weights.lora import lora_spec, remove_adapters
-    from attnlab.weights.pretrained import export_pretrained
 
     adapters = remove_adapters(net, merge=False)  # net: the base net
     names = library_layer_names(net, list(adapters))

@@ -1,11 +1,13 @@
-"""Another library's saved model folder (transformers, timm, open_clip, the hub): weights (safetensors or
-``weights_only``), ``config.json``, and the checks every converter makes (``{ours: (theirs, tensor)}``)."""
+"""Another library's saved model folder (transformers, timm, open_clip, the hub): weights, its JSON
+config, renaming tables, and the checks every converter makes (``{ours: (theirs, tensor)}``)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import pickle
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +15,65 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from attnlab.core.errors import CheckpointError
+from attnlab.core.errors import CheckpointError, first_line
 
 log = logging.getLogger("attnlab.pretrained")
 
 Mapped = dict[str, tuple[str, Tensor]]  # our name -> (the file's name, tensor)
+Renamer = Callable[[str], str | None]
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def read_config(source: Path) -> dict[str, Any]:
-    """``config.json`` of a saved-model folder (or beside a weights file); ``{}`` when absent."""
-    path = (source if source.is_dir() else source.parent) / "config.json"
-    if not path.is_file():
-        return {}
+def renamer(table: Mapping[str, str]) -> Renamer:
+    """``name`` renamed by the first key of ``table`` it starts with (``{}``: a layer's number), or None."""
+    rules = [(re.compile(re.escape(old).replace(r"\{\}", r"(\d+)")), new) for old, new in table.items()]
+
+    def rename(name: str) -> str | None:
+        for pattern, new in rules:
+            if m := pattern.match(name):
+                return new.format(*m.groups()) + name[m.end() :]
+        return None
+
+    return rename
+
+
+def renamers(table: Mapping[str, str]) -> tuple[Renamer, Renamer]:
+    """Renaming by ``table`` (theirs -> ours) and back."""
+    return renamer(table), renamer({ours: theirs for theirs, ours in table.items()})
+
+
+def act_name(act: nn.Module) -> str:
+    """The ``act`` an MLP's activation module is configured by (``attnlab.nn.blocks.Activation``)."""
+    if not isinstance(act, nn.GELU):
+        return "quick_gelu"
+    return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A saved model's JSON config; unreadable, or not an object: one ``CheckpointError``."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not JSON ({e})") from e
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"model.init_from={path}: not a JSON config ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"model.init_from={path}: not a JSON object")
+    return config
 
 
-def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str = "model.init_from") -> Path:
-    """The weights ``source`` names: the file itself, or the first of ``names`` in the folder
-    (each library's own, safetensors first)."""
+def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES) -> Path:
+    """The file itself, or the first of ``names`` in the folder (each library's own, safetensors first)."""
     if source.is_file():
         return source
     for name in names:
         if (source / name).is_file():
             return source / name
-    raise CheckpointError(f"{field}={source}: no weights in it (expected one of {', '.join(names)})")
+    raise CheckpointError(f"model.init_from={source}: no weights in it (expected one of {', '.join(names)})")
 
 
-def read_weights(
-    source: Path, names: tuple[str, ...] = WEIGHT_FILES, field: str = "model.init_from"
-) -> dict[str, Tensor]:
+def read_weights(source: Path, names: tuple[str, ...] = WEIGHT_FILES) -> dict[str, Tensor]:
     """Every tensor of a saved model (a file, or a folder holding one of ``names``) on the CPU: safetensors
     (sharded too) or ``weights_only`` torch files, unwrapped as timm does."""
-    path = weights_file(source, names, field)
+    path = weights_file(source, names)
     try:
         if path.name.endswith(".index.json"):
             shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -57,57 +82,37 @@ def read_weights(
             state = load_file(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError) as e:
-        if not isinstance(e, pickle.UnpicklingError) and "weights_only" not in str(e).lower().replace(
-            " ", "_"
-        ):
-            raise CheckpointError(f"{field}={path}: not a readable weights file ({_first_line(e)})") from e
-        raise CheckpointError(
-            f"{field}={path}: a pickle that holds more than tensors, which loading would run as code "
-            "(refused; save the model as safetensors or a plain state dict)"
-        ) from e
     except Exception as e:  # a corrupt or foreign file: safetensors, json and torch raise several kinds
-        raise CheckpointError(f"{field}={path}: not a readable weights file ({_first_line(e)})") from e
+        if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower().replace(" ", "_"):
+            raise CheckpointError(
+                f"model.init_from={path}: a pickle that holds more than tensors, which loading would run "
+                "as code (refused; save the model as safetensors or a plain state dict)"
+            ) from e
+        raise CheckpointError(f"model.init_from={path}: not a readable weights file ({first_line(e)})") from e
     for key in ("state_dict", "model"):  # a training script's checkpoint around the weights
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
             break
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise CheckpointError(f"{field}={path}: holds no state dict of tensors")
+        raise CheckpointError(f"model.init_from={path}: holds no state dict of tensors")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or ["no details"])[0][:200]
-
-
-def require_architecture(
-    config: dict[str, Any], source: Path, model_types: tuple[str, ...], ours: str
-) -> None:
-    """Refuse a ``config.json`` that describes another kind of model than ``model_types``."""
-    kind = config.get("model_type")
-    if kind is not None and kind not in model_types:
+def read_folder(source: Path, model_types: tuple[str, ...], ours: str, **expected: tuple[Any, str]) -> dict:
+    """``source``'s ``config.json`` (``{}`` without one), refused unless it describes one of
+    ``model_types`` with each ``expected`` key's value (``key=(value, what would fix it)``)."""
+    weights_file(source)  # a folder without weights says so before what its config lacks
+    path = (source if source.is_dir() else source.parent) / "config.json"
+    config = read_json(path) if path.is_file() else {}
+    if (kind := config.get("model_type")) is not None and kind not in model_types:
         saved = ", ".join(config.get("architectures") or []) or kind
         raise CheckpointError(
             f"model.init_from={source}: config.json describes a {kind} model ({saved}); "
             f"a {ours} loads {' or '.join(model_types)}"
         )
-
-
-def require_value(config: dict[str, Any], source: Path, key: str, expected: Any, fix: str) -> None:
-    """Refuse a ``config.json`` value ours cannot reproduce (``fix`` says what would)."""
-    if key in config and config[key] != expected:
-        raise CheckpointError(f"model.init_from={source}: config.json's {key} is {config[key]!r}; {fix}")
-
-
-def read_folder(source: Path, model_types: tuple[str, ...], ours: str, **expected: tuple[Any, str]) -> dict:
-    """``source``'s ``config.json``, refused unless it describes one of ``model_types`` with each
-    ``expected`` key's value (``key=(value, what would fix it)``)."""
-    weights_file(source)  # a folder without weights says so before what its config lacks
-    config = read_config(source)
-    require_architecture(config, source, model_types, ours)
     for key, (value, fix) in expected.items():
-        require_value(config, source, key, value, fix)
+        if key in config and config[key] != value:
+            raise CheckpointError(f"model.init_from={source}: config.json's {key} is {config[key]!r}; {fix}")
     return config
 
 
@@ -119,7 +124,7 @@ def load_mapped(
     kept: list[str] = []
     state = {}
     for name, ours in module.state_dict().items():
-        head = name.startswith(fresh) if fresh else False
+        head = bool(fresh) and name.startswith(fresh)
         if name not in mapped:
             if head:
                 kept.append(name)
@@ -147,8 +152,7 @@ def load_mapped(
 
 
 def write_folder(out_dir: Path, config: dict[str, Any], state: dict[str, Tensor]) -> None:
-    """``config.json`` and ``model.safetensors`` (contiguous copies: safetensors refuses views and
-    shared storage)."""
+    """``config.json`` and ``model.safetensors`` (contiguous copies: safetensors refuses views)."""
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(
         {k: v.detach().cpu().contiguous().clone() for k, v in state.items()},

@@ -13,13 +13,7 @@ from tokenizers import Tokenizer, processors
 
 log = logging.getLogger("attnlab.pretrained")
 
-_BERT_SPECIALS = {
-    "unk_token": "[UNK]",
-    "sep_token": "[SEP]",
-    "pad_token": "[PAD]",
-    "cls_token": "[CLS]",
-    "mask_token": "[MASK]",
-}
+_BERT_SPECIALS = {f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")}
 _GPT2_SPECIAL = "<|endoftext|>"
 
 
@@ -38,15 +32,13 @@ def write_tokenizer(artifacts: dict, out_dir: Path, family: str, max_len: int) -
     config: dict[str, Any] = {"model_max_length": max_len}
     ids: dict[str, Any] = {}
     if family == "bert":
-        config.update(
-            tokenizer_class="BertTokenizer", do_lower_case=_lowercases(state["tokenizer"]), **_BERT_SPECIALS
-        )
-        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        lowercase = (json.loads(state["tokenizer"]).get("normalizer") or {}).get("lowercase", False)
+        config.update(tokenizer_class="BertTokenizer", do_lower_case=bool(lowercase), **_BERT_SPECIALS)
         if tok.post_processor is None:  # ours adds [CLS] and [SEP] in the data; transformers' tokenizer does
             tok.post_processor = processors.TemplateProcessing(
                 single="[CLS] $A [SEP]",
                 pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+                special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")],
             )
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
         (out_dir / "vocab.txt").write_text("".join(f"{t}\n" for t, _ in vocab), encoding="utf-8")
@@ -59,8 +51,3 @@ def write_tokenizer(artifacts: dict, out_dir: Path, family: str, max_len: int) -
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return ids
-
-
-def _lowercases(tokenizer_json: str) -> bool:
-    normalizer = json.loads(tokenizer_json).get("normalizer") or {}
-    return bool(normalizer.get("lowercase", False))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnlab.core.errors import CheckpointError, ConfigError
+from attnlab.core.errors import CheckpointError, ConfigError, first_line
 from attnlab.core.run_paths import find_last, is_sharded
 from attnlab.weights.checkpoint import check_fits, load_checkpoint, metadata, require_task
 from attnlab.weights.pretrained import load_pretrained
@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def is_run_checkpoint(spec: str) -> bool:
-    """Whether ``model.init_from`` names one of our runs: a ``.ckpt`` file, a sharded checkpoint
-    folder, or a task name; anything else is another library's saved model."""
+    """Whether ``model.init_from`` names one of our runs (a ``.ckpt``, a sharded folder, a task name)."""
     path = Path(spec).expanduser()
     if path.exists():
         return path.suffix == ".ckpt" or is_sharded(path)
@@ -29,8 +28,7 @@ def is_run_checkpoint(spec: str) -> bool:
 
 
 def resolve_pretrained(spec: str, log_dir: Path) -> Path:
-    """``model.init_from`` naming one of our runs: a checkpoint file, or the name of a task whose
-    newest run's ``last.ckpt`` is used (e.g. ``bert_pretrain_sst2``)."""
+    """A run's checkpoint file, or for a task's name its newest run's ``last.ckpt``."""
     path = Path(spec).expanduser()
     if path.is_file() or is_sharded(path):
         return path
@@ -46,8 +44,7 @@ def resolve_pretrained(spec: str, log_dir: Path) -> Path:
 
 
 def run_artifacts(path: Path, tasks: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The data artifacts a run started from the run at ``path`` takes over: its tokenizer, not its
-    classes; a run of another task than ``tasks`` (class names, when given) is refused."""
+    """The tokenizer (not the classes) of the run at ``path``; a run of a task not in ``tasks`` is refused."""
     meta = metadata(load_checkpoint(path), path)
     if tasks:
         require_task(meta, path, tasks, f"model.init_from needs a {' or '.join(tasks)} run to start from")
@@ -85,17 +82,14 @@ def is_hub_name(spec: str) -> bool:
 
 
 def download_from_hub(repo_id: str, not_here: str) -> Path:
-    """A hub repository's weights, config and tokenizer files (never a pickle or code) in Hugging Face's
-    cache; offline or unknown: one line, with what ``not_here`` found missing locally."""
+    """A hub repository's weights, config and tokenizer files (never a pickle or code), or one line."""
     from huggingface_hub import snapshot_download
 
     try:
         folder = snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json", "*.txt"])
     except Exception as e:  # offline, unknown repository, gated, network: all one line
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise CheckpointError(
-            f"{not_here}; and {repo_id!r} could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {reason})"
+            f"{not_here}; and {repo_id!r} could not be fetched from the Hugging Face hub ({first_line(e)})"
         ) from e
     log.info("model.init_from=%s: the hub's files in %s", repo_id, folder)
     return Path(folder)
@@ -125,8 +119,7 @@ def init_artifacts(path: str | Mapping[str, str], target: str) -> dict[str, Any]
 
 
 def part_artifacts(paths: Mapping[str, str]) -> dict[str, Any]:
-    """The tokenizer of the one part in ``{part: path}`` whose run or folder has one (none: {});
-    parts with different tokenizers are refused: the data can follow only one."""
+    """The tokenizer of the one part in ``{part: path}`` that has one; different ones are refused."""
     found: dict[str, dict[str, Any]] = {}
     for part, path in paths.items():
         artifacts = run_artifacts(Path(path)) if is_run_checkpoint(path) else init_artifacts(path, "")
@@ -168,8 +161,7 @@ def load_init(net: nn.Module, spec: str | Mapping[str, str], log_dir: Path = Pat
 
 
 def run_weights(net: nn.Module, path: Path) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """What of the run at ``path`` goes into which module of ``net`` (itself or its encoder), the
-    heads fitted as ``load_init`` says."""
+    """What of the run at ``path`` goes into which module of ``net`` (itself or its encoder), heads fitted."""
     saved = load_checkpoint(path)["state_dict"]
     state = {k.removeprefix("net."): v for k, v in saved.items() if k.startswith("net.")}
     target = net
@@ -194,8 +186,7 @@ def run_weights(net: nn.Module, path: Path) -> tuple[nn.Module, dict[str, torch.
 
 
 def refuse_non_finite(net: nn.Module, source: str | Path) -> None:
-    """Weights with a NaN or an infinity would train on a NaN loss: refused, naming the source and
-    the first such tensor (one pass over the weights, once, at load)."""
+    """Weights with a NaN or an infinity (which would train on a NaN loss) refused, the first named."""
     for name, tensor in net.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(
@@ -205,8 +196,7 @@ def refuse_non_finite(net: nn.Module, source: str | Path) -> None:
 
 
 def part_prefix(state: Mapping[str, torch.Tensor], net: nn.Module) -> str:
-    """The prefix (``image.``) under which a saved net holds all of ``net`` but its head; "" at the top or
-    nowhere."""
+    """The prefix (``image.``) under which a saved net holds all of ``net`` but its head, else ""."""
     body = [k for k in net.state_dict() if not k.startswith("head")]
     if not body or all(k in state for k in body):
         return ""

@@ -25,15 +25,13 @@ ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # what a
 
 
 def lora_spec(lora: LoRA | Mapping[str, Any] | DictConfig) -> dict[str, Any]:
-    """``model.lora`` (``attnlab.core.specs.LoRA``) as a plain dict with its defaults filled in:
-    the targets are short names (``SHORT_NAMES``) or the ends of layers' dotted names (``fc1``)."""
+    """``model.lora`` as a plain dict with its defaults filled in."""
     spec = OmegaConf.to_container(lora, resolve=True) if isinstance(lora, DictConfig) else dict(lora)
     return {"alpha": spec["r"], "dropout": 0.0, **spec, "targets": list(spec["targets"])}
 
 
 def target_layers(net: nn.Module, targets: list[str]) -> list[str]:
-    """The dotted names of the layers of ``net`` that ``targets`` name; a target naming none is a
-    ``ValueError`` starting ``lora.targets`` (``model.lora.targets`` at the entry points)."""
+    """The dotted names of the layers of ``net`` that ``targets`` name; none is a ``ValueError``."""
     layers = [name for name, m in net.named_modules() if name and isinstance(m, ADAPTABLE)]
 
     def named(target: str) -> list[str]:
@@ -53,9 +51,8 @@ def target_layers(net: nn.Module, targets: list[str]) -> list[str]:
 
 
 def add_adapters(net: nn.Module, lora: LoRA | DictConfig) -> list[str]:
-    """LoRA adapters put into ``net`` in place (PEFT's ``inject_adapter_in_model``: each target layer
-    becomes a PEFT layer holding it as ``base_layer``, A random, B zero); only the adapters keep
-    their gradients. Returns the layers adapted."""
+    """LoRA adapters put into ``net`` in place (PEFT's ``inject_adapter_in_model``: A random, B zero);
+    only the adapters keep their gradients. Returns the layers adapted."""
     spec = lora_spec(lora)
     layers = target_layers(net, spec["targets"])
     from peft import LoraConfig, inject_adapter_in_model
@@ -78,9 +75,8 @@ def adapter_layers(net: nn.Module) -> dict[str, nn.Module]:
 
 
 def remove_adapters(net: nn.Module, merge: bool) -> dict[str, nn.Module]:
-    """Each PEFT layer of ``net`` replaced by the layer it adapts, with its adapter merged into it
-    where ``merge`` (PEFT's ``merge``: W + B A alpha/r; the plain net then computes what the
-    adapted one did). Returns the PEFT layers taken out, by name (their adapters in them)."""
+    """Each PEFT layer replaced by the layer it adapts, its adapter merged in where ``merge``
+    (W + B A alpha/r). Returns the PEFT layers taken out, by name."""
     layers = adapter_layers(net)
     for name, layer in layers.items():
         if merge:

@@ -1,23 +1,9 @@
-"""timm's ViT, DeiT (distilled) and Swin weights into ours, and ours out as timm's saved format.
-
-The layouts match (a packed q/k/v projection, the same norms and MLPs, the same token and
-position parameters); only some names differ. ``load`` and ``export`` are this family's converter
-(``attnlab.weights.pretrained``): ``model.init_from`` takes a folder as timm saves it
-(``timm.models.save_for_hf``: ``model.safetensors`` + ``config.json``) or a bare state dict
-(``.safetensors``, or ``.pth``/``.bin`` read with ``weights_only``); ``export`` writes that folder,
-which ``timm.create_model("local-dir:<folder>", pretrained=True)`` loads.
-
-What may differ from the configured net, each with a logged notice: the classification head
-(another number of classes: it stays freshly initialised), the image size (absolute position
-embeddings resampled with timm's ``resample_abs_pos_embed``; Swin's windows, where a small image
-shrinks them, with ``resize_rel_pos_bias_table``) and the input channels (timm's
-``adapt_input_conv``: RGB weights onto grayscale). Anything else that does not fit is one
-``CheckpointError`` naming the first tensor.
-"""
+"""timm's ViT, DeiT (distilled) and Swin weights into ours, and ours out as timm saves them (a folder of
+``model.safetensors`` + ``config.json``, or a bare state dict). A head of another size starts fresh; another
+image size, window or channel count is fitted with timm's own functions; each with a notice."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -28,21 +14,12 @@ from torch import Tensor, nn
 
 from attnlab.core.errors import CheckpointError
 from attnlab.weights.checkpoint import check_fits
-from attnlab.weights.hf_files import read_weights
+from attnlab.weights.hf_files import read_json, read_weights
 
 log = logging.getLogger(__name__)
 
-# timm name pattern -> ours
-_RENAMES = (
-    (re.compile(r"\.attn\.qkv\."), ".attn.in_proj."),
-    (re.compile(r"\.attn\.proj\."), ".attn.out_proj."),
-    (re.compile(r"^head\.fc\."), "head."),  # Swin's ClassifierHead
-)
-# ours -> timm (Swin's head is timm's ClassifierHead, ``head.fc``)
-_BACK = (
-    (re.compile(r"\.attn\.in_proj\."), ".attn.qkv."),
-    (re.compile(r"\.attn\.out_proj\."), ".attn.proj."),
-)
+# timm's names -> ours, wherever they occur
+_RENAMES = {".attn.qkv.": ".attn.in_proj.", ".attn.proj.": ".attn.out_proj."}
 # buffers older timm and Microsoft's Swin checkpoints carry; rebuilt by the model
 _REBUILT = re.compile(r"(relative_position_index|attn_mask)$")
 # the timm module each of our nets has its counterpart in, and that class's name
@@ -59,24 +36,21 @@ def state_dict_from_timm(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """A timm ``vit_*``, ``deit_*distilled*`` or ``swin_*`` state dict, renamed for our models."""
     out = {}
     for name, value in state.items():
-        if _REBUILT.search(name):
-            continue
-        for pattern, new in _RENAMES:
-            name = pattern.sub(new, name)
-        out[name] = value
+        for theirs, ours in _RENAMES.items():
+            name = name.replace(theirs, ours)
+        if not _REBUILT.search(name):
+            out[re.sub(r"^head\.fc\.", "head.", name)] = value  # Swin's head is timm's ClassifierHead
     return out
 
 
-def state_dict_to_timm(net: nn.Module) -> dict[str, Tensor]:
+def export_state(net: nn.Module) -> dict[str, Tensor]:
     """Our net's state dict under timm's names (contiguous tensors, as safetensors wants)."""
     swin = type(net).__name__ == "SwinTransformer"
     out = {}
     for name, value in net.state_dict().items():
-        for pattern, new in _BACK:
-            name = pattern.sub(new, name)
-        if swin and name.startswith("head."):
-            name = "head.fc." + name.removeprefix("head.")
-        out[name] = value.detach().contiguous()
+        for theirs, ours in _RENAMES.items():
+            name = name.replace(ours, theirs)
+        out[re.sub(r"^head\.", "head.fc.", name) if swin else name] = value.detach().contiguous()
     return out
 
 
@@ -90,32 +64,19 @@ def load_timm_weights(model: nn.Module, timm_model: nn.Module) -> nn.Module:
 # reading a saved model
 
 
-def read_json(file: Path, field: str = "model.init_from") -> dict[str, Any]:
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{field}={file}: not a JSON config ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{field}={file}: not a JSON object")
+def timm_config(folder: Path) -> dict[str, Any]:
+    """The ``config.json`` of a folder timm saved."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"model.init_from={folder}: no config.json (not a folder timm saved)")
+    config = read_json(config_file)
+    if "architecture" not in config and "architecture" not in config.get("pretrained_cfg", {}):
+        raise CheckpointError(f"model.init_from={config_file}: no 'architecture' (not a timm config)")
     return config
 
 
-def read_timm(source: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
-    """A timm folder (weights + ``config.json``) or a bare state dict file: (state, config)."""
-    if source.is_dir():
-        config_file = source / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"model.init_from={source}: no config.json (not a folder timm saved)")
-        config = read_json(config_file)
-        if "architecture" not in config and "architecture" not in config.get("pretrained_cfg", {}):
-            raise CheckpointError(f"model.init_from={config_file}: no 'architecture' (not a timm config)")
-        return read_weights(source, WEIGHT_FILES), config
-    return read_weights(source), None
-
-
 def timm_reference(config: dict[str, Any], where: Path) -> nn.Module:
-    """timm's model that ``config`` describes, on the meta device (no memory, no init): its
-    class and hyper-parameters tell whether it is the architecture we are configured as."""
+    """timm's model that ``config`` describes, on the meta device (no memory, no init)."""
     import timm
 
     arch = config.get("architecture") or config["pretrained_cfg"]["architecture"]
@@ -164,16 +125,12 @@ def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> Non
 
 def fit_heads(state: dict[str, Tensor], expected: dict[str, Tensor], where: Path) -> None:
     """Heads of another size (or absent on one side) stay as the net has them, with a notice."""
-    kept = [
-        k for k in expected if k.startswith(HEADS) and (k not in state or state[k].shape != expected[k].shape)
-    ]
-    dropped = [
-        k for k in state if k.startswith(HEADS) and (k not in expected or state[k].shape != expected[k].shape)
-    ]
+    fits = lambda k: k in state and k in expected and state[k].shape == expected[k].shape  # noqa: E731
+    dropped = [k for k in state if k.startswith(HEADS) and not fits(k)]
+    kept = [k for k in expected if k.startswith(HEADS) and not fits(k)]
     for k in dropped:
         del state[k]
-    for k in kept:
-        state[k] = expected[k]
+    state |= {k: expected[k] for k in kept}
     if kept or dropped:
         classes = next((tuple(v.shape) for k, v in expected.items() if k.startswith(HEADS)), "none")
         log.warning(
@@ -231,13 +188,9 @@ def fit_windows(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
 
     resized = set()
     for name, table in net.state_dict().items():
-        if (
-            name.endswith("relative_position_bias_table")
-            and name in state
-            and state[name].shape != table.shape
-        ):
-            if state[name].shape[1] != table.shape[1]:
-                continue  # other head counts: check_fits names it
+        if not name.endswith("relative_position_bias_table") or name not in state:
+            continue
+        if state[name].shape != table.shape and state[name].shape[1] == table.shape[1]:  # else check_fits
             window = round((table.shape[0] ** 0.5 + 1) / 2)
             state[name] = resize_rel_pos_bias_table(state[name], (window, window), tuple(table.shape))
             resized.add(window)
@@ -250,12 +203,10 @@ def fit_windows(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
 
 
 def load(net: nn.Module, source: Path) -> None:
-    """``model.init_from``: a timm folder or state dict copied into ``net``, fitted to its head,
-    image size and channels with notices; anything else that does not fit is refused."""
-    state, config = read_timm(source)
-    if config is not None:
-        check_architecture(net, timm_reference(config, source), source)
-    state, expected = state_dict_from_timm(state), net.state_dict()
+    """``model.init_from``: a timm folder or state dict copied into ``net``, fitted with notices."""
+    if source.is_dir():
+        check_architecture(net, timm_reference(timm_config(source), source), source)
+    state, expected = state_dict_from_timm(read_weights(source, WEIGHT_FILES)), net.state_dict()
     fit_heads(state, expected, source)
     fit_input_channels(state, expected, source)
     if type(net).__name__ == "SwinTransformer":
@@ -274,8 +225,7 @@ def load(net: nn.Module, source: Path) -> None:
 def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
     """The timm architecture and ``model_args`` that rebuild ``net`` exactly."""
     name = type(net).__name__
-    stem = type(net.patch_embed).__name__
-    if stem != "PatchEmbedding":
+    if type(net.patch_embed).__name__ != "PatchEmbedding":
         raise CheckpointError(
             f"attnlab-export: a {name} with a conv stem has no timm counterpart (stem=patch has)"
         )
@@ -287,18 +237,14 @@ def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
     }
     if name == "SwinTransformer":
         first = net.layers[0].blocks[0]
-        window = max(stage.blocks[0].attn.window for stage in net.layers)
-        depths = [len(stage.blocks) for stage in net.layers]
-        heads = [stage.blocks[0].attn.n_head for stage in net.layers]
         dim = first.attn.in_proj.in_features
-        mlp_ratio = first.mlp.fc1.out_features / dim
         return "swin_tiny_patch4_window7_224", {
             **args,
             "embed_dim": dim,
-            "depths": depths,
-            "num_heads": heads,
-            "window_size": window,
-            "mlp_ratio": mlp_ratio,
+            "depths": [len(stage.blocks) for stage in net.layers],
+            "num_heads": [stage.blocks[0].attn.n_head for stage in net.layers],
+            "window_size": max(stage.blocks[0].attn.window for stage in net.layers),
+            "mlp_ratio": first.mlp.fc1.out_features / dim,
         }
     block = net.blocks[0]
     dim = net.pos_embed.shape[-1]
@@ -325,23 +271,18 @@ def timm_args(net: nn.Module) -> tuple[str, dict[str, Any]]:
         args |= {"global_pool": "avg", "fc_norm": False}
     if type(block.mlp.act).__name__ == "QuickGELU":
         args["act_layer"] = "quick_gelu"
-    arch = (
-        "deit_tiny_distilled_patch16_224" if name == "DistilledVisionTransformer" else "vit_tiny_patch16_224"
-    )
-    return arch, args
+    distilled = name == "DistilledVisionTransformer"
+    return "deit_tiny_distilled_patch16_224" if distilled else "vit_tiny_patch16_224", args
 
 
 def export(net: nn.Module, out_dir: Path, artifacts: dict) -> None:
-    """``net`` as timm saves a model: ``model.safetensors`` under timm's names and ``config.json``
-    (``architecture``, ``model_args`` rebuilding it, ``pretrained_cfg`` with the data's
-    normalisation, the class names); ``timm.create_model("local-dir:<out_dir>", pretrained=True)``
-    loads it."""
+    """``net`` as timm saves it (``timm.create_model("local-dir:<out_dir>", pretrained=True)``)."""
     from safetensors.torch import save_file
     from timm.models._hub import save_config_for_hf
 
     arch, args = timm_args(net)
     reference = timm_reference({"architecture": arch, "model_args": args}, out_dir)
-    state = state_dict_to_timm(net)
+    state = export_state(net)
     check_fits(reference, state, Path(f"{type(net).__name__} (timm's {arch})"))
     data: dict[str, Any] = {"input_size": (net.in_chans, net.img_size, net.img_size), "crop_pct": 1.0}
     if "mean" in artifacts and "std" in artifacts:

@@ -16,7 +16,7 @@ from attnlab.data.multimodal.image_text import CaptionedFiles, ImageTextDataModu
 from attnlab.data.sampling import carve
 from attnlab.data.sources import Captions, CaptionShards
 from attnlab.data.text.tokenizers import WordTokenizer
-from attnlab.data.vision.classification import normalize, sample_stats
+from attnlab.data.vision.classification import sample_stats
 
 Listing = dict[str, tuple[list[str], str]]  # image name -> its captions, where it is first listed
 
@@ -90,6 +90,8 @@ class CaptionsFolderDataModule(ImageTextDataModule):
     fitted on the training captions and kept in the checkpoint; ``max_len`` counts ``<bos>``/``<eos>``.
     """
 
+    HELD_OUT = ("val", "test")
+
     def __init__(
         self,
         source: Captions | CaptionShards,
@@ -107,9 +109,6 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         )
         self.min_frequency = min_frequency
 
-    def held_out(self, source: Captions) -> list[int | float]:
-        return [source.size("val"), source.size("test")]
-
     def model_kwargs(self) -> dict[str, Any]:
         return {
             "vocab_size": self.tokenizer.vocab_size,
@@ -122,13 +121,11 @@ class CaptionsFolderDataModule(ImageTextDataModule):
     def artifacts(self) -> dict[str, Any]:
         return {**super().artifacts(), "max_len": self.max_len}
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
+    def build(self) -> None:
         corpus = self._setup_shards() if isinstance(self.source, CaptionShards) else self._setup_files()
         if self.tokenizer is None:
             self.tokenizer = WordTokenizer.fit(corpus, self.vocab_size, self.min_frequency)
-        self.log_splits("examples", f"a {self.tokenizer.vocab_size}-word vocabulary")
+        self.log_sizes(f"examples, a {self.tokenizer.vocab_size}-word vocabulary")
 
     def _setup_files(self) -> list[str]:
         path, images = Path(self.source.path), self.source.images_dir
@@ -155,6 +152,3 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         if min(idx) >= 0:
             batch["idx"] = torch.tensor(idx)
         return batch
-
-    def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
-        return {**batch, "image": normalize(batch["image"], self.mean, self.std)}

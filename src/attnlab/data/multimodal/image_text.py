@@ -1,11 +1,12 @@
-"""Image-caption pairs for CLIP: from a CSV or JSONL file of (image path, caption) rows, as
-Flickr8k/COCO-style sets come, or built from Fashion-MNIST / MNIST with generated captions."""
+"""Image-caption pairs for CLIP: (image path, caption) rows of a CSV or JSONL file, their shards, or
+Fashion-MNIST / MNIST with generated captions."""
 
 from __future__ import annotations
 
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,46 +14,43 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.multimodal import captions as cap
 from attnlab.data.sampling import Key, carve, example_seed
-from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, read_shard, stream_loader
+from attnlab.data.shards.tar import BadRecords, Record, read_shard
+from attnlab.data.shards.writer import check_free
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import channel_stats, normalize, random_crop_flip, sample_stats
-from attnlab.data.vision.datasets import BuiltinImages, load_builtin, square, unreadable_image
-from attnlab.data.vision.shards import decode_image, image_bytes
+from attnlab.data.vision.classification import ImagesDataModule, channel_stats, random_crop_flip, sample_stats
+from attnlab.data.vision.datasets import load_builtin, read_image, square
+from attnlab.data.vision.shards import carved_items, decode_image, image_bytes, image_items, write_shards
 
 log = logging.getLogger(__name__)
 
 
 class GeneratedCaptions(Dataset):
-    """(uint8 image, caption, label) of labelled images; a training draw phrases each image with
-    a random template, evaluation always with the same, fullest one."""
+    """(uint8 image, caption, label) of labelled images; with a ``seed`` (training) each draw phrases
+    its image with a random template, else (evaluation) always with the same, fullest one."""
 
     eval_template = "this {c} is {brightness}, {size} and {width}"
 
     def __init__(
-        self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], train: bool, seed: int = 0
+        self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], seed: int | None = None
     ) -> None:
-        self.images, self.labels, self.levels, self.phrases = images, labels, levels, phrases
-        self.train, self.seed = train, seed
+        self.images, self.labels, self.levels, self.phrases, self.seed = images, labels, levels, phrases, seed
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def caption(self, key: int | Key) -> str:
-        i = key if isinstance(key, int) else key[1]
-        seed = example_seed(self.seed, key)
-        if self.train:  # seeded by the sampler's (epoch, index): a resumed run draws the same
+        i, template = key if isinstance(key, int) else key[1], self.eval_template
+        if self.seed is not None:  # seeded by the sampler's (epoch, index): a resumed run draws the same
+            seed = example_seed(self.seed, key)
             g = torch.Generator().manual_seed(seed) if seed is not None else None
             template = cap.TRAIN_TEMPLATES[int(torch.randint(len(cap.TRAIN_TEMPLATES), (), generator=g))]
-        else:
-            template = self.eval_template
         return cap.caption(self.phrases[self.labels[i]], self.levels[i].tolist(), template)
 
     def __getitem__(self, key: int | Key) -> tuple[Tensor, str, int]:
@@ -75,16 +73,12 @@ class CaptionedFiles(Dataset):
 
     def __getitem__(self, key: int | Key) -> tuple[Tensor, str | list[str], int]:
         i = key if isinstance(key, int) else key[1]
-        try:
-            with Image.open(self.paths[i]) as im:
-                image = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
-        except (OSError, UnidentifiedImageError, ValueError) as e:
-            raise unreadable_image(self.paths[i], e) from None
-        return square(image, self.img_size), self.captions[i], i if self.indexed else -1
+        image = square(read_image(self.paths[i], self.in_chans), self.img_size)
+        return image, self.captions[i], i if self.indexed else -1
 
 
-def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str, int]]:
-    """(image, caption, line) rows of a CSV (with a header) or JSONL file."""
+def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, str]]:
+    """(image, caption) rows of a CSV (with a header) or JSONL file."""
     if not path.is_file():
         raise DataError(f"data.source.path={path}: no such file")
     rows = []
@@ -106,17 +100,47 @@ def read_pairs(path: Path, image_key: str, caption_key: str) -> list[tuple[str, 
             raise DataError(f"{path}:{line}: expected the fields {image_key!r} and {caption_key!r}")
         if not str(row[caption_key] or "").strip():
             raise DataError(f"{path}:{line}: empty caption")
-        out.append((str(row[image_key]), str(row[caption_key]).strip(), line))
+        out.append((str(row[image_key]), str(row[caption_key]).strip()))
     if not out:
         raise DataError(f"{path}: no image-caption rows")
     return out
 
 
-class ImageTextDataModule(BuiltinImages, SplitsDataModule):
-    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP, from a
+def prepare_image_text(
+    pairs_file: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    val_size: int = 1000,
+    test_file: str | os.PathLike | None = None,
+    image_key: str = "image",
+    caption_key: str = "caption",
+    shard_records: int = 10_000,
+    on_bad_record: str = "error",
+    seed: int = 1337,
+) -> dict[str, Any]:
+    """Image-caption rows (CSV or JSONL) into shards (``attnlab-prepare --mode pairs``, kind
+    ``image_text``: ``key.jpg`` + ``key.txt``, as open_clip reads them): ``val_size`` rows carved
+    (seeded), ``test_file``'s the test split."""
+
+    def rows(path: Path) -> tuple[list[Path], list[str]]:
+        found = read_pairs(path, image_key, caption_key)
+        return [path.parent / image for image, _ in found], [text for _, text in found]
+
+    check_free(Path(out_dir))
+    splits = carved_items(*rows(Path(pairs_file)), "txt", val_size, seed, f"rows of {pairs_file}")
+    if test_file is not None:
+        splits["test"] = image_items(*rows(Path(test_file)), "txt")
+    meta = {"kind": "image_text", "source": str(pairs_file)}
+    return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
+
+
+class ImageTextDataModule(ImagesDataModule):
+    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP from a
     ``Builtin`` set (captions generated from the label and measured attributes; zero-shot prompts),
     ``Pairs`` or ``CaptionShards`` (images made ``img_size``, ``in_chans``). ``max_len`` counts
-    ``<sot>`` and ``<eot>``; ``vocab_size``: the BPE fitted on the training captions."""
+    ``<sot>`` and ``<eot>``; ``vocab_size``: the BPE's, fitted on the training captions. ``classes``:
+    the caption phrases of the classes (zero-shot), where known."""
+
+    HELD_OUT = ("val",)  # the splits carved out of the source
 
     def __init__(
         self,
@@ -131,31 +155,19 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, seed)
         source = source or Builtin("fashion_mnist", val_size=5000)
         if isinstance(source, Builtin):
             source.one_of(cap.CLASS_PHRASES)
         if max_len < 3:
             raise ConfigError(f"data.max_len must be >= 3 (<sot>, a token, <eot>), got {max_len}")
-        self.sizes = [] if isinstance(source, CaptionShards) else self.held_out(source)
+        self.sizes = [] if isinstance(source, CaptionShards) else [source.size(s) for s in self.HELD_OUT]
         self.source, self.img_size, self.in_chans = source, img_size, in_chans
         self.bad = BadRecords(getattr(source, "on_bad_record", "error"))  # Pairs' and shards'
-        self.shards: TarShards | None = None
-        self.batch_size, self.max_len = batch_size, max_len
-        self.vocab_size, self.crop_padding, self.hflip = vocab_size, crop_padding, hflip
-        self.num_workers, self.seed = num_workers, seed
+        self.max_len, self.vocab_size = max_len, vocab_size
+        self.crop_padding, self.hflip = crop_padding, hflip
         self.tokenizer: CaptionTokenizer | None = None
-        self.classes: list[str] | None = None  # caption phrases of the classes (zero-shot), if known
         self.templates: list[str] = list(cap.ZEROSHOT_TEMPLATES)
-        self.mean: list[float] | None = None
-        self.std: list[float] | None = None
-        self.splits: dict[str, Dataset] = {}
-
-    def held_out(self, source: Builtin | Pairs | Captions) -> list[int | float]:
-        """The sizes carved out of the source: validation."""
-        return [source.size("val")]
-
-    # --- what the model and inference need -------------------------------------------------
 
     def model_kwargs(self) -> dict[str, Any]:
         return {
@@ -171,24 +183,15 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         return {
             "tokenizer": self.tokenizer.to_json(),
             "context_length": self.max_len,  # the artifacts' name (saved runs, exports, open_clip)
-            "classes": self.classes,
             "templates": self.templates,
-            "img_size": self.img_size,
-            "in_chans": self.in_chans,
-            "mean": self.mean,
-            "std": self.std,
+            **super().artifacts(),
         }
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        """A run's tokenizer and normalisation, or pre-trained weights' tokenizer alone."""
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
-        self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
+        super().load_artifacts(artifacts)
 
-    # --- loading ---------------------------------------------------------------------------
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
+    def build(self) -> None:
         setups = {Pairs: self._setup_pairs, CaptionShards: self._setup_shards}
         corpus = setups.get(type(self.source), self._setup_generated)()
         if self.tokenizer is None:
@@ -197,15 +200,7 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         if truncated:
             n = (truncated, len(corpus), self.max_len)
             log.warning("%d of %d training captions are longer than data.max_len=%d tokens: cut", *n)
-        self.log_splits("pairs", f"a {self.tokenizer.vocab_size}-token caption vocabulary")
-
-    def log_splits(self, what: str, vocabulary: str) -> None:
-        train = len(self.splits["train"]) if "train" in self.splits else self.shards.count("train")
-        log_splits(
-            self.source.where,
-            (train, len(self.splits["val"]), len(self.splits["test"])),
-            f"{what}, {vocabulary}",
-        )
+        self.log_sizes(f"pairs, a {self.tokenizer.vocab_size}-token caption vocabulary")
 
     def _setup_generated(self) -> list[str]:
         data = load_builtin(self.source)
@@ -218,13 +213,9 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         test_levels = cap.attribute_levels(cap.measure(data.test_images), data.test_labels, cuts)
         images, labels = data.train_images, data.train_labels
         self.splits = {
-            "train": GeneratedCaptions(
-                images[train], labels[train], levels[train], self.classes, train=True, seed=self.seed
-            ),
-            "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes, train=False),
-            "test": GeneratedCaptions(
-                data.test_images, data.test_labels, test_levels, self.classes, train=False
-            ),
+            "train": GeneratedCaptions(images[train], labels[train], levels[train], self.classes, self.seed),
+            "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes),
+            "test": GeneratedCaptions(data.test_images, data.test_labels, test_levels, self.classes),
         }
         if self.mean is None:
             self.mean, self.std = channel_stats(images[train])
@@ -232,10 +223,9 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
 
     def _readable(self, path: Path) -> tuple[list[Path], list[str]]:
         """The pairs file's readable images and their captions (the rest: ``on_bad_record``)."""
-        src = self.source
-        rows = read_pairs(path, src.image_key, src.caption_key)
+        rows = read_pairs(path, self.source.image_key, self.source.caption_key)
         paths, texts, bad = [], [], []
-        for image, text, _ in rows:
+        for image, text in rows:
             try:
                 with Image.open(path.parent / image) as im:
                     im.verify()
@@ -270,16 +260,8 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         return files[0].captions
 
     def _setup_shards(self) -> list[str]:
-        self.shards = TarShards(self.source.path)
-        if self.shards.kind != "image_text":
-            raise DataError(
-                f"{self.source.path}: not image-caption shards (key.jpg + key.txt); see its manifest"
-            )
-        if not self.shards.count("val"):
-            raise DataError(f"{self.source.path}: no validation records (prepare with --val-size > 0)")
-        for split in ("val", "test"):
-            if self.shards.count(split):
-                self.splits[split] = ShardRecords(self.shards.splits[split], self.decode_record, self.bad)
+        self.open_shards("image_text", "image-caption shards (key.jpg + key.txt)")
+        self.read_shards(self.decode_record)
         self.splits.setdefault("test", self.splits["val"])
         if self.mean is None:
             self.mean, self.std = sample_stats(self.splits["val"])
@@ -309,23 +291,12 @@ class ImageTextDataModule(BuiltinImages, SplitsDataModule):
         img = decode_image(image_bytes(record), where, "L" if self.in_chans == 1 else "RGB")
         return square(TF.pil_to_tensor(img), self.img_size), text, -1
 
-    # --- batches ---------------------------------------------------------------------------
-
     def collate(self, items: list[tuple[Tensor, str, int] | None]) -> tuple[Tensor, Tensor, Tensor]:
         images, texts, labels = zip(*[x for x in items if x is not None], strict=True)  # None: skipped
         tokens, _ = self.tokenizer.encode_captions(list(texts), self.max_len)
         return torch.stack(images), tokens, torch.tensor(labels)
 
-    def normalize(self, images: Tensor) -> Tensor:
-        return normalize(images, self.mean, self.std)
+    def augment(self, images: Tensor) -> Tensor:
+        return random_crop_flip(images, self.crop_padding, self.hflip)
 
-    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor, Tensor], dataloader_idx: int) -> tuple:
-        images, tokens, labels = batch
-        if self.trainer is not None and self.trainer.training and (self.crop_padding or self.hflip):
-            images = random_crop_flip(images, self.crop_padding, self.hflip)
-        return self.normalize(images), tokens, labels
-
-    def train_dataloader(self) -> DataLoader:
-        if isinstance(self.source, CaptionShards):
-            return stream_loader(self, self.shards.splits["train"], self.decode_record, self.collate)
-        return super().train_dataloader()
+    decode_train = decode_record

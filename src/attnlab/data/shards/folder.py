@@ -1,6 +1,5 @@
-"""Reading a prepared folder: its manifest, of the kind asked for, and each file it lists, checked
-inside the folder and of its size at opening; its sha256 (and, for token ids, that each is below
-the vocabulary) the first time this process reads it."""
+"""Reading a prepared folder: its manifest, and each file it lists checked (inside the folder, its
+size) at opening, its sha256 (and token ids below the vocabulary) the first time it is read."""
 
 from __future__ import annotations
 
@@ -33,17 +32,9 @@ SHA256_DIFFERS = "its sha256 differs from the manifest's; corrupt or changed sin
 Location = Path | RemotePath
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
 class ShardFolder:
     """A prepared folder holding shards of one of ``kinds``; ``verified``: the files this process
-    has checked (sha256, ids), each once."""
+    has checked, each once."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath, *kinds: str) -> None:
         self.folder = location(folder)
@@ -81,7 +72,7 @@ class ShardFolder:
     def shards(
         self, split: str, parts: tuple[str, ...] = ()
     ) -> Iterator[tuple[dict, dict[str, Location], dict]]:
-        """Each shard of ``split`` as (entry, files by part, sha256 by part); call inside ``reading``."""
+        """Each shard of ``split`` as (entry, files by part, sha256 by part), inside ``reading``."""
         for i, e in enumerate(self.manifest["splits"].get(split, [])):
             if not parts:
                 yield e, {"": self.file(e["file"], f"splits.{split}[{i}].file")}, {"": str(e["sha256"])}
@@ -91,8 +82,8 @@ class ShardFolder:
                 yield e, paths, {p: e["sha256"][p] for p in parts}
 
     def file(self, name: Any, entry: str) -> Location:
-        """``folder / name`` for a listed file, refused unless it stays inside the folder (no absolute path,
-        ``..``, link out or, at a URL, scheme): else training could read any file of the machine."""
+        """``folder / name``, refused unless it stays inside the folder: else a manifest could make
+        training read any file of the machine."""
         if isinstance(self.folder, RemotePath):
             if self.folder.inside(name):
                 return self.folder / name
@@ -111,7 +102,7 @@ class ShardFolder:
         )
 
     def token_dtype(self) -> np.dtype:
-        """The manifest's dtype of token ids (call inside ``reading``)."""
+        """The manifest's dtype of token ids, inside ``reading``."""
         dtype = np.dtype(self.manifest["dtype"])
         if dtype not in (np.uint16, np.uint32):  # a signed type's negative ids would pass a max
             raise ValueError(f"dtype {self.manifest['dtype']!r}, not uint16 or uint32")
@@ -120,7 +111,7 @@ class ShardFolder:
     def verify_once(
         self, path: Location, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
     ) -> bytes:
-        """Check a listed file unless this process did (``verify_file``); with ``keep``, its bytes."""
+        """``verify_file`` unless this process did; with ``keep``, the file's bytes."""
         if path in self.verified:
             return path.read_bytes() if keep else b""
         data = verify_file(path, sha256, dtype, vocab, keep)
@@ -142,15 +133,13 @@ def verify_file(
     path: Location, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
 ) -> bytes:
     """One pass over a listed file: its sha256 must be the manifest's and token ids (``dtype``) below
-    ``vocab`` (past the embedding table they would be an ``IndexError``); the bytes with ``keep``."""
+    ``vocab`` (past the embedding table they would be an ``IndexError``)."""
     top, kept = -1, []
     with path.open("rb") as raw:
         f = Hashed(raw)
         while block := f.read(-1 if keep else 1 << 24):
-            if dtype is not None and len(block) >= dtype.itemsize:
-                top = max(
-                    top, int(np.frombuffer(block, dtype=dtype, count=len(block) // dtype.itemsize).max())
-                )
+            if dtype is not None and (n := len(block) // dtype.itemsize):
+                top = max(top, int(np.frombuffer(block, dtype=dtype, count=n).max()))
             if keep:
                 kept.append(block)
         f.finish(path, sha256)
@@ -163,8 +152,8 @@ def verify_file(
 
 
 class Hashed:
-    """A file read through, its bytes hashed as they pass: a file's sha256 from the read that
-    training makes anyway, not a second pass over it."""
+    """A file read through, its bytes hashed as they pass: the sha256 from the read that training
+    makes anyway."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.h = f, hashlib.sha256()

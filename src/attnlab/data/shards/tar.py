@@ -1,7 +1,6 @@
-"""Shards in open_clip's webdataset layout (tar files of ``key.jpg`` + ``key.cls`` or ``key.txt``),
-written byte-reproducibly; training streams them (``ShardStream``: each worker of each rank one
-contiguous part of every epoch), validation and test read records at their offsets
-(``ShardRecords``, map-style). Read through webdataset, so open_clip's and img2dataset's read too."""
+"""Tar shards in open_clip's webdataset layout (``key.jpg`` + ``key.cls`` or ``key.txt``), written
+byte-reproducibly; training streams them (``ShardStream``), evaluation reads records at their
+offsets (``ShardRecords``)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.errors import DataError
 from attnlab.data import sampling
 from attnlab.data.remote import RemotePath, read_ranges
 from attnlab.data.sampling import example_seed
@@ -26,7 +25,6 @@ from attnlab.data.shards.writer import ShardWriter, check_count, check_free, pub
 
 log = logging.getLogger(__name__)
 
-ON_BAD_RECORD = ("error", "skip")
 Record = dict[str, Any]  # webdataset's sample: {"__key__": ..., "jpg": bytes, "cls": bytes, ...}
 Item = tuple[Path, dict[str, bytes] | DataError]  # a record's fields, or why they cannot be read
 # Every tar header the same whatever the machine, user and time (webdataset's TarWriter stamps the
@@ -45,10 +43,8 @@ def write_tar_shards(
     shard_records: int = 10_000,
     on_bad_record: str = "error",
 ) -> dict[str, Any]:
-    """Each split's ``(source file, {field: bytes})`` items as tar shards of ``shard_records`` in
-    ``out_dir`` with a manifest (``meta`` + the shards), returned; unreadable items: ``on_bad_record``."""
-    if on_bad_record not in ON_BAD_RECORD:
-        raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    """Each split's ``(source file, {field: bytes})`` items as tar shards in ``out_dir`` with a
+    manifest (``meta`` + the shards), returned."""
     check_count("shard_records", shard_records)
     out = Path(out_dir)
     check_free(out)
@@ -85,12 +81,11 @@ def _write_split(partial: Path, split: str, records: Iterator, shard_records: in
         partial, split, ["tar"], "{split}-{k:06d}", lambda p: wds.TarWriter(str(p), **TAR_HEADER)
     )
     try:
-        for fields in records:
+        for k, fields in enumerate(records, key):
             if not writer.files or writer.shards[-1]["count"] == shard_records:
                 writer.open(count=0)
-            writer.files["tar"].write({"__key__": f"{key:09d}", **fields})
+            writer.files["tar"].write({"__key__": f"{k:09d}", **fields})
             writer.shards[-1]["count"] += 1
-            key += 1
         writer.close()
     finally:  # on an error: a writer left open would be flushed into its closed file at exit
         for f in writer.files.values():
@@ -111,8 +106,8 @@ class Shard:
 
 
 class TarShards(ShardFolder):
-    """A folder of tar shards (of ``kind``; ``None``: images or image_text), each split's shards checked
-    for presence and size here, their sha256 as first read."""
+    """A folder of tar shards (of ``kind``; ``None``: images or image_text), each checked for
+    presence and size here, its sha256 as first read."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath, kind: str | None = None) -> None:
         super().__init__(folder, *([kind] if kind else ["images", "image_text"]))
@@ -132,12 +127,10 @@ class TarShards(ShardFolder):
 
 
 class BadRecords:
-    """What to do with a record that cannot be read: ``error`` raises one line naming the shard and
-    the record; ``skip`` logs that line and counts it (per process)."""
+    """A record that cannot be read: ``error`` raises one line naming it; ``skip`` logs that line
+    and counts it (per process)."""
 
     def __init__(self, policy: str) -> None:
-        if policy not in ON_BAD_RECORD:
-            raise ConfigError(f"data.source.on_bad_record must be 'error' or 'skip', got {policy!r}")
         self.policy, self.skipped = policy, 0
 
     def __call__(self, message: str) -> None:
@@ -145,6 +138,14 @@ class BadRecords:
             raise DataError(f"{message}; set data.source.on_bad_record=skip to leave such records out")
         self.skipped += 1
         log.warning("%s: skipped (%d so far in this process)", message, self.skipped)
+
+    def decoded(self, decode: Callable[..., Any], record: Record, *seed: int | None) -> Any:
+        """``decode(record, where, *seed)``, or ``None`` for a record that does not decode."""
+        try:
+            return decode(record, f"{record['__url__']}: record {record['__key__']}", *seed)
+        except DataError as e:
+            self(str(e))
+            return None
 
 
 def read_shard(
@@ -225,10 +226,8 @@ class ShardStream(IterableDataset):
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
         return [self.shards[i] for i in torch.randperm(len(self.shards), generator=g).tolist()]
 
-    def span(self, epoch: int, lane: int, first: int, last: int) -> Iterator[Record]:
-        """Records ``first..last - 1`` of lane ``lane``'s span of ``epoch``."""
-        begin = (self.rank * self.lanes + lane) * self.per_lane * self.batch_size
-        lo, hi = begin + first, begin + last
+    def span(self, epoch: int, lo: int, hi: int) -> Iterator[tuple[int, Record]]:
+        """Records ``lo..hi - 1`` of ``epoch``'s order, numbered."""
         offset = 0
         for shard in self.epoch_order(epoch):
             if offset + shard.count > lo and offset < hi:
@@ -241,12 +240,12 @@ class ShardStream(IterableDataset):
 
     def lane_batches(self, lane: int, start: int) -> Iterator[Any]:
         """Lane ``lane``'s batches from its ``start``-th on, epoch after epoch."""
-        b, block = self.batch_size, self.shuffle_batches
-        begin = (self.rank * self.lanes + lane) * self.per_lane * b  # the span's first record
+        b, block, slot = self.batch_size, self.shuffle_batches, self.rank * self.lanes + lane
+        begin = slot * self.per_lane * b  # the span's first record
         epoch, j = divmod(start, self.per_lane)
         while True:
             opening = (j // block) * block  # the shuffle block holding batch j
-            records = self.span(epoch, lane, opening * b, self.per_lane * b)  # read on, sequentially
+            records = self.span(epoch, begin + opening * b, begin + self.per_lane * b)  # read on
             pending: tuple[int, Record] | None = None
             for first in range(opening, self.per_lane, block):
                 last = min(first + block, self.per_lane)
@@ -258,7 +257,6 @@ class ShardStream(IterableDataset):
                     got[i] = record
                 else:
                     pending = None
-                slot = self.rank * self.lanes + lane
                 block_seed = ((self.seed * 1_000_003 + epoch) * 1_000_003 + slot) * 1_000_003 + first
                 g = torch.Generator().manual_seed(block_seed % 2**63)
                 order = (begin + first * b + torch.randperm((last - first) * b, generator=g)).tolist()
@@ -268,16 +266,9 @@ class ShardStream(IterableDataset):
             epoch, j = epoch + 1, 0
 
     def _batch(self, records: dict[int, Record], indices: list[int], epoch: int, where: str) -> Any:
-        items = []
-        for i in indices:
-            record = records.get(i)
-            if record is None:
-                continue  # its shard broke off before it (already reported)
-            try:
-                where_ = f"{record['__url__']}: record {record['__key__']}"
-                items.append(self.decode(record, where_, example_seed(self.seed, (epoch, i))))
-            except DataError as e:
-                self.bad(str(e))
+        # a record not read: its shard broke off before it (already reported)
+        seeded = [(records[i], example_seed(self.seed, (epoch, i))) for i in indices if i in records]
+        items = [x for r, s in seeded if (x := self.bad.decoded(self.decode, r, s)) is not None]
         if not items:
             raise DataError(f"no readable record in {where} of the training shards")
         return self.collate(items)
@@ -348,9 +339,4 @@ class ShardRecords(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         """The decoded record, or ``None`` for one that is skipped (collate leaves it out)."""
-        record = self.record(i)
-        try:
-            return self.decode(record, f"{record['__url__']}: record {record['__key__']}")
-        except DataError as e:
-            self.bad(str(e))
-            return None
+        return self.bad.decoded(self.decode, self.record(i))

@@ -1,7 +1,5 @@
 """Writing a prepared folder: everything into ``<out>.partial``, moved into place with its manifest
-last (a folder with a manifest is whole), under a ``flock`` that refuses a second writer; a
-failure removes the partial folder and a full disk is one line. ``ShardWriter`` writes one
-split's shards, each file hashed (and its size checked) as its shard closes."""
+last (a folder with a manifest is whole), under a ``flock`` that refuses a second writer."""
 
 from __future__ import annotations
 
@@ -19,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from attnlab.core.errors import ConfigError, DataError
-from attnlab.data.shards.folder import MANIFEST, file_sha256
+from attnlab.core.run_record import sha256_file
+from attnlab.data.shards.folder import MANIFEST
 
 
 def check_free(out: Path) -> None:
@@ -31,8 +30,7 @@ def check_free(out: Path) -> None:
 
 
 def start_partial(out: Path) -> Path:
-    """A clean ``<out>.partial`` folder (what an interrupted prepare or export left there removed;
-    a link is unlinked, never followed), which ``publish`` moves into place."""
+    """A clean ``<out>.partial`` folder (a link there is unlinked, never followed)."""
     partial = _beside(out, ".partial")
     if partial.is_symlink() or partial.is_file():
         partial.unlink()
@@ -64,9 +62,8 @@ def check_written(path: Path, size: int) -> None:
 
 
 def prepares(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """``fn(inputs, partial, ...) -> manifest`` as ``prepare(inputs, out_dir, ...)``: run while it
-    holds ``out_dir`` (``writing``), writing into a clean ``<out_dir>.partial`` that is moved into
-    place with the manifest at the end (``publish``)."""
+    """``fn(inputs, partial, ...) -> manifest`` as ``prepare(inputs, out_dir, ...)``, run under
+    ``writing`` into a clean ``<out_dir>.partial``, then ``publish``-ed."""
 
     @functools.wraps(fn)
     def run(inputs: Any, out_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -81,9 +78,8 @@ def prepares(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]
 
 @contextmanager
 def writing(out: Path) -> Iterator[None]:
-    """Held while a prepare writes ``out``: another prepare into the same folder is refused in one
-    line, and whatever ends this one early (an error, a full disk, Ctrl-C) removes its
-    ``<out>.partial``; a failure to write is one ``DataError`` naming the file."""
+    """Held while a prepare writes ``out``: another prepare into it is refused in one line, whatever
+    ends this one early (an error, a full disk, Ctrl-C) removes ``<out>.partial``."""
     with _lock(out):
         try:
             yield
@@ -106,8 +102,8 @@ def _write_error(e: OSError, out: Path) -> str:
 
 @contextmanager
 def _lock(out: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``<out>.lock`` (the kernel releases it when its holder dies, so a
-    killed prepare blocks no one), removed by its holder at the end."""
+    """An exclusive ``flock`` on ``<out>.lock`` (the kernel releases it when its holder dies),
+    removed by its holder at the end."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): one prepare at a time is up to the user
@@ -157,8 +153,8 @@ def _beside(out: Path, suffix: str) -> Path:
 
 
 class ShardWriter:
-    """One split's shards in turn: shard ``k`` a file ``<name>.<part>`` per part (``opener`` opens them),
-    its manifest entry in ``shards`` (counts kept by the caller, each file's sha256 once closed)."""
+    """One split's shards in turn: shard ``k`` a file ``<name>.<part>`` per part, its manifest entry
+    in ``shards`` (counts kept by the caller, each file's sha256 and size checked once closed)."""
 
     def __init__(
         self,
@@ -193,7 +189,7 @@ class ShardWriter:
         for part, size in self.written.items():
             check_written(self.paths[part], size)
         if self.files:
-            sha256 = {p: file_sha256(path) for p, path in self.paths.items()}
+            sha256 = {p: sha256_file(path) for p, path in self.paths.items()}
             self.shards[-1]["sha256"] = sha256 if len(self.parts) > 1 else sha256[self.parts[0]]
         self.files, self.written = {}, {}
 
@@ -207,8 +203,8 @@ def counted(items: Iterable[tuple[Any, int]], advance: Callable[[int], Any]) -> 
 
 @contextmanager
 def parallel(workers: int) -> Iterator[Callable[..., Iterator[Any]]]:
-    """``imap`` in ``workers`` processes (forked where possible: spawning re-imports torch; the tokenizers
-    library's threads off), or ``map`` here for 1."""
+    """``imap`` in ``workers`` processes (forked where possible: spawning re-imports torch), or
+    ``map`` here for 1."""
     check_count("workers", workers)
     if workers == 1:
         yield map
@@ -228,8 +224,7 @@ def parallel(workers: int) -> Iterator[Callable[..., Iterator[Any]]]:
 
 @contextmanager
 def progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], Any]]:
-    """A rich progress bar over the source bytes, on stderr: ``advance(n)``; ``enabled=False``:
-    nothing."""
+    """``advance(n)`` of a rich progress bar over the source bytes, on stderr (or nothing)."""
     if not enabled:
         yield lambda n: None
         return

@@ -36,10 +36,9 @@ def collate(split: list[Item], pad_id: int, idx: list[int]) -> dict[str, Tensor]
 
 
 class LabelledTextDataModule(DataModule):
-    """What sentence and token classification share: ``SplitFiles``, a tokenizer (a pre-trained
-    model's, or WordPiece of ``vocab_size`` fitted on the training split), inputs cut to
-    ``max_len``, batches of ``max_tokens`` with padding, labels ``class_names`` (default: the
-    training file's)."""
+    """What sentence and token classification share: a tokenizer (a pre-trained model's, or
+    WordPiece fitted on the training split), inputs cut to ``max_len``, batches of ``max_tokens``
+    with padding, labels ``class_names`` (default: the training file's)."""
 
     def __init__(
         self,
@@ -142,13 +141,10 @@ class SentenceClassificationDataModule(LabelledTextDataModule):
         return [str(c) for c in classes]
 
     def encode(self, examples: list[Any], path: Path) -> list[Item]:
-        budget = self.max_len - (3 if examples[0].text_pair is not None else 2)
+        pairs = examples[0].text_pair is not None
+        budget = self.max_len - (3 if pairs else 2)
         a_ids = self.tokenizer.encode_batch([e.text for e in examples])
-        b_ids = (
-            self.tokenizer.encode_batch([e.text_pair for e in examples])
-            if examples[0].text_pair is not None
-            else None
-        )
+        b_ids = self.tokenizer.encode_batch([e.text_pair for e in examples]) if pairs else None
         tok, items = self.tokenizer, []
         for n, e in enumerate(examples):
             if not 0 <= e.label < self.num_classes:
@@ -187,8 +183,7 @@ class TokenClassificationDataModule(LabelledTextDataModule):
         index = {c: i for i, c in enumerate(self.classes)}
         tok, items = self.tokenizer, []
         for words, tags in examples:
-            unknown = sorted(set(tags) - set(index))
-            if unknown:
+            if unknown := sorted(set(tags) - set(index)):
                 raise DataError(
                     f"{path}: tags {unknown} do not occur in the training file (classes {self.classes})"
                 )

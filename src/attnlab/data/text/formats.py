@@ -21,9 +21,8 @@ def read_lines(path: Path, key: str | None = None) -> list[str]:
 
 
 def read_corpus(path: Path) -> list[list[str]]:
-    """Documents of sentences. A plain-text file holds one sentence per line, documents
-    separated by blank lines; a ``.tsv`` file with a ``sentence`` column (GLUE) gives one
-    one-sentence document per row (its labels, if any, are not read)."""
+    """Documents of sentences: a sentence per line, documents between blank lines; or a GLUE
+    ``.tsv`` file's ``sentence`` column, a one-sentence document per row (labels not read)."""
     if path.suffix == ".tsv":
         return [[row.text] for row in read_tsv(path, need_labels=False)]
     docs: list[list[str]] = [[]]
@@ -51,7 +50,7 @@ def read_tsv(path: Path, need_labels: bool = True) -> list[Example]:
     lines = read_lines(path)
     if not lines:
         raise DataError(f"{path} is empty; expected a header row and tab-separated examples")
-    header = lines[0].rstrip("\n").split("\t")
+    header = lines[0].split("\t")
     if "sentence" in header:
         text_cols = [header.index("sentence")]
     elif "sentence1" in header and "sentence2" in header:
@@ -76,8 +75,7 @@ def read_tsv(path: Path, need_labels: bool = True) -> list[Example]:
                 label = int(cells[label_col])
             except ValueError:
                 raise DataError(f"{path}:{n}: label {cells[label_col]!r} is not an integer") from None
-        texts = [cells[i].strip() for i in text_cols]
-        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label, n))
+        examples.append(Example(*(cells[i].strip() for i in text_cols), label=label, line=n))
     if not examples:
         raise DataError(f"{path} has a header but no examples")
     return examples

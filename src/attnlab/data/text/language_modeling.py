@@ -44,13 +44,11 @@ class RandomWindows(BatchStream):
 
 
 class TextDataModule(DataModule):
-    """Language modelling on a corpus: a ``Builtin`` one (``tinyshakespeare``, ``pydoc``) cut here
-    into train, its source's ``val_size`` and ``test_size`` (shares, the test split at the end)
-    and tokenised (``tokenizer``: "char", the text's characters, at most ``vocab_size`` if set; or
-    "bpe" of ``vocab_size``, null: 1024); or ``Shards``, split and tokenised when prepared
-    (``tokenizer`` and ``vocab_size`` null, or the shards' own). Validation scores
-    ``val_batches`` fixed random batches; the test split is scored whole (and with windows sliding
-    by ``test_stride``)."""
+    """Language modelling on a ``Builtin`` corpus (``tinyshakespeare``, ``pydoc``), cut here into
+    train, ``val_size`` and ``test_size`` shares (the test split at the end) and tokenised ("char":
+    at most ``vocab_size`` characters if set; "bpe": ``vocab_size``, null: 1024); or on ``Shards``
+    (``tokenizer`` and ``vocab_size`` null, or the shards' own). Validation scores ``val_batches``
+    fixed random batches; the test split is scored whole (and in windows sliding by ``test_stride``)."""
 
     def __init__(
         self,
@@ -81,9 +79,7 @@ class TextDataModule(DataModule):
         self.num_workers, self.seed = num_workers, seed
         self.shards: TokenShards | None = None
         self.tokenizer: CharTokenizer | BPETokenizer | None = None
-        self.train_tokens: Tensor | None = None
-        self.val_tokens: Tensor | None = None
-        self.test_tokens: Tensor | None = None
+        self.train_tokens = self.val_tokens = self.test_tokens = None  # (N,) token ids once set up
 
     @property
     def vocab_size(self) -> int:

@@ -1,10 +1,5 @@
-"""BERT pre-training data: segment pairs for next-sentence prediction, masked afresh every batch.
-
-A document is cut in two: A before the cut, B after it or, half of the time, the part after a cut
-in another document no longer than the true B (length gives nothing away); a one-sentence document
-is cut inside it. Pairs are ``[CLS] A [SEP] B [SEP]``, 15% of their ordinary tokens chosen for
-prediction (80% ``[MASK]``, 10% a random token, 10% kept).
-"""
+"""BERT pre-training data: a document cut in two, ``[CLS] A [SEP] B [SEP]`` with B its rest or, half
+of the time, another document's (next-sentence prediction), masked afresh every batch."""
 
 from __future__ import annotations
 
@@ -25,12 +20,11 @@ from attnlab.data.sampling import BatchStream
 from attnlab.data.sources import Files, Shards, Share
 from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_corpus
-from attnlab.data.text.shards import DocumentShards, ShardDocuments, split_shares
+from attnlab.data.text.shards import Document, DocumentShards, ShardDocuments, split_shares
 from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
 
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as Hugging Face's BertForPreTraining
 N_SPECIALS = len(WordPieceTokenizer.specials)  # ids below this are special tokens, never masked
-Document = list[list[int]]
 
 
 def split_document(doc: Document, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -59,7 +53,8 @@ def join_pair(a: list[int], b: list[int], max_len: int) -> tuple[list[int], list
 def make_pair(
     docs: Sequence[Document], i: int, rng: random.Random, max_len: int
 ) -> tuple[list[int], list[int], int]:
-    """Ids, segment ids and NSP label of a pair whose A comes from document ``i``."""
+    """Ids, segment ids and NSP label of a pair whose A comes from document ``i`` (a one-sentence
+    document is cut inside its sentence)."""
     a, b = split_document(docs[i], rng)
     label = IS_NEXT
     if rng.random() < 0.5 and len(docs) > 1:
@@ -104,31 +99,26 @@ def batch_of(
     items: list[tuple[list[int], list[int], int]], inputs: Tensor, labels: Tensor
 ) -> dict[str, Tensor]:
     """The batch dict of ``items`` with their (masked) ``inputs`` and ``labels``."""
-    segments = pad([it[1] for it in items], 0)
     return {
         "ids": inputs,
-        "segments": segments,
+        "segments": pad([it[1] for it in items], 0),
         "mlm_labels": labels,
         "nsp_labels": torch.tensor([it[2] for it in items]),
     }
 
 
+@dataclass(eq=False)
 class PairStream(BatchStream):
     """Endless MLM + NSP batches from ``docs`` (a list, or ``ShardDocuments``) as ``SegmentPairs``
     builds them: batch ``n`` draws documents (with replacement), cuts, partners and masks from
     generators seeded by ``(seed, n)``, as many pairs as ``max_tokens`` holds."""
 
-    def __init__(
-        self,
-        docs: Sequence[Document],
-        max_len: int,
-        max_tokens: int,
-        vocab_size: int,
-        mask_prob: float,
-        seed: int,
-    ) -> None:
-        self.docs, self.max_len, self.max_tokens = docs, max_len, max_tokens
-        self.vocab_size, self.mask_prob, self.seed = vocab_size, mask_prob, seed
+    docs: Sequence[Document]
+    max_len: int
+    max_tokens: int
+    vocab_size: int
+    mask_prob: float
+    seed: int
 
     def batch(self, index: int) -> dict[str, Tensor]:
         seed = self.seed * 1_000_003 + index
@@ -179,11 +169,9 @@ class SegmentPairs:
 
 
 class MaskedLMDataModule(DataModule):
-    """BERT pre-training (MLM + NSP) on ``Files`` (a sentence per line, documents between blank
-    lines; or GLUE ``.tsv`` sentences), carved here (seeded: the source's ``val_size``,
-    ``test_size``) and tokenised with WordPiece of ``vocab_size`` (null: 8000); or on document
-    ``Shards``, split and tokenised when prepared (``vocab_size`` null, or the shards'), training
-    pairs built from documents read as drawn. Batches hold ``max_tokens`` with padding;
+    """BERT pre-training (MLM + NSP) on ``Files`` (``read_corpus``), carved here (seeded) and
+    tokenised with WordPiece of ``vocab_size`` (null: 8000); or on document ``Shards`` (``vocab_size``
+    null, or the shards'), documents read as drawn. Batches hold ``max_tokens`` with padding;
     ``val_docs`` documents of each held-out split are scored, with fixed pairs and masks."""
 
     def __init__(

@@ -1,26 +1,18 @@
 """Text shards, written once by ``attnlab-prepare`` and read a piece at a time as training goes
 (plain reads: a memory map's pages would count towards the process's memory). Three kinds:
-- ``tokens`` (``--mode lm``): nanoGPT's ``train.bin`` cut into flat arrays of ids (uint16 while
-  the vocabulary fits); the first ``val_tokens`` validate, the next ``test_tokens`` test.
-- ``documents`` (``--mode bert``): a corpus read as ``formats.read_corpus`` reads it, WordPiece
-  ids; a shard is ``<name>.tokens``, ``.sentences`` and ``.documents`` (int64 offsets); documents
-  of fewer than two tokens left out; the first ``val_docs`` validate, the next ``test_docs`` test.
-- ``pairs`` (``--mode translation``): a parallel corpus (TSV ``source<TAB>target``, JSONL
-  ``{"de": "...", "en": "..."}`` or two line-aligned files ``<prefix>.<src>``, ``<prefix>.<tgt>``)
-  in a joint BPE; the first ``val_pairs`` and ``test_pairs`` kept as text (BLEU needs the
-  references as written); per training shard and language ``<name>.<lang>.tokens`` and ``.offsets``.
-"""
+``tokens`` (nanoGPT's ``train.bin`` cut), ``documents`` (BERT's corpus) and ``pairs`` (translation)."""
 
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice, zip_longest
+from itertools import chain, islice, zip_longest
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,9 +21,10 @@ import torch
 from torch import Tensor
 
 from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.run_record import sha256_file
 from attnlab.data.remote import RemotePath, read_array, read_arrays
 from attnlab.data.sampling import BatchStream
-from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, ShardFolder, check_file, file_sha256
+from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, ShardFolder, check_file
 from attnlab.data.shards.writer import ShardWriter, check_count, counted, parallel, prepares, progress_bar
 from attnlab.data.text.tokenizers import (
     BPETokenizer,
@@ -53,41 +46,32 @@ def source_files(patterns: Sequence[str]) -> list[Path]:
         found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         if not found:
             raise DataError(f"{pattern}: no file matches")
-        for name in found:
-            path = Path(name)
+        for path in map(Path, found):
             if not path.is_file():
                 raise DataError(f"{path}: not a file")
-            if path not in files:
-                files.append(path)
-    return files
+            files.append(path)
+    return list(dict.fromkeys(files))
 
 
 def text_chunks(files: Sequence[Path], chunk_bytes: int) -> Iterator[tuple[str, int]]:
     """The text of ``files`` in pieces of about ``chunk_bytes``, each cut after a newline where
-    there is one (a character split between reads is joined by the incremental decoder), with
-    the bytes read for each piece."""
+    there is one, with the bytes read for each piece."""
     for path in files:
         decoder = codecs.getincrementaldecoder("utf-8")()
+        offset, rest = 0, ""
         with open(path, "rb") as f:
-            offset, rest = 0, ""
-            while block := f.read(chunk_bytes):
-                text = rest + _decode(decoder, block, path, offset)
-                cut = text.rfind("\n") + 1 or len(text)
-                rest = text[cut:]
-                offset += len(block)
-                yield text[:cut], len(block)
-            rest += _decode(decoder, b"", path, offset, final=True)
-            if rest:
-                yield rest, 0
-
-
-def _decode(
-    decoder: codecs.IncrementalDecoder, data: bytes, path: Path, offset: int, final: bool = False
-) -> str:
-    try:
-        return decoder.decode(data, final=final)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text near byte {offset + e.start} ({e.reason})") from None
+            try:
+                while block := f.read(chunk_bytes):
+                    text = rest + decoder.decode(block)
+                    cut = text.rfind("\n") + 1 or len(text)
+                    rest = text[cut:]
+                    offset += len(block)
+                    yield text[:cut], len(block)
+                rest += decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text near byte {offset + e.start} ({e.reason})") from None
+        if rest:
+            yield rest, 0
 
 
 def head(items: Iterable[tuple[T, int]], nbytes: int) -> Iterator[T]:
@@ -102,8 +86,7 @@ def head(items: Iterable[tuple[T, int]], nbytes: int) -> Iterator[T]:
 
 
 def fit_tokenizer(files: Sequence[Path], kind: str, vocab_size: int, sample_bytes: int) -> Tokenizer:
-    """A character vocabulary from every file (one pass), or byte-level BPE trained on the first
-    ``sample_bytes`` of text."""
+    """A character vocabulary (one pass over every file), or byte-level BPE of the first ``sample_bytes``."""
     if kind == "char":
         chars: set[str] = set()
         for text, _ in text_chunks(files, 1 << 24):
@@ -121,13 +104,10 @@ class Encoder:
 
     def __init__(self, tokenizer_json: str, dtype: str) -> None:
         self.tokenizer_json, self.dtype = tokenizer_json, dtype
-        self._tokenizer: Any = None
 
-    @property
+    @functools.cached_property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = tokenizer_from_json(self.tokenizer_json)
-        return self._tokenizer
+        return tokenizer_from_json(self.tokenizer_json)
 
 
 class ChunkEncoder(Encoder):
@@ -238,12 +218,12 @@ class TextShards(ShardFolder):
     def own_tokenizer(self, current: Any, **asked: Any) -> Any:
         """The shards' tokenizer: a checkpoint's (``current``) must be it, and each data key
         ``asked`` (``vocab_size=8000``) null or what the shards have (their manifest's)."""
-        if current is not None and current.to_json() != self.tokenizer_json:
-            raise DataError(
-                f"{self.folder}: its shards were made with another tokenizer than the checkpoint's "
-                "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
-            )
         if current is not None:  # a checkpoint's run: its tokenizer is the shards', whatever the keys
+            if current.to_json() != self.tokenizer_json:
+                raise DataError(
+                    f"{self.folder}: its shards were made with another tokenizer than the checkpoint's "
+                    "(the manifest's tokenizer differs); prepare them with the run's tokenizer"
+                )
             return current
         tok = self.tokenizer()
         has = {"tokenizer": tok.kind, "vocab_size": tok.vocab_size}
@@ -255,8 +235,10 @@ class TextShards(ShardFolder):
                 )
         return tok
 
-    def _verify(self, path: Location, sha256: str, ids: bool = False, keep: bool = False) -> bytes:
-        return self.verify_once(path, sha256, self.dtype if ids else None, self.vocab_size, keep)
+    def verify_part(self, shard: Any, part: str, keep: bool = False) -> bytes:
+        """Check the file ``part`` of a shard (sha256; ids below the vocabulary) unless this process did."""
+        ids = self.dtype if part.endswith("tokens") else None
+        return self.verify_once(shard.paths[part], shard.sha256[part], ids, self.vocab_size, keep)
 
     def check_tokens(self, path: Location, tokens: int) -> None:
         check_file(path, tokens * self.dtype.itemsize, f"{tokens} tokens of {self.dtype}")
@@ -329,20 +311,15 @@ def prepare(
     encode_files(files, ChunkEncoder(tok.to_json(), dtype), route, chunk_bytes, workers, progress)
     for w in writers.values():
         w.close()
-    check_trains(inputs, {s: sum(x["tokens"] for x in writers[s].shards) for s in SPLITS})
+    tokens = {s: sum(x["tokens"] for x in writers[s].shards) for s in SPLITS}
+    if not tokens["train"]:  # an empty corpus, or one the held-out splits took
+        if not sum(tokens.values()):
+            raise DataError(f"{', '.join(inputs)}: no text (0 tokens); nothing to prepare")
+        raise DataError(
+            f"{', '.join(inputs)}: {sum(tokens.values())} tokens, none left for training after "
+            f"{tokens['val']} validation and {tokens['test']} test tokens; lower --val-tokens / --test-tokens"
+        )
     return text_manifest("tokens", tok, dtype, {s: writers[s].shards for s in SPLITS}, files)
-
-
-def check_trains(inputs: Sequence[str], tokens: dict[str, int]) -> None:
-    """Refuse shards with nothing to train on: an empty corpus, or one the held-out splits took."""
-    if tokens["train"]:
-        return
-    if not sum(tokens.values()):
-        raise DataError(f"{', '.join(inputs)}: no text (0 tokens); nothing to prepare")
-    raise DataError(
-        f"{', '.join(inputs)}: {sum(tokens.values())} tokens, none left for training after "
-        f"{tokens['val']} validation and {tokens['test']} test tokens; lower --val-tokens / --test-tokens"
-    )
 
 
 @dataclass(frozen=True)
@@ -353,8 +330,7 @@ class Shard:
 
 
 class TokenShards(TextShards):
-    """A folder of token shards: each split's shards, each file inside the folder and of the size
-    its manifest says; checked (sha256, ids) the first time this process reads it (``verify``)."""
+    """A folder of token shards, each checked (sha256, ids) the first time this process reads it."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
         super().__init__(folder, "tokens")
@@ -368,7 +344,7 @@ class TokenShards(TextShards):
     def verify(self, shard: Shard, keep: bool = False) -> bytes:
         """Check ``shard`` (sha256, ids) unless this process did; with ``keep``, its bytes (read
         in the same pass: the whole of a small split costs one read)."""
-        return self._verify(shard.path, shard.sha256, ids=True, keep=keep)
+        return self.verify_once(shard.path, shard.sha256, self.dtype, self.vocab_size, keep)
 
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits[split])
@@ -387,17 +363,12 @@ class TokenShards(TextShards):
     def read_split(self, split: str) -> Tensor:
         """A whole (small) split in memory: validation and test."""
         parts = [np.frombuffer(self.verify(s, keep=True), dtype=self.dtype) for s in self.splits[split]]
-        return (
-            torch.from_numpy(np.concatenate(parts).astype(np.int64))
-            if parts
-            else torch.zeros(0, dtype=torch.long)
-        )
+        return torch.from_numpy(np.concatenate([np.zeros(0, self.dtype), *parts]).astype(np.int64))
 
 
 class ShardWindows(BatchStream):
-    """Endless batches of random windows from the training shards, as ``RandomWindows`` draws
-    them from a tensor. A window lies inside one shard, each shard chosen in proportion to its
-    windows."""
+    """Endless batches of random windows from the training shards, as ``RandomWindows`` draws them
+    from a tensor: a window lies inside one shard, each chosen in proportion to its windows."""
 
     def __init__(self, shards: TokenShards, max_len: int, batch_size: int, seed: int) -> None:
         self.shards, self.max_len, self.batch_size, self.seed = shards, max_len, batch_size, seed
@@ -454,28 +425,20 @@ class DocumentEncoder(Encoder):
     """Text (whole lines) -> ``Chunk``."""
 
     def __call__(self, text: str) -> Chunk:
-        sentences, starts, blank = [], [], False
-        for line in text.splitlines():
-            if s := line.strip():
-                sentences.append(s)
-                starts.append(blank)
-                blank = False
-            else:
-                blank = True
-        ids, lengths, kept_starts, carry = [], [], [], False
-        for seq, start in zip(self.tokenizer.encode_batch(sentences), starts, strict=True):
-            if not seq:  # a sentence of nothing the vocabulary knows: dropped, as in memory
-                carry = carry or start
+        lines = [line.strip() for line in text.splitlines()]
+        encoded = iter(self.tokenizer.encode_batch([s for s in lines if s]))
+        ids, lengths, starts, blank = [], [], [], False
+        for line in lines:
+            seq = next(encoded) if line else []
+            if not seq:  # a blank line, or a sentence of nothing the vocabulary knows: dropped, as in memory
+                blank = blank or not line
                 continue
             ids += seq
             lengths.append(len(seq))
-            kept_starts.append(start or carry)
-            carry = False
+            starts.append(blank)
+            blank = False
         return Chunk(
-            np.asarray(ids, dtype=self.dtype),
-            np.asarray(lengths, dtype=np.int64),
-            np.asarray(kept_starts, dtype=bool),
-            blank or carry,
+            np.asarray(ids, self.dtype), np.asarray(lengths, np.int64), np.asarray(starts, bool), blank
         )
 
 
@@ -507,29 +470,18 @@ class DocumentRouter:
 
     def __init__(self, writers: dict[str, DocumentWriter], val_docs: int, test_docs: int) -> None:
         self.writers, self.held_out = writers, {"val": val_docs, "test": test_docs}
-        self.ids: list[np.ndarray] = []
-        self.lengths: list[np.ndarray] = []
+        self.sentences: list[np.ndarray] = []  # the open document's
         self.new_document = True
         self.short = 0  # documents of fewer than two tokens, left out
 
     def add(self, chunk: Chunk) -> None:
-        starts = np.flatnonzero(chunk.starts).tolist()
-        if self.new_document:
-            starts = [0, *(s for s in starts if s)]
-        bounds = [*starts, len(chunk.lengths)]
-        ends = np.concatenate([[0], np.cumsum(chunk.lengths)])
-        first = bounds[0]
-        if first:  # the sentences before the first start continue the open document
-            self._extend(chunk, ends, 0, first)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            self.end_document()
-            self._extend(chunk, ends, a, b)
-        self.new_document = chunk.blank_after or (self.new_document and not len(chunk.lengths))
-
-    def _extend(self, chunk: Chunk, ends: np.ndarray, a: int, b: int) -> None:
-        if b > a:
-            self.ids.append(chunk.ids[ends[a] : ends[b]])
-            self.lengths.append(chunk.lengths[a:b])
+        ends = [0, *np.cumsum(chunk.lengths).tolist()]
+        for k, start in enumerate(chunk.starts.tolist()):
+            if start or self.new_document:
+                self.end_document()
+            self.new_document = False
+            self.sentences.append(chunk.ids[ends[k] : ends[k + 1]])
+        self.new_document |= chunk.blank_after
 
     def end_file(self) -> None:
         """A file ends its last document."""
@@ -537,10 +489,10 @@ class DocumentRouter:
         self.new_document = True
 
     def end_document(self) -> None:
-        if not self.lengths:
+        if not self.sentences:
             return
-        ids, lengths = np.concatenate(self.ids), np.concatenate(self.lengths)
-        self.ids, self.lengths = [], []
+        ids, lengths = np.concatenate(self.sentences), np.array([len(s) for s in self.sentences])
+        self.sentences = []
         if len(ids) < 2:  # too short to cut in two
             self.short += 1
             return
@@ -563,9 +515,8 @@ def prepare_documents(
     sample_bytes: int = 100 << 20,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Tokenise the documents of the files ``inputs`` name (paths or globs) with WordPiece into
-    document shards in ``out_dir``; return the manifest. Written into ``<out_dir>.partial`` and
-    moved into place at the end, as ``shards.prepare`` does."""
+    """Tokenise the documents of the files ``inputs`` name with WordPiece into document shards in
+    ``out_dir``; return the manifest. The first ``val_docs`` validate, the next ``test_docs`` test."""
     check_count("val_docs", val_docs, why=" (a split to score)")
     check_count("test_docs", test_docs, why=" (a split to score)")
     check_count("shard_tokens", shard_tokens)
@@ -603,8 +554,7 @@ class DocumentShard:
 
 
 class DocumentShards(TextShards):
-    """A folder of document shards: each split's shards, their files inside the folder and of
-    their sizes; checked (sha256, ids) the first time this process reads a shard (``verify``)."""
+    """A folder of document shards, each checked (sha256, ids) the first time this process reads it."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
         super().__init__(folder, "documents")
@@ -626,7 +576,7 @@ class DocumentShards(TextShards):
     def verify(self, shard: DocumentShard) -> None:
         """Check the files of ``shard`` (sha256; ids in the vocabulary) unless this process did."""
         for part in PARTS:
-            self._verify(shard.path(part), shard.sha256[part], ids=part == "tokens")
+            self.verify_part(shard, part)
 
     def read(self, shard: DocumentShard, first: int, n: int) -> list[Document]:
         """Documents ``first .. first + n - 1`` of a shard."""
@@ -665,12 +615,12 @@ class ShardDocuments(Sequence):
 # ---- pairs (translation) -------------------------------------------------------------------------
 
 Pair = tuple[str, str]
+PairSource = tuple[list[Path], Callable[[], Iterator[tuple[Pair, int]]]]  # files, (pair, bytes read)
 HELD_OUT = ("val", "test")
 
 
 def lines(path: Path) -> Iterator[tuple[int, int, str]]:
-    """Each line of a UTF-8 file (without its line end), with its number and size in bytes; a
-    byte sequence that is not UTF-8 is named by the file and its byte offset."""
+    """Each line of a UTF-8 file (without its line end), with its number and size in bytes."""
     with open(path, "rb") as f:
         offset = 0
         for n, raw in enumerate(f, start=1):
@@ -707,27 +657,32 @@ def jsonl_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[Pair, int]]:
 
 
 def aligned_pairs(src_path: Path, tgt_path: Path) -> Iterator[tuple[Pair, int]]:
-    """Line ``i`` of one file with line ``i`` of the other; files of different line counts are
-    refused, naming both and their counts (counted to the end of the longer)."""
+    """Line ``i`` of one file with line ``i`` of the other; files of different line counts refused."""
     n_a = n_b = 0
     for a, b in zip_longest(lines(src_path), lines(tgt_path)):  # zip would drop a line of the longer
         n_a, n_b = n_a + (a is not None), n_b + (b is not None)
         if a is not None and b is not None:
             yield (a[2], b[2]), a[1] + b[1]
-    if n_a != n_b:
+    check_aligned(src_path, n_a, tgt_path, n_b)
+
+
+def check_aligned(src_path: Location, n_src: int, tgt_path: Location, n_tgt: int) -> None:
+    if n_src != n_tgt:
         raise DataError(
-            f"parallel files differ in length: {src_path} has {n_a} lines, {tgt_path} has "
-            f"{n_b}; line i of one must translate line i of the other"
+            f"parallel files differ in length: {src_path} has {n_src} lines, {tgt_path} has "
+            f"{n_tgt}; line i of one must translate line i of the other"
         )
 
 
-def pair_sources(inputs: Sequence[str], src: str, tgt: str) -> list[tuple[str, list[Path]]]:
-    """Each input as (format, files): a ``.tsv`` or ``.jsonl`` file (or glob), else a prefix of
-    two aligned files."""
-    out: list[tuple[str, list[Path]]] = []
+def pair_sources(inputs: Sequence[str], src: str, tgt: str) -> list[PairSource]:
+    """Each input as (files, their reader): a ``.tsv`` or ``.jsonl`` file (or glob), else a prefix
+    of two aligned files."""
+    out: list[PairSource] = []
     for name in inputs:
-        if name.endswith((".tsv", ".jsonl")):
-            out += [("tsv" if f.suffix == ".tsv" else "jsonl", [f]) for f in source_files([name])]
+        if name.endswith(".tsv"):
+            out += [([f], functools.partial(tsv_pairs, f)) for f in source_files([name])]
+        elif name.endswith(".jsonl"):
+            out += [([f], functools.partial(jsonl_pairs, f, src, tgt)) for f in source_files([name])]
         else:
             files = [Path(f"{name}.{src}"), Path(f"{name}.{tgt}")]
             for f in files:
@@ -736,19 +691,8 @@ def pair_sources(inputs: Sequence[str], src: str, tgt: str) -> list[tuple[str, l
                         f"{f}: no such file ({name!r} is neither a .tsv nor a .jsonl file, so it is read "
                         f"as the prefix of {files[0].name} and {files[1].name})"
                     )
-            out.append(("aligned", files))
+            out.append((files, functools.partial(aligned_pairs, *files)))
     return out
-
-
-def read_pairs(sources: list[tuple[str, list[Path]]], src: str, tgt: str) -> Iterator[tuple[Pair, int]]:
-    """Every pair of the sources in order, with the bytes it was read from."""
-    for kind, files in sources:
-        if kind == "tsv":
-            yield from tsv_pairs(files[0])
-        elif kind == "jsonl":
-            yield from jsonl_pairs(files[0], src, tgt)
-        else:
-            yield from aligned_pairs(*files)
 
 
 class PairEncoder(Encoder):
@@ -783,12 +727,6 @@ class PairWriter(ShardWriter):
         shard["pairs"] += len(sides[0][1])
 
 
-def fit_joint_bpe(pairs: Iterator[tuple[Pair, int]], vocab_size: int, sample_bytes: int) -> SubwordTokenizer:
-    """The joint BPE of both languages, trained on the first ``sample_bytes`` of training pairs."""
-    check_vocab_size(vocab_size)
-    return SubwordTokenizer.fit([s for pair in head(pairs, sample_bytes) for s in pair], vocab_size)
-
-
 @prepares
 def prepare_pairs(
     inputs: Sequence[str],
@@ -805,7 +743,8 @@ def prepare_pairs(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Tokenise the parallel corpus ``inputs`` name into pair shards in ``out_dir``; return the
-    manifest. Written into ``<out_dir>.partial`` and moved into place at the end."""
+    manifest. The first ``val_pairs`` and ``test_pairs`` are kept as text (BLEU scores the
+    references as written)."""
     if not (src_lang and tgt_lang) or src_lang == tgt_lang:
         raise ConfigError(
             f"--src-lang and --tgt-lang must name two languages, got {src_lang!r}, {tgt_lang!r}"
@@ -815,25 +754,27 @@ def prepare_pairs(
     check_count("shard_tokens", shard_tokens)
     langs = (src_lang, tgt_lang)
     sources = pair_sources(inputs, *langs)
+    files = [f for fs, _ in sources for f in fs]
+
+    def read_pairs() -> Iterator[tuple[Pair, int]]:
+        return chain.from_iterable(read() for _, read in sources)
 
     held = {"val": val_pairs, "test": test_pairs}
-    tok = fit_joint_bpe(
-        islice(read_pairs(sources, *langs), val_pairs + test_pairs, None), vocab_size, sample_bytes
-    )
+    check_vocab_size(vocab_size)
+    sample = head(islice(read_pairs(), val_pairs + test_pairs, None), sample_bytes)  # training pairs
+    tok = SubwordTokenizer.fit([s for pair in sample for s in pair], vocab_size)  # joint: both languages
     dtype = token_dtype(tok.vocab_size)
     writer = PairWriter(partial, langs, shard_tokens)
-    files = [f for _, fs in sources for f in fs]
     with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
-        stream = read_pairs(sources, *langs)
+        stream = read_pairs()
         held_out = {split: write_text(partial, split, langs, stream, n, advance) for split, n in held.items()}
         for sides in imap(PairEncoder(tok.to_json(), dtype), _blocks(stream, block_pairs, advance)):
             writer.write(sides)
     writer.close()
-    for split, n in held.items():
-        if held_out[split]["pairs"] < n:
-            raise DataError(
-                f"{', '.join(inputs)}: too few pairs for {val_pairs} validation and {test_pairs} test pairs"
-            )
+    if any(held_out[split]["pairs"] < n for split, n in held.items()):
+        raise DataError(
+            f"{', '.join(inputs)}: too few pairs for {val_pairs} validation and {test_pairs} test pairs"
+        )
     if not writer.shards:
         raise DataError(
             f"{', '.join(inputs)}: no pairs left for training after {val_pairs} validation and "
@@ -862,7 +803,7 @@ def write_text(
     return {
         "pairs": count,
         "bytes": {lang: p.stat().st_size for lang, p in files.items()},
-        "sha256": {lang: file_sha256(p) for lang, p in files.items()},
+        "sha256": {lang: sha256_file(p) for lang, p in files.items()},
     }
 
 
@@ -885,9 +826,8 @@ class PairShard:
 
 
 class PairShards(TextShards):
-    """A folder of pair shards: its languages, tokenizer, training shards and held-out text, every
-    file inside the folder and of its size; each checked (sha256, ids) the first time this
-    process reads it."""
+    """A folder of pair shards (training) and held-out text, each file checked (sha256, ids) the
+    first time this process reads it."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
         super().__init__(folder, "pairs")
@@ -898,18 +838,13 @@ class PairShards(TextShards):
                 PairShard(e["name"], p, int(e["pairs"]), e["tokens"], h)
                 for e, p, h in self.shards("train", parts)
             ]
-            self.held_out = {s: self.manifest["splits"][s] for s in HELD_OUT}
-            self.text = {
-                (s, lang): (
-                    self.file(f"{s}.{lang}", f"langs ({lang!r})"),
-                    self.held_out[s]["sha256"][lang],
+            self.text: dict[tuple[str, str], tuple[Location, str]] = {}  # (split, lang) -> file, sha256
+            for s, lang in ((s, lang) for s in HELD_OUT for lang in self.langs):
+                entry = self.manifest["splits"][s]
+                self.text[s, lang] = self.file(f"{s}.{lang}", f"langs ({lang!r})"), entry["sha256"][lang]
+                check_file(
+                    self.text[s, lang][0], int(entry["bytes"][lang]), f"{entry['pairs']} lines of text"
                 )
-                for s in HELD_OUT
-                for lang in self.langs
-            }
-            for (s, lang), (path, _) in self.text.items():
-                entry = self.held_out[s]
-                check_file(path, int(entry["bytes"][lang]), f"{entry['pairs']} lines of text")
         for shard in self.train:
             if shard.pairs == 0:
                 raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
@@ -919,25 +854,21 @@ class PairShards(TextShards):
         self.ends = np.cumsum([s.pairs for s in self.train])
 
     def verify(self, lang: str) -> None:
-        """Check the training shards of one language (before the loader's workers start, so that
-        none of them checks again)."""
+        """Check one language's training shards (before the loader's workers start: none checks again)."""
         for shard in self.train:
-            self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
-            self._verify(shard.path(lang, "offsets"), shard.sha256[f"{lang}.offsets"])
+            self.verify_part(shard, f"{lang}.tokens")
+            self.verify_part(shard, f"{lang}.offsets")
 
     def text_files(self, split: str, src: str, tgt: str) -> tuple[Location, Location]:
         """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
         for lang in (src, tgt):
-            self._verify(*self.text[split, lang])
+            self.verify_once(*self.text[split, lang])
         return self.text[split, src][0], self.text[split, tgt][0]
 
     def lengths(self, lang: str) -> np.ndarray:
         """Each training sentence's length in tokens, in ``lang`` (int32, one per pair)."""
         offsets = [
-            np.frombuffer(
-                self._verify(s.path(lang, "offsets"), s.sha256[f"{lang}.offsets"], keep=True), np.int64
-            )
-            for s in self.train
+            np.frombuffer(self.verify_part(s, f"{lang}.offsets", keep=True), np.int64) for s in self.train
         ]
         return np.concatenate([np.diff(o).astype(np.int32) for o in offsets])
 
@@ -945,7 +876,7 @@ class PairShards(TextShards):
         """Training sentence ``i`` (over all shards) in ``lang``."""
         k, j = locate(self.ends, i)
         shard = self.train[k]
-        self._verify(shard.path(lang, "tokens"), shard.sha256[f"{lang}.tokens"], ids=True)
+        self.verify_part(shard, f"{lang}.tokens")
         a, b = self.offsets(shard.path(lang, "offsets"), j, 2).tolist()
         return self.ids(shard.path(lang, "tokens"), a, b - a).tolist()
 

@@ -66,14 +66,13 @@ class HFTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     @classmethod
-    def train(cls, lines: list[str], model: Any, trainer: Any, normalizer: Any = None, **parts: Any) -> Any:
-        """``model`` trained on ``lines`` by ``trainer`` (the class's specials first), with the
-        ``normalizer``, ``pre_tokenizer`` and ``decoder`` given."""
+    def train(cls, lines: list[str], model: Any, trainer: Any, options: dict, **parts: Any) -> Any:
+        """``model`` trained on ``lines`` by a ``trainer(**options)`` (the class's specials first),
+        with the ``parts`` given (``normalizer``, ``pre_tokenizer``, ``decoder``)."""
         tok = Tokenizer(model)
-        if normalizer is not None:
-            tok.normalizer = normalizer
         for name, part in parts.items():
             setattr(tok, name, part)
+        trainer = trainer(**options, special_tokens=list(cls.specials), show_progress=False)
         tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
         return cls(tok)
 
@@ -114,11 +113,11 @@ class BPETokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, text: str, vocab_size: int) -> BPETokenizer:
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+        options = {"vocab_size": vocab_size, "initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
         pre, decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        lines = text.splitlines(keepends=True)
         return cls.train(
-            text.splitlines(keepends=True), models.BPE(), trainer, pre_tokenizer=pre, decoder=decoder
+            lines, models.BPE(), trainers.BpeTrainer, options, pre_tokenizer=pre, decoder=decoder
         )
 
 
@@ -134,14 +133,12 @@ class SubwordTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> SubwordTokenizer:
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
-        )
         pre = pre_tokenizers.Sequence(
             [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation(behavior="isolated")]
         )
-        model, norm = models.BPE(unk_token="<unk>"), normalizers.NFC()
-        return cls.train(lines, model, trainer, norm, pre_tokenizer=pre, decoder=decoders.Metaspace())
+        model, options = models.BPE(unk_token="<unk>"), {"vocab_size": vocab_size}
+        parts = {"normalizer": normalizers.NFC(), "pre_tokenizer": pre, "decoder": decoders.Metaspace()}
+        return cls.train(lines, model, trainers.BpeTrainer, options, **parts)
 
 
 class WordPieceTokenizer(HFTokenizer):
@@ -166,12 +163,13 @@ class WordPieceTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> WordPieceTokenizer:
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, special_tokens=list(cls.specials), show_progress=False
-        )
         model, norm = models.WordPiece(unk_token="[UNK]"), normalizers.BertNormalizer(lowercase=True)
-        pre, decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
-        return cls.train(lines, model, trainer, norm, pre_tokenizer=pre, decoder=decoder)
+        parts = {
+            "normalizer": norm,
+            "pre_tokenizer": pre_tokenizers.BertPreTokenizer(),
+            "decoder": decoders.WordPiece(),
+        }
+        return cls.train(lines, model, trainers.WordPieceTrainer, {"vocab_size": vocab_size}, **parts)
 
     def token(self, i: int) -> str:
         return self.tokenizer.id_to_token(i)
@@ -200,13 +198,11 @@ class CaptionTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> CaptionTokenizer:
-        alphabet, specials = pre_tokenizers.ByteLevel.alphabet(), list(cls.specials)
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
-        )
+        options = {"vocab_size": vocab_size, "initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
         norm = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
         pre, decoder = pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel()
-        return cls.train(lines, models.BPE(), trainer, norm, pre_tokenizer=pre, decoder=decoder)
+        parts = {"normalizer": norm, "pre_tokenizer": pre, "decoder": decoder}
+        return cls.train(lines, models.BPE(), trainers.BpeTrainer, options, **parts)
 
     def encode_captions(self, captions: list[str], context_length: int) -> tuple[torch.Tensor, int]:
         """(N, context_length) ids, each caption ``<sot> ... <eot>`` (``frame``)."""
@@ -226,20 +222,11 @@ class WordTokenizer(HFTokenizer):
     def fit(cls, lines: list[str], vocab_size: int | None = None, min_frequency: int = 1) -> WordTokenizer:
         """The words of ``lines`` seen at least ``min_frequency`` times, the ``vocab_size`` (specials
         included) most frequent of them if given."""
-        trainer = trainers.WordLevelTrainer(
-            vocab_size=vocab_size or 1 << 30,
-            min_frequency=min_frequency,
-            special_tokens=list(cls.specials),
-            show_progress=False,
-        )
+        options = {"vocab_size": vocab_size or 1 << 30, "min_frequency": min_frequency}
         norm = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
         pre = pre_tokenizers.Split(Regex(CAPTION_WORDS), behavior="removed", invert=True)
-        return cls.train(lines, models.WordLevel(unk_token="<unk>"), trainer, norm, pre_tokenizer=pre)
-
-    def words(self, text: str) -> list[str]:
-        """``text``'s words as the tokenizer splits it, one id each."""
-        text = self.tokenizer.normalizer.normalize_str(text)
-        return [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+        model = models.WordLevel(unk_token="<unk>")
+        return cls.train(lines, model, trainers.WordLevelTrainer, options, normalizer=norm, pre_tokenizer=pre)
 
     def encode_captions(self, captions: list[str], max_len: int) -> tuple[torch.Tensor, int]:
         """(N, T) ids, each caption ``<bos> words <eos>``, T the longest of them (``frame``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
@@ -20,7 +21,7 @@ from attnlab.data.base import DataModule, log_splits
 from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
 from attnlab.data.download import fetch
 from attnlab.data.sources import Builtin, Generated, Shards, Source
-from attnlab.data.text.shards import PairShards, ShardSide
+from attnlab.data.text.shards import PairShards, ShardSide, check_aligned
 from attnlab.data.text.tokenizers import SubwordTokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,7 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
     """Line-aligned sentences of two files; their line counts must agree."""
     src = src_path.read_text(encoding="utf-8").splitlines()
     tgt = tgt_path.read_text(encoding="utf-8").splitlines()
-    if len(src) != len(tgt):
-        raise DataError(
-            f"parallel files differ in length: {src_path} has {len(src)} lines, {tgt_path} has "
-            f"{len(tgt)}; line i of one must translate line i of the other"
-        )
+    check_aligned(src_path, len(src), tgt_path, len(tgt))
     return src, tgt
 
 
@@ -123,11 +120,9 @@ class Collate:
 
 class TranslationDataModule(DataModule):
     """A parallel corpus, ``src_lang`` -> ``tgt_lang``: ``Builtin("multi30k")`` or
-    ``Generated("synthetic")`` (de-en, either way) with a joint BPE of ``vocab_size`` fitted on the
-    training split (cached in ``cache_dir``); or pair ``Shards``, tokenised when prepared
-    (``vocab_size`` then null, or the shards' own). Token-budget batches (``max_tokens``,
-    ``eval_max_tokens``); training pairs over ``max_len`` tokens are dropped, evaluation sources
-    cut."""
+    ``Generated("synthetic")`` (de-en, either way) with a joint BPE fitted on the training split
+    (cached in ``cache_dir``); or pair ``Shards`` (``vocab_size`` null, or the shards' own). Training
+    pairs over ``max_len`` tokens are dropped, evaluation ones cut."""
 
     def __init__(
         self,
@@ -221,10 +216,8 @@ class TranslationDataModule(DataModule):
     def _bpe_cache_path(self, src: list[str], tgt: list[str]) -> Path:
         """The joint BPE's file in ``cache_dir`` (never the user's ``data_dir``), keyed by the
         training text (the same for both directions)."""
-        h = hashlib.sha256()
-        for line in sorted([*src, *tgt]):
-            h.update(line.encode() + b"\n")
-        name = f"bpe_{self.source.name}_{self.vocab_size_wanted}_{h.hexdigest()[:12]}.json"
+        digest = hashlib.sha256("".join(f"{line}\n" for line in sorted([*src, *tgt])).encode()).hexdigest()
+        name = f"bpe_{self.source.name}_{self.vocab_size_wanted}_{digest[:12]}.json"
         return Path(self.source.cache_dir).expanduser() / name
 
     def _fit_tokenizer(self, src: list[str], tgt: list[str]) -> SubwordTokenizer:
@@ -232,14 +225,12 @@ class TranslationDataModule(DataModule):
         if path.is_file() and (tok := cached_tokenizer(path)) is not None:
             return tok
         tok = SubwordTokenizer.fit([*src, *tgt], self.vocab_size_wanted)
-        try:
+        with contextlib.suppress(OSError):  # a cache: not saved, not fatal
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".part")
             tmp.write_text(tok.to_json())
             tmp.replace(path)
             log.info("BPE vocabulary (%d) trained and saved to %s", tok.vocab_size, path)
-        except OSError:
-            pass
         return tok
 
     def setup(self, stage: str | None = None) -> None:
@@ -301,9 +292,7 @@ class TranslationDataModule(DataModule):
         limit = self.max_len - 1  # room for <bos>/<eos>
         if stage == "train":
             keep = self._short(np.array([len(s) for s in src]), np.array([len(t) for t in tgt])).tolist()
-            src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
-            src_text, tgt_text = [src_text[i] for i in keep], [tgt_text[i] for i in keep]
-            return ParallelSplit(src, tgt, src_text, tgt_text)
+            return ParallelSplit(*([side[i] for i in keep] for side in (src, tgt, src_text, tgt_text)))
         long = [i for i in range(len(src)) if len(src[i]) > limit or len(tgt[i]) > limit]
         if long:  # every reference must be scored: truncate the inputs instead
             n = (len(long), len(src), stage, self.max_len)

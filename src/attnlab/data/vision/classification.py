@@ -3,25 +3,26 @@ carved from the training set, timm's augmentation per image and mixup/cutmix per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-import numpy as np
 import torch
 import torchvision.transforms.v2.functional as TF
-from PIL import Image
 from timm.data import Mixup
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
 
-from attnlab.core.errors import ConfigError
+from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveInt
 from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
+from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, stream_loader
 from attnlab.data.sources import Builtin
-from attnlab.data.vision.datasets import BuiltinImages, ImageSplits
+from attnlab.data.vision.datasets import load_builtin
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 # timm's Mixup per batch (``data.mixup``): both alphas 0 turn it off
@@ -62,11 +63,8 @@ def timm_policy(key: str, policy: str, mean: list[float], translate: int | None 
     hparams = {"img_mean": tuple(round(255 * m) for m in mean), "magnitude_max": 9}
     if translate is not None:
         hparams["translate_const"] = translate
-    make = auto_augment_transform
-    if policy.startswith("rand"):
-        make = rand_augment_transform
-    elif policy.startswith("augmix"):
-        make = augment_and_mix_transform
+    kinds = {"rand": rand_augment_transform, "augmix": augment_and_mix_transform}
+    make = next((f for prefix, f in kinds.items() if policy.startswith(prefix)), auto_augment_transform)
     try:
         return make(policy, hparams)
     except (AssertionError, ValueError, KeyError, IndexError) as e:
@@ -74,19 +72,6 @@ def timm_policy(key: str, policy: str, mean: list[float], translate: int | None 
             f"{key}={policy!r} is not a timm policy (e.g. 'rand-m9-mstd0.5-inc1', TrivialAugment "
             f"'{TRIVIAL_AUGMENT}', 'original'): {e}"
         ) from e
-
-
-class RandAugment:
-    """A timm policy (``timm_policy``) on a (C, H, W) uint8 tensor."""
-
-    def __init__(self, config: str, mean: list[float]) -> None:
-        self.transform = timm_policy("data.rand_augment", config, mean)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        array = x.permute(1, 2, 0).numpy()
-        img = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
-        out = np.asarray(self.transform(img))
-        return torch.from_numpy(out.copy()).reshape(x.shape[1], x.shape[2], -1).permute(2, 0, 1)
 
 
 def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
@@ -128,19 +113,6 @@ def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
     return images
 
 
-def erase_and_mix(x: Tensor, labels: Tensor, erasing: float, mixup: Mixup | None) -> tuple[Tensor, Tensor]:
-    """A normalised training batch, on its device: timm's random erasing per image (noise made
-    there), then mixup/cutmix (labels become (B, num_classes) mixtures; pairs are mixed, so an odd
-    batch left by a skipped record loses its last image)."""
-    if erasing:
-        x = RandomErasing(erasing, mode="pixel", device=x.device)(x)
-    if mixup is not None:
-        if len(x) % 2:
-            x, labels = x[:-1], labels[:-1]
-        x, labels = mixup(x, labels)
-    return x, labels
-
-
 class LabelledImages(Dataset):
     """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform,
     whose random draws are seeded by the sampler's ``(epoch, index)`` key (``seed``: the run's)."""
@@ -161,10 +133,91 @@ class LabelledImages(Dataset):
             return self.transform(x), self.labels[i]
 
 
-class LabelledImagesDataModule(SplitsDataModule):
-    """What the image classification DataModules share: ``classes``, ``img_size``, ``in_chans`` and
-    the normalisation (``mean``, ``std``), which travel in the checkpoint; on the training batch,
-    on its device, ``augment``, then normalisation, random erasing and mixup."""
+class ImagesDataModule(SplitsDataModule):
+    """What the image DataModules share: the splits built once (``build``), a ``Builtin`` set
+    downloaded once, on one process; uint8 images (a batch's first item, or ``batch["image"]``)
+    standardised per channel on the device by ``mean`` and ``std`` (kept in the checkpoint), after
+    ``augment`` in training; a shard source's splits (``shards``), its training split streamed."""
+
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    shards: TarShards | None = None
+    bad: BadRecords
+    source: Any
+    ARTIFACTS = ("classes", "img_size", "in_chans", "mean", "std")
+
+    def __init__(self, batch_size: int, num_workers: int, seed: int) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.splits: dict[str, Dataset] = {}
+        self.classes: list[str] | None = None
+
+    def prepare_data(self) -> None:
+        if isinstance(self.source, Builtin) and self.source.data_dir is None:
+            load_builtin(self.source)
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.splits:
+            self.build()
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def artifacts(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.ARTIFACTS}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        """The checkpoint's normalisation (a pre-trained part's run may hand on its tokenizer alone)."""
+        self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
+
+    def augment(self, images: Tensor) -> Tensor:
+        """A training batch of uint8 (B, C, H, W) images, before normalisation."""
+        return images
+
+    def normalize(self, images: Tensor) -> Tensor:
+        return normalize(images, self.mean, self.std)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, dict):
+            return {**batch, "image": self.normalize(batch["image"])}
+        images, *rest = batch
+        training = self.trainer is not None and self.trainer.training
+        return self.normalize(self.augment(images) if training else images), *rest
+
+    def open_shards(self, kind: str, holding: str) -> TarShards:
+        """The source's shards, refused unless of ``kind`` (``holding``: what its records hold) with
+        validation records."""
+        self.shards = shards = TarShards(self.source.path)
+        if shards.kind != kind or (kind == "images" and not shards.classes):
+            raise DataError(f"{self.source.path}: not {holding}; see its manifest")
+        if not shards.count("val"):
+            raise DataError(f"{self.source.path}: no validation records (prepare with --val-size > 0)")
+        return shards
+
+    def read_shards(self, decode: Callable[[Record, str], Any]) -> None:
+        """The shards' val and test splits, records read by index."""
+        for split in ("val", "test"):
+            if self.shards.count(split):
+                self.splits[split] = ShardRecords(self.shards.splits[split], decode, self.bad)
+
+    def decode_train(self, record: Record, where: str, seed: int | None = None) -> Any:
+        """A training shard record -> an example (``seed``: its draws')."""
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        if self.shards is None:
+            return super().train_dataloader()
+        return stream_loader(self, self.shards.splits["train"], self.decode_train, self.collate)
+
+    def log_sizes(self, what: str) -> None:
+        train = self.shards.count("train") if self.shards else len(self.splits["train"])
+        log_splits(self.source.where, (train, len(self.splits["val"]), len(self.splits["test"])), what)
+
+
+class LabelledImagesDataModule(ImagesDataModule):
+    """What the image classification DataModules share: ``classes``, ``img_size`` and ``in_chans``
+    travel in the checkpoint; a normalised training batch gets timm's random erasing (its noise made
+    on the device), then mixup/cutmix (labels become (B, num_classes) mixtures)."""
 
     img_size: int | None
     in_chans: int | None
@@ -172,40 +225,29 @@ class LabelledImagesDataModule(SplitsDataModule):
     def __init__(
         self, batch_size: int, random_erasing: float, mixup: dict | None, num_workers: int, seed: int
     ) -> None:
-        super().__init__()
-        self.mixup_args = mixup_args(mixup, batch_size)
-        self.batch_size, self.random_erasing = batch_size, random_erasing
-        self.num_workers, self.seed = num_workers, seed
-        self.classes: list[str] | None = None
-        self.mean: list[float] | None = None
-        self.std: list[float] | None = None
-        self.splits: dict[str, Dataset] = {}
+        super().__init__(batch_size, num_workers, seed)
+        self.mixup_args, self.random_erasing = mixup_args(mixup, batch_size), random_erasing
         self.mixup: Mixup | None = None
-
-    def augment(self, images: Tensor) -> Tensor:
-        return images
 
     def on_after_batch_transfer(
         self, batch: tuple[Tensor, Tensor], dataloader_idx: int
     ) -> tuple[Tensor, Tensor]:
-        images, labels = batch
-        training = self.trainer is not None and self.trainer.training
-        x = self.normalize(self.augment(images) if training else images)
-        return erase_and_mix(x, labels, self.random_erasing, self.mixup) if training else (x, labels)
+        x, labels = super().on_after_batch_transfer(batch, dataloader_idx)
+        if self.trainer is None or not self.trainer.training:
+            return x, labels
+        if self.random_erasing:
+            x = RandomErasing(self.random_erasing, mode="pixel", device=x.device)(x)
+        if self.mixup is not None:
+            if len(x) % 2:  # pairs are mixed: an odd batch left by a skipped record loses an image
+                x, labels = x[:-1], labels[:-1]
+            x, labels = self.mixup(x, labels)
+        return x, labels
 
     def model_kwargs(self) -> dict[str, int]:
         return {"num_classes": len(self.classes), "img_size": self.img_size, "in_chans": self.in_chans}
 
-    def artifacts(self) -> dict[str, Any]:
-        keys = ("classes", "img_size", "in_chans", "mean", "std")
-        return {k: getattr(self, k) for k in keys}
 
-    def normalize(self, images: Tensor) -> Tensor:
-        """uint8 (B, C, H, W) -> float, standardised per channel."""
-        return normalize(images, self.mean, self.std)
-
-
-class ImageClassificationDataModule(BuiltinImages, LabelledImagesDataModule):
+class ImageClassificationDataModule(LabelledImagesDataModule):
     """A ``Builtin`` set (its ``val_size`` carved) held as uint8 tensors, resized once to ``img_size``
     (None: native): timm's ``rand_augment`` per image in the loader; a random crop of the image
     padded by ``crop_padding`` and a flip (``hflip``), normalisation (the training split's
@@ -230,33 +272,26 @@ class ImageClassificationDataModule(BuiltinImages, LabelledImagesDataModule):
         self.img_size, self.in_chans = img_size, None
         self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
 
-    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        """Keep the checkpoint's normalisation (resuming and evaluating see the same inputs)."""
-        self.mean, self.std = artifacts["mean"], artifacts["std"]
-
-    # --- loading ---------------------------------------------------------------------------
-
-    def build(self, data: ImageSplits) -> None:
+    def build(self) -> None:
+        data = load_builtin(self.source)
         images, labels = self._resize(data.train_images), data.train_labels
         val, train = carve(len(labels), [self.val_size], self.seed)
         self.classes = data.classes
         if self.mean is None:
             self.mean, self.std = channel_stats(images[train])
-        augment = RandAugment(self.rand_augment, self.mean) if self.rand_augment else None
+        augment = None
+        if self.rand_augment:
+            policy = timm_policy("data.rand_augment", self.rand_augment, self.mean)
+            augment = v2.Compose([TF.to_pil_image, policy, TF.pil_to_tensor])  # on (C, H, W) uint8
         self.splits["train"] = LabelledImages(images[train], labels[train], augment, self.seed)
         self.splits["val"] = LabelledImages(images[val], labels[val])
         self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
         self.img_size, self.in_chans = images.size(-1), images.size(1)  # as resized
         self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        what = f"images of {tuple(images.shape[1:])}, {len(self.classes)} classes"
-        log_splits(self.source.where, (len(train), len(val), len(self.splits["test"])), what)
+        self.log_sizes(f"images of {tuple(images.shape[1:])}, {len(self.classes)} classes")
 
     def _resize(self, images: Tensor) -> Tensor:
-        if self.img_size is None or images.shape[-1] == images.shape[-2] == self.img_size:
-            return images
-        return TF.resize(images, [self.img_size, self.img_size], antialias=True)
+        return images if self.img_size is None else TF.resize(images, [self.img_size] * 2, antialias=True)
 
     def augment(self, images: Tensor) -> Tensor:
-        if self.crop_padding or self.hflip:
-            return random_crop_flip(images, self.crop_padding, self.hflip)
-        return images
+        return random_crop_flip(images, self.crop_padding, self.hflip)

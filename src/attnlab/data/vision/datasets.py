@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import gzip
 import pickle
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
+from torchvision.datasets import CIFAR10, FashionMNIST
 
 from attnlab.core.errors import DataError
 from attnlab.data.download import fetch
 from attnlab.data.sources import Builtin
-from attnlab.data.vision.idx import read_idx
 
 KEY = "data.source.data_dir"  # where a built-in set's files are read from instead of downloaded
 
@@ -31,6 +32,41 @@ class ImageSplits:
     test_images: Tensor
     test_labels: Tensor
     classes: list[str]
+
+
+# type byte -> big-endian numpy dtype
+IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | Path, ndim: int | None = None) -> Tensor:
+    """The array in an IDX file (MNIST's format, gzipped if ``.gz``) of ``ndim`` dimensions: a magic
+    number (two zero bytes, a type byte, the number of dimensions), one big-endian uint32 per
+    dimension, then the values, row-major. A bad magic number or a truncated file is a ``DataError``."""
+    path = Path(path)
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot be read as {'gzip' if path.suffix == '.gz' else 'IDX'}: {e}") from e
+    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] not in IDX_TYPES:
+        raise DataError(
+            f"{path}: not an IDX file (magic number 0x{data[:4].hex()}; expected 0x0000, "
+            "a type byte and the number of dimensions)"
+        )
+    dtype, dims = np.dtype(IDX_TYPES[data[2]]), data[3]
+    if ndim is not None and dims != ndim:
+        raise DataError(f"{path}: IDX file of {dims} dimensions (magic 0x{data[:4].hex()}), expected {ndim}")
+    header = 4 + 4 * dims
+    if len(data) < header:
+        raise DataError(f"{path}: truncated IDX header")
+    shape = struct.unpack(f">{dims}I", data[4:header])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise DataError(
+            f"{path}: truncated or padded: {len(data) - header} bytes of values, expected "
+            f"{expected} for shape {tuple(shape)}"
+        )
+    array = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
+    return torch.from_numpy(array.astype(dtype.newbyteorder("=")))
 
 
 # file -> sha256 of the gzipped original
@@ -47,18 +83,7 @@ IDX_DATASETS = {
     },
     "fashion_mnist": {
         "url": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-        "classes": [
-            "T-shirt/top",
-            "Trouser",
-            "Pullover",
-            "Dress",
-            "Coat",
-            "Sandal",
-            "Shirt",
-            "Sneaker",
-            "Bag",
-            "Ankle boot",
-        ],
+        "classes": FashionMNIST.classes,
         "files": {
             "train-images-idx3-ubyte.gz": "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
             "train-labels-idx1-ubyte.gz": "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
@@ -144,8 +169,6 @@ def load_cifar10(data_dir: str | None, cache_dir: str) -> ImageSplits:
         if not folder.is_dir():
             raise DataError(f"{KEY}={data_dir} has no {CIFAR10_FOLDER}/ folder (expected {folder})")
         return read_cifar_batches(folder)
-    from torchvision.datasets import CIFAR10
-
     try:
         CIFAR10(cache_dir, train=True, download=True)
     except (RuntimeError, OSError) as e:
@@ -161,25 +184,6 @@ def load_builtin(source: Builtin) -> ImageSplits:
     if source.name == "cifar10":
         return load_cifar10(source.data_dir, source.cache_dir)
     return load_idx_dataset(source.name, source.data_dir, source.cache_dir, source.url)
-
-
-class BuiltinImages:
-    """A DataModule mixin: a ``Builtin`` image set downloaded once, on one process, and the splits
-    built from it once (``build``)."""
-
-    source: Any
-    splits: dict
-
-    def prepare_data(self) -> None:
-        if isinstance(self.source, Builtin) and self.source.data_dir is None:
-            load_builtin(self.source)
-
-    def setup(self, stage: str | None = None) -> None:
-        if not self.splits:
-            self.build(load_builtin(self.source))
-
-    def build(self, data: ImageSplits) -> None:
-        raise NotImplementedError
 
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}

@@ -7,19 +7,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
+from operator import methodcaller
 from pathlib import Path
 from typing import Any, Literal
 
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
+from timm.data import create_transform
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset, default_collate
+from torchvision.transforms import v2
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.base import log_splits
 from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
-from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards, read_shard, stream_loader
+from attnlab.data.shards.tar import BadRecords, Record, read_shard
 from attnlab.data.sources import Folder, StreamedShards
 from attnlab.data.vision.classification import (
     LabelledImagesDataModule,
@@ -33,48 +36,25 @@ from attnlab.data.vision.shards import decode_image, image_bytes
 log = logging.getLogger(__name__)
 
 
-class EvalTransform:
+def eval_transform(img_size: int, in_chans: int) -> v2.Compose:
     """PIL image -> (C, S, S) uint8: the shorter side resized to S, the centre cropped."""
-
-    def __init__(self, img_size: int, in_chans: int) -> None:
-        self.img_size, self.mode = img_size, "L" if in_chans == 1 else "RGB"
-
-    def __call__(self, img: Image.Image) -> Tensor:
-        return square(TF.pil_to_tensor(img.convert(self.mode)), self.img_size)
+    mode = "L" if in_chans == 1 else "RGB"
+    return v2.Compose([methodcaller("convert", mode), TF.pil_to_tensor, partial(square, img_size=img_size)])
 
 
-class TrainTransform:
-    """PIL image -> (C, S, S) uint8 through timm's training transform: random resized crop and flip,
+def train_transform(
+    img_size: int, in_chans: int, scale: list[float], hflip: float, auto_augment: str | None, mean: list
+) -> v2.Compose:
+    """PIL image -> (C, S, S) uint8 through timm's training transform (random resized crop and flip),
     then ``auto_augment`` (RandAugment ``rand-...``, AugMix ``augmix-...``, AutoAugment ``original``),
-    in RGB (timm's fills are RGB means), converted after; magnitude capped at 9 as ``RandAugment``."""
-
-    def __init__(
-        self,
-        img_size: int,
-        in_chans: int,
-        scale: list[float],
-        hflip: float,
-        auto_augment: str | None,
-        mean: list,
-    ) -> None:
-        from timm.data import create_transform
-
-        primary, _, _ = create_transform(
-            (3, img_size, img_size), is_training=True, scale=tuple(scale), hflip=hflip, separate=True
-        )
-        self.transforms = list(primary.transforms)
-        if auto_augment:
-            rgb_mean = list(mean) * 3 if len(mean) == 1 else list(mean)
-            self.transforms.append(
-                timm_policy("data.auto_augment", auto_augment, rgb_mean, int(img_size * 0.45))
-            )
-        self.mode = "L" if in_chans == 1 else "RGB"
-
-    def __call__(self, img: Image.Image) -> Tensor:
-        img = img.convert("RGB")
-        for t in self.transforms:
-            img = t(img)
-        return TF.pil_to_tensor(img.convert(self.mode))
+    in RGB (timm's fills are RGB means), converted after."""
+    size = (3, img_size, img_size)
+    primary, _, _ = create_transform(size, is_training=True, scale=tuple(scale), hflip=hflip, separate=True)
+    steps = [methodcaller("convert", "RGB"), *primary.transforms]
+    if auto_augment:
+        rgb_mean = list(mean) * 3 if len(mean) == 1 else list(mean)
+        steps.append(timm_policy("data.auto_augment", auto_augment, rgb_mean, int(img_size * 0.45)))
+    return v2.Compose([*steps, methodcaller("convert", "L" if in_chans == 1 else "RGB"), TF.pil_to_tensor])
 
 
 class ImageFiles(Dataset):
@@ -143,64 +123,49 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         if mean is not None and std is not None:
             self.mean, self.std = mean, std
         self.bad = BadRecords(source.on_bad_record)
-        self.shards: TarShards | None = None
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        """The checkpoint's image size, channels and normalisation."""
-        self.mean, self.std = artifacts["mean"], artifacts["std"]
+        super().load_artifacts(artifacts)
         self.img_size, self.in_chans = artifacts["img_size"], artifacts["in_chans"]
 
-    # --- loading ---------------------------------------------------------------------------
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
+    def build(self) -> None:
         train = self._setup_folder() if isinstance(self.source, Folder) else self._setup_shards()
         if "test" not in self.splits:
             log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
             self.splits["test"] = self.splits["val"]
         if self.mean is None:
             self.mean, self.std = sample_stats(self.splits["val"])
-        self.train_transform = TrainTransform(
+        self.train_transform = train_transform(
             self.img_size, self.in_chans, self.scale, self.hflip, self.auto_augment, self.mean
         )
         if train is not None:
             self.splits["train"] = ImageFiles(*train, self.train_transform, self.bad, self.seed)
         self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        n_train = len(self.splits["train"]) if train is not None else self.shards.count("train")
         size, classes = f"{self.img_size}x{self.img_size}", len(self.classes)
-        what = f"images at {size}, {self.in_chans} channel(s), {classes} classes"
-        log_splits(self.source.where, (n_train, len(self.splits["val"]), len(self.splits["test"])), what)
+        self.log_sizes(f"images at {size}, {self.in_chans} channel(s), {classes} classes")
 
     def _setup_folder(self) -> tuple[list[Path], list[int]]:
         """The val and test splits of the folder; returns the training files and labels."""
         found, self.classes = scan_image_folder(self.source.path)
         val, train = carve(len(found["train"][0]), [self.source.val_size], self.seed)
         pick = lambda idx: tuple([x[i] for i in idx] for x in found["train"])  # noqa: E731
-        files = {"train": pick(train), "val": pick(val), **{k: v for k, v in found.items() if k != "train"}}
+        files = {**found, "train": pick(train), "val": pick(val)}
         first = files["val"][0][0]
         self._fix_size(first.read_bytes(), str(first))
         for split in ("val", "test"):
             if split in files:
-                self.splits[split] = ImageFiles(*files[split], self._eval_transform(), self.bad)
+                self.splits[split] = ImageFiles(
+                    *files[split], eval_transform(self.img_size, self.in_chans), self.bad
+                )
         return files["train"]
 
     def _setup_shards(self) -> None:
         """The val and test splits of the shards (training streams them: ``train_dataloader``)."""
-        self.shards = TarShards(self.source.path)
-        if self.shards.kind != "images" or not self.shards.classes:
-            raise DataError(
-                f"{self.source.path}: not classification shards (key.jpg + key.cls); see its manifest"
-            )
-        self.classes = self.shards.classes
-        if not self.shards.count("val"):
-            raise DataError(f"{self.source.path}: no validation records (prepare with --val-size > 0)")
-        first = next(read_shard(self.shards.splits["val"][0], 0, self.bad))
+        shards = self.open_shards("images", "classification shards (key.jpg + key.cls)")
+        self.classes = shards.classes
+        first = next(read_shard(shards.splits["val"][0], 0, self.bad))
         self._fix_size(image_bytes(first), f"{first['__url__']}: record {first['__key__']}")
-        for split in ("val", "test"):
-            if self.shards.count(split):
-                decode = self._decode(self._eval_transform())
-                self.splits[split] = ShardRecords(self.shards.splits[split], decode, self.bad)
+        self.read_shards(partial(self.decode, eval_transform(self.img_size, self.in_chans)))
 
     def _fix_size(self, data: bytes | None, where: str) -> None:
         """``img_size`` and ``in_chans`` from the first validation image where not given."""
@@ -211,31 +176,22 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         if self.in_chans is None:
             self.in_chans = 1 if img.mode in ("L", "LA", "I", "I;16", "1") else 3
 
-    def _eval_transform(self) -> EvalTransform:
-        return EvalTransform(self.img_size, self.in_chans)
+    def decode(
+        self, transform: Callable[[Image.Image], Tensor], record: Record, where: str, seed: int | None = None
+    ) -> tuple[Tensor, int]:
+        """A shard record -> (its image ``transform``ed, its class)."""
+        if "cls" not in record:
+            raise DataError(f"{where}: no class index (.cls)")
+        try:
+            label = int(record["cls"])
+        except ValueError:
+            held = record["cls"][:40].decode("utf-8", "replace").strip()
+            raise DataError(f"{where}: .cls holds {held!r}, not a class index") from None
+        if not 0 <= label < len(self.classes):
+            raise DataError(f"{where}: class {label} outside 0..{len(self.classes) - 1}")
+        img = decode_image(image_bytes(record), where, "RGB")
+        with seeded_globals(seed) if seed is not None else nullcontext():
+            return transform(img), label
 
-    def _decode(self, transform: Callable[[Image.Image], Tensor]) -> Callable[[Record, str], Any]:
-        classes = len(self.classes)
-
-        def decode(record: Record, where: str, seed: int | None = None) -> tuple[Tensor, int]:
-            if "cls" not in record:
-                raise DataError(f"{where}: no class index (.cls)")
-            try:
-                label = int(record["cls"])
-            except ValueError:
-                held = record["cls"][:40].decode("utf-8", "replace").strip()
-                raise DataError(f"{where}: .cls holds {held!r}, not a class index") from None
-            if not 0 <= label < classes:
-                raise DataError(f"{where}: class {label} outside 0..{classes - 1}")
-            img = decode_image(image_bytes(record), where, "RGB")
-            with seeded_globals(seed) if seed is not None else nullcontext():
-                return transform(img), label
-
-        return decode
-
-    def train_dataloader(self) -> DataLoader:
-        if isinstance(self.source, Folder):
-            return super().train_dataloader()
-        return stream_loader(
-            self, self.shards.splits["train"], self._decode(self.train_transform), self.collate
-        )
+    def decode_train(self, record: Record, where: str, seed: int | None = None) -> tuple[Tensor, int]:
+        return self.decode(self.train_transform, record, where, seed)

@@ -1,8 +1,6 @@
-"""Scenes: 2 to 4 Fashion-MNIST or MNIST items placed without overlap on a blank canvas, captioned
-with the items and the relations between them ("a sneaker to the left of a bag , which is above a
-shirt"), each item's box kept, so captions can be checked word by word and attention against the
-boxes. Items are named left to right (or right to left) by their centres, each related to the next
-by the larger offset between them; seeded."""
+"""Scenes: 2 to 4 Fashion-MNIST or MNIST items placed apart on a blank canvas, captioned with the
+items and their relations ("a sneaker to the left of a bag , which is above a shirt"), each item's
+box kept, so captions can be checked word by word and attention against the boxes; seeded."""
 
 from __future__ import annotations
 
@@ -18,12 +16,11 @@ from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import SplitsDataModule, log_splits
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import channel_stats, normalize
-from attnlab.data.vision.datasets import BuiltinImages, ImageSplits
+from attnlab.data.vision.classification import ImagesDataModule, channel_stats
+from attnlab.data.vision.datasets import load_builtin
 
 # each relation (as scenes record it) and its phrasings in captions
 RELATIONS = {
@@ -208,7 +205,7 @@ class SceneSplit(Dataset):
         return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
 
 
-class ScenesDataModule(BuiltinImages, SplitsDataModule):
+class ScenesDataModule(ImagesDataModule):
     """Scenes (``make_scenes``) of a ``Builtin`` IDX set: train and val scenes from disjoint halves of
     its training images, test scenes from its test images; ``train_size``, ``val_size`` and
     ``test_size`` count the scenes, ``items`` the fewest and most items on a ``canvas``-pixel side.
@@ -233,27 +230,21 @@ class ScenesDataModule(BuiltinImages, SplitsDataModule):
         num_workers: int = 0,
         seed: int = 1337,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, seed)
         source = (source or Builtin("fashion_mnist")).one_of(CLASS_PHRASES)
         if source.carved():  # the scenes' sizes are data.train_size, ...
             raise ConfigError(
                 "data.source.val_size: scenes are drawn from halves of the source's training images "
                 "(data.train_size, data.val_size, data.test_size count them): leave it null"
             )
-        self.source = source
+        self.source, self.img_size, self.in_chans = source, canvas, 1
         self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
-        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.phrases = CLASS_PHRASES[source.name]  # what captions call each class
         self.label_grid = label_grid
         self.classes = grid_label_names(self.phrases, label_grid)  # the labels' names
         self.tokenizer: WordTokenizer | None = None
         self.max_len: int | None = None  # the longest caption in tokens, <bos> and <eos> included
-        self.mean: list[float] | None = None
-        self.std: list[float] | None = None
-        self.splits: dict[str, SceneSplit] = {}
-
-    # --- what the model and inference need -------------------------------------------------
 
     def model_kwargs(self) -> dict[str, Any]:
         image = {"img_size": self.canvas, "in_chans": 1}
@@ -262,26 +253,17 @@ class ScenesDataModule(BuiltinImages, SplitsDataModule):
         return {"vocab_size": self.tokenizer.vocab_size, "max_len": self.max_len, "pad_id": 0, **image}
 
     def artifacts(self) -> dict[str, Any]:
-        return {
-            "tokenizer": self.tokenizer.to_json() if self.tokenizer else None,
-            "max_len": self.max_len,
-            "classes": self.classes,
-            "img_size": self.canvas,
-            "in_chans": 1,
-            "mean": self.mean,
-            "std": self.std,
-        }
+        tokenizer = self.tokenizer.to_json() if self.tokenizer else None
+        return {"tokenizer": tokenizer, "max_len": self.max_len, **super().artifacts()}
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         if artifacts.get("tokenizer"):
             self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
         self.max_len = artifacts.get("max_len", self.max_len)
-        # a pre-trained part's run (model.init_from) hands on its tokenizer alone
-        self.mean, self.std = artifacts.get("mean", self.mean), artifacts.get("std", self.std)
+        super().load_artifacts(artifacts)
 
-    # --- loading ---------------------------------------------------------------------------
-
-    def build(self, data: ImageSplits) -> None:
+    def build(self) -> None:
+        data = load_builtin(self.source)
         order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
         half = len(order) // 2
         sources = {  # (images, labels, the pool's indices in them)
@@ -302,14 +284,13 @@ class ScenesDataModule(BuiltinImages, SplitsDataModule):
             longest = max(len(c.split()) for s in self.splits.values() for c in s.scenes.captions)
             self.max_len = max(self.max_len or 0, longest + 2)
         vocabulary = f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else ""
-        what = f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
-        log_splits(self.source.where, self.sizes.values(), what)
+        self.log_sizes(
+            f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
+        )
 
     def caption_texts(self, split: str) -> list[str]:
         """The captions of a split ("train", "val", "test"), in order (a language model's text)."""
         return self.splits[split].scenes.captions
-
-    # --- batches ---------------------------------------------------------------------------
 
     def batch(self, scenes: Scenes, idx: list[int]) -> dict[str, Any]:
         """The batch of ``scenes`` at ``idx`` (uint8 images: normalised on the device)."""
@@ -332,9 +313,6 @@ class ScenesDataModule(BuiltinImages, SplitsDataModule):
             "boxes": [scenes.boxes[i] for i in idx],
             "words": [[1 + w for w in scenes.words[i]] for i in idx],  # tokens[0] is <bos>
         }
-
-    def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
-        return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
 
     def collate_of(self, split: str) -> Callable[[list[int]], dict[str, Any]]:
         return partial(self.batch, self.splits[split].scenes)  # picklable, for loader workers

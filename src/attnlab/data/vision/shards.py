@@ -42,32 +42,19 @@ def decode_image(data: bytes | None, where: str, mode: str | None) -> Image.Imag
         raise unreadable_image(where, e) from None
 
 
-def check_image(data: bytes, where: str) -> None:
-    """Raise ``DataError`` naming ``where`` unless ``data`` decodes as an image."""
-    decode_image(data, where, None)
-
-
-def read_image_file(path: Path) -> bytes | DataError:
-    """The bytes of a listed image file, or the one line that says why there are none (returned,
-    not raised: the writer refuses it or, with ``on_bad_record=skip``, goes on without it)."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return DataError(f"{path}: no such file (listed, but missing)")
-    except IsADirectoryError:
-        return DataError(f"{path}: a folder, not an image file")
-    except OSError as e:
-        return DataError(f"{path}: cannot be read ({e.strerror or e})")
-
-
 def image_items(files: list[Path], values: list[Any], field: str) -> Iterator[Item]:
-    """``(image file, {ext: its bytes, field: value})`` for each file, or why it cannot be read."""
+    """``(image file, {ext: its bytes, field: value})`` for each file, or the one line that says why
+    it cannot be read (returned, not raised: the writer refuses it or, with ``on_bad_record=skip``,
+    goes on without it)."""
     for path, value in zip(files, values, strict=True):
-        data = read_image_file(path)
-        yield (
-            path,
-            data if isinstance(data, DataError) else {image_ext(path): data, field: str(value).encode()},
-        )
+        try:
+            yield path, {image_ext(path): path.read_bytes(), field: str(value).encode()}
+        except FileNotFoundError:
+            yield path, DataError(f"{path}: no such file (listed, but missing)")
+        except IsADirectoryError:
+            yield path, DataError(f"{path}: a folder, not an image file")
+        except OSError as e:
+            yield path, DataError(f"{path}: cannot be read ({e.strerror or e})")
 
 
 def carved_items(
@@ -89,7 +76,7 @@ def write_shards(
     on_bad_record: str = "error",
 ) -> dict[str, Any]:
     """Image records into tar shards (``write_tar_shards``), each image checked to decode."""
-    check = lambda fields, path: check_image(fields[image_ext(path)], str(path))  # noqa: E731
+    check = lambda fields, path: decode_image(fields[image_ext(path)], str(path), None)  # noqa: E731
     return write_tar_shards(splits, out_dir, meta, check, shard_records, on_bad_record)
 
 

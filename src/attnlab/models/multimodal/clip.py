@@ -1,9 +1,5 @@
-"""CLIP (Radford et al. 2021): an image tower and a text tower, each followed by a linear
-projection into one shared space, where a matching image and caption should have the highest
-cosine similarity of their batch. The image tower is any classifier with ``forward_features`` /
-``forward_head(pre_logits=True)`` (attnlab's ViT, or a timm model); the text tower is a causal
-Transformer read at the caption's end-of-text token, as in CLIP.
-"""
+"""CLIP (Radford et al. 2021): an image tower and a text tower, each projected into one shared
+space where a matching image and caption should be the most similar pair of their batch."""
 
 from __future__ import annotations
 
@@ -27,23 +23,9 @@ MAX_LOGIT_SCALE = math.log(100.0)  # the scale exp(t) is clamped at 100, as in C
 
 
 class TextTransformer(nn.Module):
-    """CLIP's text tower: token and learned position embeddings, pre-LN blocks under a causal
-    mask, a final norm; a caption's feature is the state of its last non-padding token (the
-    end-of-text token, which has seen the whole caption).
-
-    Args:
-        vocab_size: number of token ids.
-        max_len: longest caption, in tokens (end-of-text included): the position table.
-        dim: width; n_head: attention heads (must divide ``dim``); depth: blocks.
-        mlp_ratio: MLP hidden width over ``dim``.
-        dropout: on the embeddings and each residual branch.
-        pad_id: the padding token (captions are right-padded).
-        act: the MLPs' activation, "gelu" or "quick_gelu" (OpenAI's CLIP weights).
-        pool: which token's state is the caption's feature: "last" (the last non-padding one)
-            or "argmax" (the one of highest id: open_clip's, where end-of-text has the highest
-            id and padding may share an id with a real token).
-        **attn: ``attnlab.nn.AttentionSpec``.
-    """
+    """CLIP's text tower: a causal Transformer over right-padded captions, read at the end-of-text
+    token, found as the last non-padding one (``pool="last"``) or the highest id ("argmax":
+    open_clip's, where padding may share an id with a real token)."""
 
     def __init__(
         self,
@@ -78,8 +60,8 @@ class TextTransformer(nn.Module):
         self.init_weights(dim, depth)
 
     def init_weights(self, dim: int, depth: int) -> None:
-        """CLIP's (open_clip's) initialisation: small embeddings; projections scaled by the width,
-        the residual outputs also by the depth."""
+        """open_clip's: small embeddings; projections scaled by the width, residual outputs also
+        by the depth."""
         nn.init.normal_(self.embed.tokens.weight, std=0.02)
         nn.init.normal_(self.embed.positions.emb.weight, std=0.01)
         attn_std, proj_std, fc_std = dim**-0.5, dim**-0.5 * (2 * depth) ** -0.5, (2 * dim) ** -0.5
@@ -105,21 +87,13 @@ class TextTransformer(nn.Module):
         return x[torch.arange(x.size(0), device=x.device), last]
 
     def flops(self, tokens: Tensor) -> Flops:
-        """Model FLOPs of a training step on ``tokens`` (B, T) (``attnlab.nn.flops``): the blocks
-        over the padded captions, the full T x T causal attention counted."""
+        """Model FLOPs of a training step on ``tokens`` (B, T) (``attnlab.nn.flops``)."""
         return flops.blocks(self.blocks, *tokens.shape)
 
 
 class CLIP(nn.Module):
-    """Two towers and their projections into an ``embed_dim`` space, and a learnable logit scale
-    (log of the inverse temperature, initialised to log(1/0.07), used clamped at log(100)).
-
-    Args:
-        image: the image tower: a net with ``forward_features``, ``forward_head(x, pre_logits=True)``
-            and ``num_features`` (attnlab's ViT, Swin, ConvNet, or ``TimmModel``).
-        text: the text tower (``TextTransformer``).
-        embed_dim: width of the shared space.
-    """
+    """Two towers (``image``: any ``ImageBackbone``), their projections into an ``embed_dim``
+    space, and a learnable logit scale (the log of the inverse temperature)."""
 
     def __init__(self, image: nn.Module, text: TextTransformer, embed_dim: PositiveInt = 128) -> None:
         super().__init__()
@@ -148,9 +122,7 @@ class CLIP(nn.Module):
         return self.encode_image(images), self.encode_text(tokens), self.scale()
 
     def flops(self, images: Tensor, tokens: Tensor) -> Flops:
-        """Model FLOPs of a training step on B (image, caption) pairs (``attnlab.nn.flops``): the
-        two towers (the image tower's features, no head), the projections, and the loss's B x B
-        similarities (with DDP each process scores the whole gathered batch: a rounding error)."""
+        """Model FLOPs of a training step on B pairs, the loss's B x B similarities included."""
         b = images.size(0)
         image = self.image.flops(images, head=False) + flops.linear_layer(self.image_proj, b)
         text = self.text.flops(tokens) + flops.linear_layer(self.text_proj, b)

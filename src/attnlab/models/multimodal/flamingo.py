@@ -1,17 +1,7 @@
-"""Flamingo (Alayrac et al. 2022): a frozen vision encoder (our ``ConvNet``'s last-map cells, as
-the paper's NFNet, or a ``VisionTransformer``'s patch tokens) and a frozen ``GPT``, kept in eval mode
-and loaded from runs of their own (``model.init_from={vision: <run>, lm: <run>}``), joined by the
-only trained parts: a ``PerceiverResampler`` (learned latents attend to [image features with their
-places; latents]: ``n_latents`` vectors per image) and a ``GatedCrossAttentionBlock`` before every
-``cross_every``-th GPT block (branches added through ``tanh(gate)``, gate 0: the identity at first,
-the frozen LM untouched). ``FeatureCache`` keeps the frozen encoder's features of each image.
-
-Interleaved sequences: images (B, N, C, H, W) and tokens (B, T) in which ``image_token`` (BOS by
-default) marks where the i-th image stands; a token attends only to the latents of the last image
-at or before it (the paper's masking), a token before any image to none; one image (B, C, H, W),
-a ``Captioner``'s, is seen by every token. Few-shot prompts put (image, caption) chunks before the
-query image's (``few_shot_prompt``). A word's attention over the patches is the gated
-cross-attention over the latents composed with the resampler's over the patches.
+"""Flamingo (Alayrac et al. 2022): a frozen vision encoder and a frozen ``GPT`` joined by a
+trained Perceiver Resampler and gated cross-attention. In interleaved sequences, images
+(B, N, C, H, W) and tokens (B, T), a token attends only to the latents of the last image marked
+(``image_token``) at or before it, as in the paper; one image (B, C, H, W) is seen by every token.
 """
 
 from __future__ import annotations
@@ -60,30 +50,10 @@ class ResamplerLayer(nn.Module):
 
 
 class PerceiverResampler(nn.Module):
-    """Image features (B, S, in_dim) on a grid of S = grid x grid cells or patches ->
-    ``n_latents`` vectors (B, L, dim).
-
-    Each feature, with Fourier features of its patch's place (as the Perceiver reads pixels), is
-    projected to ``dim``; learned latents then attend to [features; latents] in ``depth`` layers
-    (attention + MLP, pre-LN residuals) and leave through a LayerNorm. The places are given, not
-    left to the encoder: a frozen encoder trained to say what an image holds keeps where only in
-    part, and captions that say "left of" need it. With ``region_latents`` each latent starts at
-    its learned vector plus the mean of one region of the grid (a departure from the paper): latents
-    that are the same queries for every image pool parts of several items and lose which is where.
-
-    Args:
-        in_dim: width of the vision encoder's features.
-        dim: width of the latents (the language model's, whose cross-attention reads them).
-        grid: positions per side of the feature grid (row-major: a ViT's patch tokens, a convnet's cells).
-        depth: number of layers.
-        n_head: attention heads; must divide ``dim``.
-        n_latents: number of latents (the paper's 64).
-        mlp_ratio: MLP hidden width over ``dim``.
-        n_bands: Fourier frequency bands per coordinate of the places (2 + 4 * n_bands features),
-            up to the grid's Nyquist frequency.
-        region_latents: start latent i at its learned vector plus the mean of region i of an
-            r x r split of the grid (row-major; ``n_latents`` = r * r).
-    """
+    """Image features (B, S, in_dim) on a row-major grid of S = grid x grid cells, each with
+    Fourier features of its place (why: docs/captioning.md) -> ``n_latents`` vectors (B, L, dim).
+    With ``region_latents`` (not the paper's) latent i starts at its learned vector plus the mean
+    of region i of an r x r split of the grid."""
 
     def __init__(
         self,
@@ -111,15 +81,14 @@ class PerceiverResampler(nn.Module):
         self.norm = nn.LayerNorm(dim)
 
     def region_means(self, media: Tensor) -> Tensor:
-        """media (B, S, dim) on the grid -> the mean of each of r x r regions (B, r * r, dim),
-        row-major, r * r the number of latents."""
+        """media (B, S, dim) on the grid -> the mean of each of r x r = L regions (B, L, dim)."""
         cells = media.transpose(1, 2).unflatten(2, (self.grid, self.grid))  # (B, dim, grid, grid)
         return F.adaptive_avg_pool2d(cells, math.isqrt(len(self.latents))).flatten(2).transpose(1, 2)
 
     def forward(self, features: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """features (B, S, in_dim) -> latents (B, L, dim) and, with ``need_weights``, where each
-        latent looks among the S features (B, L, S): every layer's attention to the features,
-        renormalised to sum to 1 (the rest went to the latents), averaged over heads and layers."""
+        latent looks (B, L, S): its attention to the features, renormalised, averaged over heads
+        and layers."""
         if features.size(1) != len(self.places):
             raise DataError(
                 f"the resampler was built for {len(self.places)} patches per image, got {features.size(1)}"
@@ -139,13 +108,8 @@ class PerceiverResampler(nn.Module):
 
 
 class GatedCrossAttentionBlock(nn.Module):
-    """x + tanh(a) * attn(ln(x), latents), then x + tanh(b) * mlp(ln(x)), with a = b = 0 at first.
-
-    Args:
-        dim: the language model's width.
-        n_head: attention heads; must divide ``dim``.
-        mlp_ratio: MLP hidden width over ``dim``.
-    """
+    """x + tanh(a) * attn(ln(x), latents), then x + tanh(b) * mlp(ln(x)), with a = b = 0 at first:
+    the frozen language model is untouched until the gates open."""
 
     def __init__(self, dim: int, n_head: int, mlp_ratio: float = 2.0) -> None:
         super().__init__()
@@ -164,9 +128,8 @@ class GatedCrossAttentionBlock(nn.Module):
         cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, D) over ``latents`` (B, K, D) (or their projection in ``cache``); ``visible``
-        (B, T, K) bool, True where a token may attend a latent. A token that may attend none
-        gets no cross-attention (zero output and weights). Returns x and the weights (B, H, T, K)."""
+        """x (B, T, D) over ``latents`` (B, K, D) (or their projection in ``cache``) where ``visible``
+        (B, T, K); a token that sees none gets none -> x and the weights (B, H, T, K)."""
         if health.is_recording():  # the latents have no place: no attention distance
             health.give_positions(
                 self.attn, grid_centres(0, 0, prefix=x.size(1)), grid_centres(0, 0, prefix=visible.size(-1))
@@ -182,12 +145,8 @@ class GatedCrossAttentionBlock(nn.Module):
 
 
 class FeatureCache:
-    """The frozen encoder's features of images seen before: a frozen encoder in eval mode gives an
-    image the same features every epoch, so each image's are computed once (the encoder's forward
-    is most of a training step's time on a CPU). Keyed by the image's bytes and the autocast
-    dtype they were computed in; holds at most ``size`` images (0: off). Not part of the model's
-    state: ``clear`` it when the encoder's weights change.
-    """
+    """The frozen encoder's features of up to ``size`` images seen before (0: off), keyed by the
+    image's bytes and the autocast dtype; ``clear`` it when the encoder's weights change."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -209,10 +168,7 @@ class FeatureCache:
         self.misses = len(missing)
         fresh = dict(zip((keys[i] for i in missing), encode(images[missing]), strict=True)) if missing else {}
         out = torch.stack([self.store[key] if key in self.store else fresh[key] for key in keys])
-        for key, row in fresh.items():
-            if len(self.store) >= self.size:
-                break
-            self.store[key] = row
+        self.store.update(list(fresh.items())[: self.size - len(self.store)])
         return out
 
     def clear(self) -> None:
@@ -221,39 +177,21 @@ class FeatureCache:
 
 @dataclass
 class FlamingoState:
-    """What decoding keeps between steps: the frozen GPT's caches, each gated block's projection
-    of the latents, each row's current image (-1: none yet) and where its latents look (B, N, L, S)."""
+    """What decoding keeps between steps."""
 
-    caches: list[Cache]
-    cross: list[KVCache]
-    image: Tensor  # (B,) long
+    caches: list[Cache]  # the frozen GPT's
+    cross: list[KVCache]  # each gated block's projection of the latents
+    image: Tensor  # (B,) each row's current image, -1: none yet
     patch_attn: Tensor  # (B, N, L, S)
     interleaved: bool  # markers move a row to its next image (else its one image is seen)
     attn: Tensor | None = None  # the last step's attention over its image's patches (B, S)
 
 
 class Flamingo(nn.Module):
-    """A frozen vision encoder and a frozen ``GPT`` joined by a trained Perceiver Resampler and
-    gated cross-attention blocks.
-
-    Args:
-        vision: builds the vision encoder from ``img_size`` and ``in_chans`` (a partial
-            ``ConvNet`` or ``VisionTransformer``); what its ``forward_features`` gives is what the
-            resampler reads: a convnet's last map, cell by cell, or a ViT's patch tokens.
-        lm: builds the language model from ``vocab_size`` (a partial ``GPT``).
-        vocab_size, img_size, in_chans: the data's (filled in from it), which the parts are built for.
-        n_latents: latents per image.
-        resampler_depth: layers of the resampler.
-        n_head: attention heads of the resampler and the gated blocks; must divide the GPT's width.
-        mlp_ratio: MLP hidden width over the width, in the resampler and the gated blocks.
-        place_bands: Fourier bands per coordinate of each patch's place, given to the resampler.
-        cross_every: a gated block before every ``cross_every``-th GPT block (1: before each).
-        image_token: the token id that marks an image in the text (BOS: a caption is a chunk).
-        region_latents: each latent starts from the mean of its region of the features
-            (``PerceiverResampler``).
-        feature_cache: images whose frozen features are kept after their first pass
-            (``FeatureCache``; 0: none, each image is encoded every time).
-    """
+    """A frozen vision encoder (``vision``: a convnet's last map, cell by cell, or a ViT's patch
+    tokens) and a frozen ``GPT`` (``lm``), each loaded from a run of its own, joined by a trained
+    ``PerceiverResampler`` and a ``GatedCrossAttentionBlock`` before every ``cross_every``-th GPT
+    block. ``image_token`` (BOS: a caption is a chunk) marks an image."""
 
     def __init__(
         self,
@@ -287,17 +225,8 @@ class Flamingo(nn.Module):
             raise ValueError(f"n_head: must divide the language model's width ({dim}), got {n_head}")
         with torch.no_grad():  # the encoder's grid of features, read off a blank image
             grid = math.isqrt(self.features(torch.zeros(1, in_chans, img_size, img_size)).size(1))
-        self.resampler = PerceiverResampler(
-            vision.num_features,
-            dim,
-            grid,
-            resampler_depth,
-            n_head,
-            n_latents,
-            mlp_ratio,
-            place_bands,
-            region_latents,
-        )
+        settings = (resampler_depth, n_head, n_latents, mlp_ratio, place_bands, region_latents)
+        self.resampler = PerceiverResampler(vision.num_features, dim, grid, *settings)
         # the latents attend to the cells' centres, in pixels, and to themselves, which have no place
         nowhere = grid_centres(0, 0, prefix=n_latents)
         cells = grid_centres(grid, grid, img_size / grid)
@@ -322,8 +251,7 @@ class Flamingo(nn.Module):
         return self
 
     def features(self, images: Tensor) -> Tensor:
-        """images (B, C, H, W) -> the frozen encoder's features (B, S, Dv), row-major: a ViT's
-        patch tokens (its prefix tokens left out) or the cells of a convnet's last map."""
+        """images (B, C, H, W) -> the frozen encoder's features (B, S, Dv), row-major."""
         x = self.vision.forward_features(images)
         if x.dim() == 4:  # a convnet's map (B, Dv, h, w)
             return x.flatten(2).transpose(1, 2)
@@ -345,11 +273,9 @@ class Flamingo(nn.Module):
         latents: Tensor | None = None,
         state: FlamingoState | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The frozen GPT over ``tokens`` (B, T) with the gated blocks before its blocks; ``image``
-        (B, T): the image each token sees (-1: none). Either ``latents`` (B, N * L, D) (teacher
-        forcing) or ``state`` (its caches hold earlier positions and the latents' projections).
-        Returns logits (B, T, V) and the cross-attention over the latents (B, T, N * L), averaged
-        over heads and gated blocks."""
+        """The GPT and gated blocks over ``tokens`` (B, T), each seeing ``image`` (B, T) (-1: none),
+        given ``latents`` (B, N * L, D) or a decoding ``state`` -> logits (B, T, V) and the
+        cross-attention (B, T, N * L), averaged over heads and gated blocks."""
         lm = self.lm
         key_image = torch.arange(n_images * self.n_latents, device=tokens.device) // self.n_latents
         visible = key_image == image[..., None]  # (B, T, N * L)
@@ -390,9 +316,8 @@ class Flamingo(nn.Module):
         return torch.einsum("btnl,bnls->bts", xattn.reshape(b, -1, n, n_latents), patch_attn)
 
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher forcing: images (B, C, H, W) (one per row) or (B, N, C, H, W) (interleaved)
-        and tokens (B, T), each image at its marker -> logits (B, T, V) and each token's
-        attention over the patches of the image it sees (B, T, S)."""
+        """Teacher forcing: images (B, C, H, W) or (B, N, C, H, W) and tokens (B, T) -> logits
+        (B, T, V) and each token's attention over the patches of the image it sees (B, T, S)."""
         interleaved, images = images.dim() == 5, self._as_sequence(images)
         latents, patch_attn = self.encode(images)
         image = self.image_of_tokens(tokens, images.size(1)) if interleaved else torch.zeros_like(tokens)
@@ -400,13 +325,8 @@ class Flamingo(nn.Module):
         return logits, self._on_patches(xattn, patch_attn)
 
     def flops(self, images: Tensor, tokens: Tensor) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``) on images (B, C, H, W) or
-        (B, N, C, H, W) and tokens (B, T): the frozen encoder's forward (no gradient) on the
-        images it encoded (with a feature cache: those it did not hold on the last pass, so call
-        this after the step), the resampler (its first layer on the encoder's features: no input
-        gradient), the gated blocks, the frozen GPT passing gradients back to them (its layers'
-        backward 1x, its attention's 2x), and each word's attention over the patches (forward
-        only: trained through only by a captioning ``attention_reg``)."""
+        """Model FLOPs of a training step (``attnlab.nn.flops``); the frozen encoder's only on the
+        images the feature cache did not hold, so call it after the step."""
         images = self._as_sequence(images)
         (b, n), t = images.shape[:2], tokens.size(1)
         s, latents, resampler = self.grid[0] * self.grid[1], n * self.n_latents, self.resampler
@@ -448,15 +368,13 @@ class Flamingo(nn.Module):
         return self.image_of_tokens(tokens, state.patch_attn.size(1), state.image)
 
     def step(self, tokens: Tensor, state: FlamingoState) -> tuple[Tensor, FlamingoState]:
-        """One token per row (B,) -> logits (B, V) and the state, its ``attn`` the token's
-        attention over the patches (B, S)."""
+        """Tokens (B,) -> logits (B, V) and the state, its ``attn`` over the patches (B, S)."""
         image = self._advance(tokens[:, None], state)  # (B, 1)
         logits, xattn = self._decode(tokens[:, None], image, state.patch_attn.size(1), state=state)
         state.image, state.attn = image[:, 0], self._on_patches(xattn, state.patch_attn)[:, 0]
         return logits[:, 0], state
 
     def reorder(self, state: FlamingoState, index: Tensor) -> FlamingoState:
-        """Keep the rows at ``index`` (B',) (beam search)."""
         for cache in [*state.caches, *state.cross]:
             cache.reorder(index)
         state.image, state.patch_attn = state.image[index], state.patch_attn[index]

@@ -1,16 +1,12 @@
-"""Show, Attend and Tell (Xu et al. 2015): an LSTM writes the caption one word at a time, and
-before each word attends over the positions of the image's feature map.
-
-The image is encoded once into S = h * w feature vectors a_1..a_S (a small CNN's last map, or our
-ViT's patch tokens). Each step, with the previous state h_{t-1}:
+"""Show, Attend and Tell (Xu et al. 2015): an LSTM writes the caption one word at a time, before
+each attending over the S = h * w feature vectors a_1..a_S of the image (a CNN's map or ViT tokens):
 
     alpha_t = softmax(v^T tanh(W h_{t-1} + U a_s))          additive (Bahdanau) attention, (S,)
     z_t     = sigmoid(f_beta(h_{t-1})) * sum_s alpha_ts a_s   the gated context
     h_t     = LSTM([E y_{t-1}; z_t], h_{t-1})
     p(y_t)  = softmax(L_o(E y_{t-1} + L_h h_t + L_z z_t))     the deep output layer
 
-with h_0, c_0 from the mean feature. The net is a ``Captioner`` (``attnlab.models.contracts``),
-which ``CaptioningTask`` trains and ``attnlab.inference.captioning`` decodes.
+with h_0, c_0 from the mean feature.
 """
 
 from __future__ import annotations
@@ -31,11 +27,9 @@ State = dict[str, Tensor]
 
 
 class ConvEncoder(nn.Module):
-    """``depth`` stages of two 3x3 conv-BN-ReLU layers, the first of each with stride 2: an image
-    (B, C, H, W) becomes a map of ``dim`` channels at 1 / 2^depth of its side (rounded up). The widths double
-    up to ``dim`` (``dim`` / 4, ``dim`` / 2, ``dim`` for three stages). A learned embedding of each
-    map position is added, as ViT adds one to its patches: a context vector then says where the
-    decoder looked, not only what it saw (which words such as "left of" need)."""
+    """``depth`` stages of two 3x3 conv-BN-ReLU layers (the first of stride 2), widths doubling up
+    to ``dim``, and a learned embedding of each position, as ViT's: a context vector then says
+    where the decoder looked, not only what it saw. (B, C, H, W) -> (B, S, dim)."""
 
     def __init__(self, img_size: int, in_chans: int, dim: int, depth: int) -> None:
         super().__init__()
@@ -45,9 +39,7 @@ class ConvEncoder(nn.Module):
             stages += [conv_bn_relu(chans, width, stride=2), conv_bn_relu(width, width)]
             chans = width
         self.stages = nn.Sequential(*stages)
-        side = img_size
-        for _ in range(depth):  # a 3x3 convolution of stride 2 and padding 1: ceil(side / 2)
-            side = (side + 1) // 2
+        side = -(-img_size // 2**depth)  # each 3x3 convolution of stride 2 and padding 1: ceil(side / 2)
         self.grid = (side, side)
         self.pos_embed = nn.Parameter(torch.zeros(1, side * side, dim))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
@@ -79,23 +71,8 @@ class ViTEncoder(nn.Module):
 
 
 class ShowAttendTell(nn.Module):
-    """An image captioner: a CNN or ViT feature map, an LSTM decoder with additive attention over
-    it at every word.
-
-    Args:
-        vocab_size, img_size, in_chans: from the data.
-        pad_id: the padding token (its embedding stays zero).
-        encoder: "cnn" (``ConvEncoder``: ``enc_depth`` stride-2 stages, a grid of img_size /
-            2^enc_depth) or "vit" (``ViTEncoder``: ``enc_depth`` blocks over patches of
-            ``patch_size``, ``n_head`` heads; a grid of img_size / patch_size).
-        enc_dim: width of the feature map (the last CNN stage, or the ViT).
-        enc_depth: CNN stages or ViT blocks.
-        patch_size, n_head: the ViT encoder's (unused by the CNN).
-        dim: word embedding size (also the deep output layer's, tied to the output matrix).
-        hidden: LSTM state size.
-        attn_dim: hidden size of the attention's scoring layer.
-        dropout: on the embeddings and before the output layer.
-    """
+    """An image captioner: a CNN or ViT feature map (``patch_size`` and ``n_head`` are the ViT's),
+    an LSTM decoder with additive attention over it, the output layer tied to the embedding."""
 
     def __init__(
         self,
@@ -136,8 +113,7 @@ class ShowAttendTell(nn.Module):
 
     # -- the ``Captioner`` contract (``attnlab.models.contracts``) ---------------------------------
     def start(self, images: Tensor) -> State:
-        """Encode (B, C, H, W) images once: the features (B, S, D), their attention keys and the
-        LSTM's first state from the mean feature."""
+        """Encode (B, C, H, W) images once: features (B, S, D), attention keys, the first state."""
         feats = self.encoder(images)  # (B, S, D)
         mean = feats.mean(1)
         h, c = torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
@@ -145,18 +121,16 @@ class ShowAttendTell(nn.Module):
         return {"feats": feats, "keys": self.attn.prepare(feats), "pad": pad, "h": h, "c": c}
 
     def step(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
-        """The next word's logits (B, V) after ``tokens`` (B,) and the new state, whose ``attn``
-        is the attention (B, S) that chose it (the old state is left as it was)."""
+        """The next word's logits (B, V) after ``tokens`` (B,) and a new state, whose ``attn`` is
+        the attention (B, S) that chose it."""
         out, state = self._step(self.drop(self.embed(tokens)), state)
         return self.out(self.drop(out)), state
 
     def reorder(self, state: State, index: Tensor) -> State:
-        """The rows ``index`` (B',) of every tensor: beam search keeps and copies hypotheses."""
         return {k: v[index] for k, v in state.items()}
 
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher forcing over ``tokens`` (B, T), which start with BOS: the logits of each next
-        word (B, T, V) and the attention (B, T, S) that step t paid to the image's positions."""
+        """Teacher forcing over ``tokens`` (B, T) from BOS: logits (B, T, V) and attention (B, T, S)."""
         state = self.start(images)
         emb = self.drop(self.embed(tokens))  # (B, T, E)
         outs, attns = [], []
@@ -173,10 +147,7 @@ class ShowAttendTell(nn.Module):
         return self.out(self.drop(torch.stack(outs, 1))), attn
 
     def flops(self, images: Tensor, tokens: Tensor) -> Flops:
-        """Model FLOPs of a training step on ``images`` and caption ``tokens`` (B, T)
-        (``attnlab.nn.flops``): the encoder, the attention keys and first state, then per word
-        the attention over the S positions, the gate, the LSTM and the deep output; the output
-        layer over every word."""
+        """Model FLOPs of a training step on ``images`` and captions (B, T) (``attnlab.nn.flops``)."""
         b, t = tokens.shape
         s = self.grid[0] * self.grid[1]
         attn, cell = self.attn, self.cell
@@ -190,8 +161,7 @@ class ShowAttendTell(nn.Module):
         return start + word * t + flops.linear_layer(self.out, b * t)
 
     def _step(self, e: Tensor, state: State) -> tuple[Tensor, State]:
-        """One word from its input embedding (B, E): the deep output (B, E) before the output
-        matrix and the new state, with the attention weights (B, S) as ``attn``."""
+        """One word's input embedding (B, E) -> the deep output (B, E) and the state, its ``attn`` (B, S)."""
         h = state["h"]
         context, alpha = self.attn(h, state["feats"], state["pad"], state["keys"])  # (B, D), (B, S)
         z = torch.sigmoid(self.f_beta(h)) * context

@@ -1,2 +1,1 @@
-"""Text models: GPT (decoder-only), BERT (encoder-only), the Transformer encoder-decoder, RNN
-seq2seq with attention."""
+"""Text models: GPT, BERT, the Transformer encoder-decoder, RNN seq2seq with attention."""

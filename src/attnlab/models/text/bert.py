@@ -1,11 +1,6 @@
-"""BERT (Devlin et al. 2019): a Transformer encoder read in both directions, pre-trained by
-masked-language modelling (MLM) and next-sentence prediction (NSP), then fine-tuned with a head.
-
-The input is ``[CLS] A [SEP] B [SEP]``: token + segment + learned position embeddings, a
-LayerNorm, post-LN blocks (``attnlab.nn.TransformerBlock``), and a tanh "pooler" on [CLS] for
-sentence-level heads. The layout follows Hugging Face's ``BertModel`` (LayerNorm eps 1e-12,
-exact GELU) so that ``attnlab.weights.bert`` maps its weights onto ours.
-"""
+"""BERT (Devlin et al. 2019): a post-LN Transformer encoder over ``[CLS] A [SEP] B [SEP]``,
+pre-trained by masked-language modelling (MLM) and next-sentence prediction (NSP), fine-tuned with
+a head. Laid out as Hugging Face's ``BertModel`` (eps 1e-12, exact GELU) for its weights."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
+from attnlab.models.text.gpt import init_normal
 from attnlab.nn import Dropout, LearnedPositions, TokenEmbedding, TransformerBlock, flops
 from attnlab.nn.attention import AttentionSpec, attention_layer
 from attnlab.nn.flops import Flops
@@ -24,19 +20,8 @@ from attnlab.nn.positions import relative_positions
 LayerNorm = partial(nn.LayerNorm, eps=1e-12)
 
 
-def init_bert(module: nn.Module) -> None:
-    """Normal(0, 0.02) weights, zero biases (BERT's initialisation)."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            module.weight.data[module.padding_idx].zero_()
-
-
 class BertEmbeddings(nn.Module):
-    """Token + learned position (unless ``learned_positions`` is off) + segment embeddings, then
-    LayerNorm and dropout."""
+    """Token + learned position (if ``learned_positions``) + segment embeddings, LayerNorm, dropout."""
 
     def __init__(
         self,
@@ -61,21 +46,8 @@ class BertEmbeddings(nn.Module):
 
 
 class Bert(nn.Module):
-    """The BERT encoder.
-
-    Args:
-        vocab_size, pad_id: from the data's tokenizer.
-        dim: model width (BERT's hidden_size).
-        depth: number of blocks.
-        n_head: attention heads; must divide ``dim``.
-        mlp_ratio: MLP hidden width over ``dim`` (intermediate_size / hidden_size: 4 in BERT).
-        max_len: longest input, in tokens.
-        n_segments: segment ids (2: sentence A and B).
-        dropout: on the embeddings and each residual branch.
-        positions: "learned" (BERT's), or relative ones inside the attention (docs/positions.md):
-            "rope", "alibi" (symmetric: the distance either way) or "t5" (buckets both ways).
-        **attn: ``attnlab.nn.AttentionSpec`` (attn_dropout 0.1 unless set, as BERT's).
-    """
+    """The BERT encoder. ``positions``: "learned" (BERT's) or relative, both ways (docs/positions.md);
+    ``**attn``: ``attnlab.nn.AttentionSpec`` (attn_dropout 0.1 unless set, as BERT's)."""
 
     def __init__(
         self,
@@ -110,7 +82,7 @@ class Bert(nn.Module):
             for _ in range(depth)
         )
         self.pooler = nn.Linear(dim, dim)
-        self.apply(init_bert)
+        self.apply(init_normal)
 
     def no_weight_decay(self) -> set[str]:
         """The position tables (learned, T5's) and the segment table."""
@@ -136,9 +108,8 @@ class Bert(nn.Module):
         return self.pooler(x[:, 0]).tanh()
 
     def flops(self, ids: Tensor, segments: Tensor | None = None, pooled: bool = False) -> Flops:
-        """Model FLOPs of a training step of the encoder on ``ids`` (B, T) (``attnlab.nn.flops``):
-        its blocks over the padded length, padding included (it is computed, masked), and with
-        ``pooled`` the pooler on [CLS]."""
+        """Model FLOPs of a training step on ``ids`` (B, T) (``attnlab.nn.flops``), padding included
+        (it is computed, then masked); with ``pooled`` the pooler on [CLS]."""
         b, t = ids.shape
         f = flops.blocks(self.blocks, b, t)
         return f + flops.linear(b, self.dim, self.dim) if pooled else f
@@ -168,8 +139,8 @@ class BertPreTraining(nn.Module):
         self.encoder = encoder
         self.mlm = MaskedLMHead(encoder.dim, encoder.vocab_size)
         self.nsp = nn.Linear(encoder.dim, 2)
-        init_bert(self.mlm.dense)
-        init_bert(self.nsp)
+        init_normal(self.mlm.dense)
+        init_normal(self.nsp)
 
     def forward(self, ids: Tensor, segments: Tensor, masked: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """MLM logits (B, T, V), or (N, V) at the N positions where ``masked`` (B, T) is True
@@ -179,8 +150,8 @@ class BertPreTraining(nn.Module):
         return self.mlm(h, self.encoder.embed.tokens), self.nsp(self.encoder.pool(x))
 
     def flops(self, ids: Tensor, segments: Tensor, masked: Tensor | None = None) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder, the MLM head at
-        the masked positions (their count stays on the device) and NSP on the pooled [CLS]."""
+        """Model FLOPs of a training step (``attnlab.nn.flops``); the count of masked positions stays
+        on the device."""
         b, t = ids.shape
         n = b * t if masked is None else masked.sum()
         c, v = self.encoder.dim, self.encoder.vocab_size
@@ -189,39 +160,34 @@ class BertPreTraining(nn.Module):
 
 
 class BertClassifier(nn.Module):
-    """The encoder, dropout and a linear layer to ``num_classes``; the subclasses say what it reads."""
+    """The encoder, dropout and a linear layer to ``num_classes``, reading the pooled [CLS] state
+    or, unless ``pooled``, every token's."""
+
+    pooled = True
 
     def __init__(self, encoder: Bert, num_classes: PositiveInt, dropout: DropRate = 0.1) -> None:
         super().__init__()
         self.encoder, self.num_classes = encoder, num_classes
         self.drop = Dropout(dropout)
         self.head = nn.Linear(encoder.dim, num_classes)
-        init_bert(self.head)
-
-
-class BertSequenceClassifier(BertClassifier):
-    """A sentence (or sentence-pair) label from the pooled [CLS] state."""
+        init_normal(self.head)
 
     def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
-        """(B, T) ids -> logits (B, num_classes)."""
         x, _ = self.encoder(ids, segments)
-        return self.head(self.drop(self.encoder.pool(x)))
+        return self.head(self.drop(self.encoder.pool(x) if self.pooled else x))
 
     def flops(self, ids: Tensor, segments: Tensor | None = None) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder, pooler and head."""
-        return self.encoder.flops(ids, pooled=True) + flops.linear(
-            ids.size(0), self.encoder.dim, self.num_classes
+        n = ids.size(0) if self.pooled else ids.numel()
+        return self.encoder.flops(ids, pooled=self.pooled) + flops.linear(
+            n, self.encoder.dim, self.num_classes
         )
 
 
+class BertSequenceClassifier(BertClassifier):
+    """A sentence (or sentence-pair) label: (B, T) ids -> logits (B, num_classes)."""
+
+
 class BertTokenClassifier(BertClassifier):
-    """A label per token (tagging, NER) from each token's state."""
+    """A label per token (tagging, NER): (B, T) ids -> logits (B, T, num_classes)."""
 
-    def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
-        """(B, T) ids -> logits (B, T, num_classes)."""
-        x, _ = self.encoder(ids, segments)
-        return self.head(self.drop(x))
-
-    def flops(self, ids: Tensor, segments: Tensor | None = None) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder and the head at every token."""
-        return self.encoder.flops(ids) + flops.linear(ids.numel(), self.encoder.dim, self.num_classes)
+    pooled = False

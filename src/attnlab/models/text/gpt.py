@@ -1,12 +1,6 @@
-"""GPT: a decoder-only Transformer language model (Radford et al. 2018/2019), nanoGPT's: token +
-learned position embeddings (``TokenEmbedding``, its table also the output layer), pre-LN
-``TransformerBlock``s (causal ``MultiHeadAttention`` with a ``KVCache`` for generation, GELU
-``MLP``), a final LayerNorm, the tied head.
-
-Positions and the attention pattern are chosen by name (docs/positions.md): ``positions`` learned,
-sinusoidal, rope, alibi, t5 (``nn/positions.py``) or none; ``attention`` full, sliding,
-global_local (``nn/local_attention.py``) or linear (``nn/linear_attention.py``).
-"""
+"""GPT: a decoder-only Transformer language model (Radford et al. 2018/2019), as nanoGPT writes
+it: pre-LN blocks, a final LayerNorm, the output layer tied to the token embedding. Positions and
+the attention pattern are chosen by name (docs/positions.md)."""
 
 from __future__ import annotations
 
@@ -41,8 +35,7 @@ Cache = KVCache | LinearAttentionState
 def causal_attention_layer(
     attention: Attention, window: int, n_global: int, feature_map: FeatureMap = "elu", **attn: Any
 ) -> Callable[..., nn.Module]:
-    """The attention layer ``attention`` names, with the ``AttentionSpec`` ``attn``, as a
-    constructor for ``TransformerBlock``."""
+    """The attention layer ``attention`` names, as a ``TransformerBlock``'s ``attn_layer``."""
     if attention == "sliding":
         return attention_layer(SlidingWindowAttention, window=window, **attn)
     if attention == "global_local":
@@ -53,37 +46,19 @@ def causal_attention_layer(
 
 
 def init_normal(module: nn.Module) -> None:
+    """GPT's and BERT's: normal(0, 0.02) weights, zero biases and padding rows."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        module.weight.data[module.padding_idx].zero_()
 
 
 class GPT(nn.Module):
-    """Causal language model over a vocabulary of ``vocab_size`` tokens.
-
-    Args:
-        vocab_size: number of token ids (filled in from the data's tokenizer when left ``???``).
-        max_len: the context it is trained on and generates with (the learned position table;
-            the data's ``block_size`` follows it). Every other ``positions`` runs on longer inputs.
-        depth: number of blocks.
-        n_head: attention heads per block; must divide ``dim``.
-        dim: model width.
-        mlp_ratio: MLP hidden width over ``dim`` (GPT-2's 4).
-        dropout: dropout on embeddings, attention weights and residual branches.
-        bias: biases in Linear and LayerNorm layers (nanoGPT's char recipe uses none).
-        act: the MLP's activation: "gelu" (nanoGPT), "gelu_tanh" (GPT-2's approximation, for
-            its weights) or "quick_gelu".
-        positions: "learned", "sinusoidal", "rope", "alibi", "t5" or "none" (NoPE: causal
-            attention tells a token how many came before it, counted from a learned start token).
-        attention: "full", "sliding" (the last ``window`` tokens), "global_local" (those and the
-            first ``n_global``) or "linear" (a kernel's features, a recurrent state).
-        window: keys each token sees under sliding and global_local attention, itself included.
-        n_global: global tokens of global_local attention.
-        feature_map: linear attention's: "elu" (elu + 1, Katharopoulos et al.) or "taylor"
-            (exp to its second order, Based: closer to softmax, more features per head).
-        **attn: ``attnlab.nn.AttentionSpec`` (attn_dropout: ``dropout`` unless set).
-    """
+    """Causal language model with a context of ``max_len`` (the data's follows it; every
+    ``positions`` but "learned" runs longer); ``positions``, ``attention`` and their settings:
+    docs/positions.md. ``**attn``: ``AttentionSpec`` (attn_dropout: ``dropout`` unless set)."""
 
     def __init__(
         self,
@@ -111,15 +86,10 @@ class GPT(nn.Module):
             )
         self.vocab_size, self.max_len = vocab_size, max_len
         absolute = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(positions)
+        table = absolute(dim, max_len) if absolute else None
         # fixed sinusoids (amplitude 1) would drown token vectors of GPT's small init: the
         # Transformer paper's sqrt(dim) scale on the tokens keeps both heard
-        self.embed = TokenEmbedding(
-            vocab_size,
-            dim,
-            absolute(dim, max_len) if absolute else None,
-            dropout,
-            scale=positions == "sinusoidal",
-        )
+        self.embed = TokenEmbedding(vocab_size, dim, table, dropout, scale=positions == "sinusoidal")
         # one instance for every block (T5 shares its bias table across layers)
         self.positions = relative_positions(positions, dim // n_head, n_head, causal=True)
         block = partial(
@@ -144,54 +114,42 @@ class GPT(nn.Module):
         self._init_weights(depth)
 
     def _init_weights(self, depth: int) -> None:
-        """nanoGPT's: normal(0, 0.02) weights, zero biases, the residual projections scaled by
-        1/sqrt(2 * depth) (GPT-2)."""
+        """nanoGPT's: ``init_normal``, the residual projections scaled by 1/sqrt(2 * depth). No
+        ``no_weight_decay``: nanoGPT decays the position table too."""
         self.apply(init_normal)
         if self.start_token is not None:
-            nn.init.normal_(self.start_token, mean=0.0, std=0.02)
+            nn.init.normal_(self.start_token, std=0.02)
         for name, p in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
-
-    def no_weight_decay(self) -> set[str]:
-        """Nothing beyond biases and norms (which are never decayed): nanoGPT decays the
-        position table too, and the recipes here follow it."""
-        return set()
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * depth))
 
     def new_caches(self) -> list[Cache]:
         """One empty cache per block, of the kind its attention decodes with (KV or state)."""
         return [block.attn.new_cache() for block in self.blocks]
 
     def embed_input(self, idx: Tensor, offset: int = 0) -> Tensor:
-        """Token ids (B, T) that follow ``offset`` earlier positions -> the blocks' input (B, T, C),
-        led by the start token, (B, 1 + T, C), where a sequence begins (offset 0) and the model
-        has one (positions "none")."""
+        """Token ids (B, T) after ``offset`` earlier positions -> the blocks' input (B, T, C), or
+        (B, 1 + T, C) led by the start token where a sequence begins and the model has one."""
         x = self.embed(idx, offset)
         if self.start_token is not None and offset == 0:
             x = torch.cat([self.start_token.expand(x.size(0), 1, -1), x], dim=1)
         return x
 
     def logits(self, x: Tensor, n: int) -> Tensor:
-        """The blocks' output (B, T', C) -> logits (B, n, vocab_size) of its last ``n`` positions
-        (the start token's predicts nothing)."""
+        """The blocks' output (B, T', C) -> logits (B, n, vocab_size) of its last ``n`` positions."""
         return self.embed.unembed(self.norm(x[:, x.size(1) - n :]))
 
     def forward(self, idx: Tensor, caches: list[Cache] | None = None) -> Tensor:
-        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
-
-        With ``caches`` (one per block, ``new_caches``), ``idx`` holds only the new positions,
-        which follow the cached ones; their keys and values (or state) go into the caches.
-        """
+        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T); with ``caches`` (``new_caches``),
+        ``idx`` holds only the positions after the cached ones, which go into the caches."""
         x = self.embed_input(idx, caches[0].seen if caches else 0)  # (B, T or 1 + T, C)
         for i, block in enumerate(self.blocks):
             x, _ = block(x, causal=True, cache=caches[i] if caches else None, positions=self.positions)
         return self.logits(x, idx.size(1))
 
     def flops(self, idx: Tensor, grad: Grad = "all") -> Flops:
-        """Model FLOPs of a training step on token ids ``idx`` (B, T) (``attnlab.nn.flops``): the
-        blocks over T tokens (1 + T with a start token), attention over the full T x T even
-        though causal (as PaLM and nanoGPT count it), and the tied output layer. ``grad="input"``:
-        frozen, gradients passing through (Flamingo's language model)."""
+        """Model FLOPs of a training step on ``idx`` (B, T) (``attnlab.nn.flops``): causal
+        attention counted over the full T x T (as PaLM and nanoGPT count it)."""
         b, t = idx.shape
         t_in = t + (self.start_token is not None)
         return flops.blocks(self.blocks, b, t_in, grad) + flops.linear(
@@ -200,15 +158,13 @@ class GPT(nn.Module):
 
     # -- decoding (the ``Decoder`` contract; ``attnlab.inference.decoding`` samples with it) ------
     def start(self, idx: Tensor, use_cache: bool = True) -> dict[str, Any]:
-        """Decoding after the context ``idx`` (B, T), T >= 0. Nothing runs yet: the first step
-        reads the context and its token in one pass. ``use_cache`` False recomputes the window
-        at every step."""
+        """Decoding after the context ``idx`` (B, T), T >= 0; the first step reads the context and
+        its token in one pass. ``use_cache=False`` recomputes the window at every step."""
         return {"idx": idx, "caches": None, "use_cache": use_cache}
 
     def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
-        """Logits (B, V) after ``tokens`` (B,). Past ``max_len`` the context window slides, which
-        moves every token to a new position, so the caches are rebuilt from the window: output
-        equals cache-free decoding."""
+        """Logits (B, V) after ``tokens`` (B,). Past ``max_len`` the window slides, moving every
+        token to a new position, so the caches are rebuilt from it (as cache-free decoding)."""
         idx = torch.cat([state["idx"], tokens[:, None]], dim=1)[:, -self.max_len :]
         caches = state["caches"]
         if caches is not None and caches[0].seen - (self.start_token is not None) < self.max_len:

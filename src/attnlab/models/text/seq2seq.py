@@ -1,13 +1,7 @@
-"""RNN encoder-decoder with attention (Bahdanau et al. 2015; Luong et al. 2015).
-
-The encoder is a bidirectional GRU or LSTM. At each output step the decoder attends over all
-encoder states, so no fixed-size context vector has to carry the whole sentence:
-
-- ``attention="additive"`` (Bahdanau): attend with the previous decoder state, feed the
-  context into the RNN, read out from [state; context; input embedding];
-- ``attention="general"`` or ``"dot"`` (Luong): step the RNN first, attend with the new state,
-  read out tanh(W [state; context]) and feed that to the next step's input ("input feeding").
-"""
+"""RNN encoder-decoder with attention (Bahdanau et al. 2015; Luong et al. 2015). Additive
+(Bahdanau): attend with the previous decoder state, feed the context into the RNN, read out from
+[state; context; input embedding]. General or dot (Luong): step the RNN first, attend with the new
+state, read out tanh(W [state; context]) and feed that to the next step's input."""
 
 from __future__ import annotations
 
@@ -32,13 +26,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.emb, self.drop = emb, Dropout(dropout)
         rnn_cls = nn.GRU if rnn == "gru" else nn.LSTM
+        between = dropout if n_layers > 1 else 0.0  # torch's RNNs drop only between layers
         self.rnn = rnn_cls(
-            emb.embedding_dim,
-            hidden,
-            n_layers,
-            batch_first=True,
-            bidirectional=True,
-            dropout=dropout if n_layers > 1 else 0.0,
+            emb.embedding_dim, hidden, n_layers, batch_first=True, bidirectional=True, dropout=between
         )
 
     def forward(self, src: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,22 +44,9 @@ class Encoder(nn.Module):
 
 
 class Seq2Seq(nn.Module):
-    """Attention-based RNN translation model over a joint vocabulary.
-
-    Args:
-        vocab_size, pad_id: from the data's tokenizer.
-        attention: "additive" (Bahdanau), "general" or "dot" (Luong).
-        rnn: "gru" or "lstm".
-        dim: embedding size (also the read-out size, so the output layer can share weights).
-        enc_hidden: hidden size of each encoder direction.
-        dec_hidden: decoder hidden size.
-        attn_dim: hidden size of the additive attention's scoring layer.
-        enc_depth: number of encoder RNN layers.
-        dropout: on embeddings, between encoder layers and on the read-out.
-        teacher_forcing: probability of feeding the true previous token in training (else the
-            model's own greedy prediction).
-        share_embeddings: one embedding matrix for source, target and the output layer.
-    """
+    """Attention-based RNN translation model over a joint vocabulary. ``dim``: the embeddings' and
+    the read-out's width; ``enc_hidden``: per direction; ``teacher_forcing``: the probability of
+    feeding the true previous token in training (else the model's own greedy guess)."""
 
     def __init__(
         self,
@@ -92,8 +69,7 @@ class Seq2Seq(nn.Module):
                 f"dec_hidden: dot attention needs the encoder's output size 2 * enc_hidden "
                 f"({2 * enc_hidden}), got {dec_hidden}; use general attention or change the sizes"
             )
-        self.pad_id, self.attention_type, self.rnn_type = pad_id, attention, rnn
-        self.teacher_forcing = teacher_forcing
+        self.pad_id, self.rnn_type, self.teacher_forcing = pad_id, rnn, teacher_forcing
         self.src_emb = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
         self.tgt_emb = self.src_emb if share_embeddings else nn.Embedding(vocab_size, dim, padding_idx=pad_id)
         self.encoder = Encoder(self.src_emb, rnn, enc_hidden, enc_depth, dropout)
@@ -149,8 +125,8 @@ class Seq2Seq(nn.Module):
         return out
 
     def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
-        """Logits (B, V) of the next token after ``tokens`` (B,); ``state`` is updated in place,
-        ``state["weights"]`` the attention (B, S) of this step."""
+        """Logits (B, V) after ``tokens`` (B,); ``state`` is updated in place, its ``weights`` the
+        attention (B, S) of this step."""
         return self.out(self._step(self.tgt_emb(tokens), state)), state
 
     def reorder(self, state: dict[str, Any], index: Tensor) -> dict[str, Any]:
@@ -190,10 +166,8 @@ class Seq2Seq(nn.Module):
         return self._run(src, tgt_in[:, :t])[0][scored[:, :t]]
 
     def flops(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder's RNN over the real
-        source tokens (packed: padding is skipped), the keys of the source once, then per target
-        step the attention over the padded source, the decoder cell and the read-out, and the
-        output layer; as many steps as the longest scored target (counts stay on the device)."""
+        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder over the real source
+        tokens, as many decoder steps as the longest scored target (counts stay on the device)."""
         (b, s), t = src.shape, tgt_in.size(1)
         if scored is not None:
             t = scored.sum(1).max()
@@ -226,5 +200,5 @@ class Seq2Seq(nn.Module):
         return scores + context + recurrence + flops.linear_layer(self.readout, b)
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
-        """Attention weights (B, 1, T, S), for plots."""
+        """Attention weights (B, 1, T, S)."""
         return {"attention": self._run(src, tgt_in, need_weights=True)[1][:, None]}

@@ -1,10 +1,5 @@
-"""The Transformer encoder-decoder of "Attention is all you need" (Vaswani et al. 2017).
-
-Post-LN as in the paper (``norm_first=False``) or pre-LN; sinusoidal or learned positions;
-embeddings optionally shared between source and target (a joint vocabulary), the output layer
-tied to the target embedding. Built from the shared blocks of ``attnlab.nn``.
-It follows the ``Decoder`` contract (``attnlab.models.contracts``).
-"""
+"""The Transformer encoder-decoder of "Attention is all you need" (Vaswani et al. 2017), post-LN
+as in the paper or pre-LN, the output layer tied to the target embedding."""
 
 from __future__ import annotations
 
@@ -28,21 +23,8 @@ from attnlab.nn.flops import Flops
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer over a joint vocabulary.
-
-    Args:
-        vocab_size, pad_id: from the data's tokenizer.
-        dim, n_head: width and attention heads.
-        enc_depth, dec_depth: number of blocks in each stack.
-        mlp_ratio: feed-forward width over ``dim`` (the paper's 2048 / 512 = 4).
-        dropout: on embeddings and residual branches.
-        norm_first: pre-LN (True) or the paper's post-LN (False).
-        positions: "sinusoidal" (the paper) or "learned".
-        max_len: longest sequence the positions cover.
-        share_embeddings: one embedding matrix for source and target (the output layer is always
-            tied to the target embedding).
-        **attn: ``attnlab.nn.AttentionSpec``, for every self- and cross-attention.
-    """
+    """Encoder-decoder Transformer over a joint vocabulary; ``share_embeddings``: one table for
+    source and target. ``**attn``: ``attnlab.nn.AttentionSpec``, for every attention."""
 
     def __init__(
         self,
@@ -114,9 +96,8 @@ class Transformer(nn.Module):
         start: int = 0,
         need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor]]:
-        """Target ids (B, T) -> decoder states (B, T, C), which ``logits`` maps to the vocabulary,
-        and, with ``need_weights``, the cross-attention (B, H, T, S) of each layer. ``caches``
-        holds each layer's (self-attention, cross-attention) caches; ``memory`` is then unused."""
+        """Target ids (B, T) -> decoder states (B, T, C) and, with ``need_weights``, each layer's
+        cross-attention (B, H, T, S); with each layer's (self, cross) ``caches``, no ``memory``."""
         x = self.tgt_embed(tgt_in, start)
         weights = []
         for i, block in enumerate(self.decoder):
@@ -145,10 +126,8 @@ class Transformer(nn.Module):
         return self.logits(x if scored is None else x[scored])
 
     def flops(self, src: Tensor, tgt_in: Tensor, scored: Tensor | None = None) -> Flops:
-        """Model FLOPs of a training step (``attnlab.nn.flops``): the encoder over the padded
-        source (B, S), the decoder over the padded target (B, T) with the full T x T causal
-        self-attention and T x S cross-attention, and the tied output layer at the scored
-        positions (their count stays on the device)."""
+        """Model FLOPs of a training step (``attnlab.nn.flops``) over the padded source and target,
+        causal attention counted in full, the output layer at the scored positions."""
         (b, s), t = src.shape, tgt_in.size(1)
         n = b * t if scored is None else scored.sum()
         return (
@@ -158,22 +137,20 @@ class Transformer(nn.Module):
         )
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
-        """Cross-attention weights (B, H, T, S) of every decoder layer, for plots."""
+        """Cross-attention weights (B, H, T, S) of every decoder layer."""
         memory, src_pad = self.encode(src)
         _, weights = self.decode(tgt_in, memory, src_pad, need_weights=True)
         return {f"layer {i}": w for i, w in enumerate(weights)}
 
     # -- decoding (the ``Decoder`` contract) ---------------------------------------------------
     def start(self, src: Tensor) -> dict[str, Any]:
-        """Encode once; each layer's cross-attention keys and values are projected here, once per
-        source, and only follow the beams from then on."""
+        """Encode once and project each layer's cross-attention keys and values."""
         memory, src_pad = self.encode(src)
         caches = [(KVCache(), KVCache.of_memory(block.cross_attn, memory)) for block in self.decoder]
         return {"src_pad": src_pad, "caches": caches, "t": 0}
 
     def step(self, tokens: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
-        """Logits (B, V) of the next token after ``tokens`` (B,), the newest output; the caches
-        grow in place."""
+        """Logits (B, V) of the next token after ``tokens`` (B,); the caches grow in place."""
         x, _ = self.decode(tokens[:, None], None, state["src_pad"], state["caches"], state["t"])
         return self.logits(x[:, -1]), {**state, "t": state["t"] + 1}
 

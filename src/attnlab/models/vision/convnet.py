@@ -1,9 +1,6 @@
-"""A small VGG-style convnet for small images: DeiT's teacher on MNIST-sized data.
-
-timm's ImageNet convnets shrink a 28x28 image to 1x1 before their last stage (a stride-4 stem, then
-three more halvings); this one keeps full resolution in its first stage and halves twice, so the
-teacher sees the image at the scale of the student's 4-pixel patches.
-"""
+"""A small VGG-style convnet, DeiT's teacher on MNIST-sized data: where timm's ImageNet convnets
+shrink a 28x28 image to 1x1, it keeps full resolution in its first stage and halves twice, so the
+teacher sees the image at the scale of the student's 4-pixel patches."""
 
 from __future__ import annotations
 
@@ -13,20 +10,14 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveInt
+from attnlab.models.vision.vit import ImageClassifier
 from attnlab.nn import Dropout, conv_bn_relu, flops
 from attnlab.nn.flops import Flops, Grad
 
 
-class ConvNet(nn.Module):
-    """Stages of two 3x3 conv-BN-ReLU layers, 2x2 max-pooling between stages, global average
-    pooling and a linear head.
-
-    Args:
-        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``: no
-            head (``forward`` returns the pooled features).
-        widths: channels of each stage (each stage after the first halves the resolution).
-        dropout: before the head.
-    """
+class ConvNet(ImageClassifier):
+    """Stages (``widths``) of two 3x3 conv-BN-ReLU layers, 2x2 max-pooling between stages, global
+    average pooling, dropout and a linear head (none if ``num_classes=0``)."""
 
     def __init__(
         self,
@@ -57,15 +48,8 @@ class ConvNet(nn.Module):
         x = self.head_drop(x.mean(dim=(2, 3)))  # (B, C)
         return x if pre_logits else self.head(x)
 
-    def forward(self, images: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(images))
-
     def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
-        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
-        convolutions (the first on the pixels: no input gradient) and the head unless
-        ``head=False``. ``grad="none"``: forward only (DeiT's teacher, Flamingo's encoder)."""
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``)."""
         b = images.size(0)
         f, _ = flops.convs(self.stages, b, images.size(-1), grad)
-        if head and isinstance(self.head, nn.Linear):
-            f = f + flops.linear_layer(self.head, b, grad)
-        return f
+        return f + self.head_flops(b, grad) if head else f

@@ -1,13 +1,7 @@
-"""The Perceiver (Jaegle et al. 2021): a small latent array attends to a large input.
-
-Every pixel is an input element: its values (or those of the k x k pixels around it, as Perceiver
-IO's optical flow reads them) with Fourier features of its position (the "byte array", M = H * W
-rows). A learned latent array (N x D, N << M) cross-attends to it, then a tower of latent
-self-attention blocks refines the latents; the cross-attention and the tower repeat, with their
-weights shared across repeats (the first cross-attention has its own, as in the paper). Only
-the cross-attention sees all M inputs, at a cost linear in M; the tower's cost depends on N alone,
-so one set of weights runs on any image size. The head reads the mean of the latents.
-"""
+"""The Perceiver (Jaegle et al. 2021): a learned latent array (N x D) cross-attends to every pixel
+with Fourier features of its place (the "byte array", M = H * W rows, N << M), then a tower of
+latent self-attention refines it; both repeat with shared weights (the first cross-attention has
+its own, as in the paper). Only the cross-attention sees all M inputs, at a cost linear in M."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ from timm.layers import DropPath
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, PositiveFloat, PositiveInt
-from attnlab.models.vision.vit import drop_path_rates, grid_centres, init_linear
+from attnlab.models.vision.vit import ImageClassifier, drop_path_rates, grid_centres, init_linear
 from attnlab.nn import (
     MLP,
     Dropout,
@@ -62,9 +56,8 @@ class CrossAttentionBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def memory(self, inputs: Tensor) -> KVCache | Tensor:
-        """The keys and values (B, heads, M, D / heads) of a byte array (B, M, C'), made once for
-        every repeat that shares this block; while attention is recorded (``attnlab.nn.health``,
-        which records no call with a cache), the normalised byte array, projected at each call."""
+        """The keys and values (B, heads, M, D / heads) of a byte array (B, M, C'), once for every
+        repeat; while attention is recorded (never with a cache), the normalised byte array."""
         inputs = self.norm_inputs(inputs)
         return inputs if health.is_recording() else KVCache.of_memory(self.attn, inputs)
 
@@ -79,29 +72,11 @@ class CrossAttentionBlock(nn.Module):
         return latents, weights
 
 
-class Perceiver(nn.Module):
-    """Perceiver classifier over ``num_classes`` classes, from raw pixels.
-
-    Args:
-        num_classes, in_chans: from the data.
-        img_size: from the data: the side the Fourier bands are made for (their top frequency is
-            its Nyquist frequency, img_size / 2); images of other sizes run through the same weights.
-        n_latents: rows of the latent array (N).
-        dim: width of the latents (D); the cross-attention projects the inputs to its keys and values.
-        depth: latent self-attention blocks after each cross-attention.
-        repeats: cross-attention + latent tower passes; every pass after the first reuses the
-            same weights (the first cross-attention has its own), so parameters do not grow.
-        n_head: heads of the latent self-attention; cross_heads: of the cross-attention (the
-            paper's is 1).
-        n_bands: Fourier frequency bands per coordinate (K): 2 + 4K position features per pixel.
-        neighbourhood: the side k (odd) of the pixels each element holds, centred on its own (zeros
-            past the border): 1 is the pixel alone (the paper's); 3 lets the keys and values,
-            linear in the element, see edges and strokes (Perceiver IO's input for optical flow).
-        mlp_ratio: MLP hidden width over ``dim``.
-        dropout: on each residual branch.
-        drop_path: stochastic depth of the last latent block (linear from 0).
-        **attn: ``attnlab.nn.AttentionSpec``, for the cross-attention and the latent tower.
-    """
+class Perceiver(ImageClassifier):
+    """Perceiver classifier from raw pixels (docs/perceiver.md). ``img_size``: the side whose
+    Nyquist frequency the Fourier bands reach; other sizes run through the same weights. ``depth``
+    latent blocks follow each of ``repeats`` cross-attentions. ``neighbourhood``: the odd side k of
+    the pixels each element holds (1, the paper's: the pixel alone)."""
 
     def __init__(
         self,
@@ -131,20 +106,14 @@ class Perceiver(nn.Module):
         mlp_dim = int(dim * mlp_ratio)
         self.latents = nn.Parameter(torch.zeros(n_latents, dim))
         rates = iter(drop_path_rates(drop_path, depth + 1))
+        attn_layer = attention_layer(**attn)
+        in_dim = in_chans * neighbourhood**2 + 2 + 4 * n_bands  # each element's pixels and places
         cross = partial(
-            CrossAttentionBlock,
-            in_chans * neighbourhood**2 + 2 + 4 * n_bands,  # each element's pixels and position features
-            dim,
-            cross_heads,
-            mlp_dim,
-            dropout=dropout,
-            attn_layer=attention_layer(**attn),
+            CrossAttentionBlock, in_dim, dim, cross_heads, mlp_dim, dropout=dropout, attn_layer=attn_layer
         )
         self.cross_first = cross(drop_path=next(rates))
         self.cross = cross() if repeats > 1 else None  # every later repeat's
-        block = partial(
-            TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_layer=attention_layer(**attn)
-        )
+        block = partial(TransformerBlock, dim, n_head, mlp_dim, dropout=dropout, attn_layer=attn_layer)
         self.blocks = nn.ModuleList(block(drop_path=rate) for rate in rates)  # shared by every repeat
         health.give_positions(self.blocks, grid_centres(0, 0, prefix=n_latents))  # latents have no place
         self.norm = nn.LayerNorm(dim)
@@ -168,11 +137,8 @@ class Perceiver(nn.Module):
         return torch.cat([pixels, pos.expand(b, -1, -1)], dim=-1)
 
     def encode(self, inputs: Tensor, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """A byte array (B, M, C') -> normalised latents (B, N, D), and with ``need_weights``
-        each repeat's cross-attention weights (B, heads, N, M).
-
-        Nothing here depends on the order of the M inputs: their positions travel in their features.
-        """
+        """A byte array (B, M, C') in any order (positions travel in the features) -> normalised
+        latents (B, N, D), and with ``need_weights`` each repeat's cross-attention (B, heads, N, M)."""
         latents = self.latents.expand(inputs.size(0), -1, -1)  # (B, N, D)
         maps = []
         for r in range(self.repeats):
@@ -194,19 +160,9 @@ class Perceiver(nn.Module):
                 )
         return self.encode(self.byte_array(images))[0]
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Latents (B, N, D) -> logits (B, num_classes), or the pooled (B, D) features."""
-        x = x.mean(1)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(images))
-
     def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
-        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): each
-        repeat's cross-attention of the N latents to the M = H W pixels (the keys and values of
-        the pixels projected once per cross-attention block, not per repeat), its MLP and the
-        latent tower; the head unless ``head=False``."""
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
+        pixels' keys and values projected once per cross-attention block, not per repeat."""
         b, m = images.size(0), images.size(-2) * images.size(-1)
         n = self.latents.size(0)
         f = flops.NONE
@@ -216,7 +172,7 @@ class Perceiver(nn.Module):
                 f = f + flops.linear_layer(cross.attn.kv_proj, b * m, grad)
             f = f + flops.cross_attention(cross.attn, b, n, m, grad, project_memory=False)
             f = f + flops.mlp(cross.mlp, b * n, grad) + flops.blocks(self.blocks, b, n, grad)
-        return f + flops.linear_layer(self.head, b, grad) if head else f
+        return f + self.head_flops(b, grad) if head else f
 
     @torch.no_grad()
     def patch_attention(self, images: Tensor) -> dict[str, Tensor]:

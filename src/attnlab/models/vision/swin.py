@@ -1,10 +1,6 @@
-"""Swin Transformer (Liu et al. 2021): attention inside local windows that shift between
-blocks, and patch merging between stages, which halves the map and doubles the width.
-
-Each block is the ViT block with ``WindowAttention`` in place of global attention
-(``attnlab.nn.window_attention``). Weights copy from timm's ``swin_*`` models
-(``attnlab.weights.timm_vision``).
-"""
+"""Swin Transformer (Liu et al. 2021): attention inside local windows that shift between blocks,
+and patch merging between stages, which halves the map and doubles the width. Laid out as timm's
+``swin_*`` models for their weights."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.specs import DropRate, NonNegativeInt, PositiveFloat, PositiveInt
-from attnlab.models.vision.vit import drop_path_rates, grid_centres, init_linear
+from attnlab.models.vision.vit import ImageClassifier, drop_path_rates, grid_centres, init_linear
 from attnlab.nn import Stem, TransformerBlock, flops, health, patch_embedding
 from attnlab.nn.attention import AttentionImpl
 from attnlab.nn.flops import Flops, Grad
@@ -40,10 +36,8 @@ class PatchMerging(nn.Module):
 
 
 class SwinStage(nn.Module):
-    """Patch merging (all stages but the first), then blocks whose windows shift every other block.
-
-    A map no larger than the window is one window, which cannot shift (as in the paper and timm).
-    """
+    """Patch merging (all stages but the first), then blocks whose windows shift every other block;
+    a map no larger than the window is one window, which cannot shift (as in the paper and timm)."""
 
     def __init__(
         self,
@@ -92,26 +86,9 @@ class SwinStage(nn.Module):
         return x, maps
 
 
-def per_stage(rates: list[float], depths: Sequence[int]) -> list[list[float]]:
-    """The stochastic-depth rates of all blocks, cut into one list per stage."""
-    ends = [sum(depths[: i + 1]) for i in range(len(depths))]
-    return [rates[end - d : end] for end, d in zip(ends, depths, strict=True)]
-
-
-class SwinTransformer(nn.Module):
-    """Swin classifier over ``num_classes`` classes.
-
-    Args:
-        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``
-            leaves out the head (a backbone: CLIP's image tower), as in timm.
-        patch_size: side of a patch; must divide ``img_size``.
-        dim: width of the first stage; each later stage doubles it.
-        depths: blocks per stage.
-        n_head: attention heads per stage (a list, as ``depths``).
-        window_size: side of an attention window, in tokens; must divide every stage's map
-            (or exceed it: the whole map is then one window).
-        mlp_ratio, dropout, attn_dropout, drop_path, attn_impl, stem: as ``VisionTransformer``.
-    """
+class SwinTransformer(ImageClassifier):
+    """Swin classifier; ``dim`` is the first stage's width, doubled at each later one, and
+    ``window_size`` must divide every stage's map (or exceed it: the map is then one window)."""
 
     def __init__(
         self,
@@ -141,6 +118,7 @@ class SwinTransformer(nn.Module):
         self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, nn.LayerNorm)
         sizes = self._stage_sizes(self.patch_embed.grid_size, len(depths), window_size)
+        rates = iter(drop_path_rates(drop_path, sum(depths)))
         self.layers = nn.ModuleList(
             SwinStage(
                 dim * 2 ** max(i - 1, 0),  # stage i > 0 starts by merging patches: width doubles
@@ -150,15 +128,13 @@ class SwinTransformer(nn.Module):
                 heads,
                 window_size,
                 mlp_ratio,
-                rates,
+                [next(rates) for _ in range(depth)],
                 downsample=i > 0,
                 dropout=dropout,
                 attn_dropout=attn_dropout,
                 attn_impl=attn_impl,
             )
-            for i, (depth, heads, rates) in enumerate(
-                zip(depths, n_head, per_stage(drop_path_rates(drop_path, sum(depths)), depths), strict=True)
-            )
+            for i, (depth, heads) in enumerate(zip(depths, n_head, strict=True))
         )
         for stage in self.layers:  # a window's tokens, in pixels, for attention distances
             w = stage.blocks[0].attn.window
@@ -196,28 +172,15 @@ class SwinTransformer(nn.Module):
             x, _ = stage(x)
         return self.norm(x)
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Token states (B, T, D) -> logits (B, num_classes), or the average-pooled features."""
-        x = x.mean(dim=1)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(images))
-
     def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
-        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
-        patch embedding (on the pixels: no input gradient), each stage's patch merging and
-        blocks (attention inside each window: window^2 x window^2 scores), the head unless
-        ``head=False``."""
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``)."""
         b = images.size(0)
         f, _ = flops.convs(self.patch_embed, b, self.img_size, grad)
         for stage in self.layers:
             if isinstance(stage.downsample, PatchMerging):
                 f = f + flops.linear_layer(stage.downsample.reduction, b * stage.size**2, grad)
             f = f + flops.blocks(stage.blocks, b, stage.size**2, grad)
-        if head and isinstance(self.head, nn.Linear):
-            f = f + flops.linear_layer(self.head, b, grad)
-        return f
+        return f + self.head_flops(b, grad) if head else f
 
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:
@@ -230,8 +193,8 @@ class SwinTransformer(nn.Module):
 
     @torch.no_grad()
     def patch_attention(self, images: Tensor) -> dict[str, Tensor]:
-        """Attention inside the windows of the first stage's blocks: how much each patch gets,
-        averaged over the heads and the queries of its window, as maps (B, grid, grid)."""
+        """How much attention each patch gets in the first stage's blocks, averaged over the heads
+        and the queries of its window: maps (B, grid, grid)."""
         maps, stage = self.attention_maps(images), self.layers[0]
         out = {}
         for i, (block, weights) in enumerate(zip(stage.blocks, maps, strict=False)):

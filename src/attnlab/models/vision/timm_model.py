@@ -19,13 +19,7 @@ from attnlab.nn.flops import Flops, Grad
 
 class TimmModel(nn.Module):
     """``timm.create_model(name)`` with the data's classes, channels and (where the model takes
-    one) image size, randomly initialised; trains on the same tasks as attnlab's own models.
-
-    Args:
-        name: a timm model name (``timm.list_models()``), e.g. "resnet18", "vit_tiny_patch16_224".
-        num_classes, img_size, in_chans: from the data when left ``???``.
-        kwargs: further arguments of the timm model (``{patch_size: 4, drop_path_rate: 0.1}``).
-    """
+    one) image size, randomly initialised; ``kwargs``: the timm model's further arguments."""
 
     def __init__(
         self,
@@ -62,9 +56,8 @@ class TimmModel(nn.Module):
 
     @torch.no_grad()
     def probe(self) -> None:
-        """One image through the net, eagerly, at build time: a net whose downsampling leaves
-        nothing of the data's image size fails here with one line, not at the first (compiled)
-        training step with a long traceback."""
+        """One image through the net at build time: a net whose downsampling leaves nothing of the
+        data's image size fails here in one line, not at the first (compiled) training step."""
         training = self.model.training
         self.model.eval()  # batch norm takes a batch of one
         try:
@@ -97,9 +90,8 @@ class TimmModel(nn.Module):
         return self.model(images)
 
     def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
-        """Model FLOPs of a training step on ``images`` (B, C, H, W), measured rather than counted
-        (timm has too many architectures to count by hand): ``FlopCounterMode`` runs a copy of
-        the net on the meta device (no memory, no arithmetic), once per input shape."""
+        """Model FLOPs of a training step on ``images`` (B, C, H, W), measured on a meta-device copy
+        once per input shape (timm has too many architectures to count by hand)."""
         key = (tuple(images.shape), grad, head)
         if key not in self._flops:
             self._flops[key] = measure_on_meta(self, images.shape, grad, head)

@@ -1,11 +1,5 @@
-"""ViT (Dosovitskiy et al. 2020) and DeiT's distilled ViT (Touvron et al. 2021).
-
-An image becomes a sequence: patch embeddings behind a learned [CLS] token (DeiT adds a
-distillation token), plus learned positions, through pre-LN Transformer blocks; the head reads
-the [CLS] token (or, ``global_pool="avg"``, the mean of the patch tokens, timm's option).
-Weights copy from timm's ``vit_*`` and ``deit_*distilled*`` models
-(``attnlab.weights.timm_vision``).
-"""
+"""ViT (Dosovitskiy et al. 2020) and DeiT's distilled ViT (Touvron et al. 2021), laid out as
+timm's ``vit_*`` and ``deit_*distilled*`` models for their weights."""
 
 from __future__ import annotations
 
@@ -22,16 +16,9 @@ from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
 
 
-def norm_eps(pre_norm: bool) -> float:
-    """The LayerNorms' eps: CLIP's 1e-5 for a tower with ``norm_pre`` (open_clip's and timm's
-    ``vit_*_clip_*``), else timm's ViT's 1e-6."""
-    return 1e-5 if pre_norm else 1e-6
-
-
 def grid_centres(rows: int, cols: int, pixels: float = 1.0, prefix: int = 0) -> Tensor:
-    """(prefix + rows * cols, 2): the centres (row, col), in pixels, of a grid of cells ``pixels``
-    wide, row-major, behind ``prefix`` NaN rows (tokens with no place: [CLS], a latent); where
-    ``attnlab.nn.health`` measures attention distances in images."""
+    """(prefix + rows * cols, 2): the centres (row, col) in pixels of a row-major grid of cells
+    ``pixels`` wide, behind ``prefix`` NaN rows (tokens with no place: [CLS], a latent)."""
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     centres = (torch.stack([r, c], -1).reshape(-1, 2) + 0.5) * pixels
     return torch.cat([torch.full((prefix, 2), float("nan")), centres])
@@ -42,30 +29,26 @@ def drop_path_rates(rate: float, depth: int) -> list[float]:
     return torch.linspace(0.0, rate, depth).tolist()
 
 
-class VisionTransformer(nn.Module):
-    """ViT classifier over ``num_classes`` classes.
+class ImageClassifier(nn.Module):
+    """timm's split of a classifier (the ``ImageBackbone`` contract): ``forward_features``, then
+    ``forward_head`` on the mean token; ``head`` a Linear layer, or Identity without classes."""
 
-    Args:
-        num_classes, img_size, in_chans: from the data when left ``???``; ``num_classes=0``
-            leaves out the head (a backbone: CLIP's image tower), as in timm.
-        patch_size: side of a patch; must divide ``img_size``.
-        dim: model width.
-        depth: number of blocks.
-        n_head: attention heads; must divide ``dim``.
-        mlp_ratio: MLP hidden width over ``dim``.
-        dropout: on the embeddings and each residual branch.
-        drop_path: stochastic depth of the last block (linear from 0).
-        stem: "patch" (one linear map per patch, as the paper and timm), "conv" (a few stride-2
-            convolutions, ``attnlab.nn.ConvStem``: the same tokens, learnt faster on small data)
-            or "conv_full" (the conv stem with a first convolution at full resolution).
-        pre_norm, patch_bias, act: what CLIP's image tower does differently (open_clip and
-            timm's ``vit_*_clip_*``): a LayerNorm on the tokens before the blocks (``norm_pre``;
-            with it every LayerNorm has CLIP's eps 1e-5, else timm's 1e-6), a patch projection
-            without bias, and "quick_gelu" (OpenAI's weights) instead of "gelu" in the MLPs.
-        global_pool: what the head reads: "token" ([CLS]) or "avg" (the mean patch token, as
-            timm's; every patch token then feeds the loss).
-        **attn: ``attnlab.nn.AttentionSpec``: attn_impl, attn_dropout, n_kv_head, qk_norm.
-    """
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Token states (B, T, D) -> logits (B, num_classes), or the pooled (B, D) features."""
+        x = x.mean(1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    def head_flops(self, b: int, grad: Grad = "all") -> Flops:
+        return flops.linear_layer(self.head, b, grad) if isinstance(self.head, nn.Linear) else flops.NONE
+
+
+class VisionTransformer(ImageClassifier):
+    """ViT classifier; ``num_classes=0`` leaves out the head (a backbone), as in timm.
+    ``pre_norm``, ``patch_bias``, ``act``: CLIP's image tower (open_clip, timm's ``vit_*_clip_*``):
+    a LayerNorm before the blocks and with it every eps CLIP's 1e-5 (else timm's 1e-6)."""
 
     num_prefix_tokens = 1  # [CLS]
 
@@ -89,19 +72,14 @@ class VisionTransformer(nn.Module):
         **attn: Unpack[AttentionSpec],
     ) -> None:
         super().__init__()
-        self.num_classes, self.img_size, self.in_chans, self.global_pool = (
-            num_classes,
-            img_size,
-            in_chans,
-            global_pool,
-        )
+        self.num_classes, self.img_size, self.in_chans = num_classes, img_size, in_chans
+        self.global_pool = global_pool
         self.patch_embed = patch_embedding(stem, img_size, patch_size, in_chans, dim, bias=patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(
-            torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, dim)
-        )
+        n_tokens = self.num_prefix_tokens + self.patch_embed.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, n_tokens, dim))
         self.pos_drop = Dropout(dropout)
-        norm_layer = partial(nn.LayerNorm, eps=norm_eps(pre_norm))
+        norm_layer = partial(nn.LayerNorm, eps=1e-5 if pre_norm else 1e-6)
         self.norm_pre = norm_layer(dim) if pre_norm else nn.Identity()
         block = partial(
             TransformerBlock,
@@ -148,25 +126,15 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Token states (B, T, D) -> logits (B, num_classes), or the pooled (B, D) features."""
         x = x[:, self.num_prefix_tokens :].mean(1) if self.global_pool == "avg" else x[:, 0]
         return x if pre_logits else self.head(x)
 
-    def forward(self, images: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(images))
-
     def flops(self, images: Tensor, grad: Grad = "all", head: bool = True) -> Flops:
-        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``): the
-        patch embedding (on the pixels: no input gradient), the blocks over the prefix tokens and
-        patches, the head(s) unless ``head=False`` (features only: CLIP's, Flamingo's encoder).
-        ``grad="none"``: forward only (a teacher)."""
+        """Model FLOPs of a training step on ``images`` (B, C, H, W) (``attnlab.nn.flops``)."""
         b = images.size(0)
         f, _ = flops.convs(self.patch_embed, b, self.img_size, grad)
-        f = f + flops.blocks(self.blocks, b, self.num_prefix_tokens + self.patch_embed.num_patches, grad)
+        f = f + flops.blocks(self.blocks, b, self.pos_embed.size(1), grad)
         return f + self.head_flops(b, grad) if head else f
-
-    def head_flops(self, b: int, grad: Grad = "all") -> Flops:
-        return flops.linear_layer(self.head, b, grad) if isinstance(self.head, nn.Linear) else flops.NONE
 
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:
@@ -200,10 +168,7 @@ def attention_rollout(maps: list[Tensor]) -> Tensor:
 
 class DistilledVisionTransformer(VisionTransformer):
     """DeiT: a ViT with a second, distillation token whose head learns from a teacher's
-    predictions; at inference the two heads' logits are averaged.
-
-    Args: as ``VisionTransformer``.
-    """
+    predictions; at inference the two heads' logits are averaged."""
 
     num_prefix_tokens = 2  # [CLS], [DIST]
 
