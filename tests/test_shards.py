@@ -46,12 +46,12 @@ def test_shards_hold_the_corpus_tokens_in_order_split_as_asked(tmp_path):
     assert isinstance(tokenizer, CharTokenizer) and tokenizer.chars == "".join(sorted(set(TEXT)))
     want = torch.tensor(tokenizer.encode(TEXT))
     train = torch.cat(
-        [torch.from_numpy(shards.read(s, 0, s.tokens).astype(np.int64)) for s in shards.splits["train"]]
+        [torch.from_numpy(shards.read(s, 0, s.count).astype(np.int64)) for s in shards.splits["train"]]
     )
     got = torch.cat([shards.read_split("val"), shards.read_split("test"), train])
     assert torch.equal(got, want)
     assert [len(shards.read_split(s)) for s in ("val", "test")] == [3000, 2000]
-    assert max(s.tokens for s in shards.splits["train"]) == 20_000 and len(shards.splits["train"]) == 3
+    assert max(s.count for s in shards.splits["train"]) == 20_000 and len(shards.splits["train"]) == 3
     assert shards.dtype == np.uint16
 
 
@@ -63,14 +63,14 @@ def test_parallel_and_bpe_prepares(tmp_path):
     bpe = make(tmp_path, "bpe", tokenizer="bpe", vocab_size=400, val_tokens=100, test_tokens=100)
     ids = torch.cat(
         [bpe.read_split("val"), bpe.read_split("test")]
-        + [torch.from_numpy(bpe.read(s, 0, s.tokens).astype(np.int64)) for s in bpe.splits["train"]]
+        + [torch.from_numpy(bpe.read(s, 0, s.count).astype(np.int64)) for s in bpe.splits["train"]]
     )
     assert bpe.tokenizer().decode(ids.tolist()) == TEXT  # byte-level BPE: the text comes back whole
 
 
 def test_windows_are_slices_of_the_shards_and_a_stream_restarts_at_any_batch(tmp_path):
     shards = make(tmp_path)
-    train = [torch.from_numpy(shards.read(s, 0, s.tokens).astype(np.int64)) for s in shards.splits["train"]]
+    train = [torch.from_numpy(shards.read(s, 0, s.count).astype(np.int64)) for s in shards.splits["train"]]
     stream = ShardWindows(shards, max_len=32, batch_size=4, seed=7)
     batches = [b for b, _ in zip(stream, range(6), strict=False)]
     for x, y in batches:

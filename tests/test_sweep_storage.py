@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from attnlab.cli.compare import compare, parse_args
 from attnlab.core.errors import ConfigError
 from attnlab.experiments.study import normalize_url, open_storage
-from attnlab.experiments.sweep import Driver, check_same_search, open_study, study_lock, tally
+from attnlab.experiments.sweep import Driver, Shared, check_same_search, open_study, study_lock, tally
 from conftest import cli_env, run_main, tiny
 from test_sweep_parallel import DRIVER, HELD_TRIAL, fake_trials
 
@@ -90,11 +90,11 @@ def test_two_drivers_share_one_study_and_run_a_dead_drivers_trial_again_once(url
     for side in "ab":
         storage = open_storage(url, 1, 2, retry_once())
         study = open_study(None, "minimize", optuna.samplers.BruteForceSampler(), None, storage, name)
+        lock = study_lock(normalize_url(url), storage, name)
         drivers.append(
             Driver(
                 study, SPACE, [], tmp_path / side, "val/loss_best", 6, lambda line: None,
-                storage=normalize_url(url), study_name=name, shared=True, driver=side, poll=0.5,
-                lock=study_lock(normalize_url(url), storage, name),
+                shared=Shared(normalize_url(url), name, side, lock, poll=0.5),
             )
         )  # fmt: skip
     threads = [threading.Thread(target=d.run) for d in drivers]

@@ -251,5 +251,5 @@ def test_an_image_folder_validates_on_images_it_does_not_train_on(tmp_path):
 
     dm = ImageFilesDataModule(Folder(str(write_image_folder(tmp_path / "f")), val_size=4), img_size=16)
     dm.setup("fit")
-    train, val = set(dm.splits["train"].files), set(dm.splits["val"].files)
+    train, val = set(dm.splits["train"].images), set(dm.splits["val"].images)
     assert len(train) == 20 and len(val) == 4 and not train & val

@@ -45,7 +45,8 @@ def evaluate(cfg: DictConfig, run: TrainedRun) -> dict[str, float]:
     if run.artifacts:
         datamodule.load_artifacts(run.artifacts)
     datamodule.prepare_data()
-    task, metrics = run.task(), {}
+    task = run.task()
+    metrics = {}
     trainer = build_trainer(cfg, logger=False, callbacks=[], enable_progress_bar=False)
     for stage in (trainer.validate, trainer.test):
         stage(task, datamodule=datamodule, verbose=False)

@@ -354,14 +354,15 @@ def print_top(name: Any, top: list[tuple[str, float]]) -> None:
 
 
 def inference_main(
-    name: str, free_text: tuple[str, ...], body: Callable[[DictConfig], None]
+    name: str, free_text: tuple[str, ...], body: Callable[[DictConfig], None], discard: bool = False
 ) -> Callable[[], None]:
-    """The console script of ``conf/<name>.yaml``: ``free_text`` keys quoted, input errors one line."""
+    """The console script of ``conf/<name>.yaml``: ``free_text`` keys quoted, input errors one line
+    (``discard``: the run folder Hydra made, removed then)."""
     import hydra
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name=name)
     def run(cfg: DictConfig) -> None:
-        with exit_on_user_error():
+        with exit_on_user_error(discard=own_run_folder(cfg) if discard else None):
             body(cfg)
 
     def main() -> None:

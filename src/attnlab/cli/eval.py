@@ -8,17 +8,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from attnlab.cli.common import (
-    build_trainer,
-    config_dir,
-    exit_on_user_error,
-    own_run_folder,
-    resolve_checkpoint,
-)
+from attnlab.cli.common import build_trainer, inference_main, resolve_checkpoint
 from attnlab.core.config import check_config
 from attnlab.core.errors import ConfigError
 from attnlab.core.specs import is_int
@@ -155,10 +148,7 @@ def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
         log.info("added to the run's W&B run %s (step %d)", run_id, step)
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="eval")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error(discard=own_run_folder(cfg)):
-        evaluate(cfg)
+main = inference_main("eval", (), evaluate, discard=True)
 
 
 if __name__ == "__main__":

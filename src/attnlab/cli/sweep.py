@@ -41,6 +41,7 @@ from attnlab.core.errors import ConfigError
 from attnlab.core.targets import check_targets
 from attnlab.experiments.study import SHARED, normalize_url, open_storage, shown
 from attnlab.experiments.sweep import (
+    Shared,
     Slot,
     check_same_search,
     device_slots,
@@ -87,10 +88,8 @@ class Plan:
     sampler: optuna.samplers.BaseSampler | None
     pruner: optuna.pruners.BasePruner | None
     slots: list[Slot]
-    url: str | None = None  # a shared study's storage (sweep.storage), normalised
-    study: optuna.Study | None = None  # the shared study, attached
-    driver: str = ""  # this driver's id in the shared study's trials (user attr "driver")
-    lock: Any = None  # the shared study's, which its drivers take turns on to ask for trials
+    study: optuna.Study | None = None  # the shared study (sweep.storage), attached
+    shared: Shared | None = None  # where it is, and this driver's part in it
 
 
 def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
@@ -120,7 +119,7 @@ def start(args: list[str]) -> tuple[DictConfig, list[str], Path, Plan]:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create({"overrides": args}), sweep_dir / SAVED)
     if p.study is not None:
-        where = {"storage": p.url, "study_name": p.study.study_name, "driver": p.driver}
+        where = {"storage": p.shared.url, "study_name": p.shared.study_name, "driver": p.shared.driver}
         OmegaConf.save(OmegaConf.create(where), sweep_dir / SHARED)
     return cfg, args, sweep_dir, p
 
@@ -154,7 +153,8 @@ def plan(cfg: DictConfig, where: DictConfig | None = None) -> Plan:
     check_same_search(study, space, cfg.optimized_metric, s.direction)
     check_workers(cfg, shared=True)
     driver = where.driver if where else uuid.uuid4().hex
-    return Plan(space, fixed, sampler, pruner, slots, url, study, driver, study_lock(url, storage, name))
+    shared = Shared(url, name, driver, study_lock(url, storage, name), poll=min(interval, 10))
+    return Plan(space, fixed, sampler, pruner, slots, study, shared)
 
 
 def sweep_parts(
@@ -185,6 +185,7 @@ def sweep(args: list[str]) -> None:
         send_workers(cfg, overrides, sweep_dir, p)
         return
     study = p.study or open_study(sweep_dir, s.direction, p.sampler, p.pruner)
+    url = p.shared.url if p.shared else ""
     if p.study is None:
         check_same_search(study, p.space, cfg.optimized_metric, s.direction)
     study.set_metric_names([cfg.optimized_metric])  # named so in optuna-dashboard
@@ -192,18 +193,16 @@ def sweep(args: list[str]) -> None:
     print(f"sweep {sweep_dir}: {s.n_trials} trials over {', '.join(p.space)}; {goal}")
     if p.study is not None:
         done, running = tally(study.get_trials(deepcopy=False))
-        print(f"study {study.study_name} in {shown(p.url)}: {len(done)} finished, {len(running)} running")
+        print(f"study {study.study_name} in {shown(url)}: {len(done)} finished, {len(running)} running")
     if p.slots[0].label:
         print(f"{len(p.slots)} at once, on {'; '.join(slot.label for slot in p.slots)}")
-    fixed = list(p.fixed)
+    trial_args = overrides + p.fixed
     if "wandb" in (cfg.get("logger") or {}):  # on W&B, the trials of one sweep form one group
         group = f"{cfg.task_name}-sweep-{study.study_name if p.study else sweep_dir.name}"
-        fixed.append(f"logger.wandb.group={override_value(group)}")
-    driver = {"slots": p.slots}
-    if p.study is not None:
-        driver |= {"storage": p.url, "study_name": study.study_name, "shared": True, "driver": p.driver}
-        driver |= {"poll": min(s.get("heartbeat_interval", 60), 10), "lock": p.lock}
-    run_sweep(study, p.space, overrides + fixed, sweep_dir, cfg.optimized_metric, s.n_trials, **driver)
+        trial_args.append(f"logger.wandb.group={override_value(group)}")
+    run_sweep(
+        study, p.space, trial_args, sweep_dir, cfg.optimized_metric, s.n_trials, print, p.slots, p.shared
+    )
     if any(t.value is not None for t in study.trials):
         best = study.best_trial
         print(f"best: trial {best.number}, {cfg.optimized_metric} {best.value:.4f}, {best.params}")
@@ -211,8 +210,8 @@ def sweep(args: list[str]) -> None:
         print(f"compare the trials: attnlab-compare {sweep_dir}")
         print(f"dashboard: optuna-dashboard sqlite:///{(sweep_dir / 'optuna.db').resolve()}")
     else:
-        print(f"compare the trials: attnlab-compare {sweep_dir} (this driver's), or {shown(p.url)} (all)")
-        target = p.url.removeprefix("journal:") if p.url.startswith("journal:") else shown(p.url)
+        print(f"compare the trials: attnlab-compare {sweep_dir} (this driver's), or {shown(url)} (all)")
+        target = url.removeprefix("journal:") if url.startswith("journal:") else shown(url)
         print(f"dashboard: optuna-dashboard {target}")
 
 
@@ -269,12 +268,13 @@ def send_workers(cfg: DictConfig, overrides: list[str], sweep_dir: Path, p: Plan
     args = [a for a in overrides if not a.lstrip("+").startswith("sweep.workers=")] + ["sweep.workers=null"]
     folders = [str(sweep_dir / "workers" / str(i)) for i in range(s.workers)]
     jobs = executor.map_array(DriverJob(), [args] * s.workers, folders)
-    array, study = jobs[0].job_id.split("_")[0], f"study {p.study.study_name} in {shown(p.url)}"
+    array = jobs[0].job_id.split("_")[0]
+    study = f"study {p.study.study_name} in {shown(p.shared.url)}"
     print(f"sent {len(jobs)} sweep drivers ({executor.cluster} {array}) to {study}")
     print(
         f"their folders: {sweep_dir / 'workers'}/<i>; their output: {str(folder).replace('%j', '<job id>')}"
     )
-    print(f"follow the study: attnlab-compare {shown(p.url)} --study {p.study.study_name}")
+    print(f"follow the study: attnlab-compare {shown(p.shared.url)} --study {p.study.study_name}")
     if executor.cluster in ("local", "debug"):  # the jobs are this machine's processes: wait for them
         for job in jobs:
             job.result()

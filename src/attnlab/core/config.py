@@ -96,7 +96,8 @@ def container(cfg: DictConfig) -> dict[str, Any]:
 def instantiate_trainer(node: DictConfig, **kwargs: Any) -> L.Trainer:
     """Build the ``trainer`` node under ``constructor_errors``, ``val_check_interval`` scaled by gradient
     accumulation (it counts optimizer steps, as ``max_steps``; Lightning counts batches)."""
-    every, accumulate = node.get("val_check_interval"), node.get("accumulate_grad_batches", 1)
+    every = node.get("val_check_interval")
+    accumulate = node.get("accumulate_grad_batches", 1)
     if is_int(every) and is_int(accumulate) and accumulate > 1:
         kwargs.setdefault("val_check_interval", every * accumulate)
     with constructor_errors("trainer"):
@@ -119,7 +120,8 @@ def refusal(e: BaseException, key: str = "") -> ConfigError | None:
     it (``model.net.image.dim: ...`` for ``dim: ...``); None where ``e`` is no refusal (a bug)."""
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")  # loaded where Lightning is
     refusals = (ValueError, *([exceptions.MisconfigurationException] if exceptions else []))
-    where, target = key, None
+    where = key
+    target = None
     while e is not None and not isinstance(e, AttnlabError):
         if isinstance(e, InstantiationException):
             target = next(iter(re.findall(r"target '([^']+)'", str(e))), target)

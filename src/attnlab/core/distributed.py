@@ -112,7 +112,8 @@ def check_job_tasks(trainer: Any) -> None:
     from submitit import JobEnvironment
 
     env = JobEnvironment()
-    per_node, devices = env.num_tasks // max(env.num_nodes, 1), trainer.get("devices")
+    per_node = env.num_tasks // max(env.num_nodes, 1)
+    devices = trainer.get("devices")
     if _count(devices) and devices != per_node:
         raise ConfigError(
             f"trainer.devices={devices} but this job runs {per_node} task(s) per node: the launcher "

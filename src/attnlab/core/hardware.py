@@ -152,11 +152,14 @@ def cpu_matmul_flops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> 
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
     a @ b
-    best, end, repeats = float("inf"), time.perf_counter() + seconds, 0
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    repeats = 0
     while repeats < 2 or (time.perf_counter() < end and repeats < 50):
         t0 = time.perf_counter()
         a @ b
-        best, repeats = min(best, time.perf_counter() - t0), repeats + 1
+        best = min(best, time.perf_counter() - t0)
+        repeats += 1
     return 2 * n**3 / best
 
 

@@ -66,5 +66,6 @@ def is_sharded(path: Path) -> bool:
 def model_names(model: Any) -> tuple[str, str]:
     """The class names of a ``model`` config node's task and net (its ``_target_``s, not imported)."""
     model = model or {}
-    task, net = model.get("_target_"), (model.get("net") or {}).get("_target_")
+    task = model.get("_target_")
+    net = (model.get("net") or {}).get("_target_")
     return str(task).rsplit(".", 1)[-1], str(net).rsplit(".", 1)[-1]

@@ -83,7 +83,8 @@ def data_hashes(node: DictConfig, prefix: str = "data") -> dict[str, str]:
     files (a prepared folder: its ``manifest.json``, which holds its shards' sha256)."""
     out: dict[str, str] = {}
     for key in node:
-        value, name = node[key], f"{prefix}.{key}"
+        value = node[key]
+        name = f"{prefix}.{key}"
         if isinstance(value, DictConfig):
             out |= data_hashes(value, name)
         elif key in PATH_KEYS and isinstance(value, str):

@@ -100,6 +100,13 @@ class DataModule(L.LightningDataModule):
         sampler.resume(self.train_batches_consumed)
         return sampler
 
+    def token_loader(
+        self, collate: Callable[[list[int]], Any], lengths: list[int], max_tokens: int, split: str
+    ) -> DataLoader:
+        """``collate``'s batches of a split's indices, as ``token_sampler`` draws them."""
+        sampler = self.token_sampler(lengths, max_tokens, split)
+        return self.loader(Batches(collate, sampler), sampler)
+
     def eval_loader(
         self,
         dataset: Dataset,

@@ -392,31 +392,34 @@ def study_lock(url: str, storage: optuna.storages.BaseStorage, study_name: str) 
     return optuna.storages.journal.JournalFileSymlinkLock(str(target), grace_period=30)
 
 
+@dataclass(frozen=True)
+class Shared:
+    """A study many drivers share: ``url`` normalised, ``driver`` this one's id (a trial's user attr),
+    ``lock`` what they take turns on to ask, ``poll`` seconds between looks while trials run elsewhere."""
+
+    url: str
+    study_name: str
+    driver: str
+    lock: Any = None
+    poll: float = 5.0
+
+
+@dataclass(eq=False)
 class Driver:
     """Runs trials on ``slots`` (one worker thread each) until the study has ``n_trials``."""
 
-    def __init__(
-        self,
-        study: optuna.Study,
-        space: dict[str, BaseDistribution],
-        overrides: list[str],
-        sweep_dir: Path,
-        metric: str,
-        n_trials: int,
-        echo: Callable[[str], Any] = print,
-        slots: tuple[Slot, ...] | list[Slot] = (Slot(),),
-        storage: str | None = None,
-        study_name: str = STUDY,
-        shared: bool = False,
-        driver: str = "",
-        poll: float = 5.0,
-        lock: Any = None,
-    ) -> None:
-        self.study, self.space, self.overrides, self.sweep_dir = study, space, overrides, sweep_dir
-        self.metric, self.n_trials, self.echo, self.slots = metric, n_trials, echo, list(slots)
-        self.storage = storage or storage_url(sweep_dir)  # where the trials report, for pruning
-        self.study_name, self.shared, self.driver, self.poll = study_name, shared, driver, poll
-        self.study_lock = lock  # a shared study's: its drivers take turns to ask
+    study: optuna.Study
+    space: dict[str, BaseDistribution]
+    overrides: list[str]
+    sweep_dir: Path
+    metric: str
+    n_trials: int
+    echo: Callable[[str], Any] = print
+    slots: tuple[Slot, ...] | list[Slot] = (Slot(),)
+    shared: Shared | None = None  # None: the study in ``<sweep_dir>/optuna.db``, this driver's own
+
+    def __post_init__(self) -> None:
+        self.where = self.shared or Shared(storage_url(self.sweep_dir), STUDY, "")  # where trials report
         self.host = socket.gethostname()
         self.gate = threading.Lock()  # one worker at a time asks and draws: the same draws for any n_jobs
         self.lock = threading.Lock()  # what follows, and the console
@@ -461,14 +464,14 @@ class Driver:
     def work(self, slot: Slot, end: threading.Event) -> None:
         try:
             while not self.stopping.is_set():
-                turn = Turn(self.gate, self.study_lock)
+                turn = Turn(self.gate, self.where.lock)
                 try:
                     step = self.next_step()
                     if step == "stop":
                         return
                     if step == "wait":
                         turn.release()
-                        self.stopping.wait(self.poll)
+                        self.stopping.wait(self.where.poll)
                         with warnings.catch_warnings():  # as Optuna's own call is (experimental)
                             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                             optuna.storages.fail_stale_trials(self.study)  # then queued: run here
@@ -525,7 +528,7 @@ class Driver:
             "host": self.host,
             "run_dir": str(run_dir.resolve()),
             "devices": slot.label,
-            "driver": self.driver,
+            "driver": self.where.driver,
         }
         first = self.study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
         attrs |= {"rerun_of": first} if first is not None else {}
@@ -533,7 +536,9 @@ class Driver:
             if value not in ("", None):
                 trial.set_user_attr(key, value)
         log_file = run_dir / "trial.log"
-        cmd = trial_command(self.overrides, params, run_dir, self.storage, trial.number, self.study_name)
+        cmd = trial_command(
+            self.overrides, params, run_dir, self.where.url, trial.number, self.where.study_name
+        )
         env, blocked = trial_environment(slot)
         with log_file.open("w") as out:
             proc = subprocess.Popen(

@@ -47,7 +47,8 @@ def beam_search(
 ) -> list[list[int]]:
     """The best hypothesis of each source, without <eos>, finished ones scored with GNMT's length
     penalty."""
-    b, k, dev = src.size(0), beam_size, src.device
+    b, k = src.size(0), beam_size
+    dev = src.device
     state = net.reorder(net.start(src), torch.arange(b, device=dev).repeat_interleave(k))
     scores = torch.full((b, k), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: keep one

@@ -222,8 +222,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"attn_impl=flex has no attention dropout: set it to 0 (got {dropout}) or use sdpa"
             )
-        self.dim, self.n_head, self.n_kv_head, self.dropout, self.impl = dim, n_head, n_kv_head, dropout, impl
-        self.head_dim, self.kv_width = dim // n_head, n_kv_head * (dim // n_head)
+        self.dim, self.n_head, self.n_kv_head = dim, n_head, n_kv_head
+        self.dropout, self.impl = dropout, impl
+        self.head_dim = dim // n_head
+        self.kv_width = n_kv_head * self.head_dim
         if kv_dim is None:
             self.in_proj = nn.Linear(dim, dim + 2 * self.kv_width, bias=bias)
             self.kv_proj = None
@@ -311,7 +313,8 @@ class MultiHeadAttention(nn.Module):
         bias = positions.bias(k_pos[None, :] - q_pos[:, None]) if positions is not None else None
         if bias is not None:  # (H, T_q, T_k)
             if causal:  # in the mask with the bias: the fused causal path takes no bias
-                mask, causal = _block(mask, k_pos[None, :] <= q_pos[:, None]), False
+                mask = _block(mask, k_pos[None, :] <= q_pos[:, None])
+                causal = False
             mask = with_bias(mask, bias)
         return scaled_dot_product_attention(q, k, v, mask, causal, dropout, need_weights, impl)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from timm.layers import DropPath, QuickGELU
 from torch import Tensor, nn
@@ -76,10 +76,11 @@ class TransformerBlock(nn.Module):
         self.drop = Dropout(dropout)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def _residual(self, x: Tensor, norm: nn.Module, f: Callable[[Tensor], Tensor]) -> Tensor:
-        if self.norm_first:
-            return x + self.drop_path(self.drop(f(norm(x))))
-        return norm(x + self.drop_path(self.drop(f(x))))
+    def _residual(self, x: Tensor, norm: nn.Module, f: Callable, *args: Any, **kwargs: Any) -> tuple:
+        """x plus the branch ``f`` (returning an output and its weights), and those weights."""
+        y, weights = f(norm(x) if self.norm_first else x, *args, **kwargs)
+        y = x + self.drop_path(self.drop(y))
+        return (y if self.norm_first else norm(y)), weights
 
     def forward(
         self,
@@ -97,28 +98,27 @@ class TransformerBlock(nn.Module):
     ) -> tuple[Tensor, AttentionWeights]:
         """x (B, T, C) -> (B, T, C), and the attention weights when ``need_weights``; ``memory``
         (B, S, C), or its projection ``cross_cache``, feeds the cross-attention."""
-        weights: dict[str, Tensor | None] = {}
-
-        def self_attn(h: Tensor) -> Tensor:
-            y, weights["self_attn"] = self.attn(
-                h,
-                attn_mask=attn_mask,
-                key_padding_mask=padding_mask,
-                causal=causal,
-                cache=cache,
-                need_weights=need_weights,
-                positions=positions,
-            )
-            return y
-
-        def cross_attn(h: Tensor) -> Tensor:
-            y, weights["cross_attn"] = self.cross_attn(
-                h, memory, key_padding_mask=memory_padding_mask, cache=cross_cache, need_weights=need_weights
-            )
-            return y
-
-        x = self._residual(x, self.norm1, self_attn)
+        x, self_weights = self._residual(
+            x,
+            self.norm1,
+            self.attn,
+            attn_mask=attn_mask,
+            key_padding_mask=padding_mask,
+            causal=causal,
+            cache=cache,
+            need_weights=need_weights,
+            positions=positions,
+        )
+        cross_weights = None
         if self.cross_attn is not None:
-            x = self._residual(x, self.norm_cross, cross_attn)
-        x = self._residual(x, self.norm2, self.mlp)
-        return x, AttentionWeights(**weights)
+            x, cross_weights = self._residual(
+                x,
+                self.norm_cross,
+                self.cross_attn,
+                memory,
+                key_padding_mask=memory_padding_mask,
+                cache=cross_cache,
+                need_weights=need_weights,
+            )
+        x, _ = self._residual(x, self.norm2, lambda h: (self.mlp(h), None))
+        return x, AttentionWeights(self_weights, cross_weights)

@@ -164,9 +164,11 @@ class ConvStem(_ImageTokens):
         super().__init__(img_size, patch_size, in_chans)
         if patch_size < 2 or patch_size & (patch_size - 1):
             raise ValueError(f"patch_size: must be a power of two >= 2 for a conv stem, got {patch_size}")
-        layers, chans, width = [], in_chans, max(dim // patch_size, 8)
+        layers = []
+        chans, width = in_chans, max(dim // patch_size, 8)
         if full_resolution:
-            layers, chans, width = [conv_bn_relu(in_chans, width)], width, width * 2
+            layers.append(conv_bn_relu(in_chans, width))
+            chans, width = width, width * 2
         for _ in range(patch_size.bit_length() - 1):  # log2(patch_size) halvings
             layers += [conv_bn_relu(chans, width, stride=2), conv_bn_relu(width, width)]
             chans, width = width, width * 2

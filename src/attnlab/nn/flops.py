@@ -78,13 +78,14 @@ def scores(attn: MultiHeadAttention, b: Count, t: int, grad: Grad = "all") -> Fl
     if isinstance(attn, LinearAttention):
         # the chunked form (nn/linear_attention.py): chunk x chunk inside each chunk, the state of
         # the chunks before it for the rest; f features per head (Taylor's: 1 + d + d(d+1)/2)
-        c, f = CHUNK, d if attn.feature_map is elu_feature_map else 1 + d + d * (d + 1) // 2
+        c = CHUNK
+        f = d if attn.feature_map is elu_feature_map else 1 + d + d * (d + 1) // 2
         n = b * h * -(-t // c)  # chunks, over batch and heads
         states = product(n, f, c, d, grad) + product(n, c, f, d, grad)  # sum of k v^T; q @ state
         return states + product(n, c, f, c, grad) + product(n, c, c, d, grad)  # q k^T; @ v
     if isinstance(attn, WindowAttention):  # each window of window^2 tokens attends to itself
-        windows, n = b * (attn.size // attn.window) ** 2, attn.window**2
-        return attention(windows, h, n, n, d, grad)
+        n = attn.window**2
+        return attention(b * (attn.size // attn.window) ** 2, h, n, n, d, grad)
     if isinstance(attn, SlidingWindowAttention) and t > attn.window:
         # blocks of ``window`` queries against their and the previous block's keys, + the global ones
         w = attn.window

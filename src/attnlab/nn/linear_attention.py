@@ -4,7 +4,7 @@ phi(q_i) . z_i needs only running sums S_i = sum_j<=i phi(k_j) v_j^T, z_i = sum_
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -105,14 +105,14 @@ class LinearAttention(MultiHeadAttention):
         x: Tensor,
         memory: Tensor | None = None,
         *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
         causal: bool = False,
         cache: LinearAttentionState | None = None,
         need_weights: bool = False,
         positions: RelativePositions | None = None,
+        **unset: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        if memory is not None or key_padding_mask is not None or attn_mask is not None or not causal:
+        """Causal self-attention; a ``TransformerBlock``'s masks must be unset."""
+        if memory is not None or any(m is not None for m in unset.values()) or not causal:
             raise ValueError("linear attention here is causal self-attention: no memory or masks")
         b, t, c = x.shape
         start = cache.seen if cache is not None else 0

@@ -74,8 +74,7 @@ class SlidingWindowAttention(MultiHeadAttention):
             # matrix, a decoding step (at most window + n_global cached keys), or a short sequence
             allowed = structural_mask(True, self.window, self.n_global)(None, None, q_pos[:, None], k_pos)
             return super().attend(q, k, v, allowed, False, positions, q_pos, k_pos, need_weights)
-        y = self.blocked(q, k, v, positions)
-        return y, None
+        return self.blocked(q, k, v, positions), None
 
     def blocked(self, q: Tensor, k: Tensor, v: Tensor, positions: RelativePositions | None) -> Tensor:
         """The attention over a whole sequence (positions 0..T-1) in blocks: O(T * window)."""

@@ -78,7 +78,9 @@ def heat_maps(values: dict[str, dict[str, Tensor]]) -> Any:
     names = list(dict.fromkeys(name for m in metrics for name in values[m]))
     n_heads = max(len(v) for m in metrics for v in values[m].values())
     # a fixed layout (inches), not tight_layout: each drawing of the figure is most of its cost
-    left, panel, height = 0.3 + 0.055 * max(map(len, names)), 1.3 + 0.3 * n_heads, 1.0 + 0.25 * len(names)
+    left = 0.3 + 0.055 * max(map(len, names))
+    panel = 1.3 + 0.3 * n_heads
+    height = 1.0 + 0.25 * len(names)
     width = left + panel * len(metrics)
     fig, axes = plt.subplots(1, len(metrics), figsize=(width, height), squeeze=False)
     fig.subplots_adjust(

@@ -232,7 +232,8 @@ class MetricsPrinter(L.Callback):
     """One plain log line per validation: step, losses, learning rate, ms per iteration."""
 
     def __init__(self) -> None:
-        self._t0, self._step0, self._ms = time.perf_counter(), 0, 0.0
+        self._t0, self._step0 = time.perf_counter(), 0
+        self._ms = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
@@ -265,7 +266,8 @@ class TrainingCost(L.Callback):
     def __init__(self, warmup: int = 1, new_tokens: int = 16) -> None:
         self.warmup, self.new_tokens = warmup, new_tokens
         self._steps: list[float] = []
-        self._tokens, self._t0, self._baseline = 0, 0.0, 0.0
+        self._tokens = 0
+        self._t0 = self._baseline = 0.0
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any
@@ -417,7 +419,9 @@ class Throughput(L.Callback):
     _sync = staticmethod(sync)  # (a test counts the waits)
 
     def __init__(self, peak_tflops: PositiveFloat | None = None) -> None:
-        self.peak_tflops, self.peak, self.counting = peak_tflops, None, True
+        self.peak_tflops = peak_tflops
+        self.peak: float | None = None
+        self.counting = True
         self._t0: float | None = None  # the clock, None until the first step is done
         self._paused: float | None = None  # when a validation began
         self._step, self._items, self._flops = -1, 0, 0
@@ -429,7 +433,8 @@ class Throughput(L.Callback):
 
         dtype = compute_dtype(trainer.precision)
         if self.peak_tflops:
-            self.peak, source = self.peak_tflops * 1e12, f"peak_tflops={self.peak_tflops} (the config's)"
+            self.peak = self.peak_tflops * 1e12
+            source = f"peak_tflops={self.peak_tflops} (the config's)"
         else:
             self.peak, source = peak_flops(trainer.strategy.root_device, dtype)
         log.info("MFU: model FLOPs over the peak of %s", source)
@@ -463,7 +468,8 @@ class Throughput(L.Callback):
     ) -> None:
         if not self.counting:
             return
-        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        stepped = trainer.global_step != self._step
+        self._step = trainer.global_step
         if self._t0 is None:  # the first step: compiling, warming up; the clock starts after it
             if stepped:
                 self._sync(pl_module)
@@ -475,7 +481,8 @@ class Throughput(L.Callback):
             log.warning("Throughput: no throughput or MFU logged: %s", e)
             self.counting = False
             return
-        self._items, self._flops = self._items + items, self._flops + flops.total
+        self._items += items
+        self._flops += flops.total
         every = trainer.log_every_n_steps
         if stepped and every and trainer.global_step % every == 0:
             self._log(trainer, pl_module)
@@ -483,10 +490,10 @@ class Throughput(L.Callback):
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sync(pl_module)
         now = time.perf_counter()
-        seconds, items, flops = now - self._t0, float(self._items), float(self._flops)
+        seconds, flops = now - self._t0, float(self._flops)
         unit = getattr(pl_module, "items", "samples")
         metrics = {
-            f"throughput/{unit}_per_sec": items / seconds * trainer.world_size,
+            f"throughput/{unit}_per_sec": float(self._items) / seconds * trainer.world_size,
             "throughput/tflops_per_sec": flops / seconds / 1e12,
         }
         if self.peak:

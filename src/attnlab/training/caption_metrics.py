@@ -52,7 +52,8 @@ def cider(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
 
 def parse_scene(caption: str, names: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
     """The items (in order, a repeat counted once) and relations (item, relation, item) a caption says."""
-    ws, found = words(caption), []  # found: ("item", name) or ("rel", relation), in order
+    ws = words(caption)
+    found = []  # ("item", name) or ("rel", relation), in order
     phrases = {tuple(n.split()): ("item", n) for n in names} | {p: ("rel", r) for p, r in PHRASINGS.items()}
     longest = max(map(len, phrases))
     i = 0

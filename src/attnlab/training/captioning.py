@@ -170,7 +170,8 @@ class CaptioningTask(Task):
             return
         from attnlab.training.plots import caption_attention_figure, publish_figure, stretched
 
-        tok, images = self._tokenizer, self._shown
+        tok = self._tokenizer
+        images = self._shown
         with unsharded(self.net):
             out = caption_batch(self.net, images, tok.bos_id, tok.eos_id, self.max_len)
         if not self.trainer.is_global_zero:

@@ -62,7 +62,8 @@ class ImageClassificationTask(Task):
         self.plot_images, self.plot_dir, self.multilabel = plot_images, plot_dir, multilabel
         k = net.num_classes
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.val_metrics, self.test_metrics = nn.ModuleDict(self._metrics(k)), nn.ModuleDict(self._metrics(k))
+        self.val_metrics = nn.ModuleDict(self._metrics(k))
+        self.test_metrics = nn.ModuleDict(self._metrics(k))
         self.test_per_class = (
             MultilabelF1Score(k, average="none") if multilabel else MulticlassConfusionMatrix(k)
         )

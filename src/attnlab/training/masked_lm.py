@@ -14,8 +14,6 @@ class MaskedLMTask(EncoderTask):
     """Trains a ``BertPreTraining`` net: MLM cross-entropy over the chosen tokens + NSP cross-entropy;
     logs losses, MLM accuracy and perplexity, NSP accuracy."""
 
-    best = ("loss", "min")
-
     def make_metrics(self) -> dict[str, Metric]:
         return {
             "loss": MeanMetric(),

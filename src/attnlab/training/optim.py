@@ -40,11 +40,13 @@ def trunk_blocks(net: nn.Module) -> tuple[str, int]:
 def layer_ids(module: nn.Module, blocks: str, depth: int) -> dict[str, int]:
     """Each parameter's depth for layer-wise LR decay (BEiT, timm): 0 before the blocks, i + 1 in
     block i, depth + 1 after them."""
-    ids, seen_blocks = {}, False
+    ids: dict[str, int] = {}
+    seen_blocks = False
     for name, _ in module.named_parameters():
         rest = name.split(f"{blocks}.", 1)
         if len(rest) == 2 and rest[1].split(".", 1)[0].isdigit():
-            ids[name], seen_blocks = int(rest[1].split(".", 1)[0]) + 1, True
+            ids[name] = int(rest[1].split(".", 1)[0]) + 1
+            seen_blocks = True
         else:
             ids[name] = depth + 1 if seen_blocks else 0
     return ids
@@ -58,7 +60,8 @@ def param_groups(
     excluded = no_weight_decay(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if lr_decay is None:
-        ids, depth = dict.fromkeys((n for n, _ in named), 0), -1
+        ids = dict.fromkeys((n for n, _ in named), 0)
+        depth = -1
     else:
         net = getattr(module, "net", module)
         blocks, depth = trunk_blocks(net)
@@ -130,7 +133,8 @@ class Optimization:
                 "set true or regional"
             )
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.weight_decay, self.lr_decay, self.freeze = weight_decay, lr_decay, list(freeze or [])
+        self.weight_decay, self.lr_decay = weight_decay, lr_decay
+        self.freeze = list(freeze or [])
         self.compile, self.compile_mode = compile, compile_mode
 
     def configure(self, module: nn.Module, grad_scaler: bool = False) -> dict[str, Any]:

@@ -3,16 +3,12 @@ accuracy and macro F1; the encoder optionally starts from a pre-training run."""
 
 from __future__ import annotations
 
-import logging
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from attnlab.training.encoder import Batch, EncoderTask
-
-log = logging.getLogger(__name__)
 
 
 class TextClassificationTask(EncoderTask):
@@ -34,7 +30,8 @@ class TextClassificationTask(EncoderTask):
 
     def _step(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         logits = self(batch["ids"], batch["segments"]).float()
-        logits, labels = logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1)
+        logits = logits.reshape(-1, logits.size(-1))
+        labels = batch["labels"].reshape(-1)
         return F.cross_entropy(logits, labels, ignore_index=-100), logits, labels
 
     def train_loss(self, batch: Batch) -> Tensor:

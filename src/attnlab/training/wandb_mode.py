@@ -22,11 +22,8 @@ def has_api_key() -> bool:
 
 
 def ensure_wandb_mode() -> str:
-    """Set ``WANDB_MODE=offline`` when it is unset and no key is configured; return the mode.
-
-    With a terminal attached and no key, wandb would otherwise wait forever at its login prompt.
-    Offline runs land on disk; ``wandb sync <run dir>`` uploads them later.
-    """
+    """Set ``WANDB_MODE=offline`` when it is unset and no key is configured (wandb would wait at its
+    login prompt forever); return the mode."""
     if "WANDB_MODE" not in os.environ and not has_api_key():
         os.environ["WANDB_MODE"] = "offline"
         log.info("W&B: no API key configured, logging offline (upload later with `wandb sync`)")

@@ -169,6 +169,20 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path
         )
 
 
+def fit_heads(
+    state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], heads: tuple[str, ...]
+) -> tuple[list[str], list[str], list[str]]:
+    """Heads (names starting with ``heads``) of another size, or on one side only, made the net's own in
+    ``state``, to start fresh: the names (resized, missing from ``state``, dropped as the net has none)."""
+    resized = [k for k, v in state.items() if k.startswith(heads) and k in own and v.shape != own[k].shape]
+    missing = [k for k in own if k.startswith(heads) and k not in state]
+    extra = [k for k in state if k.startswith(heads) and k not in own]
+    for k in extra:
+        del state[k]
+    state |= {k: own[k] for k in resized + missing}
+    return resized, missing, extra
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Each checkpoint written to a temporary file, then renamed into place; a failed write is one line."""
 

@@ -93,28 +93,37 @@ def export_state(net: nn.Module) -> dict[str, Tensor]:
 # the architecture in open_clip's config against ours
 
 
+# what open_clip's config says and no tensor shows: (its value in our net, our config key that sets it)
+_FACTS = {
+    "image heads": (lambda net: net.image.blocks[0].attn.n_head, "model.net.image.n_head"),
+    "image norm eps": (
+        lambda net: net.image.blocks[0].norm1.eps,
+        "model.net.image.pre_norm: with it eps 1e-5, else 1e-6",
+    ),
+    "image act": (lambda net: act_name(net.image.blocks[0].mlp.act), "model.net.image.act"),
+    "text heads": (lambda net: net.text.blocks[0].attn.n_head, "model.net.text.n_head"),
+    "text norm eps": (
+        lambda net: net.text.blocks[0].norm1.eps,
+        "(the text tower's LayerNorms have eps 1e-5)",
+    ),
+    "text act": (lambda net: act_name(net.text.blocks[0].mlp.act), "model.net.text.act"),
+    "text pooling": (lambda net: net.text.pool, "model.net.text.pool"),
+}
+
+
 def architecture_of(net: nn.Module) -> dict[str, Any]:
-    """What open_clip's config says and no tensor shows (heads, norms' eps, activations, pooling)."""
-    image, text = net.image, net.text
+    """The ``_FACTS`` of our net (heads, norms' eps, activations, pooling)."""
+    image = net.image
     if type(image).__name__ != "VisionTransformer" or type(image.patch_embed).__name__ != "PatchEmbedding":
         raise CheckpointError(
             f"model.net.image: a {type(image).__name__} (stem {type(image.patch_embed).__name__}); "
             "open_clip's image tower is a VisionTransformer with stem=patch"
         )
-    block, tblock = image.blocks[0], text.blocks[0]
-    return {
-        "image heads": block.attn.n_head,
-        "image norm eps": block.norm1.eps,
-        "image act": act_name(block.mlp.act),
-        "text heads": tblock.attn.n_head,
-        "text norm eps": tblock.norm1.eps,
-        "text act": act_name(tblock.mlp.act),
-        "text pooling": text.pool,
-    }
+    return {fact: value(net) for fact, (value, _) in _FACTS.items()}
 
 
 def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
-    """The same facts from an ``open_clip_config.json``'s ``model_cfg``, refusing what ours lacks."""
+    """The ``_FACTS`` from an ``open_clip_config.json``'s ``model_cfg``, refusing what ours lacks."""
     vision, text = model_cfg.get("vision_cfg", {}), model_cfg.get("text_cfg", {})
     for key, what in (
         ("timm_model_name", "a timm image tower"),
@@ -147,24 +156,12 @@ def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     }
 
 
-# our config key for each fact, to say what to set
-_KEYS = {
-    "image heads": "model.net.image.n_head",
-    "image norm eps": "model.net.image.pre_norm: with it eps 1e-5, else 1e-6",
-    "image act": "model.net.image.act",
-    "text heads": "model.net.text.n_head",
-    "text norm eps": "(the text tower's LayerNorms have eps 1e-5)",
-    "text act": "model.net.text.act",
-    "text pooling": "model.net.text.pool",
-}
-
-
 def check_architecture(net: nn.Module, model_cfg: dict[str, Any], where: Path) -> None:
     ours, theirs = architecture_of(net), architecture_in(model_cfg, where)
     for fact, value in theirs.items():
         if ours[fact] != value:
             raise CheckpointError(
-                f"model.init_from={where}: {fact} {value!r}, the net has {ours[fact]!r} ({_KEYS[fact]})"
+                f"model.init_from={where}: {fact} {value!r}, the net has {ours[fact]!r} ({_FACTS[fact][1]})"
             )
 
 
@@ -174,7 +171,8 @@ def check_architecture(net: nn.Module, model_cfg: dict[str, Any], where: Path) -
 
 def fit_context(net: nn.Module, state: dict[str, Tensor], where: Path) -> None:
     """A longer text position table keeps its first rows (causal: a caption never sees those after it)."""
-    key, length = "text.embed.positions.emb.weight", net.text.max_len
+    key = "text.embed.positions.emb.weight"
+    length = net.text.max_len
     table = state.get(key)
     if table is not None and table.shape[0] > length and table.shape[1] == net.text.dim:
         state[key] = table[:length]
@@ -217,7 +215,8 @@ def read_folder_config(folder: Path) -> dict[str, Any]:
 def preprocess(folder: Path) -> dict[str, Any]:
     """An open_clip folder's inputs as our data's artifacts (normalisation: ``preprocess_cfg``'s)."""
     config = read_folder_config(folder)
-    model_cfg, pre = config["model_cfg"], config.get("preprocess_cfg") or {}
+    model_cfg = config["model_cfg"]
+    pre = config.get("preprocess_cfg") or {}
     size = (_VISION_DEFAULTS | model_cfg.get("vision_cfg", {}))["image_size"]
     return {
         "img_size": size if isinstance(size, int) else size[0],
@@ -272,7 +271,9 @@ def clip_from_open_clip(folder: Path) -> nn.Module:
 
 def model_config(net: nn.Module, artifacts: dict) -> dict[str, Any]:
     """open_clip's ``model_cfg`` rebuilding ``net``; what open_clip cannot say is refused."""
-    facts, image, text = architecture_of(net), net.image, net.text
+    facts = architecture_of(net)
+    image = net.image
+    text = net.text
     if image.patch_embed.proj.bias is not None or image.in_chans != 3:
         raise CheckpointError(
             "attnlab-export: open_clip's image tower takes RGB through a patch projection without "

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.core.errors import CheckpointError, first_line
+from attnlab.weights.checkpoint import fit_heads
 
 log = logging.getLogger("attnlab.pretrained")
 
@@ -121,32 +122,28 @@ def load_mapped(
 ) -> None:
     """Copy ``mapped`` into ``module``, every tensor fitting but those under ``fresh`` (heads: left new, with
     a notice); the first that does not fit is one ``CheckpointError``."""
-    kept: list[str] = []
-    state = {}
-    for name, ours in module.state_dict().items():
-        head = bool(fresh) and name.startswith(fresh)
-        if name not in mapped:
-            if head:
-                kept.append(name)
-                continue
+    own = module.state_dict()
+    state = {name: value for name, (_, value) in mapped.items()}
+    resized, missing, _ = fit_heads(state, own, fresh)
+    for name, ours in own.items():
+        if name not in state:
             raise CheckpointError(f"model.init_from={source}: no tensor for the model's {name}")
-        theirs, value = mapped[name]
-        if value.shape != ours.shape:
-            if head:
-                kept.append(f"{name} ({theirs} is {tuple(value.shape)}, the model's {tuple(ours.shape)})")
-                continue
+        if state[name].shape != ours.shape:
             raise CheckpointError(
-                f"model.init_from={source}: {theirs} is {tuple(value.shape)} but the model's {name} is "
-                f"{tuple(ours.shape)} (configure the net as the checkpoint's config.json)"
+                f"model.init_from={source}: {mapped[name][0]} is {tuple(state[name].shape)} but the model's "
+                f"{name} is {tuple(ours.shape)} (configure the net as the checkpoint's config.json)"
             )
-        state[name] = value.to(ours.dtype)
-    module.load_state_dict(state, strict=False)
-    if kept:
+    module.load_state_dict({name: state[name].to(ours.dtype) for name, ours in own.items()})
+    if resized or missing:
+        sizes = [
+            f"{k} ({mapped[k][0]} is {tuple(mapped[k][1].shape)}, the model's {tuple(own[k].shape)})"
+            for k in resized
+        ]
         log.warning(
             "%s: %s re-initialised (not in the checkpoint, or of another size): %s",
             source,
             what,
-            ", ".join(kept),
+            ", ".join(missing + sizes),
         )
     log.info("weights loaded from %s", source)
 

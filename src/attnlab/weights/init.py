@@ -13,7 +13,7 @@ from torch import nn
 
 from attnlab.core.errors import CheckpointError, ConfigError, first_line
 from attnlab.core.run_paths import find_last, is_sharded
-from attnlab.weights.checkpoint import check_fits, load_checkpoint, metadata, require_task
+from attnlab.weights.checkpoint import check_fits, fit_heads, load_checkpoint, metadata, require_task
 from attnlab.weights.pretrained import load_pretrained
 
 log = logging.getLogger(__name__)
@@ -171,17 +171,13 @@ def run_weights(net: nn.Module, path: Path) -> tuple[nn.Module, dict[str, torch.
     elif prefix := part_prefix(state, net):
         log.info("model.init_from: the net is %s's %s (the rest of that net left out)", path, prefix[:-1])
         state = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-    own = target.state_dict()
-    fresh = [k for k, v in state.items() if k.startswith("head") and k in own and v.shape != own[k].shape]
-    if fresh:
-        log.info("model.init_from: %s differ in size from %s's: they start fresh", ", ".join(fresh), path)
-        state.update({k: own[k] for k in fresh})
-    if missing := [k for k in own if k.startswith("head") and k not in state]:
+    resized, missing, headless = fit_heads(state, target.state_dict(), ("head",))
+    if resized:
+        log.info("model.init_from: %s differ in size from %s's: they start fresh", ", ".join(resized), path)
+    if missing:
         log.info("model.init_from: %s has no %s: they start fresh", path, ", ".join(missing))
-        state.update({k: own[k] for k in missing})
-    if headless := [k for k in state if k.startswith("head") and k not in own]:
+    if headless:
         log.info("model.init_from: %s of %s left out (the net has no head)", ", ".join(headless), path)
-        state = {k: v for k, v in state.items() if k not in headless}
     return target, state
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.core.errors import CheckpointError
-from attnlab.weights.checkpoint import check_fits
+from attnlab.weights.checkpoint import check_fits, fit_heads
 from attnlab.weights.hf_files import read_json, read_weights
 
 log = logging.getLogger(__name__)
@@ -123,25 +123,6 @@ def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> Non
 # fitting it to the configured net
 
 
-def fit_heads(state: dict[str, Tensor], expected: dict[str, Tensor], where: Path) -> None:
-    """Heads of another size (or absent on one side) stay as the net has them, with a notice."""
-    fits = lambda k: k in state and k in expected and state[k].shape == expected[k].shape  # noqa: E731
-    dropped = [k for k in state if k.startswith(HEADS) and not fits(k)]
-    kept = [k for k in expected if k.startswith(HEADS) and not fits(k)]
-    for k in dropped:
-        del state[k]
-    state |= {k: expected[k] for k in kept}
-    if kept or dropped:
-        classes = next((tuple(v.shape) for k, v in expected.items() if k.startswith(HEADS)), "none")
-        log.warning(
-            "model.init_from=%s: the classification head does not fit (checkpoint %s, net %s): "
-            "it starts freshly initialised",
-            where,
-            ", ".join(dropped) or "none",
-            classes,
-        )
-
-
 def fit_input_channels(state: dict[str, Tensor], expected: dict[str, Tensor], where: Path) -> None:
     from timm.models import adapt_input_conv
 
@@ -161,7 +142,8 @@ def fit_positions(net: nn.Module, state: dict[str, Tensor], where: Path) -> None
     """ViT/DeiT: position embeddings of another grid resampled (bicubic) to the net's grid."""
     from timm.layers import resample_abs_pos_embed
 
-    pos, prefix = state.get("pos_embed"), net.num_prefix_tokens
+    pos = state.get("pos_embed")
+    prefix = net.num_prefix_tokens
     if pos is None or pos.shape == net.pos_embed.shape or pos.shape[-1] != net.pos_embed.shape[-1]:
         return
     old = round((pos.shape[1] - prefix) ** 0.5)
@@ -206,8 +188,18 @@ def load(net: nn.Module, source: Path) -> None:
     """``model.init_from``: a timm folder or state dict copied into ``net``, fitted with notices."""
     if source.is_dir():
         check_architecture(net, timm_reference(timm_config(source), source), source)
-    state, expected = state_dict_from_timm(read_weights(source, WEIGHT_FILES)), net.state_dict()
-    fit_heads(state, expected, source)
+    state = state_dict_from_timm(read_weights(source, WEIGHT_FILES))
+    expected = net.state_dict()
+    resized, missing, extra = fit_heads(state, expected, HEADS)
+    if resized or missing or extra:  # heads of another size (or on one side) start as the net has them
+        classes = next((tuple(v.shape) for k, v in expected.items() if k.startswith(HEADS)), "none")
+        log.warning(
+            "model.init_from=%s: the classification head does not fit (checkpoint %s, net %s): "
+            "it starts freshly initialised",
+            source,
+            ", ".join(resized + extra) or "none",
+            classes,
+        )
     fit_input_channels(state, expected, source)
     if type(net).__name__ == "SwinTransformer":
         fit_windows(net, state, source)

@@ -13,10 +13,9 @@ from attnlab.data.text.language_modeling import TextDataModule
 
 
 class CaptionTextDataModule(TextDataModule):
-    """A captioning DataModule's captions (``captions``: its ``tokenizer`` and ``caption_texts(split)``)
-    as a captioner reads them, ``<bos> words <eos>``, one stream cut into ``max_len`` windows
-    (``TextDataModule``'s batches): a Flamingo's GPT learns them, contexts of several captions being
-    its few-shot prompts. The artifacts are the captions' own, so the tokenizer goes on with the GPT."""
+    """A captioning DataModule's captions (its ``tokenizer``, ``caption_texts(split)``), ``<bos> words
+    <eos>`` each, as one stream of ``TextDataModule`` windows: contexts of several captions are a
+    Flamingo's few-shot prompts. The artifacts are the captions' own (the tokenizer goes on)."""
 
     def __init__(
         self,
@@ -60,6 +59,5 @@ class CaptionTextDataModule(TextDataModule):
         self.log_tokens(self.source.where, len(self.train_tokens), " (words)")
 
     def stream(self, texts: list[str]) -> Tensor:
-        """The captions' tokens, ``<bos> words <eos>`` each, one after another (N,)."""
         tokens, _ = self.tokenizer.encode_captions(texts, max_len=1 << 30)  # (captions, T), padded
         return tokens[tokens != self.tokenizer.pad_id]  # row by row: the captions in order

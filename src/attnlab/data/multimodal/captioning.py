@@ -16,7 +16,6 @@ from attnlab.data.multimodal.image_text import CaptionedFiles, ImageTextDataModu
 from attnlab.data.sampling import carve
 from attnlab.data.sources import Captions, CaptionShards
 from attnlab.data.text.tokenizers import WordTokenizer
-from attnlab.data.vision.classification import sample_stats
 
 Listing = dict[str, tuple[list[str], str]]  # image name -> its captions, where it is first listed
 
@@ -110,33 +109,28 @@ class CaptionsFolderDataModule(ImageTextDataModule):
         self.min_frequency = min_frequency
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.tokenizer.vocab_size,
-            "max_len": self.max_len,
-            "pad_id": self.tokenizer.pad_id,
-            "img_size": self.img_size,
-            "in_chans": self.in_chans,
-        }
+        towers = super().model_kwargs()  # one model: the text's and the image's arguments together
+        return {**towers["text"], **towers["image"]}
 
     def artifacts(self) -> dict[str, Any]:
         return {**super().artifacts(), "max_len": self.max_len}
 
-    def build(self) -> None:
+    def build(self) -> str:
         corpus = self._setup_shards() if isinstance(self.source, CaptionShards) else self._setup_files()
         if self.tokenizer is None:
             self.tokenizer = WordTokenizer.fit(corpus, self.vocab_size, self.min_frequency)
-        self.log_sizes(f"examples, a {self.tokenizer.vocab_size}-word vocabulary")
+        return f"examples, a {self.tokenizer.vocab_size}-word vocabulary"
 
     def _setup_files(self) -> list[str]:
-        path, images = Path(self.source.path), self.source.images_dir
+        path = Path(self.source.path)
+        images = self.source.images_dir
         paths, captions = read_captions(path, Path(images) if images else path.parent)
         val, test, train = carve(len(paths), self.sizes, self.seed, "data.source.val_size + test_size")
         pairs = [(paths[i], c) for i in train for c in captions[i]]
         self.splits = {"train": self.files([p for p, _ in pairs], [c for _, c in pairs])}
         for split, idx in (("val", val), ("test", test)):
             self.splits[split] = self.files([paths[i] for i in idx], [captions[i] for i in idx])
-        if self.mean is None:
-            self.mean, self.std = sample_stats(self.splits["train"])
+        self.measure(self.splits["train"])
         return [c for _, c in pairs]
 
     def files(self, paths: list[Path], captions: list) -> CaptionedFiles:

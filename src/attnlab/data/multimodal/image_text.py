@@ -24,7 +24,7 @@ from attnlab.data.shards.tar import BadRecords, Record, read_shard
 from attnlab.data.shards.writer import check_free
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import ImagesDataModule, channel_stats, random_crop_flip, sample_stats
+from attnlab.data.vision.classification import ImagesDataModule, random_crop_flip
 from attnlab.data.vision.datasets import load_builtin, read_image, square
 from attnlab.data.vision.shards import carved_items, decode_image, image_bytes, image_items, write_shards
 
@@ -40,13 +40,15 @@ class GeneratedCaptions(Dataset):
     def __init__(
         self, images: Tensor, labels: Tensor, levels: Tensor, phrases: list[str], seed: int | None = None
     ) -> None:
-        self.images, self.labels, self.levels, self.phrases, self.seed = images, labels, levels, phrases, seed
+        self.images, self.labels, self.levels = images, labels, levels
+        self.phrases, self.seed = phrases, seed
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def caption(self, key: int | Key) -> str:
-        i, template = key if isinstance(key, int) else key[1], self.eval_template
+        i = key if isinstance(key, int) else key[1]
+        template = self.eval_template
         if self.seed is not None:  # seeded by the sampler's (epoch, index): a resumed run draws the same
             seed = example_seed(self.seed, key)
             g = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -65,8 +67,8 @@ class CaptionedFiles(Dataset):
     def __init__(
         self, paths: list[Path], captions: list, img_size: int, in_chans: int, indexed: bool = False
     ) -> None:
-        self.paths, self.captions, self.img_size, self.in_chans = paths, captions, img_size, in_chans
-        self.indexed = indexed
+        self.paths, self.captions, self.indexed = paths, captions, indexed
+        self.img_size, self.in_chans = img_size, in_chans
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -117,9 +119,8 @@ def prepare_image_text(
     on_bad_record: str = "error",
     seed: int = 1337,
 ) -> dict[str, Any]:
-    """Image-caption rows (CSV or JSONL) into shards (``attnlab-prepare --mode pairs``, kind
-    ``image_text``: ``key.jpg`` + ``key.txt``, as open_clip reads them): ``val_size`` rows carved
-    (seeded), ``test_file``'s the test split."""
+    """Image-caption rows (CSV or JSONL) into shards of kind ``image_text`` (``key.jpg`` + ``key.txt``,
+    as open_clip reads them): ``val_size`` rows carved (seeded), ``test_file``'s the test split."""
 
     def rows(path: Path) -> tuple[list[Path], list[str]]:
         found = read_pairs(path, image_key, caption_key)
@@ -134,11 +135,10 @@ def prepare_image_text(
 
 
 class ImageTextDataModule(ImagesDataModule):
-    """Batches of (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) for CLIP from a
-    ``Builtin`` set (captions generated from the label and measured attributes; zero-shot prompts),
-    ``Pairs`` or ``CaptionShards`` (images made ``img_size``, ``in_chans``). ``max_len`` counts
-    ``<sot>`` and ``<eot>``; ``vocab_size``: the BPE's, fitted on the training captions. ``classes``:
-    the caption phrases of the classes (zero-shot), where known."""
+    """CLIP batches (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) of a ``Builtin`` set
+    (captions generated from the label and measured attributes; ``classes``: their phrases, for
+    zero-shot), ``Pairs`` or ``CaptionShards``. ``max_len`` counts ``<sot>`` and ``<eot>``; the BPE
+    (``vocab_size``) is fitted on the training captions."""
 
     HELD_OUT = ("val",)  # the splits carved out of the source
 
@@ -175,7 +175,7 @@ class ImageTextDataModule(ImagesDataModule):
             "text": {
                 "vocab_size": self.tokenizer.vocab_size,
                 "max_len": self.max_len,  # the text tower's position table
-                "pad_id": CaptionTokenizer.pad_id,
+                "pad_id": self.tokenizer.pad_id,
             },
         }
 
@@ -191,7 +191,7 @@ class ImageTextDataModule(ImagesDataModule):
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
         super().load_artifacts(artifacts)
 
-    def build(self) -> None:
+    def build(self) -> str:
         setups = {Pairs: self._setup_pairs, CaptionShards: self._setup_shards}
         corpus = setups.get(type(self.source), self._setup_generated)()
         if self.tokenizer is None:
@@ -200,7 +200,7 @@ class ImageTextDataModule(ImagesDataModule):
         if truncated:
             n = (truncated, len(corpus), self.max_len)
             log.warning("%d of %d training captions are longer than data.max_len=%d tokens: cut", *n)
-        self.log_sizes(f"pairs, a {self.tokenizer.vocab_size}-token caption vocabulary")
+        return f"pairs, a {self.tokenizer.vocab_size}-token caption vocabulary"
 
     def _setup_generated(self) -> list[str]:
         data = load_builtin(self.source)
@@ -217,8 +217,7 @@ class ImageTextDataModule(ImagesDataModule):
             "val": GeneratedCaptions(images[val], labels[val], levels[val], self.classes),
             "test": GeneratedCaptions(data.test_images, data.test_labels, test_levels, self.classes),
         }
-        if self.mean is None:
-            self.mean, self.std = channel_stats(images[train])
+        self.measure(images[train])
         return cap.caption_corpus(self.classes)
 
     def _readable(self, path: Path) -> tuple[list[Path], list[str]]:
@@ -251,20 +250,17 @@ class ImageTextDataModule(ImagesDataModule):
             CaptionedFiles([paths[i] for i in idx], [texts[i] for i in idx], self.img_size, self.in_chans)
             for idx in (train, val)
         ]
-        self.splits = {"train": files[0], "val": files[1], "test": files[1]}
+        self.splits = {"train": files[0], "val": files[1]}
         if self.source.test_file is not None:
             tpaths, ttexts = self._readable(Path(self.source.test_file))
             self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
-        if self.mean is None:
-            self.mean, self.std = sample_stats(files[0])
+        self.measure(files[0])
         return files[0].captions
 
     def _setup_shards(self) -> list[str]:
         self.open_shards("image_text", "image-caption shards (key.jpg + key.txt)")
         self.read_shards(self.decode_record)
-        self.splits.setdefault("test", self.splits["val"])
-        if self.mean is None:
-            self.mean, self.std = sample_stats(self.splits["val"])
+        self.measure(self.splits["val"])
         return self._shard_captions()
 
     def _shard_captions(self) -> list[str]:

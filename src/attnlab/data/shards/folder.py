@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,15 @@ KINDS = {
 OLD_KINDS = {None: "tokens", "cls": "images", "txt": "image_text"}
 SHA256_DIFFERS = "its sha256 differs from the manifest's; corrupt or changed since it was prepared"
 Location = Path | RemotePath
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a split: ``count`` its records (tar) or tokens (token shards)."""
+
+    path: Location
+    count: int
+    sha256: str
 
 
 class ShardFolder:

@@ -9,7 +9,6 @@ import logging
 import os
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from attnlab.core.errors import DataError
 from attnlab.data import sampling
 from attnlab.data.remote import RemotePath, read_ranges
 from attnlab.data.sampling import example_seed
-from attnlab.data.shards.folder import SPLITS, Hashed, Location, ShardFolder, check_file
+from attnlab.data.shards.folder import SPLITS, Hashed, Location, Shard, ShardFolder, check_file
 from attnlab.data.shards.writer import ShardWriter, check_count, check_free, publish, start_partial
 
 log = logging.getLogger(__name__)
@@ -96,13 +95,6 @@ def _write_split(partial: Path, split: str, records: Iterator, shard_records: in
 
 
 # ---- reading ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shard:
-    path: Location
-    count: int
-    sha256: str
 
 
 class TarShards(ShardFolder):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule, log_splits
-from attnlab.data.batching import Batches, pad
+from attnlab.data.batching import pad
 from attnlab.data.sources import SplitFiles
 from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_conll, read_tsv
@@ -110,8 +110,10 @@ class LabelledTextDataModule(DataModule):
 
     def split_loader(self, split: str) -> DataLoader:
         items = self.splits[split]
-        sampler = self.token_sampler([len(it[0]) for it in items], self.max_tokens, split)
-        return self.loader(Batches(partial(collate, items, self.tokenizer.pad_id), sampler), sampler)
+        lengths = [len(it[0]) for it in items]
+        return self.token_loader(
+            partial(collate, items, self.tokenizer.pad_id), lengths, self.max_tokens, split
+        )
 
     def examples(self, n: int) -> list[Item]:
         """The first ``n`` validation examples (the same ones every time: attention pictures)."""
@@ -192,6 +194,7 @@ class TokenClassificationDataModule(LabelledTextDataModule):
                 pieces = self.tokenizer.encode(word) or [tok.unk_id]
                 ids += pieces
                 labels += [index[tag]] + [-100] * (len(pieces) - 1)
-            ids, labels = ids[: self.max_len - 1] + [tok.sep_id], labels[: self.max_len - 1] + [-100]
+            ids = ids[: self.max_len - 1] + [tok.sep_id]
+            labels = labels[: self.max_len - 1] + [-100]
             items.append((ids, [0] * len(ids), labels))
         return items

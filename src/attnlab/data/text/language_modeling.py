@@ -134,7 +134,7 @@ class TextDataModule(DataModule):
             self.tokenizer, tokenizer=self.tokenizer_kind, vocab_size=self.vocab_size_wanted
         )
         self.val_tokens, self.test_tokens = shards.read_split("val"), shards.read_split("test")
-        largest = max((s.tokens for s in shards.splits["train"]), default=0)
+        largest = max((s.count for s in shards.splits["train"]), default=0)
         self._check_lengths([("train", largest), ("validation", len(self.val_tokens))])
         self.shards = shards
         self.log_tokens(f"shards {self.source.path}", shards.tokens("train"))

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
 from attnlab.data.base import DataModule, log_splits
-from attnlab.data.batching import Batches, pad
+from attnlab.data.batching import pad
 from attnlab.data.sampling import BatchStream
 from attnlab.data.sources import Files, Shards, Share
 from attnlab.data.text.corpora import data_file
@@ -122,7 +122,8 @@ class PairStream(BatchStream):
 
     def batch(self, index: int) -> dict[str, Tensor]:
         seed = self.seed * 1_000_003 + index
-        rng, items, longest = random.Random(seed), [], 0
+        rng = random.Random(seed)
+        items, longest = [], 0
         while True:
             pair = make_pair(self.docs, rng.randrange(len(self.docs)), rng, self.max_len)
             longest_if_added = max(longest, len(pair[0]))
@@ -232,7 +233,8 @@ class MaskedLMDataModule(DataModule):
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = max(1, int(len(docs) * self.val_size))
         n_test = max(1, int(len(docs) * self.test_size))
-        val, test = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val : n_val + n_test]]
+        val = [docs[i] for i in order[:n_val]]
+        test = [docs[i] for i in order[n_val : n_val + n_test]]
         train = [docs[i] for i in order[n_val + n_test :]]
         if self.tokenizer is None:
             self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size or 8000)
@@ -277,16 +279,11 @@ class MaskedLMDataModule(DataModule):
                 out.append(sentences)
         return out
 
-    def _loader(self, pairs: SegmentPairs, split: str) -> DataLoader:
-        sampler = self.token_sampler(pairs.lengths(), self.max_tokens, split)
-        return self.loader(Batches(pairs, sampler), sampler)
-
     def train_dataloader(self) -> DataLoader:
         vocab_size = self.tokenizer.vocab_size
         if not isinstance(self.source, Shards):
-            return self._loader(
-                SegmentPairs(self.train_docs, self.max_len, vocab_size, self.mask_prob), "train"
-            )
+            pairs = SegmentPairs(self.train_docs, self.max_len, vocab_size, self.mask_prob)
+            return self.token_loader(pairs, pairs.lengths(), self.max_tokens, "train")
         stream = PairStream(
             self.train_docs, self.max_len, self.max_tokens, vocab_size, self.mask_prob, self.seed
         )
@@ -305,7 +302,7 @@ class MaskedLMDataModule(DataModule):
         pairs = SegmentPairs(
             docs[: self.val_docs_scored], self.max_len, vocab_size, self.mask_prob, True, self.seed
         )
-        return self._loader(pairs, split)
+        return self.token_loader(pairs, pairs.lengths(), self.max_tokens, split)
 
     def examples(self, n: int) -> list[tuple[list[int], list[int], int]]:
         """The first ``n`` validation pairs, unmasked (the same ones every time: attention pictures)."""

@@ -24,7 +24,7 @@ from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.run_record import sha256_file
 from attnlab.data.remote import RemotePath, read_array, read_arrays
 from attnlab.data.sampling import BatchStream
-from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, ShardFolder, check_file
+from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, Shard, ShardFolder, check_file
 from attnlab.data.shards.writer import ShardWriter, check_count, counted, parallel, prepares, progress_bar
 from attnlab.data.text.tokenizers import (
     BPETokenizer,
@@ -172,8 +172,8 @@ def check_vocab_size(n: int) -> None:
 def split_shares(source: Any) -> tuple[float, float]:
     """The validation and test shares of the text a source holds (its ``val_size``, ``test_size``;
     null: 5% each), refused unless each is between 0 and 1 with room left for training."""
-    val_size, test_size = (getattr(source, f"{s}_size", None) for s in ("val", "test"))
-    val_size, test_size = 0.05 if val_size is None else val_size, 0.05 if test_size is None else test_size
+    shares = (getattr(source, f"{s}_size", None) for s in ("val", "test"))
+    val_size, test_size = (0.05 if share is None else share for share in shares)
     if not (0.0 < val_size < 1.0 and 0.0 < test_size < 1.0 and val_size + test_size < 1.0):
         raise ConfigError(
             f"data.source.val_size ({val_size}) and data.source.test_size ({test_size}) must be "
@@ -322,13 +322,6 @@ def prepare(
     return text_manifest("tokens", tok, dtype, {s: writers[s].shards for s in SPLITS}, files)
 
 
-@dataclass(frozen=True)
-class Shard:
-    path: Location
-    tokens: int
-    sha256: str
-
-
 class TokenShards(TextShards):
     """A folder of token shards, each checked (sha256, ids) the first time this process reads it."""
 
@@ -339,7 +332,7 @@ class TokenShards(TextShards):
                 s: [Shard(p[""], int(e["tokens"]), h[""]) for e, p, h in self.shards(s)] for s in SPLITS
             }
         for shard in (shard for split in SPLITS for shard in self.splits[split]):
-            self.check_tokens(shard.path, shard.tokens)
+            self.check_tokens(shard.path, shard.count)
 
     def verify(self, shard: Shard, keep: bool = False) -> bytes:
         """Check ``shard`` (sha256, ids) unless this process did; with ``keep``, its bytes (read
@@ -347,7 +340,7 @@ class TokenShards(TextShards):
         return self.verify_once(shard.path, shard.sha256, self.dtype, self.vocab_size, keep)
 
     def tokens(self, split: str) -> int:
-        return sum(s.tokens for s in self.splits[split])
+        return sum(s.count for s in self.splits[split])
 
     def read(self, shard: Shard, start: int, n: int) -> np.ndarray:
         self.verify(shard)  # a set lookup once checked
@@ -372,14 +365,14 @@ class ShardWindows(BatchStream):
 
     def __init__(self, shards: TokenShards, max_len: int, batch_size: int, seed: int) -> None:
         self.shards, self.max_len, self.batch_size, self.seed = shards, max_len, batch_size, seed
-        self.usable = [s for s in shards.splits["train"] if s.tokens > max_len + 1]
+        self.usable = [s for s in shards.splits["train"] if s.count > max_len + 1]
         if not self.usable:
             raise DataError(
                 f"{shards.folder}: no training shard holds more than data.max_len + 1 = {max_len + 1} tokens"
             )
         for shard in self.usable:  # here, before the loader's workers start: each checks none again
             shards.verify(shard)
-        self.weights = torch.tensor([float(s.tokens - max_len - 1) for s in self.usable])
+        self.weights = torch.tensor([float(s.count - max_len - 1) for s in self.usable])
 
     def batch(self, index: int) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -387,7 +380,7 @@ class ShardWindows(BatchStream):
         fractions = torch.rand(self.batch_size, generator=g, dtype=torch.float64)
         picks = [self.usable[i] for i in which.tolist()]
         starts = [
-            int(u * (s.tokens - self.max_len - 1)) for s, u in zip(picks, fractions.tolist(), strict=True)
+            int(u * (s.count - self.max_len - 1)) for s, u in zip(picks, fractions.tolist(), strict=True)
         ]
         rows = self.shards.read_windows(list(zip(picks, starts, strict=True)), self.max_len + 1)
         chunk = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
@@ -491,7 +484,8 @@ class DocumentRouter:
     def end_document(self) -> None:
         if not self.sentences:
             return
-        ids, lengths = np.concatenate(self.sentences), np.array([len(s) for s in self.sentences])
+        ids = np.concatenate(self.sentences)
+        lengths = np.array([len(s) for s in self.sentences])
         self.sentences = []
         if len(ids) < 2:  # too short to cut in two
             self.short += 1

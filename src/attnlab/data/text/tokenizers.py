@@ -136,9 +136,9 @@ class SubwordTokenizer(HFTokenizer):
         pre = pre_tokenizers.Sequence(
             [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation(behavior="isolated")]
         )
-        model, options = models.BPE(unk_token="<unk>"), {"vocab_size": vocab_size}
+        model = models.BPE(unk_token="<unk>")
         parts = {"normalizer": normalizers.NFC(), "pre_tokenizer": pre, "decoder": decoders.Metaspace()}
-        return cls.train(lines, model, trainers.BpeTrainer, options, **parts)
+        return cls.train(lines, model, trainers.BpeTrainer, {"vocab_size": vocab_size}, **parts)
 
 
 class WordPieceTokenizer(HFTokenizer):
@@ -163,9 +163,9 @@ class WordPieceTokenizer(HFTokenizer):
 
     @classmethod
     def fit(cls, lines: list[str], vocab_size: int) -> WordPieceTokenizer:
-        model, norm = models.WordPiece(unk_token="[UNK]"), normalizers.BertNormalizer(lowercase=True)
+        model = models.WordPiece(unk_token="[UNK]")
         parts = {
-            "normalizer": norm,
+            "normalizer": normalizers.BertNormalizer(lowercase=True),
             "pre_tokenizer": pre_tokenizers.BertPreTokenizer(),
             "decoder": decoders.WordPiece(),
         }

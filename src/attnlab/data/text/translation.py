@@ -192,7 +192,8 @@ class TranslationDataModule(DataModule):
         return self._file(f"{split}.{self.src_lang}"), self._file(f"{split}.{self.tgt_lang}")
 
     def _file(self, name: str) -> Path:
-        url, cache = MULTI30K_URL.format(name=name), Path(self.source.cache_dir) / "multi30k"
+        url = MULTI30K_URL.format(name=name)
+        cache = Path(self.source.cache_dir) / "multi30k"
         return fetch(name, url, MULTI30K_SHA256[name], self.source.data_dir, cache, gunzip=True)
 
     def _read(self, stage: str) -> tuple[list[str], list[str]]:
@@ -309,9 +310,9 @@ class TranslationDataModule(DataModule):
             lengths = self.train_lengths
         else:
             lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
+        collate = Collate(split, tok.bos_id, tok.eos_id, tok.pad_id)
         if stage == "train":
-            sampler = self.token_sampler(lengths, self.max_tokens, "train")
-        else:
-            rank, world = self.rank_world()
-            sampler = TokenBatchSampler(lengths, self.eval_max_tokens, False, self.seed, world, rank)
-        return self.loader(Batches(Collate(split, tok.bos_id, tok.eos_id, tok.pad_id), sampler), sampler)
+            return self.token_loader(collate, lengths, self.max_tokens, "train")
+        rank, world = self.rank_world()
+        sampler = TokenBatchSampler(lengths, self.eval_max_tokens, False, self.seed, world, rank)
+        return self.loader(Batches(collate, sampler), sampler)

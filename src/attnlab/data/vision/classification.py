@@ -1,8 +1,9 @@
-"""Image classification data: images decoded once into uint8 tensors, a seeded validation split
-carved from the training set, timm's augmentation per image and mixup/cutmix per batch."""
+"""Image classification data held as uint8 tensors: timm's augmentation per image, mixup/cutmix
+per batch; the base of the image DataModules."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -24,6 +25,8 @@ from attnlab.data.shards.tar import BadRecords, Record, ShardRecords, TarShards,
 from attnlab.data.sources import Builtin
 from attnlab.data.vision.datasets import load_builtin
 
+log = logging.getLogger(__name__)
+
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 # timm's Mixup per batch (``data.mixup``): both alphas 0 turn it off
 NO_MIXUP = {"mixup_alpha": 0.0, "cutmix_alpha": 0.0, "prob": 1.0, "switch_prob": 0.5}
@@ -44,11 +47,6 @@ def mixup_args(mixup: dict[str, float] | None, batch_size: int) -> dict[str, flo
             f"data.batch_size must be even with mixup/cutmix (pairs are mixed), got {batch_size}"
         )
     return args
-
-
-def make_mixup(args: dict[str, float], num_classes: int) -> Mixup | None:
-    on = args["mixup_alpha"] or args["cutmix_alpha"]
-    return Mixup(**args, label_smoothing=0.0, num_classes=num_classes) if on else None
 
 
 # TrivialAugment (Müller & Hutter, 2021) in timm's RandAugment terms: one op per image, always
@@ -74,25 +72,11 @@ def timm_policy(key: str, policy: str, mean: list[float], translate: int | None 
         ) from e
 
 
-def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of uint8 (N, C, H, W) images scaled to [0, 1]."""
-    pixels = images.float().div_(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
-    return pixels.mean(1).tolist(), pixels.std(1).tolist()
-
-
 def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
     """uint8 (B, C, H, W) -> float, standardised per channel."""
     m = torch.tensor(mean, device=images.device)[:, None, None]
     s = torch.tensor(std, device=images.device)[:, None, None]
     return (images.float() / 255 - m) / s
-
-
-def sample_stats(split: Dataset, n: int = 512) -> tuple[list[float], list[float]]:
-    """``channel_stats`` of a split's first ``n`` readable images; a std of at least 1e-3 (a blank
-    sample divides by nothing)."""
-    items = [x for x in (split[i] for i in range(min(n, len(split)))) if x is not None]
-    mean, std = channel_stats(torch.stack([x[0] for x in items]))
-    return mean, [max(s, 1e-3) for s in std]
 
 
 def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
@@ -113,31 +97,40 @@ def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
     return images
 
 
-class LabelledImages(Dataset):
-    """(uint8 (C, H, W) image, label) pairs from tensors, with an optional per-image transform,
-    whose random draws are seeded by the sampler's ``(epoch, index)`` key (``seed``: the run's)."""
+def transformed(transform: Callable | None, x: Any, seed: int | None) -> Any:
+    """``transform(x)``, its draws from the global generators seeded by ``seed`` (None: unseeded)."""
+    if transform is None:
+        return x
+    with seeded_globals(seed) if seed is not None else nullcontext():
+        return transform(x)
 
-    def __init__(self, images: Tensor, labels: Tensor, transform: Any = None, seed: int = 0) -> None:
-        self.images, self.labels, self.transform, self.seed = images, labels, transform, seed
+
+class LabelledImages(Dataset):
+    """(uint8 (C, H, W) image, label) pairs, the optional transform's draws seeded by the sampler's
+    ``(epoch, index)`` key (``seed``: the run's); ``load`` reads an image (None: skipped)."""
+
+    def __init__(self, images: Any, labels: Any, transform: Any = None, seed: int = 0) -> None:
+        self.images, self.labels = images, labels
+        self.transform, self.seed = transform, seed
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, key: int | Key) -> tuple[Tensor, Tensor]:
+    def load(self, i: int) -> Any:
+        return self.images[i]
+
+    def __getitem__(self, key: int | Key) -> tuple[Any, Any] | None:
         i = key if isinstance(key, int) else key[1]
-        x = self.images[i]
-        if self.transform is None:
-            return x, self.labels[i]
-        seed = example_seed(self.seed, key)
-        with seeded_globals(seed) if seed is not None else nullcontext():
-            return self.transform(x), self.labels[i]
+        x = self.load(i)
+        if x is None:
+            return None
+        return transformed(self.transform, x, example_seed(self.seed, key)), self.labels[i]
 
 
 class ImagesDataModule(SplitsDataModule):
-    """What the image DataModules share: the splits built once (``build``), a ``Builtin`` set
-    downloaded once, on one process; uint8 images (a batch's first item, or ``batch["image"]``)
-    standardised per channel on the device by ``mean`` and ``std`` (kept in the checkpoint), after
-    ``augment`` in training; a shard source's splits (``shards``), its training split streamed."""
+    """What the image DataModules share: the splits built once (``build``); uint8 images (a batch's
+    first item, or ``batch["image"]``) standardised on the device by ``mean`` and ``std`` (kept in
+    the checkpoint), after ``augment`` in training; a shard source's training split streamed."""
 
     mean: list[float] | None = None
     std: list[float] | None = None
@@ -157,11 +150,29 @@ class ImagesDataModule(SplitsDataModule):
             load_builtin(self.source)
 
     def setup(self, stage: str | None = None) -> None:
-        if not self.splits:
-            self.build()
+        if self.splits:
+            return
+        what = self.build()
+        if "test" not in self.splits:
+            log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
+            self.splits["test"] = self.splits["val"]
+        train = self.shards.count("train") if self.shards else len(self.splits["train"])
+        log_splits(self.source.where, (train, len(self.splits["val"]), len(self.splits["test"])), what)
 
-    def build(self) -> None:
+    def build(self) -> str:
+        """The splits (and ``mean``, ``std``: ``measure``); returns what the log calls the examples."""
         raise NotImplementedError
+
+    def measure(self, images: Tensor | Dataset) -> None:
+        """``mean`` and ``std`` per channel, unless given or restored, of uint8 (N, C, H, W) images or a
+        split's first 512 readable ones; a std of at least 1e-3 (a blank sample divides by nothing)."""
+        if self.mean is not None:
+            return
+        if not isinstance(images, Tensor):
+            items = [x for x in (images[i] for i in range(min(512, len(images)))) if x is not None]
+            images = torch.stack([x[0] for x in items])
+        pixels = images.float().div_(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
+        self.mean, self.std = pixels.mean(1).tolist(), [max(s, 1e-3) for s in pixels.std(1).tolist()]
 
     def artifacts(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.ARTIFACTS}
@@ -201,17 +212,12 @@ class ImagesDataModule(SplitsDataModule):
                 self.splits[split] = ShardRecords(self.shards.splits[split], decode, self.bad)
 
     def decode_train(self, record: Record, where: str, seed: int | None = None) -> Any:
-        """A training shard record -> an example (``seed``: its draws')."""
-        raise NotImplementedError
+        raise NotImplementedError  # a training shard record -> an example (``seed``: its draws')
 
     def train_dataloader(self) -> DataLoader:
         if self.shards is None:
             return super().train_dataloader()
         return stream_loader(self, self.shards.splits["train"], self.decode_train, self.collate)
-
-    def log_sizes(self, what: str) -> None:
-        train = self.shards.count("train") if self.shards else len(self.splits["train"])
-        log_splits(self.source.where, (train, len(self.splits["val"]), len(self.splits["test"])), what)
 
 
 class LabelledImagesDataModule(ImagesDataModule):
@@ -226,8 +232,14 @@ class LabelledImagesDataModule(ImagesDataModule):
         self, batch_size: int, random_erasing: float, mixup: dict | None, num_workers: int, seed: int
     ) -> None:
         super().__init__(batch_size, num_workers, seed)
-        self.mixup_args, self.random_erasing = mixup_args(mixup, batch_size), random_erasing
+        self.mixup_args = mixup_args(mixup, batch_size)
+        self.random_erasing = random_erasing
         self.mixup: Mixup | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]:
+            self.mixup = Mixup(**self.mixup_args, label_smoothing=0.0, num_classes=len(self.classes))
 
     def on_after_batch_transfer(
         self, batch: tuple[Tensor, Tensor], dataloader_idx: int
@@ -248,10 +260,8 @@ class LabelledImagesDataModule(ImagesDataModule):
 
 
 class ImageClassificationDataModule(LabelledImagesDataModule):
-    """A ``Builtin`` set (its ``val_size`` carved) held as uint8 tensors, resized once to ``img_size``
-    (None: native): timm's ``rand_augment`` per image in the loader; a random crop of the image
-    padded by ``crop_padding`` and a flip (``hflip``), normalisation (the training split's
-    statistics), ``random_erasing`` and ``mixup`` (timm's ``Mixup`` arguments) on the device."""
+    """A ``Builtin`` set (its ``val_size`` carved) as uint8 tensors, resized once to ``img_size``
+    (None: native): ``rand_augment`` per image in the loader, the rest per batch on the device."""
 
     def __init__(
         self,
@@ -272,13 +282,13 @@ class ImageClassificationDataModule(LabelledImagesDataModule):
         self.img_size, self.in_chans = img_size, None
         self.crop_padding, self.hflip, self.rand_augment = crop_padding, hflip, rand_augment
 
-    def build(self) -> None:
+    def build(self) -> str:
         data = load_builtin(self.source)
-        images, labels = self._resize(data.train_images), data.train_labels
+        images = self._resize(data.train_images)
+        labels = data.train_labels
         val, train = carve(len(labels), [self.val_size], self.seed)
         self.classes = data.classes
-        if self.mean is None:
-            self.mean, self.std = channel_stats(images[train])
+        self.measure(images[train])
         augment = None
         if self.rand_augment:
             policy = timm_policy("data.rand_augment", self.rand_augment, self.mean)
@@ -287,8 +297,7 @@ class ImageClassificationDataModule(LabelledImagesDataModule):
         self.splits["val"] = LabelledImages(images[val], labels[val])
         self.splits["test"] = LabelledImages(self._resize(data.test_images), data.test_labels)
         self.img_size, self.in_chans = images.size(-1), images.size(1)  # as resized
-        self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        self.log_sizes(f"images of {tuple(images.shape[1:])}, {len(self.classes)} classes")
+        return f"images of {tuple(images.shape[1:])}, {len(self.classes)} classes"
 
     def _resize(self, images: Tensor) -> Tensor:
         return images if self.img_size is None else TF.resize(images, [self.img_size] * 2, antialias=True)

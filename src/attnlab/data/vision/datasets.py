@@ -40,8 +40,7 @@ IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x
 
 def read_idx(path: str | Path, ndim: int | None = None) -> Tensor:
     """The array in an IDX file (MNIST's format, gzipped if ``.gz``) of ``ndim`` dimensions: a magic
-    number (two zero bytes, a type byte, the number of dimensions), one big-endian uint32 per
-    dimension, then the values, row-major. A bad magic number or a truncated file is a ``DataError``."""
+    number (0, 0, a type byte, the number of dimensions), a big-endian uint32 per dimension, values."""
     path = Path(path)
     try:
         data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()

@@ -1,12 +1,10 @@
 """Image classification from files of any size and count (an ImageFolder tree or tar shards), each
-image decoded in a loader worker and augmented by timm's training transform; normalisation,
-erasing and mixup run on the batch, on the device."""
+image decoded and augmented (timm's training transform) in a loader worker."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from operator import methodcaller
 from pathlib import Path
@@ -16,19 +14,19 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from timm.data import create_transform
 from torch import Tensor
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
-from attnlab.data.sampling import Key, carve, example_seed, seeded_globals
+from attnlab.data.sampling import carve
 from attnlab.data.shards.tar import BadRecords, Record, read_shard
 from attnlab.data.sources import Folder, StreamedShards
 from attnlab.data.vision.classification import (
+    LabelledImages,
     LabelledImagesDataModule,
-    make_mixup,
-    sample_stats,
     timm_policy,
+    transformed,
 )
 from attnlab.data.vision.datasets import scan_image_folder, square
 from attnlab.data.vision.shards import decode_image, image_bytes
@@ -57,32 +55,24 @@ def train_transform(
     return v2.Compose([*steps, methodcaller("convert", "L" if in_chans == 1 else "RGB"), TF.pil_to_tensor])
 
 
-class ImageFiles(Dataset):
-    """(uint8 (C, S, S) image, label) decoded from files when drawn, the transform seeded by the
-    ``(epoch, index)`` key; an unreadable file is ``bad``'s to refuse or skip (``None``)."""
+class ImageFiles(LabelledImages):
+    """``LabelledImages`` decoded from files when drawn; an unreadable file is ``bad``'s to refuse
+    or skip (``None``)."""
 
     def __init__(
         self, files: list[Path], labels: list[int], transform: Callable, bad: BadRecords, seed: int = 0
     ) -> None:
-        self.files, self.labels, self.transform, self.bad, self.seed = files, labels, transform, bad, seed
+        super().__init__(files, labels, transform, seed)
+        self.bad = bad
 
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, key: int | Key) -> tuple[Tensor, int] | None:
-        i = key if isinstance(key, int) else key[1]
+    def load(self, i: int) -> Image.Image | None:
         try:
-            data = self.files[i].read_bytes()
-            img = decode_image(data, str(self.files[i]), "RGB")
+            return decode_image(self.images[i].read_bytes(), str(self.images[i]), "RGB")
         except OSError as e:
-            self.bad(f"{self.files[i]}: not readable ({e})")
-            return None
+            self.bad(f"{self.images[i]}: not readable ({e})")
         except DataError as e:
             self.bad(str(e))
-            return None
-        seed = example_seed(self.seed, key)
-        with seeded_globals(seed) if seed is not None else nullcontext():
-            return self.transform(img), self.labels[i]
+        return None
 
 
 def collate_readable(items: list[Any]) -> Any:
@@ -91,11 +81,9 @@ def collate_readable(items: list[Any]) -> Any:
 
 
 class ImageFilesDataModule(LabelledImagesDataModule):
-    """Labelled images of any size and count from a ``Folder`` or ``StreamedShards``, decoded in the
-    loader workers. ``img_size``, ``in_chans``: None, the first val image's; ``scale``, ``hflip``:
-    timm's random resized crop and flip; ``auto_augment``: a timm policy ("rand-m9-mstd0.5",
-    ``TRIVIAL_AUGMENT``, "augmix-m5-w3", "original"); ``normalize``: ``mean`` and ``std`` (None:
-    measured on the val images)."""
+    """Labelled images from a ``Folder`` or ``StreamedShards``. ``img_size``, ``in_chans``: None, the
+    first val image's; ``auto_augment``: a timm policy ("rand-m9-mstd0.5", ``TRIVIAL_AUGMENT``,
+    "augmix-m5-w3", "original"); ``normalize``: ``mean`` and ``std`` (None: measured on val)."""
 
     collate = staticmethod(collate_readable)
 
@@ -119,33 +107,28 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         super().__init__(batch_size, random_erasing, mixup, num_workers, seed)
         self.source, self.img_size, self.in_chans = source, img_size, in_chans
         self.scale, self.hflip, self.auto_augment = list(scale), hflip, auto_augment
-        mean, std = (normalize or {}).get("mean"), (normalize or {}).get("std")
-        if mean is not None and std is not None:
-            self.mean, self.std = mean, std
+        normalize = normalize or {}
+        if normalize.get("mean") is not None and normalize.get("std") is not None:
+            self.mean, self.std = normalize["mean"], normalize["std"]
         self.bad = BadRecords(source.on_bad_record)
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         super().load_artifacts(artifacts)
         self.img_size, self.in_chans = artifacts["img_size"], artifacts["in_chans"]
 
-    def build(self) -> None:
+    def build(self) -> str:
         train = self._setup_folder() if isinstance(self.source, Folder) else self._setup_shards()
-        if "test" not in self.splits:
-            log.warning("%s has no test split: the test stage scores the validation split", self.source.where)
-            self.splits["test"] = self.splits["val"]
-        if self.mean is None:
-            self.mean, self.std = sample_stats(self.splits["val"])
+        self.measure(self.splits["val"])
         self.train_transform = train_transform(
             self.img_size, self.in_chans, self.scale, self.hflip, self.auto_augment, self.mean
         )
         if train is not None:
             self.splits["train"] = ImageFiles(*train, self.train_transform, self.bad, self.seed)
-        self.mixup = make_mixup(self.mixup_args, len(self.classes))
-        size, classes = f"{self.img_size}x{self.img_size}", len(self.classes)
-        self.log_sizes(f"images at {size}, {self.in_chans} channel(s), {classes} classes")
+        size = f"{self.img_size}x{self.img_size}"
+        return f"images at {size}, {self.in_chans} channel(s), {len(self.classes)} classes"
 
     def _setup_folder(self) -> tuple[list[Path], list[int]]:
-        """The val and test splits of the folder; returns the training files and labels."""
+        """The val and test splits; returns the training files and labels."""
         found, self.classes = scan_image_folder(self.source.path)
         val, train = carve(len(found["train"][0]), [self.source.val_size], self.seed)
         pick = lambda idx: tuple([x[i] for i in idx] for x in found["train"])  # noqa: E731
@@ -189,9 +172,7 @@ class ImageFilesDataModule(LabelledImagesDataModule):
             raise DataError(f"{where}: .cls holds {held!r}, not a class index") from None
         if not 0 <= label < len(self.classes):
             raise DataError(f"{where}: class {label} outside 0..{len(self.classes) - 1}")
-        img = decode_image(image_bytes(record), where, "RGB")
-        with seeded_globals(seed) if seed is not None else nullcontext():
-            return transform(img), label
+        return transformed(transform, decode_image(image_bytes(record), where, "RGB"), seed), label
 
     def decode_train(self, record: Record, where: str, seed: int | None = None) -> tuple[Tensor, int]:
         return self.decode(self.train_transform, record, where, seed)

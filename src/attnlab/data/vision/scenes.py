@@ -19,7 +19,7 @@ from attnlab.core.specs import PositiveInt
 from attnlab.data.multimodal.captions import CLASS_PHRASES
 from attnlab.data.sources import Builtin
 from attnlab.data.text.tokenizers import WordTokenizer, tokenizer_from_json
-from attnlab.data.vision.classification import ImagesDataModule, channel_stats
+from attnlab.data.vision.classification import ImagesDataModule
 from attnlab.data.vision.datasets import load_builtin
 
 # each relation (as scenes record it) and its phrasings in captions
@@ -171,7 +171,8 @@ def _a(name: str) -> str:
 
 def _caption(names: list[str], rels: list[str], rng: np.random.Generator) -> str:
     """One caption naming ``names`` in order, item i ``rels[i]`` item i + 1."""
-    opening, link = OPENINGS[rng.integers(len(OPENINGS))], LINKS[rng.integers(len(LINKS))]
+    opening = OPENINGS[rng.integers(len(OPENINGS))]
+    link = LINKS[rng.integers(len(LINKS))]
 
     def say(rel: str) -> str:
         return RELATIONS[rel][rng.integers(len(RELATIONS[rel]))]
@@ -238,7 +239,8 @@ class ScenesDataModule(ImagesDataModule):
                 "(data.train_size, data.val_size, data.test_size count them): leave it null"
             )
         self.source, self.img_size, self.in_chans = source, canvas, 1
-        self.canvas, self.items, self.target = canvas, (int(items[0]), int(items[1])), target
+        self.canvas, self.target = canvas, target
+        self.items = (int(items[0]), int(items[1]))
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.phrases = CLASS_PHRASES[source.name]  # what captions call each class
         self.label_grid = label_grid
@@ -262,7 +264,7 @@ class ScenesDataModule(ImagesDataModule):
         self.max_len = artifacts.get("max_len", self.max_len)
         super().load_artifacts(artifacts)
 
-    def build(self) -> None:
+    def build(self) -> str:
         data = load_builtin(self.source)
         order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(self.seed))
         half = len(order) // 2
@@ -272,21 +274,20 @@ class ScenesDataModule(ImagesDataModule):
             "test": (data.test_images, data.test_labels, torch.arange(len(data.test_labels))),
         }
         for k, (split, (images, labels, pool)) in enumerate(sources.items()):
-            n, seed = self.sizes[split], self.seed + k
-            scenes = make_scenes(images[pool], labels[pool], self.phrases, n, seed, self.canvas, self.items)
+            n = self.sizes[split]
+            scenes = make_scenes(
+                images[pool], labels[pool], self.phrases, n, self.seed + k, self.canvas, self.items
+            )
             self.splits[split] = SceneSplit(scenes, pool)
         train = self.splits["train"].scenes
-        if self.mean is None:
-            self.mean, self.std = channel_stats(train.images)
+        self.measure(train.images)
         if self.target == "caption":
             if self.tokenizer is None:
                 self.tokenizer = WordTokenizer.fit(train.captions)
             longest = max(len(c.split()) for s in self.splits.values() for c in s.scenes.captions)
             self.max_len = max(self.max_len or 0, longest + 2)
         vocabulary = f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else ""
-        self.log_sizes(
-            f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
-        )
+        return f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
 
     def caption_texts(self, split: str) -> list[str]:
         """The captions of a split ("train", "val", "test"), in order (a language model's text)."""

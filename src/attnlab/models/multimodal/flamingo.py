@@ -282,7 +282,8 @@ class Flamingo(nn.Module):
         x = lm.embed_input(tokens, state.caches[0].seen if state else 0)  # (B, T or 1 + T, D)
         n_start = x.size(1) - tokens.size(1)  # a NoPE GPT's start token, which sees no image
         visible = F.pad(visible, (0, 0, n_start, 0))
-        weights, j = [], 0
+        weights = []
+        j = 0  # the next gated block
         for i, block in enumerate(lm.blocks):
             if j < len(self.xattn_at) and self.xattn_at[j] == i:
                 cross = state.cross[j] if state else None
@@ -318,7 +319,8 @@ class Flamingo(nn.Module):
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Teacher forcing: images (B, C, H, W) or (B, N, C, H, W) and tokens (B, T) -> logits
         (B, T, V) and each token's attention over the patches of the image it sees (B, T, S)."""
-        interleaved, images = images.dim() == 5, self._as_sequence(images)
+        interleaved = images.dim() == 5
+        images = self._as_sequence(images)
         latents, patch_attn = self.encode(images)
         image = self.image_of_tokens(tokens, images.size(1)) if interleaved else torch.zeros_like(tokens)
         logits, xattn = self._decode(tokens, image, images.size(1), latents=latents)
@@ -329,7 +331,9 @@ class Flamingo(nn.Module):
         images the feature cache did not hold, so call it after the step."""
         images = self._as_sequence(images)
         (b, n), t = images.shape[:2], tokens.size(1)
-        s, latents, resampler = self.grid[0] * self.grid[1], n * self.n_latents, self.resampler
+        s = self.grid[0] * self.grid[1]
+        latents = n * self.n_latents
+        resampler = self.resampler
         frames = images.flatten(0, 1)
         encoded = self.feature_cache.misses if self.feature_cache.size else len(frames)
         f = self.vision.flops(frames[:encoded], grad="none", head=False)
@@ -346,7 +350,8 @@ class Flamingo(nn.Module):
     def start(self, images: Tensor, prompt: Tensor | None = None) -> FlamingoState:
         """Encode the images (B, C, H, W) or (B, N, C, H, W) once; with a ``prompt`` (B, P) (a
         few-shot context), run it through the caches so that decoding continues after it."""
-        interleaved, images = images.dim() == 5, self._as_sequence(images)
+        interleaved = images.dim() == 5
+        images = self._as_sequence(images)
         latents, patch_attn = self.encode(images)
         state = FlamingoState(
             caches=self.lm.new_caches(),
@@ -371,7 +376,8 @@ class Flamingo(nn.Module):
         """Tokens (B,) -> logits (B, V) and the state, its ``attn`` over the patches (B, S)."""
         image = self._advance(tokens[:, None], state)  # (B, 1)
         logits, xattn = self._decode(tokens[:, None], image, state.patch_attn.size(1), state=state)
-        state.image, state.attn = image[:, 0], self._on_patches(xattn, state.patch_attn)[:, 0]
+        state.image = image[:, 0]
+        state.attn = self._on_patches(xattn, state.patch_attn)[:, 0]
         return logits[:, 0], state
 
     def reorder(self, state: FlamingoState, index: Tensor) -> FlamingoState:

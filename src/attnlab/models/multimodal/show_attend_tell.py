@@ -140,7 +140,8 @@ class ShowAttendTell(nn.Module):
             attns.append(state["attn"])
         attn = torch.stack(attns, 1)  # (B, T, S)
         if health.is_recording():  # the words as the queries of one record; a word has no place
-            n, nowhere = health.rows(), torch.full((tokens.size(1), 1), float("nan"))
+            n = health.rows()
+            nowhere = torch.full((tokens.size(1), 1), float("nan"))
             padding = (tokens[:n] == self.pad_id)[:, None, :, None]
             health.record(self.attn, attn[:n, None].masked_fill(padding, float("nan")), q_pos=nowhere)
         # the output layer once over every step: one large matmul instead of T small ones

@@ -174,8 +174,10 @@ class Seq2Seq(nn.Module):
         return self._encoder_flops(src) + self._step_flops(b, s) * t + flops.linear_layer(self.out, b * t)
 
     def _encoder_flops(self, src: Tensor) -> Flops:
-        rnn, (b, s) = self.encoder.rnn, src.shape
-        tokens, gates = (src != self.pad_id).sum(), rnn.weight_ih_l0.size(0)  # 3 H (GRU) or 4 H (LSTM)
+        rnn = self.encoder.rnn
+        b, s = src.shape
+        tokens = (src != self.pad_id).sum()
+        gates = rnn.weight_ih_l0.size(0)  # 3 H (GRU) or 4 H (LSTM)
         f = flops.NONE
         for layer in range(rnn.num_layers):
             d_in = rnn.input_size if layer == 0 else 2 * rnn.hidden_size

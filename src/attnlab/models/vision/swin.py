@@ -79,7 +79,8 @@ class SwinStage(nn.Module):
         )
 
     def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
-        x, maps = self.downsample(x), []
+        x = self.downsample(x)
+        maps = []
         for block in self.blocks:
             x, weights = block(x, need_weights=need_weights)
             maps.append(weights.self_attn)
@@ -185,7 +186,8 @@ class SwinTransformer(ImageClassifier):
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:
         """Every block's per-window attention weights (B * nW, H, N, N), first block first."""
-        x, maps = self.patch_embed(images), []
+        x = self.patch_embed(images)
+        maps = []
         for stage in self.layers:
             x, weights = stage(x, need_weights=True)
             maps += weights

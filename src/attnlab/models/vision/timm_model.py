@@ -38,21 +38,22 @@ class TimmModel(nn.Module):
         self._flops: dict[tuple, Flops] = {}  # measured per input shape (``flops``)
         args = {"num_classes": num_classes, "in_chans": in_chans, **(kwargs or {})}
         try:
-            self.model = timm.create_model(name, pretrained=False, img_size=img_size, **args)
-        except TypeError as e:  # convnets take any image size and have no img_size argument
-            if "img_size" not in str(e):
-                raise ValueError(f"kwargs: timm model {name!r} refused them: {e}") from e
             try:
+                self.model = timm.create_model(name, pretrained=False, img_size=img_size, **args)
+            except TypeError as e:  # convnets take any image size and have no img_size argument
+                if "img_size" not in str(e):
+                    raise
                 self.model = timm.create_model(name, pretrained=False, **args)
-            except TypeError as e2:
-                raise ValueError(f"kwargs: timm model {name!r} refused them: {e2}") from e2
+        except TypeError as e:
+            raise ValueError(f"kwargs: timm model {name!r} refused them: {e}") from e
         self.probe()
         for m in self.model.modules():  # timm's ViT attention, recorded (``attnlab.nn.health``)
             if isinstance(m, Attention):
                 m.register_forward_hook(record_attention)
         if isinstance(self.model, VisionTransformer):  # its patches' centres, in pixels
-            (gh, gw), prefix = self.model.patch_embed.grid_size, self.model.num_prefix_tokens
-            health.give_positions(self.model.blocks, grid_centres(gh, gw, img_size / gh, prefix))
+            gh, gw = self.model.patch_embed.grid_size
+            centres = grid_centres(gh, gw, img_size / gh, self.model.num_prefix_tokens)
+            health.give_positions(self.model.blocks, centres)
 
     @torch.no_grad()
     def probe(self) -> None:

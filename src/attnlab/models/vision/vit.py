@@ -139,7 +139,8 @@ class VisionTransformer(ImageClassifier):
     @torch.no_grad()
     def attention_maps(self, images: Tensor) -> list[Tensor]:
         """Every block's attention weights (B, H, T, T), first block first."""
-        x, maps = self.tokens(images), []
+        x = self.tokens(images)
+        maps = []
         for block in self.blocks:
             x, weights = block(x, need_weights=True)
             maps.append(weights.self_attn)
@@ -149,7 +150,8 @@ class VisionTransformer(ImageClassifier):
     def patch_attention(self, images: Tensor) -> dict[str, Tensor]:
         """How much attention each patch gets from [CLS], each map (B, grid, grid): in the last
         block (mean over heads), and through all blocks by attention rollout."""
-        maps, p, g = self.attention_maps(images), self.num_prefix_tokens, self.patch_embed.grid_size
+        maps = self.attention_maps(images)
+        p, g = self.num_prefix_tokens, self.patch_embed.grid_size
         last = maps[-1].mean(1)[:, 0, p:]
         rollout = attention_rollout(maps)[:, 0, p:]
         return {"[CLS], last block": last.reshape(-1, g, g), "rollout": rollout.reshape(-1, g, g)}
