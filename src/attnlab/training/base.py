@@ -23,9 +23,19 @@ from attnlab.weights.init import load_init
 # methods. Decoding (start/step, generate) runs a different number of steps on each process and
 # gathers everything once instead (``attnlab.core.distributed.unsharded``).
 ENTRY_POINTS = (
-    "forward_heads forward_features forward_head patch_attention attention_maps alignments encode_image "
-    "encode_text scale encode decode logits"
-).split()
+    "forward_heads",
+    "forward_features",
+    "forward_head",
+    "patch_attention",
+    "attention_maps",
+    "alignments",
+    "encode_image",
+    "encode_text",
+    "scale",
+    "encode",
+    "decode",
+    "logits",
+)
 
 
 log = logging.getLogger(__name__)
