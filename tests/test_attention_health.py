@@ -16,7 +16,7 @@ def metrics_of(weights: torch.Tensor, q_pos=None, k_pos=None) -> dict[str, float
     layer = nn.Identity()
     with health.recording(layer) as records:
         health.record(layer, weights, q_pos, k_pos)
-    return {k.split("/")[1]: v for k, v in health.health(records).items() if k.count("/") == 1}
+    return {k.split("/")[1]: v for k, v in health.flat(health.per_head(records)).items() if k.count("/") == 1}
 
 
 def test_uniform_attention_over_t_keys():
@@ -62,7 +62,7 @@ def test_causal_uniform_through_multi_head_attention(impl):
     (r,) = records
     assert r.layer == "MultiHeadAttention" and r.weights.shape == (2, 2, t, t)
     i = torch.arange(t, dtype=torch.float64)
-    h = health.health(records)
+    h = health.flat(health.per_head(records))
     assert h["attn/entropy"] == pytest.approx(torch.log(i + 1).mean().item(), rel=1e-5)
     assert h["attn/distance/MultiHeadAttention/h1"] == pytest.approx((t - 1) / 4, rel=1e-5)
     assert h["attn/first_token"] == pytest.approx((1 / (i + 1)).mean().item(), rel=1e-5)

@@ -179,7 +179,7 @@ def recorded(net: torch.nn.Module, *inputs: torch.Tensor) -> tuple[dict[str, flo
         with health.recording(net, rows=2) as records:
             seen = net(*inputs)
     pairs = zip(plain, seen, strict=True) if isinstance(plain, tuple) else [(plain, seen)]
-    return health.health(records), all(torch.equal(a, b) for a, b in pairs)
+    return health.flat(health.per_head(records)), all(torch.equal(a, b) for a, b in pairs)
 
 
 V, IMAGES = 40, torch.randn(3, 1, 16, 16)

@@ -17,7 +17,7 @@ import yaml
 from scipy import stats
 
 from attnlab.cli.compare import compare, main, parse_args
-from attnlab.experiments.compare import find_runs, seeds_needed
+from attnlab.experiments.compare import Run, find_runs, plot, seeds_needed
 
 
 def write_run(root: Path, name: str, lr: float, seed: int, losses: list[float], acc: float) -> Path:
@@ -416,3 +416,25 @@ def test_a_run_saved_before_the_redesign_compares_under_todays_names(tmp_path, c
     assert table.splitlines() == ["model.optim.optimizer.lr,runs,val/loss", "0.001,1,4.6", "0.003,1,4.5"]
     (notice,) = [r.getMessage() for r in caplog.records if "older attnlab" in r.getMessage()]
     assert "data.block_size -> data.max_len" in notice
+
+
+def test_plot_against_a_key_without_grouping_draws_a_line_per_run_setting_and_seed(tmp_path, monkeypatch):
+    """--x with --no-group: a line per setting and seed through its runs' x values (it was empty)."""
+    import attnlab.training.plots
+
+    drawn = []
+    monkeypatch.setattr(attnlab.training.plots, "curves_figure", lambda series, *a, **k: drawn.append(series))
+    monkeypatch.setattr("attnlab.experiments.compare._save", lambda fig, out: out)
+    runs = [
+        Run(
+            tmp_path / f"{seed}_{length}",
+            {"seed": seed, "max_len": length},
+            {"val/loss": [(9, seed + length)]},
+        )
+        for seed in (1, 2)
+        for length in (32, 64)
+    ]
+    plot(runs, "val/loss", tmp_path / "p.png", "max_len", group_seeds=False)
+    assert drawn == [
+        {"seed=1": [(32.0, 33.0, 0.0), (64.0, 65.0, 0.0)], "seed=2": [(32.0, 34.0, 0.0), (64.0, 66.0, 0.0)]}
+    ]

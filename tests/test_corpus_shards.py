@@ -262,14 +262,14 @@ def test_damaged_or_mismatched_shards_are_refused_in_one_line(tmp_path):
     shards = documents(tmp_path)
     first = shards.splits["train"][0]
     first.path("tokens").write_bytes(b"")  # an emptied shard
-    with pytest.raises(DataError, match=rf"{first.name}.tokens: 0 bytes, but the manifest says"):
+    with pytest.raises(DataError, match=rf"{first.entry['name']}.tokens: 0 bytes, but the manifest says"):
         DocumentShards(shards.folder)
     manifest = json.loads((shards.folder / MANIFEST).read_text())
     manifest["splits"]["train"][0].update(tokens=0, sentences=0, documents=0)
     (shards.folder / MANIFEST).write_text(json.dumps(manifest))
     first.path("sentences").write_bytes(bytes(8))
     first.path("documents").write_bytes(bytes(8))
-    with pytest.raises(DataError, match=rf"{first.name}.documents: an empty shard"):
+    with pytest.raises(DataError, match=rf"{first.entry['name']}.documents: an empty shard"):
         DocumentShards(shards.folder)
 
     documents(tmp_path, "ok")

@@ -192,6 +192,15 @@ def test_linear_attention_equals_its_quadratic_form_and_its_recurrence(feature_m
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=1e-4)
 
 
+def test_linear_attention_refuses_a_set_mask_and_an_unknown_keyword():
+    attn, x = LinearAttention(16, 2), torch.randn(1, 4, 16)
+    attn(x, causal=True, attn_mask=None, key_padding_mask=None)  # a block's unset masks pass
+    with pytest.raises(ValueError, match="no memory or masks"):
+        attn(x, causal=True, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'key_pading_mask'"):
+        attn(x, causal=True, key_pading_mask=None)
+
+
 def test_taylor_features_give_softmax_kernel_to_second_order_and_keep_rope_relative():
     torch.manual_seed(0)
     q, k = torch.randn(5, 8) * 2, torch.randn(7, 8) * 2

@@ -142,8 +142,7 @@ def test_splits_draw_from_disjoint_source_images(tmp_path):
     pools = {split: set(s.pool.tolist()) for split, s in dm.splits.items()}
     assert not pools["train"] & pools["val"]  # halves of the training split; test: the test split
     for split in dm.splits.values():  # every item is a crop of a source image in its own pool
-        scenes = split.scenes
-        used = {int(i) for s in scenes.sources for i in s}
+        used = {int(i) for s in split.sources for i in s}
         assert used <= set(range(len(split.pool))) and len(used) > 4
 
 
@@ -190,7 +189,7 @@ def test_label_batches(tmp_path):
     batch = next(iter(dm.test_dataloader()))
     assert set(batch) == {"image", "target"} and batch["target"].shape == (4, 10)
     counts = batch["target"].sum(1).tolist()
-    assert counts == [len(dm.splits["test"].scenes.labels[i]) for i in range(4)]
+    assert counts == [len(dm.splits["test"].labels[i]) for i in range(4)]
     assert dm.model_kwargs() == {"num_classes": 10, "img_size": 64, "in_chans": 1}
 
 
@@ -199,7 +198,7 @@ def test_grid_labels_say_which_class_is_in_which_quadrant(tmp_path):
     batch = next(iter(dm.test_dataloader()))
     assert batch["target"].shape == (4, 40) and len(dm.classes) == 40
     assert dm.model_kwargs()["num_classes"] == 40
-    scenes = dm.splits["test"].scenes
+    scenes = dm.splits["test"]
     for row, i in enumerate(range(4)):
         expected = set()
         for (x0, y0, x1, y1), c in zip(scenes.boxes[i].tolist(), scenes.labels[i].tolist(), strict=True):
@@ -255,7 +254,7 @@ def test_scenes_of_the_real_fashion_mnist(tmp_path):
     dm.setup("fit")
     assert len(dm.splits["train"].pool) == len(dm.splits["val"].pool) == 30_000
     assert not set(dm.splits["train"].pool.tolist()) & set(dm.splits["val"].pool.tolist())
-    train = dm.splits["train"].scenes
+    train = dm.splits["train"]
     for s in range(len(train)):
         items = [PHRASES[c] for c in train.labels[s].tolist()]
         assert scene_exact_match(train.captions[s], items, train.relations[s]), train.captions[s]

@@ -40,14 +40,20 @@ def make(tmp: Path, name: str = "shards", **kwargs) -> TokenShards:
     return TokenShards(tmp / name)
 
 
+def train_ids(shards: TokenShards) -> list[torch.Tensor]:
+    """Each training shard's token ids, whole."""
+    return [
+        torch.from_numpy(shards.read_windows([(s, 0)], s.count)[0].astype(np.int64))
+        for s in shards.splits["train"]
+    ]
+
+
 def test_shards_hold_the_corpus_tokens_in_order_split_as_asked(tmp_path):
     shards = make(tmp_path, chunk_bytes=4096)  # many chunks: boundaries inside the corpus
     tokenizer = shards.tokenizer()
     assert isinstance(tokenizer, CharTokenizer) and tokenizer.chars == "".join(sorted(set(TEXT)))
     want = torch.tensor(tokenizer.encode(TEXT))
-    train = torch.cat(
-        [torch.from_numpy(shards.read(s, 0, s.count).astype(np.int64)) for s in shards.splits["train"]]
-    )
+    train = torch.cat(train_ids(shards))
     got = torch.cat([shards.read_split("val"), shards.read_split("test"), train])
     assert torch.equal(got, want)
     assert [len(shards.read_split(s)) for s in ("val", "test")] == [3000, 2000]
@@ -61,16 +67,13 @@ def test_parallel_and_bpe_prepares(tmp_path):
     for a, b in zip(one.splits["train"], two.splits["train"], strict=True):
         assert a.path.read_bytes() == b.path.read_bytes()
     bpe = make(tmp_path, "bpe", tokenizer="bpe", vocab_size=400, val_tokens=100, test_tokens=100)
-    ids = torch.cat(
-        [bpe.read_split("val"), bpe.read_split("test")]
-        + [torch.from_numpy(bpe.read(s, 0, s.count).astype(np.int64)) for s in bpe.splits["train"]]
-    )
+    ids = torch.cat([bpe.read_split("val"), bpe.read_split("test"), *train_ids(bpe)])
     assert bpe.tokenizer().decode(ids.tolist()) == TEXT  # byte-level BPE: the text comes back whole
 
 
 def test_windows_are_slices_of_the_shards_and_a_stream_restarts_at_any_batch(tmp_path):
     shards = make(tmp_path)
-    train = [torch.from_numpy(shards.read(s, 0, s.count).astype(np.int64)) for s in shards.splits["train"]]
+    train = train_ids(shards)
     stream = ShardWindows(shards, max_len=32, batch_size=4, seed=7)
     batches = [b for b, _ in zip(stream, range(6), strict=False)]
     for x, y in batches:

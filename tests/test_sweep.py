@@ -19,10 +19,10 @@ from optuna.trial import TrialState
 
 from attnlab.core.errors import ConfigError
 from attnlab.experiments.sweep import (
+    Driver,
     counted,
     open_study,
     recover_interrupted,
-    run_sweep,
     search_space,
     trial_command,
 )
@@ -145,7 +145,7 @@ def test_each_finished_trial_says_the_best_so_far(tmp_path, monkeypatch):
     study.enqueue_trial({"lr": 0.1})  # in this order
     study.enqueue_trial({"lr": 0.2})
     study.enqueue_trial({"lr": 0.3})
-    run_sweep(study, space, [], tmp_path, "val/loss", 4, echo=lines.append)
+    Driver(study, space, [], tmp_path, "val/loss", 4, echo=lines.append).run()
     assert [line.split("; ")[0] for line in lines] == [
         "trial 1/4 done: val/loss 2.0000 (best so far 2.0000, trial 0)",
         "trial 2/4 done: val/loss 1.5000 (best so far 1.5000, trial 1)",

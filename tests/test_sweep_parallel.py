@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
@@ -21,7 +22,7 @@ from optuna.trial import TrialState
 
 import attnlab.experiments.sweep as sweep_module
 from attnlab.core.errors import ConfigError
-from attnlab.experiments.sweep import Slot, device_slots, open_study, run_sweep, usable_cores
+from attnlab.experiments.sweep import Driver, Slot, device_slots, open_study, usable_cores
 from conftest import assert_ok, cli_env, run_cli, run_main, tiny
 
 # A trial's stand-in: the command line of attnlab-train, read back; it records where it ran
@@ -92,7 +93,7 @@ SPACE = {"model.optim.optimizer.lr": CategoricalDistribution([1.0, 2.0, 3.0, 4.0
 
 
 def fake_trials(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each trial of ``run_sweep`` runs FAKE_TRIAL with attnlab-train's arguments."""
+    """Each trial of a ``Driver`` runs FAKE_TRIAL with attnlab-train's arguments."""
     real = sweep_module.trial_command
     monkeypatch.setattr(
         sweep_module, "trial_command", lambda *a, **k: [sys.executable, "-c", FAKE_TRIAL, *real(*a, **k)[3:]]
@@ -115,7 +116,7 @@ def test_n_jobs_runs_trials_at_once_on_their_own_cores_and_the_same_grid(tmp_pat
         study = open_study(sweep_dir, "minimize", optuna.samplers.GridSampler(grid, seed=7))
         lines: list[str] = []
         slots = device_slots(n_jobs, None, "cpu", 1)
-        run_sweep(study, SPACE, [], sweep_dir, "val/loss_best", 4, lines.append, slots=slots)
+        Driver(study, SPACE, [], sweep_dir, "val/loss_best", 4, lines.append, slots=slots).run()
         trials = study.get_trials()
         assert [t.state for t in trials] == [TrialState.COMPLETE] * 4, [t.user_attrs for t in trials]
         assert sorted(line.partition(" done: val/loss_best ")[0] for line in lines) == [
@@ -132,6 +133,21 @@ def test_n_jobs_runs_trials_at_once_on_their_own_cores_and_the_same_grid(tmp_pat
         assert len(a) == len(b) == per and not a & b
     assert all(p["omp"] == str(per) for p in seen.values())
     assert "on cores " in lines[0]
+
+
+def test_trials_finishing_together_get_distinct_numbers(tmp_path):
+    """Optuna stamps a trial's end before it stores the trial: under load, the trial stamped later
+    can be stored and reported first, before the earlier-stamped one is seen; both keep a number."""
+    study = optuna.create_study()
+    lines: list[str] = []
+    driver = Driver(study, SPACE, [], tmp_path, "val/loss", 2, lines.append)
+    now = datetime.now()
+    for seconds in (1, 0):  # the later-stamped trial reported first
+        trial = optuna.trial.create_trial(value=1.0)
+        trial.datetime_complete = now + timedelta(seconds=seconds)
+        study.add_trial(trial)
+        driver.report(study, study.trials[-1])
+    assert [line.partition(" done: ")[0] for line in lines] == ["trial 1/2", "trial 2/2"]
 
 
 def test_slots_split_the_visible_gpus_and_refuse_more_trials_than_devices(monkeypatch):
@@ -171,7 +187,7 @@ def test_a_ddp_trials_processes_stay_inside_its_cores(tmp_path, monkeypatch):
     (slot,) = device_slots(1, 2, "cpu", 2)
     study = open_study(tmp_path, "minimize", optuna.samplers.GridSampler({"model.optim.optimizer.lr": [1.0]}))
     space = {"model.optim.optimizer.lr": CategoricalDistribution([1.0])}
-    run_sweep(study, space, [], tmp_path, "val/loss_best", 1, lambda line: None, slots=[slot])
+    Driver(study, space, [], tmp_path, "val/loss_best", 1, lambda line: None, slots=[slot]).run()
     probe = probes(tmp_path)[0]
     assert probe["affinity"] == list(slot.cores) and len(slot.cores) == 2 and probe["omp"] == "1"
     assert probe["rank"].strip() == f"{list(slot.cores)} 1"

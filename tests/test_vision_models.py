@@ -226,6 +226,15 @@ def test_shifted_windows_do_not_see_across_window_borders():
             assert changed[:2, :2].all() and not changed[6:, 6:].any()
 
 
+def test_window_attention_refuses_a_set_block_argument_and_an_unknown_keyword():
+    attn, x = WindowAttention(16, 2, size=8, window=4), torch.randn(1, 64, 16)
+    attn(x, attn_mask=None, key_padding_mask=None, causal=False, cache=None, positions=None)
+    with pytest.raises(ValueError, match="no masks, caches or other positions"):
+        attn(x, causal=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
+        attn(x, casual=False)
+
+
 def test_first_swin_block_output_of_a_far_window_ignores_a_changed_pixel():
     torch.manual_seed(0)
     model = SwinTransformer(**SWIN).eval()

@@ -39,8 +39,7 @@ from attnlab.experiments.compare import (
     find_sources,
     logged_metrics,
     lower_is_better,
-    plot_against,
-    plot_curves,
+    plot,
     rows,
 )
 
@@ -167,10 +166,8 @@ def compare(args: argparse.Namespace) -> str:
         raise ConfigError(f"--where {' '.join(args.where)}: no run matches")
     if args.plot:
         out = args.out or Path(args.plot.replace("/", "_").replace("*", "") + ".png")
-        if args.x or "*" in args.plot:
-            out = plot_against(runs, args.plot, args.x or "*", out, not args.no_group)
-        else:
-            out = plot_curves(runs, args.plot, out, not args.no_group)
+        x = args.x or ("*" if "*" in args.plot else None)
+        out = plot(runs, args.plot, out, x, not args.no_group)
         print(f"plot written to {out}", file=sys.stderr)
     if args.sort and args.sort not in (logged := logged_metrics(runs)):
         raise ConfigError(f"--sort {args.sort}: no run logged it (logged: {', '.join(logged)})")

@@ -41,6 +41,7 @@ from attnlab.core.errors import ConfigError
 from attnlab.core.targets import check_targets
 from attnlab.experiments.study import SHARED, normalize_url, open_storage, shown
 from attnlab.experiments.sweep import (
+    Driver,
     Shared,
     Slot,
     check_same_search,
@@ -48,7 +49,6 @@ from attnlab.experiments.sweep import (
     open_study,
     override_value,
     positive,
-    run_sweep,
     search_space,
     study_lock,
     tally,
@@ -200,9 +200,9 @@ def sweep(args: list[str]) -> None:
     if "wandb" in (cfg.get("logger") or {}):  # on W&B, the trials of one sweep form one group
         group = f"{cfg.task_name}-sweep-{study.study_name if p.study else sweep_dir.name}"
         trial_args.append(f"logger.wandb.group={override_value(group)}")
-    run_sweep(
+    Driver(
         study, p.space, trial_args, sweep_dir, cfg.optimized_metric, s.n_trials, print, p.slots, p.shared
-    )
+    ).run()
     if any(t.value is not None for t in study.trials):
         best = study.best_trial
         print(f"best: trial {best.number}, {cfg.optimized_metric} {best.value:.4f}, {best.params}")
@@ -286,7 +286,7 @@ def main() -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__, end="")
         return
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from run_sweep
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial comes from the Driver
     # heartbeats and their retry callback are marked experimental by Optuna: said once, in the docs
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     with exit_on_user_error(console=True):

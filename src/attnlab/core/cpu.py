@@ -35,9 +35,8 @@ def keep_freed_memory() -> bool:
         (_M_TRIM_THRESHOLD, 1 << 30),
         (_M_TOP_PAD, 64 << 20),
     )
-    # apply every setting, even after one is refused
-    accepted = [libc.mallopt(param, value) == 1 for param, value in settings]
-    return all(accepted)
+    # a list, not a generator: every setting applied, even after one is refused
+    return all([libc.mallopt(param, value) == 1 for param, value in settings])
 
 
 def release_freed_memory() -> bool:

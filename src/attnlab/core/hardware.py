@@ -98,11 +98,9 @@ def resolve_precision(accelerator: str, precision: Any) -> str | Any:
 # torch.get_float32_matmul_precision() is "highest". Lightning's table (``get_available_flops``)
 # answers for the GPUs not here; it lists H200 and H100 NVL with sparsity, so they are here.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    r"h200 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    r"h200|gh200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    r"h100 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    r"h[12]00 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     r"h100 pcie": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    r"h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM (HBM3)
+    r"h[12]00": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # H100 SXM (HBM3), H200, GH200
     r"a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     r"l40s": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
     r"l40\b": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
@@ -146,8 +144,7 @@ def gpu_peak_flops(
 
 @cache
 def cpu_matmul_flops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
-    """FLOP/s of a square matmul (1024 fp32, else 512) on this CPU with ``threads``, best of the repeats
-    that fit in ``seconds``; its own generator."""
+    """FLOP/s of a square matmul on ``threads`` (cached per count), the best repeat in ``seconds``."""
     n = 1024 if dtype == torch.float32 else 512
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))

@@ -92,7 +92,8 @@ def new_name(key: str, takes: Any = None) -> tuple[str, str] | None:
     """The new name of an old ``key`` and the rename's note, or None. ``takes``: the parameters of
     ``key``'s node; a name it does not take is followed on (``data.val_fraction -> data.val_size
     -> data.source.val_size``), or the key is not an old one there."""
-    found, parent = _step(key, takes), key.rpartition(".")[0]
+    found = _step(key, takes)
+    parent = key.rpartition(".")[0]
     while found and takes is not None and found[0].rpartition(".")[0] == parent:
         if found[0].rpartition(".")[2] in takes:
             break
@@ -138,7 +139,8 @@ def translate(config: DictConfig) -> list[str]:
 def _translate_keys(node: DictConfig, path: str, target: str, params: Mapping[str, Any]) -> list[str]:
     """One node's old keys renamed, or moved into the node they now belong to."""
     raw = OmegaConf.to_container(node, resolve=False)
-    done, groups = [], {}
+    done = []
+    groups = {}
     for key, value in raw.items():
         if f"{path}.{key}" in BUILD and isinstance(value, str):  # data.source=shards
             new = key

@@ -50,8 +50,9 @@ class Unseen:
         return core_schema.any_schema()
 
 
-def module_source(module: str) -> Path | None:
-    """The ``.py`` file of ``module``, found without importing it or its packages."""
+@cache
+def _parse(module: str) -> tuple[Path, ast.Module] | None:
+    """The ``.py`` file of ``module`` and its syntax, found without importing it or its packages."""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: located, not run
@@ -59,17 +60,11 @@ def module_source(module: str) -> Path | None:
             spec = spec and PathFinder.find_spec(
                 ".".join([top, *rest[: i + 1]]), spec.submodule_search_locations
             )
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
-
-
-@cache
-def _parse(module: str) -> tuple[Path, ast.Module] | None:
-    source = module_source(module)
-    try:
-        return (source, ast.parse(source.read_text(encoding="utf-8"))) if source else None
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        if not (spec and spec.origin and spec.origin.endswith(".py")):
+            return None
+        source = Path(spec.origin)
+        return source, ast.parse(source.read_text(encoding="utf-8"))
+    except (ImportError, OSError, SyntaxError, ValueError):  # (UnicodeDecodeError: a ValueError)
         return None
 
 
@@ -79,9 +74,8 @@ def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
     for stmt in body:
         if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
             found.append(stmt)
-        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            if any((a.asname or a.name.split(".")[0]) == name for a in stmt.names):
-                found.append(stmt)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)) and _alias(stmt, name):
+            found.append(stmt)
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             if any(name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)} for t in targets):
@@ -93,6 +87,11 @@ def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
             blocks = [stmt.body, stmt.orelse, *(h.body for h in getattr(stmt, "handlers", []))]
             found += [s for block in blocks for s in _bindings(block, name)]
     return found
+
+
+def _alias(stmt: ast.stmt, name: str) -> ast.alias | None:
+    """The ``ast.alias`` by which an import statement binds ``name`` (``import a.b`` binds ``a``)."""
+    return next((a for a in getattr(stmt, "names", []) if (a.asname or a.name.split(".")[0]) == name), None)
 
 
 def _absolute(module: str, source: Path, stmt: ast.ImportFrom) -> str | None:
@@ -121,8 +120,7 @@ def _binding(module: str, name: str, hops: int) -> tuple[str, str, ast.stmt] | N
         return None
     stmt = bound[0]
     if isinstance(stmt, ast.ImportFrom) and not _light(origin := _absolute(module, source, stmt) or ""):
-        alias = next(a for a in stmt.names if (a.asname or a.name) == name)
-        return _binding(origin, alias.name, hops - 1) if origin else None
+        return _binding(origin, _alias(stmt, name).name, hops - 1) if origin else None
     return module, name, stmt
 
 
@@ -150,15 +148,11 @@ def evaluate(expression: str, lookup: Callable[[str], Any]) -> Any:
 @cache
 def _value(module: str, name: str, hops: int = MAX_HOPS) -> Any:
     """The value ``name`` has in ``module`` where the source says it plainly, else ``Unseen``."""
-    parsed = _parse(module)
-    found = _binding(module, name, hops) if parsed and _bindings(parsed[1].body, name) else None
-    if found is None:
+    if (found := _binding(module, name, hops)) is None:
         return unseen(name)
     module, name, stmt = found
+    alias = _alias(stmt, name)
     try:
-        alias = next(
-            (a for a in getattr(stmt, "names", []) if (a.asname or a.name.split(".")[0]) == name), None
-        )
         if isinstance(stmt, ast.ImportFrom):  # from a light module
             return getattr(importlib.import_module(_absolute(module, _parse(module)[0], stmt)), alias.name)
         if isinstance(stmt, ast.Import) and _light(alias.name):
@@ -175,7 +169,7 @@ def static_signature(target: str) -> tuple[inspect.Signature, dict[str, Any]] | 
     """``target``'s signature and its annotations evaluated; None where the source does not say
     them plainly (``Class.method`` is not followed)."""
     module, _, name = target.rpartition(".")
-    if module_source(module) is None or (found := _binding(module, name, MAX_HOPS)) is None:
+    if (found := _binding(module, name, MAX_HOPS)) is None:
         return None
     module, name, stmt = found
     if isinstance(stmt, ast.ClassDef):

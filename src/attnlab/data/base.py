@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from attnlab.core.errors import DataError
 from attnlab.data.batching import Batches, TokenBatchSampler, collate_examples
 from attnlab.data.sampling import ResumableSampler
+from attnlab.data.text.tokenizers import tokenizer_from_json
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,18 @@ class DataModule(L.LightningDataModule):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
+
+
+class TokenizerDataModule(DataModule):
+    """A DataModule whose artifacts are its ``tokenizer`` (a checkpoint's, used instead of fitting one)."""
+
+    tokenizer: Any = None
+
+    def artifacts(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.to_json()}
+
+    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
 
 class SplitsDataModule(DataModule):

@@ -4,6 +4,7 @@ is read from disk. Credentials come from each library's environment (``AWS_ENDPO
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -24,15 +25,12 @@ SCHEMES = {
     "http": ("aiohttp", "http"),
     "https": ("aiohttp", "https"),
 }
-SERVER = "the URL, and that the server is up and lets it be read"
-HINTS = {
+HINTS = {  # by protocol; else (http, https) the server
     "s3": (
         "the endpoint (AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
         "or AWS_PROFILE)"
     ),
     "gs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS)",
-    "http": SERVER,
-    "https": SERVER,
 }
 # a streamed object is read ahead in blocks this large: a tar's headers come 512 bytes at a time,
 # each would otherwise be a request of its own
@@ -141,12 +139,12 @@ class RemotePath:
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
 
-    def open(self, mode: str = "rb") -> Stream:
-        """The object as a stream read ahead in ``STREAM_BLOCK`` pieces."""
+    def open(self, mode: str = "rb") -> contextlib.closing[Stream]:
+        """The object as a stream read ahead in ``STREAM_BLOCK`` pieces (closed by ``with``)."""
         if mode != "rb":
             raise ValueError(f"remote shards are read only, not opened {mode!r}")
         f = self._io(self.fs().open, self.url, "rb", block_size=STREAM_BLOCK, cache_type="readahead")
-        return Stream(self, f)
+        return contextlib.closing(Stream(self, f))
 
     def list_folder(self) -> None:
         """List the folder once, so s3fs and gcsfs answer each shard's size from it (best effort: a
@@ -171,12 +169,6 @@ class Stream:
     def close(self) -> None:
         self.f.close()
 
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __str__(self) -> str:
         return str(self.path)
 
@@ -192,7 +184,8 @@ def first_line(e: BaseException) -> str:
 
 
 def unreadable(path: RemotePath, e: BaseException) -> str:
-    return f"{path}: cannot be read ({type(e).__name__}: {first_line(e)}); check {HINTS[path.protocol]}"
+    hint = HINTS.get(path.protocol, "the URL, and that the server is up and lets it be read")
+    return f"{path}: cannot be read ({type(e).__name__}: {first_line(e)}); check {hint}"
 
 
 def file_size(path: Path | RemotePath) -> int | None:
@@ -200,11 +193,6 @@ def file_size(path: Path | RemotePath) -> int | None:
     if isinstance(path, RemotePath):
         return path.size()
     return path.stat().st_size if path.is_file() else None
-
-
-def read_array(path: Path | RemotePath, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
-    """``count`` items of ``dtype`` from byte ``offset``."""
-    return read_arrays([(path, offset, count)], dtype)[0]
 
 
 def read_arrays(windows: list[tuple[Path | RemotePath, int, int]], dtype: np.dtype) -> list[np.ndarray]:

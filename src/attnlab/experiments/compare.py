@@ -118,12 +118,7 @@ def load_run(run_dir: Path) -> Run:
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         config_file = run_dir / ".hydra" / "config.yaml"
-    try:
-        config = read_config(config_file, run_dir) if config_file.is_file() else {}
-    except DataError:
-        raise
-    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
-        raise DataError(f"{config_file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
+    config = read_config(config_file, run_dir) if config_file.is_file() else {}
     derived = derived_keys(run_dir)
     config = {k: v for k, v in flatten(config).items() if k not in derived}
     return Run(run_dir, config, read_curves(run_dir / "csv" / "metrics.csv"))
@@ -133,16 +128,19 @@ def read_config(file: Path, run_dir: Path, resolve: bool = True, notify: bool = 
     """A run's saved config as a dict, in today's names (an old run: one notice line, ``notify``)."""
     from attnlab.core.legacy import read_saved
 
-    config = OmegaConf.load(file)
-    if not isinstance(config, DictConfig):
-        raise DataError(f"{file}: not a config (a YAML mapping)")
     legacy = logging.getLogger("attnlab.core.legacy")
     legacy.disabled = not notify
     try:
-        config = read_saved(config, str(run_dir))
+        config = OmegaConf.load(file)
+        if not isinstance(config, DictConfig):
+            raise DataError(f"{file}: not a config (a YAML mapping)")
+        return OmegaConf.to_container(read_saved(config, str(run_dir)), resolve=resolve)
+    except DataError:
+        raise
+    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
+        raise DataError(f"{file}: not a readable config ({str(e).strip().splitlines()[0]})") from None
     finally:
         legacy.disabled = False
-    return OmegaConf.to_container(config, resolve=resolve)
 
 
 def derived_keys(run_dir: Path) -> set[str]:
@@ -153,8 +151,8 @@ def derived_keys(run_dir: Path) -> set[str]:
         return set()
     try:
         config = read_config(raw, run_dir, resolve=False, notify=False)
-    except Exception as e:  # YAML's and OmegaConf's parse errors have no common base
-        notice(f"{raw}: not readable ({str(e).strip().splitlines()[0]}): its interpolated keys count as set")
+    except DataError as e:
+        notice(f"{e}: its interpolated keys count as set")
         return set()
     return {k for k, v in flatten(config).items() if isinstance(v, str) and "${" in v}
 
@@ -434,23 +432,10 @@ def _save(fig: Any, out: Path) -> Path:
     return out
 
 
-def plot_curves(runs: list[Run], metric: str, out: Path, group_seeds: bool = True) -> Path:
-    """``metric`` of every run against the step, labelled by what varies; seeds as mean ± std."""
-    from attnlab.training.plots import curves_figure
-
-    keys = [k for k in varying_keys(runs) if not (group_seeds and k == SEED)]
-    groups: dict[str, list[dict[float, float]]] = {}
-    for run in runs:
-        if metric in run.curves:
-            groups.setdefault(_label(run, keys), []).append(dict(run.curves[metric]))
-    if not groups:
-        raise DataError(f"--plot {metric}: no run logged it")
-    return _save(curves_figure(_series(groups), metric), out)
-
-
-def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: bool = True) -> Path:
-    """Each run's last ``metric`` against config key ``x``, or (``x="*"``) against the number a
-    ``*`` in ``metric`` stands for (``eval/test/ppl_x*``); a line per setting, log2 x axis."""
+def plot(runs: list[Run], metric: str, out: Path, x: str | None = None, group_seeds: bool = True) -> Path:
+    """``metric`` of every run against the step, labelled by what varies, seeds as mean ± std; with
+    ``x``, each run's last value against config key ``x``, or (``x="*"``) against the number a ``*``
+    in ``metric`` stands for (``eval/test/ppl_x*``): a line per setting, log2 x axis."""
     from attnlab.training.plots import curves_figure
 
     pattern = re.compile(re.escape(metric).replace(r"\*", r"([0-9.]+)") + "$") if x == "*" else None
@@ -458,20 +443,26 @@ def plot_against(runs: list[Run], metric: str, x: str, out: Path, group_seeds: b
     groups: dict[str, dict[str, dict[float, float]]] = {}
     for run in runs:
         points: dict[float, float] = {}
-        if pattern is not None:
+        if x is None:
+            points = dict(run.curves.get(metric, []))
+        elif pattern is not None:
             for name in run.curves:
                 if (m := pattern.match(name)) and (v := run.final(name)) is not None:
                     points[float(m.group(1))] = v
         elif metric in run.curves and _is_number(run.config.get(x)):
             points[float(run.config[x])] = run.final(metric)
         if points:
-            # runs of one setting that differ by seed average; runs at different x join one line
-            seed = repr(run.config.get(SEED)) if group_seeds else str(run.path)
-            groups.setdefault(_label(run, varying), {}).setdefault(seed, {}).update(points)
+            # against x, runs of one setting that differ by seed average; runs at different x join one line
+            line = repr(run.config.get(SEED)) if x else str(run.path)
+            groups.setdefault(_label(run, varying), {}).setdefault(line, {}).update(points)
+    if not groups and x is None:
+        raise DataError(f"--plot {metric}: no run logged it")
     if not groups:
         what = f"a metric named like {metric}" if x == "*" else f"{metric} with a number at {x}"
         raise DataError(f"--plot {metric} --x {x}: no run logged {what}")
-    series = _series({label: list(seeds.values()) for label, seeds in groups.items()})
+    series = _series({label: list(lines.values()) for label, lines in groups.items()})
+    if x is None:
+        return _save(curves_figure(series, metric), out)
     xlabel = metric.split("*")[0].rsplit("/", 1)[-1].rstrip("_") if x == "*" else x
     return _save(curves_figure(series, metric.replace("*", ""), xlabel=xlabel, logx=True), out)
 

@@ -28,8 +28,7 @@ from attnlab.experiments.compare import (
     find_sources,
     is_hyperparameter,
     logged_metrics,
-    plot_against,
-    plot_curves,
+    plot,
     row_label,
     rows,
 )
@@ -90,18 +89,17 @@ def figure_png(fig: Any) -> bytes:
     return png.getvalue()
 
 
-def drawn(plot: Any, *args: Any) -> bytes:
-    """The PNG that one of compare's plot functions writes, read back."""
+def drawn(runs: list[Run], metric: str, x: str | None = None) -> bytes:
+    """The PNG that compare's ``plot`` writes, read back."""
     with tempfile.TemporaryDirectory() as tmp:
-        return plot(*args, Path(tmp) / "f.png").read_bytes()
+        return plot(runs, metric, Path(tmp) / "f.png", x).read_bytes()
 
 
 def curves(runs: list[Run], metrics: list[str]) -> str:
     """A figure per table metric logged as a curve (a test metric's validation twin stands in)."""
-    names = [n for m in metrics for n in (m, m.replace("test/", "val/", 1))]
-    names = [n for i, n in enumerate(names) if n not in names[:i]]
+    names = list(dict.fromkeys(n for m in metrics for n in (m, m.replace("test/", "val/", 1))))
     names = [n for n in names if any(len(r.curves.get(n, [])) > 1 for r in runs)]
-    return f'<div class="row">{"".join(img(drawn(plot_curves, runs, n)) for n in names)}</div>'
+    return f'<div class="row">{"".join(img(drawn(runs, n)) for n in names)}</div>'
 
 
 def table_html(table: dict[str, Any]) -> str:
@@ -200,7 +198,7 @@ def cost(runs: list[Run]) -> str:
     figures = []
     for name in names:
         try:
-            figures.append(img(drawn(plot_against, runs, name, LENGTH), name))
+            figures.append(img(drawn(runs, name, LENGTH), name))
         except DataError:  # no run with a length: nothing to draw against
             continue
     return f'<div class="row">{"".join(figures)}</div>' if figures else ""

@@ -15,6 +15,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,11 +126,9 @@ def check_same_search(
         study.set_user_attr("attnlab_sweep", mine)
         return
     if saved != mine:
-        keys = sorted(set(saved.get("params", {})) | set(mine["params"]))
-        differ = [k for k in ("metric", "direction") if saved.get(k) != mine[k]]
-        differ += [
-            f"sweep.params.{k}" for k in keys if saved.get("params", {}).get(k) != mine["params"].get(k)
-        ]
+        old, new = flatten(saved), flatten(mine)  # "params.<key>": a distribution's JSON
+        differ = [k for k in dict.fromkeys([*new, *sorted(old)]) if old.get(k) != new.get(k)]
+        differ = [f"sweep.{k}" if k.startswith("params.") else k for k in differ]
         raise ConfigError(
             f"sweep.study_name={study.study_name}: that study searches otherwise ({', '.join(differ)} "
             "differ); give another sweep.study_name, or the same search"
@@ -334,28 +333,15 @@ def fail(trial: optuna.Trial, error: str) -> None:
     raise TrialFailed(error)
 
 
-class Turn:
+def take_turn(gate: threading.Lock, study_lock: Any = None) -> ExitStack:
     """A worker's turn to ask for a trial and draw its values: one worker (``gate``) of one driver
-    (``study_lock``) at a time, so counts hold and a grid gives no values twice; released once."""
-
-    def __init__(self, gate: threading.Lock, study_lock: Any = None) -> None:
-        gate.acquire()
-        try:
-            if study_lock is not None:
-                study_lock.acquire()
-        except BaseException:
-            gate.release()
-            raise
-        self.gate, self.study_lock, self.held = gate, study_lock, True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            try:
-                if self.study_lock is not None:
-                    self.study_lock.release()
-            finally:
-                self.gate.release()
+    (``study_lock``) at a time, so counts hold and a grid gives no values twice; ``close()`` ends it."""
+    with ExitStack() as turn:
+        turn.enter_context(gate)
+        if study_lock is not None:
+            study_lock.acquire()
+            turn.callback(study_lock.release)
+        return turn.pop_all()
 
 
 class AdvisoryLock:
@@ -426,6 +412,7 @@ class Driver:
         self.mine: dict[int, subprocess.Popen | None] = {}  # this driver's running trials
         self.stopping = threading.Event()
         self.errors: list[BaseException] = []
+        self.ranks: set[int] = set()  # those this driver's reports gave
 
     def run(self) -> None:
         if not self.shared:  # a study this driver owns: the trials a killed sweep left running
@@ -464,13 +451,13 @@ class Driver:
     def work(self, slot: Slot, end: threading.Event) -> None:
         try:
             while not self.stopping.is_set():
-                turn = Turn(self.gate, self.where.lock)
+                turn = take_turn(self.gate, self.where.lock)
                 try:
                     step = self.next_step()
                     if step == "stop":
                         return
                     if step == "wait":
-                        turn.release()
+                        turn.close()
                         self.stopping.wait(self.where.poll)
                         with warnings.catch_warnings():  # as Optuna's own call is (experimental)
                             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -486,7 +473,7 @@ class Driver:
                     # failed as stale by another driver while it still ran (a grace period too short)
                     self.say(f"note: {str(e).splitlines()[0]}")
                 finally:
-                    turn.release()
+                    turn.close()
         except BaseException as e:  # a bug, or a storage that stopped answering: end the sweep
             with self.lock:
                 self.errors.append(e)
@@ -506,14 +493,14 @@ class Driver:
             elsewhere = [t for t in running if t.number not in self.mine]
         return "wait" if self.shared and elsewhere else "stop"
 
-    def trial(self, slot: Slot, turn: Turn, trial: optuna.Trial) -> float:
+    def trial(self, slot: Slot, turn: ExitStack, trial: optuna.Trial) -> float:
         """Train the drawn values on ``slot``: ``metric`` at the end, pruned, or failed."""
         try:
             params = {name: suggest(trial, name, dist) for name, dist in self.space.items()}
             with self.lock:
                 self.mine[trial.number] = None
         finally:
-            turn.release()
+            turn.close()
         try:
             return self.train(slot, trial, params)
         finally:
@@ -581,16 +568,18 @@ class Driver:
             outcome = f"failed: {t.user_attrs.get('error')}"
         seconds = t.duration.total_seconds() if t.duration else 0.0
         done, _ = tally(study.get_trials(deepcopy=False))
-        # its rank among the finished trials, by finishing time: the same whichever thread prints first
-        rank = sum(bool(d.datetime_complete and d.datetime_complete <= t.datetime_complete) for d in done)
         where = f" on {t.user_attrs['devices']}" if t.user_attrs.get("devices") else ""
         ran = f"trial {t.number}: {params}{where} ({seconds:.0f} s)"
-        self.say(f"trial {rank}/{self.n_trials} done: {outcome} ({best_so_far(study)}); {ran}")
-
-
-def run_sweep(*args: Any, **kwargs: Any) -> None:
-    """Run trials until the study has ``n_trials`` finished (``Driver``'s arguments)."""
-    Driver(*args, **kwargs).run()
+        best = best_so_far(study)
+        with self.lock:
+            # its rank among the finished trials by finishing time, whichever thread prints first; the
+            # time is stamped before the trial is stored, so a trial stored after a later-stamped one
+            # was reported (under load) finds its rank given: it takes the next free one
+            rank = sum(bool(d.datetime_complete and d.datetime_complete <= t.datetime_complete) for d in done)
+            while rank in self.ranks:
+                rank += 1
+            self.ranks.add(rank)
+            self.echo(f"trial {rank}/{self.n_trials} done: {outcome} ({best}); {ran}")
 
 
 def best_so_far(study: optuna.Study) -> str:

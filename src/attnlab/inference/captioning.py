@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.data.batching import pad
 from attnlab.inference.decoding import decode
 from attnlab.models.contracts import Captioner
 
@@ -27,9 +28,6 @@ def caption_batch(
 
 def word_attention(net: Captioner, images: Tensor, captions: list[list[int]], bos: int) -> list[Tensor]:
     """The (L, S) attention of each caption's L words, from one teacher-forced pass."""
-    longest = max((len(c) for c in captions), default=0)
-    tokens = torch.full((len(captions), longest + 1), bos, dtype=torch.long, device=images.device)
-    for i, c in enumerate(captions):  # after a caption's end: BOS, read by no step that is kept
-        tokens[i, 1 : len(c) + 1] = torch.tensor(c, dtype=torch.long)
-    _, attn = net(images, tokens)  # (B, T, S)
+    # padded with BOS after a caption's end: read by no step that is kept
+    _, attn = net(images, pad([[bos, *c] for c in captions], bos).to(images.device))  # (B, T, S)
     return [attn[i, : len(c)].float().cpu() for i, c in enumerate(captions)]

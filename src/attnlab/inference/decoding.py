@@ -45,8 +45,7 @@ def length_penalty(length: int, alpha: float) -> float:
 def beam_search(
     net: Decoder, src: Tensor, bos: int, eos: int, max_len: int, beam_size: int = 5, alpha: float = 1.0
 ) -> list[list[int]]:
-    """The best hypothesis of each source, without <eos>, finished ones scored with GNMT's length
-    penalty."""
+    """Each source's best hypothesis (without <eos>), finished ones scored with GNMT's length penalty."""
     b, k = src.size(0), beam_size
     dev = src.device
     state = net.reorder(net.start(src), torch.arange(b, device=dev).repeat_interleave(k))
@@ -78,13 +77,11 @@ def beam_search(
         tokens = tokens.view(-1)
         if all(len(f) >= k for f in finished):
             break
+    penalty = length_penalty(seqs.size(2), alpha)
     for i in range(b):  # sentences that ran out of length: their live hypotheses count too
         if len(finished[i]) < k:
-            for j in range(k):
-                if torch.isfinite(scores[i, j]):
-                    finished[i].append(
-                        (scores[i, j].item() / length_penalty(seqs.size(2), alpha), seqs[i, j].tolist())
-                    )
+            live = [j for j in range(k) if torch.isfinite(scores[i, j])]
+            finished[i] += [(scores[i, j].item() / penalty, seqs[i, j].tolist()) for j in live]
     return [max(f, key=lambda x: x[0])[1] for f in finished]
 
 
@@ -117,8 +114,7 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """``idx`` (B, T) continued by ``max_new_tokens`` sampled tokens; ``use_cache`` False recomputes
-    the window at every step."""
+    """``idx`` (B, T) and ``max_new_tokens`` sampled tokens (``use_cache`` False: window recomputed)."""
     state = net.start(idx[:, :-1], use_cache=use_cache)
     tokens = idx[:, -1]
     for _ in range(max_new_tokens):

@@ -24,6 +24,9 @@ from attnlab.nn.positions import RelativePositions
 AttentionImpl = Literal["auto", "sdpa", "flex", "math"]
 QKNorm = Literal[False, True, "layernorm", "rmsnorm"]  # true: layernorm
 
+# what a TransformerBlock passes its attention layer besides x, memory and need_weights
+BLOCK_ARGS = frozenset({"attn_mask", "key_padding_mask", "causal", "cache", "positions"})
+
 log = logging.getLogger(__name__)
 _announced: set[tuple] = set()
 
@@ -287,6 +290,16 @@ class MultiHeadAttention(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache()
+
+    def _any_set(self, unset: dict[str, Any]) -> bool:
+        """Whether any of a ``TransformerBlock``'s arguments a subclass takes as ``**unset`` is set
+        (not None or False); a name the block never passes is a TypeError, as Python's own."""
+        unknown = sorted(unset.keys() - BLOCK_ARGS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.forward() got an unexpected keyword argument {unknown[0]!r}"
+            )
+        return any(v is not None and v is not False for v in unset.values())
 
     def attend(
         self,

@@ -107,12 +107,9 @@ def plan(positions: RelativePositions, t: int, device: torch.device) -> tuple[li
 
 
 def _scores_shift(piece: Piece, tensors: tuple[Tensor, ...]) -> Tensor | None:
-    """What the piece adds to every score of a row beyond its mask: (H, Q) or None."""
-    shift = piece.row
-    if piece.const is not None:
-        const = tensors[piece.const][:, None]
-        shift = const if shift is None else shift + const
-    return shift
+    """What the piece adds to every score of a row beyond its mask: (H, Q) or None (``plan`` sets
+    ``row`` or ``const``, never both)."""
+    return tensors[piece.const][:, None] if piece.const is not None else piece.row
 
 
 class FlashPieces(torch.autograd.Function):

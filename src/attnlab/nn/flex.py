@@ -59,21 +59,13 @@ def cached_block_mask(
 def _and(first: MaskMod | None, second: MaskMod | None) -> MaskMod | None:
     if first is None or second is None:
         return first or second
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return first(b, h, q_idx, kv_idx) & second(b, h, q_idx, kv_idx)
-
-    return mask_mod
+    return lambda b, h, q_idx, kv_idx: first(b, h, q_idx, kv_idx) & second(b, h, q_idx, kv_idx)
 
 
 def _add(first: ScoreMod | None, second: ScoreMod | None) -> ScoreMod | None:
     if first is None or second is None:
         return first or second
-
-    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
-
-    return score_mod
+    return lambda score, b, h, q_idx, kv_idx: second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
 
 
 @torch.compiler.disable
@@ -90,17 +82,9 @@ def relative_bias(
     never an (H, T, T) matrix; otherwise (decoding: few queries) from an (H, T_q, T_k) one."""
     if t_q == t_k:
         table = offset_table(positions, t_q, q_pos.device)  # (H, 2T - 1)
-
-        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return score + table[h, kv_idx - q_idx + t_q - 1].to(score.dtype)
-
-        return score_mod
+        return lambda score, b, h, q_idx, kv_idx: score + table[h, kv_idx - q_idx + t_q - 1].to(score.dtype)
     bias = positions.bias(k_pos[None, :] - q_pos[:, None])  # (H, T_q, T_k)
-
-    def dense_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return score + bias[h, q_idx, kv_idx].to(score.dtype)
-
-    return dense_mod
+    return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx].to(score.dtype)
 
 
 def mask_mods(mask: Tensor | None) -> tuple[MaskMod | None, ScoreMod | None]:
@@ -111,11 +95,10 @@ def mask_mods(mask: Tensor | None) -> tuple[MaskMod | None, ScoreMod | None]:
     if mask.dtype == torch.bool:
         return (lambda b, h, q_idx, kv_idx: _pick(mask, b, h, q_idx, kv_idx)), None
     allowed = mask > float("-inf")
-
-    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return score + _pick(mask, b, h, q_idx, kv_idx).to(score.dtype)
-
-    return (lambda b, h, q_idx, kv_idx: _pick(allowed, b, h, q_idx, kv_idx)), score_mod
+    return (
+        lambda b, h, q_idx, kv_idx: _pick(allowed, b, h, q_idx, kv_idx),
+        lambda score, b, h, q_idx, kv_idx: score + _pick(mask, b, h, q_idx, kv_idx).to(score.dtype),
+    )
 
 
 @contextlib.contextmanager

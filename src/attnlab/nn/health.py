@@ -113,13 +113,9 @@ def per_head(records: list[AttentionRecord]) -> dict[str, dict[str, Tensor]]:
     return {k: {layer: (s / n).cpu() for layer, (s, n) in layers.items()} for k, layers in totals.items()}
 
 
-def health(records: list[AttentionRecord]) -> dict[str, float]:
-    """The metrics as logged: ``attn/<metric>/<layer>/h<head>``, ``attn/<metric>/<layer>`` (mean
-    over heads) and ``attn/<metric>`` (mean over every layer's heads); NaN values are left out."""
-    return flat(per_head(records))
-
-
 def flat(values: dict[str, dict[str, Tensor]]) -> dict[str, float]:
+    """``per_head``'s values as logged: ``attn/<metric>/<layer>/h<head>``, ``attn/<metric>/<layer>``
+    (mean over heads) and ``attn/<metric>`` (mean over every layer's heads); NaN values left out."""
     out: dict[str, float] = {}
     for metric, layers in values.items():
         every = []

@@ -112,7 +112,7 @@ class LinearAttention(MultiHeadAttention):
         **unset: Any,
     ) -> tuple[Tensor, Tensor | None]:
         """Causal self-attention; a ``TransformerBlock``'s masks must be unset."""
-        if memory is not None or any(m is not None for m in unset.values()) or not causal:
+        if memory is not None or self._any_set(unset) or not causal:
             raise ValueError("linear attention here is causal self-attention: no memory or masks")
         b, t, c = x.shape
         start = cache.seen if cache is not None else 0

@@ -28,11 +28,6 @@ class RelativePositions(nn.Module):
         return None
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Rotary(RelativePositions):
     """RoPE: pair i of a head's dims (i, i + D/2, as GPT-NeoX and Llama) is turned by the angle
     ``pos * base^(-2i/D)``; keys are turned before they are cached."""
@@ -48,7 +43,8 @@ class Rotary(RelativePositions):
         angles = pos[:, None].float() * self.inv_freq  # (T, D/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
         xf = x.float()
-        return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()).to(x.dtype)
 
 
 def alibi_slopes(n_head: int) -> list[float]:

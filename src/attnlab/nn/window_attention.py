@@ -89,7 +89,7 @@ class WindowAttention(MultiHeadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, size * size, C) -> (B, size * size, C), and with ``need_weights`` the weights
         (B * nW, H, N, N) of every window; a ``TransformerBlock``'s other arguments must be unset."""
-        if memory is not None or any(e is not None and e is not False for e in unset.values()):
+        if memory is not None or self._any_set(unset):
             raise ValueError(
                 "window attention is self-attention over a whole feature map with its own relative "
                 "bias: no masks, caches or other positions"

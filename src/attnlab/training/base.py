@@ -137,8 +137,7 @@ class Task(L.LightningModule):
         return bool(every) and (self.global_step + 1) % every == 0
 
     def log_best(self, name: str, best: Metric, value: Tensor) -> None:
-        """Log ``val/<name>_best``: ``best`` (a ``best_so_far``) updated with ``value``; the sanity
-        check does not count."""
+        """Log ``val/<name>_best``: ``best`` updated with ``value`` (not at the sanity check)."""
         if not self.trainer.sanity_checking:
             best.update(value)
             self.log(f"val/{name}_best", best.compute())
@@ -170,12 +169,9 @@ class Task(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.train_loss(batch)
-        self.log_train_loss(loss)
-        return loss
-
-    def log_train_loss(self, loss: Tensor, **kwargs: Any) -> None:
         if self.logs_this_step():
-            self.log("train/loss", loss, prog_bar=True, **kwargs)
+            self.log("train/loss", loss, prog_bar=True)
+        return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

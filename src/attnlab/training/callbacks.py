@@ -27,6 +27,7 @@ from attnlab.core.errors import ConfigError
 from attnlab.core.memory import peak_memory_mb, reset_peak_memory
 from attnlab.core.specs import PositiveFloat, Probability
 from attnlab.models.text.gpt import GPT
+from attnlab.training.base import gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,8 @@ class RunMetadata(L.Callback):
     """Keep in each checkpoint (``checkpoint["attnlab"]``, plain containers: ``weights_only`` loads)
     what rebuilds and resumes the run: config, data artifacts, machine, W&B run id."""
 
-    def __init__(
-        self, config_yaml: str, artifacts: dict[str, Any] | None = None, machine: dict[str, Any] | None = None
-    ) -> None:
-        self.config_yaml, self.artifacts, self.machine = config_yaml, artifacts or {}, machine or {}
+    def __init__(self, config_yaml: str, artifacts: dict[str, Any], machine: dict[str, Any]) -> None:
+        self.config_yaml, self.artifacts, self.machine = config_yaml, artifacts, machine
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -92,11 +91,7 @@ class ResumableRandomness(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # every process saves (Lightning writes rank 0's copy): each sends its states to it
-        states = [rng_states()]
-        if trainer.world_size > 1:
-            states = [None] * trainer.world_size
-            torch.distributed.all_gather_object(states, rng_states())
-        checkpoint["rng_states"] = states
+        checkpoint["rng_states"] = gather_objects([rng_states()])
 
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -164,13 +159,7 @@ class FiniteLoss(L.Callback):
     def read_every_step(self, loss: torch.Tensor) -> bool:
         return loss.device.type == "cpu"
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.check(trainer)
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self.check(trainer)
-
-    def check(self, trainer: L.Trainer) -> None:
+    def check(self, trainer: L.Trainer, *args: Any) -> None:
         """Raise if the loss was not finite on any step of any process so far."""
         step, value = self.first_bad.tolist() if self.first_bad is not None else (-1.0, 0.0)
         if not trainer.strategy.reduce_boolean_decision(step >= 0, all=False):
@@ -180,6 +169,8 @@ class FiniteLoss(L.Callback):
             f"train/loss is {what}: the training diverged; lower model.optim.optimizer.lr (or set "
             "trainer.gradient_clip_val), or check the data; the checkpoints written before are kept"
         )
+
+    on_validation_start = on_save_checkpoint = check  # before each validation and checkpoint too
 
 
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
@@ -238,6 +229,8 @@ class MetricsPrinter(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
+    on_validation_epoch_end = on_train_start
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         steps = trainer.global_step - self._step0
         self._ms = 1000 * (time.perf_counter() - self._t0) / max(1, steps)
@@ -254,9 +247,6 @@ class MetricsPrinter(L.Callback):
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         parts.append(f"{self._ms:.1f} ms/it")
         log.info(" | ".join(parts))
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
 
 class TrainingCost(L.Callback):
@@ -333,8 +323,7 @@ def ema_with_warmup(
 
 
 class WeightAveraging(pl_callbacks.WeightAveraging):
-    """Lightning's weight averaging (EMA, SWA), which outside fit keeps the checkpoint's average
-    instead of loading its raw weights."""
+    """Lightning's weight averaging (EMA, SWA), which outside fit keeps the checkpoint's average weights."""
 
     @staticmethod
     def refuse_sharding(trainer: L.Trainer) -> None:

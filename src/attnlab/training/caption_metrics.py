@@ -28,8 +28,7 @@ def _references(refs: list[list[str]] | list[str]) -> list[list[str]]:
 
 
 def bleu4(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
-    """Corpus BLEU-4 of ``hyps`` against each one's references (a list each, or one string),
-    over lower-cased words (``words``)."""
+    """Corpus BLEU-4 of ``hyps`` against their references (a list each, or one string), over ``words``."""
     from torchmetrics.text import BLEUScore
 
     joined = [" ".join(words(h)) for h in hyps]
@@ -38,8 +37,7 @@ def bleu4(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
 
 
 def cider(hyps: list[str], refs: list[list[str]] | list[str]) -> float:
-    """CIDEr-D (x10, as COCO reports it) of ``hyps`` against their references, document frequencies from
-    these references."""
+    """CIDEr-D (x10, as COCO reports it) of ``hyps``, document frequencies from their references."""
     from pycocoevalcap.cider.cider import Cider
 
     if not hyps:
@@ -92,8 +90,7 @@ def scene_exact_match(
 
 
 def _canonical(relations: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    out = [(b, INVERSE[r], a) if r in INVERSE else (a, r, b) for a, r, b in relations]
-    return sorted(out)
+    return sorted((b, INVERSE[r], a) if r in INVERSE else (a, r, b) for a, r, b in relations)
 
 
 def grounding_hit(attn: Tensor, grid: tuple[int, int], box: Tensor, canvas: int) -> bool:
@@ -104,10 +101,7 @@ def grounding_hit(attn: Tensor, grid: tuple[int, int], box: Tensor, canvas: int)
 
     def cover(lo: float, hi: float, cells: int) -> Tensor:  # (cells,): the share of each cell in [lo, hi)
         edges = torch.arange(cells + 1, dtype=torch.float64) * canvas / cells
-        inside = (
-            torch.minimum(edges[1:], torch.tensor(hi)) - torch.maximum(edges[:-1], torch.tensor(lo))
-        ).clamp(min=0)
-        return inside / (canvas / cells)
+        return (edges[1:].clamp(max=hi) - edges[:-1].clamp(min=lo)).clamp(min=0) / (canvas / cells)
 
     mass = attn.detach().double().cpu().reshape(h, w)
     inside = (mass * cover(y0, y1, h)[:, None] * cover(x0, x1, w)[None, :]).sum()

@@ -53,7 +53,7 @@ class CaptioningTask(Task):
         names = ("loss", "exact_match", "grounding")
         self.scores = nn.ModuleDict({f"{s}_{n}": MeanMetric() for s in ("val", "test") for n in names})
         self.best = nn.ModuleDict({name: best_so_far("max") for name in ("bleu4", "cider")})
-        self._pairs: list[tuple[int, str, list[str]]] = []  # (index, hypothesis, references)
+        self._pairs: list[tuple[int, str, str | list[str]]] = []  # (index, hypothesis, references)
         self._shown: Tensor | None = None
         self._captions: list[str] = []
 
@@ -72,7 +72,7 @@ class CaptioningTask(Task):
         return logits, attn, target, scored
 
     # -- loops -----------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+    def train_loss(self, batch: dict[str, Any]) -> Tensor:
         logits, attn, target, scored = self._teacher_forced(batch)
         loss = F.cross_entropy(logits[scored].float(), target[scored], label_smoothing=self.label_smoothing)
         if self.attention_reg:
@@ -80,7 +80,6 @@ class CaptioningTask(Task):
             loss = loss + self.attention_reg * reg
             if self.logs_this_step():
                 self.log("train/attention_reg", reg)
-        self.log_train_loss(loss, batch_size=target.size(0))
         return loss
 
     items = "images"
@@ -103,14 +102,13 @@ class CaptioningTask(Task):
                 self.net, batch["image"], tok.bos_id, tok.eos_id, self.max_len, beam, self.length_penalty
             )
         hyps = [tok.decode(ids) for ids, _ in out]
-        refs = [r if isinstance(r, list) else [r] for r in batch["captions"]]
         if "relations" in batch:
             for hyp, items, relations in zip(hyps, batch["items"], batch["relations"], strict=True):
                 self.scores[f"{stage}_exact_match"].update(
                     float(caption_metrics.scene_exact_match(hyp, items, relations))
                 )
         idx = batch["idx"].tolist() if "idx" in batch else [len(self._pairs) + i for i in range(len(hyps))]
-        self._pairs += zip(idx, hyps, refs, strict=True)
+        self._pairs += zip(idx, hyps, batch["captions"], strict=True)  # a caption or a list of them
 
     def _ground(self, batch: dict[str, Any], attn: Tensor, stage: str) -> None:
         """For each named item: does the step that wrote its word look inside its box?"""
@@ -123,8 +121,7 @@ class CaptioningTask(Task):
 
     def _log_scores(self, stage: str) -> dict[str, float]:
         """Log the stage's metrics (the same on every process); returns BLEU-4 and CIDEr."""
-        loss = self.scores[f"{stage}_loss"]
-        self.log(f"{stage}/loss", loss.compute(), prog_bar=True)
+        self.log(f"{stage}/loss", self.scores[f"{stage}_loss"].compute(), prog_bar=True)
         for name in ("exact_match", "grounding"):
             metric = self.scores[f"{stage}_{name}"]
             if metric.update_count:  # only scenes have them
@@ -147,8 +144,7 @@ class CaptioningTask(Task):
             self._evaluate(batch, "val", beam=1)
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            self.scores["val_loss"].reset()
+        if self.trainer.sanity_checking:  # nothing scored: validation_step skips the sanity check
             return
         for name, value in self._log_scores("val").items():
             self.log_best(name, self.best[name], torch.tensor(float(value)))

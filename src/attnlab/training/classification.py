@@ -160,14 +160,11 @@ class ImageClassificationTask(Task):
         classes = self._classes()
         per_class = self.test_per_class.compute().cpu()  # F1 per class, or the confusion matrix
         self.test_per_class.reset()
-        if self.multilabel:
-            for name, f1 in zip(classes, per_class.tolist(), strict=True):
-                self.log(f"test/f1_class/{name.replace('/', '-')}", f1)
-            return
-        accuracy = per_class.diagonal() / per_class.sum(1).clamp_min(1)
-        for name, acc in zip(classes, accuracy.tolist(), strict=True):
-            self.log(f"test/acc_class/{name.replace('/', '-')}", acc)
-        if self.trainer.is_global_zero:
+        key = "f1_class" if self.multilabel else "acc_class"
+        scores = per_class if self.multilabel else per_class.diagonal() / per_class.sum(1).clamp_min(1)
+        for name, score in zip(classes, scores.tolist(), strict=True):
+            self.log(f"test/{key}/{name.replace('/', '-')}", score)
+        if not self.multilabel and self.trainer.is_global_zero:
             self._save_confusion(per_class, classes)
 
     # -- what people look at ------------------------------------------------------------------------
@@ -194,8 +191,7 @@ class ImageClassificationTask(Task):
 
         data = self.trainer.datamodule
         split = data.splits["val"]
-        n = min(self.plot_images, len(split))
-        items = [split[i] for i in range(n)]  # the first validation images: the same ones every time
+        items = [split[i] for i in range(min(self.plot_images, len(split)))]  # the same ones every time
         raw = torch.stack([x for x, _ in items])
         images = data.normalize(raw.to(self.device))
         maps = {k: v.float().cpu() for k, v in self.net.patch_attention(images).items()}
@@ -203,9 +199,6 @@ class ImageClassificationTask(Task):
         if not self.trainer.is_global_zero:
             return
         classes = self._classes()
-        captions = [
-            f"{classes[t]} -> {classes[p]}"
-            for t, p in zip([int(y) for _, y in items], predicted, strict=True)
-        ]
+        captions = [f"{classes[int(y)]} -> {classes[p]}" for (_, y), p in zip(items, predicted, strict=True)]
         fig = attention_overlay_figure(raw.float() / 255, maps, captions)
         publish_figure(self, "val/attention", fig, self.figure_path(f"step{self.global_step:06d}.png"))

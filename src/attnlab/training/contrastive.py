@@ -45,8 +45,7 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
 
 
 def split_clip_loss(images: Tensor, texts: Tensor, scale: Tensor, chunk: int = 1024) -> Tensor:
-    """The symmetric contrastive loss of a whole split: each of the N images against all N
-    captions and each caption against all images, (N, N) logits computed ``chunk`` rows at a time."""
+    """``clip_loss`` of a whole split of N pairs, its (N, N) logits computed ``chunk`` rows at a time."""
 
     def one_way(queries: Tensor, keys: Tensor) -> Tensor:
         total = queries.new_zeros(())
@@ -132,14 +131,13 @@ class ContrastiveTask(Task):
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.net(images, tokens)
 
-    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+    def train_loss(self, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         images, tokens, _ = batch
         image_features, text_features, scale = self(images, tokens)
         if self.loss == "siglip":
             loss = siglip_loss(image_features, text_features, scale, self.logit_bias)
         else:
             loss = clip_loss(image_features, text_features, scale)
-        self.log_train_loss(loss)
         if self.logs_this_step():
             self.log("train/logit_scale", self.net.scale())
             if self.loss == "siglip":
@@ -153,14 +151,6 @@ class ContrastiveTask(Task):
         images, tokens, _ = batch
         return images.size(0), self.net.flops(images, tokens)
 
-    # -- zero-shot ------------------------------------------------------------------------------
-    def _zeroshot_classifier(self) -> Tensor | None:
-        """Class embeddings (K, E) averaged over the data's prompt templates, or None without classes."""
-        data = self.trainer.datamodule
-        if not getattr(data, "classes", None):
-            return None
-        return class_embeddings(self.net, data.tokenizer, data.max_len, data.classes, data.templates)
-
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
         images, tokens, labels = batch
         image_features, text_features, self.eval_scale = self(images, tokens)
@@ -170,7 +160,12 @@ class ContrastiveTask(Task):
 
     def on_validation_epoch_start(self) -> None:
         self.outputs = {}
-        self.classifier = self._zeroshot_classifier()
+        data = self.trainer.datamodule
+        self.classifier = None  # zero-shot: class embeddings (K, E) averaged over the prompt templates
+        if getattr(data, "classes", None):
+            self.classifier = class_embeddings(
+                self.net, data.tokenizer, data.max_len, data.classes, data.templates
+            )
 
     on_test_epoch_start = on_validation_epoch_start
     test_step = validation_step

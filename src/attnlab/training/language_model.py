@@ -44,16 +44,14 @@ class LanguageModelTask(Task):
         return batch[0].numel(), self.net.flops(batch[0])
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, n = self._loss(batch)
-        self.val_loss.update(loss, n)
+        self.val_loss.update(*self._loss(batch))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.log_loss("val/loss", self.val_loss, prog_bar=True)
         self.log_best("loss", self.val_loss_best, loss)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        loss, n = self._loss(batch)
-        self.test_losses[dataloader_idx].update(loss, n)
+        self.test_losses[dataloader_idx].update(*self._loss(batch))
 
     def on_test_epoch_end(self) -> None:
         # loader 0: non-overlapping windows; loader 1 (optional): sliding windows, see TextDataModule

@@ -31,9 +31,8 @@ def unfilled_parts(net: nn.Module, before: Mapping[str, Tensor]) -> list[str]:
 
 
 def train_adapters(net: nn.Module, lora: Mapping[str, Any], before: Mapping[str, Tensor] | None) -> None:
-    """``model.lora``: adapters put into ``net``, the only parameters that train besides the parts
-    ``model.init_from`` did not fill (``before``: the weights before it loaded; None: nothing
-    loaded, only the adapters train). Logs the share of the parameters that train."""
+    """``model.lora``: adapters put into ``net``, which alone train with the parts ``model.init_from`` did not
+    fill (``before``: the weights before it loaded; None: nothing loaded); logs the share that trains."""
     new = unfilled_parts(net, before) if before is not None else []
     layers = add_adapters(net, lora)
     for name, p in net.named_parameters():

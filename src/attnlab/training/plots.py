@@ -93,8 +93,7 @@ def confusion_matrix_figure(matrix: Tensor, classes: list[str]) -> Figure:
 
 
 def cls_attention_figure(weights: Tensor, tokens: list[str]) -> Figure:
-    """How much [CLS] attends to each token (columns) in each layer (rows), averaged over heads;
-    ``weights`` is (layers, T)."""
+    """[CLS]'s attention to each token (columns) in each layer (rows), mean over heads: (layers, T)."""
     n_layers, t = weights.shape
     fig, ax = plt.subplots(figsize=(max(3.5, 1.5 + 0.3 * t), 0.8 + 0.35 * n_layers))  # room for the title
     ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")

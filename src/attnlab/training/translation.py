@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Unpack
 
 import torch
@@ -76,12 +76,6 @@ class TranslationTask(Task):
         logits = self.net(batch["src"], batch["tgt_in"], scored)  # (N, V)
         return loss_fn(logits, batch["tgt_out"][scored], smoothing), scored.sum()
 
-    def _gather_hyps(self, indices: Iterable[int] | None = None) -> dict[int, str]:
-        """The translations of all processes (of ``indices`` only, when given), by sentence index.
-        Every process must call it (a collective call under DDP); each gets the whole dict."""
-        mine = self._hyps if indices is None else {i: self._hyps[i] for i in indices if i in self._hyps}
-        return dict(gather_objects(list(mine.items())))
-
     def _evaluate(
         self,
         batch: dict[str, Tensor],
@@ -90,9 +84,8 @@ class TranslationTask(Task):
         bleu: SacreBLEUScore | None,
         beam: int = 1,
     ) -> None:
-        """Add ``batch`` to ``loss`` and, translated with ``beam`` beams, to ``bleu``. A repeated batch
-        only keeps the processes' step counts equal: computed (a sharded net needs every process in
-        each forward), not counted."""
+        """Add ``batch`` to ``loss`` and, decoded with ``beam`` beams, to ``bleu``; a repeated batch (it keeps
+        the processes' step counts equal: a sharded net needs all in a forward) is computed, not counted."""
         nll, n = self._nll(batch, 0.0)
         if not batch.get("repeat"):
             loss.update(nll, n)
@@ -112,10 +105,8 @@ class TranslationTask(Task):
         self._hyps.update(zip(idx, hyps, strict=True))
 
     # -- loops -----------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self._nll(batch, self.label_smoothing, self._train_loss_fn)
-        self.log_train_loss(loss, batch_size=batch["src"].size(0))
-        return loss
+    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return self._nll(batch, self.label_smoothing, self._train_loss_fn)[0]
 
     items = "tokens"
 
@@ -137,9 +128,11 @@ class TranslationTask(Task):
         self.val_bleu.reset()
         self.log("val/bleu", bleu, prog_bar=True)
         self.log_best("bleu", self.val_bleu_best, bleu)
-        shown = self._gather_hyps(range(min(self.plot_sentences, len(self._data.references("val")))))
+        # every process's translations of the shown sentences, by index (a collective call)
+        first = range(min(self.plot_sentences, len(self._data.references("val"))))
+        shown = dict(gather_objects([(i, self._hyps[i]) for i in first if i in self._hyps]))
         if self.trainer.is_global_zero:
-            self._show_samples(shown)
+            self._show_samples(first, shown)
         self._plot_alignments(shown)  # every process: a sharded net needs them all
         self._hyps = {}
 
@@ -150,7 +143,7 @@ class TranslationTask(Task):
         self.log_loss("test/loss", self.test_loss)
         self.log("test/bleu", 100 * self.test_bleu.compute())
         self.test_bleu.reset()
-        hyps = self._gather_hyps()
+        hyps = dict(gather_objects(list(self._hyps.items())))
         if self.trainer.is_global_zero and hyps:
             path = self.write_lines("test_translations.txt", [hyps[i] for i in sorted(hyps)])
             refs = self._data.references("test")  # line by line beside them: attnlab-compare's paired test
@@ -159,12 +152,9 @@ class TranslationTask(Task):
         self._hyps = {}
 
     # -- what people look at ------------------------------------------------------------------------
-    def _show_samples(self, hyps: dict[int, str]) -> None:
-        data = self._data
-        rows = [
-            (data.sources("val")[i], data.references("val")[i], hyps.get(i, ""))
-            for i in range(min(self.plot_sentences, len(data.references("val"))))
-        ]
+    def _show_samples(self, first: range, hyps: dict[int, str]) -> None:
+        sources, refs = self._data.sources("val"), self._data.references("val")
+        rows = [(sources[i], refs[i], hyps.get(i, "")) for i in first]
         for src, ref, hyp in rows:
             log.info("src: %s\n    ref: %s\n    hyp: %s", src, ref, hyp)
         for lg in self.loggers:
@@ -182,9 +172,9 @@ class TranslationTask(Task):
             return
         from attnlab.training.plots import alignment_figure, publish_figure  # matplotlib only when plotting
 
-        data, tok = self._data, self._data.tokenizer
-        split = data.splits["val"]
-        images, paths = [], []
+        tok = self._data.tokenizer
+        split = self._data.splits["val"]
+        figures, paths = [], []
         for i in range(min(self.plot_sentences, len(split))):
             hyp_ids = tok.encode(hyps[i]) if i in hyps else split.tgt[i]
             src = torch.tensor([split.src[i] + [tok.eos_id]], device=self.device)
@@ -194,8 +184,7 @@ class TranslationTask(Task):
                 continue
             src_tokens = [tok.tokenizer.id_to_token(t) for t in src[0].tolist()]
             out_tokens = [tok.tokenizer.id_to_token(t) for t in hyp_ids] + ["<eos>"]
-            images.append(
-                alignment_figure({k: v[0].float().cpu() for k, v in maps.items()}, src_tokens, out_tokens)
-            )
+            maps = {k: v[0].float().cpu() for k, v in maps.items()}
+            figures.append(alignment_figure(maps, src_tokens, out_tokens))
             paths.append(self.figure_path(f"step{self.global_step:06d}_sent{i}.png"))
-        publish_figure(self, "val/alignments", images, paths)
+        publish_figure(self, "val/alignments", figures, paths)

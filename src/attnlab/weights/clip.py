@@ -122,9 +122,21 @@ def architecture_of(net: nn.Module) -> dict[str, Any]:
     return {fact: value(net) for fact, (value, _) in _FACTS.items()}
 
 
+# open_clip's defaults (its CLIPVisionCfg, CLIPTextCfg) for what a model_cfg leaves out
+_VISION_DEFAULTS = {"image_size": 224, "layers": 12, "width": 768, "head_width": 64, "patch_size": 16}
+_VISION_DEFAULTS |= {"mlp_ratio": 4.0, "no_ln_pre": False, "pool_type": "tok"}
+_TEXT_DEFAULTS = {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12}
+_TEXT_DEFAULTS |= {"mlp_ratio": 4.0, "pad_id": 0, "pool_type": "argmax"}
+
+
+def towers(model_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``model_cfg``'s ``vision_cfg`` and ``text_cfg``, open_clip's defaults filled in."""
+    return _VISION_DEFAULTS | model_cfg.get("vision_cfg", {}), _TEXT_DEFAULTS | model_cfg.get("text_cfg", {})
+
+
 def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     """The ``_FACTS`` from an ``open_clip_config.json``'s ``model_cfg``, refusing what ours lacks."""
-    vision, text = model_cfg.get("vision_cfg", {}), model_cfg.get("text_cfg", {})
+    vision, text = towers(model_cfg)
     for key, what in (
         ("timm_model_name", "a timm image tower"),
         ("attentional_pool", "an attentional pooler"),
@@ -137,19 +149,18 @@ def architecture_in(model_cfg: dict[str, Any], where: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"model.init_from={where}: open_clip's {what} has no counterpart in our CLIP"
             )
-    if vision.get("pool_type", "tok") != "tok":
+    if vision["pool_type"] != "tok":
         raise CheckpointError(
             f"model.init_from={where}: image pooling {vision['pool_type']!r}; ours reads the class token"
         )
     act = "quick_gelu" if model_cfg.get("quick_gelu") else "gelu"
-    pool = text.get("pool_type", "argmax")  # "eos": at the end-of-text token, which ends ours
+    pool = text["pool_type"]  # "eos": at the end-of-text token, which ends ours
     pool = "last" if pool == "eos" else pool
-    width, head_width = vision.get("width", 768), vision.get("head_width", 64)
     return {
-        "image heads": width // head_width,
+        "image heads": vision["width"] // vision["head_width"],
         "image norm eps": (vision.get("norm_kwargs") or {}).get("eps", 1e-5),
         "image act": act,
-        "text heads": text.get("heads", 8),
+        "text heads": text["heads"],
         "text norm eps": (text.get("norm_kwargs") or {}).get("eps", 1e-5),
         "text act": act,
         "text pooling": pool,
@@ -194,9 +205,6 @@ def load(net: nn.Module, source: Path) -> None:
     log.info("model.init_from=%s: open_clip weights loaded", source)
 
 
-# open_clip's defaults (its CLIPVisionCfg, CLIPTextCfg) for what a model_cfg leaves out
-_VISION_DEFAULTS = {"image_size": 224, "layers": 12, "width": 768, "head_width": 64, "patch_size": 16}
-_TEXT_DEFAULTS = {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12}
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip's OPENAI_DATASET_MEAN / _STD
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -215,15 +223,15 @@ def read_folder_config(folder: Path) -> dict[str, Any]:
 def preprocess(folder: Path) -> dict[str, Any]:
     """An open_clip folder's inputs as our data's artifacts (normalisation: ``preprocess_cfg``'s)."""
     config = read_folder_config(folder)
-    model_cfg = config["model_cfg"]
+    vision, text = towers(config["model_cfg"])
     pre = config.get("preprocess_cfg") or {}
-    size = (_VISION_DEFAULTS | model_cfg.get("vision_cfg", {}))["image_size"]
+    size = vision["image_size"]
     return {
         "img_size": size if isinstance(size, int) else size[0],
         "in_chans": 3,
         "mean": list(pre.get("mean", OPENAI_MEAN)),
         "std": list(pre.get("std", OPENAI_STD)),
-        "context_length": (_TEXT_DEFAULTS | model_cfg.get("text_cfg", {}))["context_length"],
+        "context_length": text["context_length"],
     }
 
 
@@ -233,8 +241,7 @@ def clip_from_open_clip(folder: Path) -> nn.Module:
 
     model_cfg = read_folder_config(folder)["model_cfg"]
     facts = architecture_in(model_cfg, folder)
-    vision = _VISION_DEFAULTS | model_cfg.get("vision_cfg", {})
-    text = _TEXT_DEFAULTS | model_cfg.get("text_cfg", {})
+    vision, text = towers(model_cfg)
     image = VisionTransformer(
         0,
         preprocess(folder)["img_size"],
@@ -243,9 +250,9 @@ def clip_from_open_clip(folder: Path) -> nn.Module:
         dim=vision["width"],
         depth=vision["layers"],
         n_head=facts["image heads"],
-        mlp_ratio=vision.get("mlp_ratio", 4.0),
+        mlp_ratio=vision["mlp_ratio"],
         stem="patch",
-        pre_norm=not vision.get("no_ln_pre", False),  # and with it the norms' eps (checked in load)
+        pre_norm=not vision["no_ln_pre"],  # and with it the norms' eps (checked in load)
         patch_bias=False,
         act=facts["image act"],
     )
@@ -255,8 +262,8 @@ def clip_from_open_clip(folder: Path) -> nn.Module:
         dim=text["width"],
         depth=text["layers"],
         n_head=facts["text heads"],
-        mlp_ratio=text.get("mlp_ratio", 4.0),
-        pad_id=text.get("pad_id", 0),
+        mlp_ratio=text["mlp_ratio"],
+        pad_id=text["pad_id"],
         act=facts["text act"],
         pool=facts["text pooling"],
     )

@@ -98,10 +98,9 @@ def library_layer_names(net: nn.Module, layers: list[str]) -> dict[str, tuple[st
 def export_adapters(net: nn.Module, lora: Any, out_dir: Path, artifacts: dict[str, Any]) -> None:
     """A LoRA net kept apart (``merge=false``): its base weights as ``export_pretrained`` writes them,
     its adapters beside them as a PEFT adapter folder under the library's layer names."""
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from attnlab.weights.lora import lora_spec, remove_adapters
+    from attnlab.weights.lora import lora_config, remove_adapters
 
     adapters = remove_adapters(net, merge=False)  # net: the base net
     names = library_layer_names(net, list(adapters))
@@ -112,11 +111,8 @@ def export_adapters(net: nn.Module, lora: Any, out_dir: Path, artifacts: dict[st
             weight = getattr(peft_layer, part)["default"].weight
             state[f"base_model.model.{names[layer][0]}.{part}.weight"] = weight.detach().contiguous()
     save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    spec = lora_spec(lora)
-    LoraConfig(
-        r=spec["r"],
-        lora_alpha=spec["alpha"],
-        lora_dropout=spec["dropout"],
+    lora_config(
+        lora,
         target_modules=sorted(name for name, _ in names.values()),
         fan_in_fan_out=any(transposed for _, transposed in names.values()),
     ).save_pretrained(str(out_dir))

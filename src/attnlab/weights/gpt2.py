@@ -36,14 +36,9 @@ _from_hf, _to_hf = renamers(
         "ln_f.": "norm.",
     }
 )
-# transformers' activation_function -> our act, and ours out
-_ACTIVATIONS = {
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu": "gelu",
-    "quick_gelu": "quick_gelu",
-}
+# our act -> transformers' activation_function, and back (gelu_pytorch_tanh: the same function)
 _HF_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "quick_gelu": "quick_gelu"}
+_ACTIVATIONS = {theirs: ours for ours, theirs in _HF_ACTIVATIONS.items()} | {"gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def _conv1d(ours: str, value: Tensor) -> Tensor:

@@ -53,18 +53,20 @@ def target_layers(net: nn.Module, targets: list[str]) -> list[str]:
 def add_adapters(net: nn.Module, lora: LoRA | DictConfig) -> list[str]:
     """LoRA adapters put into ``net`` in place (PEFT's ``inject_adapter_in_model``: A random, B zero);
     only the adapters keep their gradients. Returns the layers adapted."""
-    spec = lora_spec(lora)
-    layers = target_layers(net, spec["targets"])
-    from peft import LoraConfig, inject_adapter_in_model
+    layers = target_layers(net, lora_spec(lora)["targets"])
+    from peft import inject_adapter_in_model
 
-    config = LoraConfig(
-        r=spec["r"],
-        lora_alpha=spec["alpha"],
-        lora_dropout=spec["dropout"],
-        target_modules="|".join(map(re.escape, layers)),  # a regex: these names exactly
-    )
-    inject_adapter_in_model(config, net)
+    # target_modules, a regex: these names exactly
+    inject_adapter_in_model(lora_config(lora, target_modules="|".join(map(re.escape, layers))), net)
     return layers
+
+
+def lora_config(lora: LoRA | Mapping[str, Any] | DictConfig, **options: Any) -> Any:
+    """PEFT's ``LoraConfig`` for ``model.lora``, with its other ``options``."""
+    from peft import LoraConfig
+
+    spec = lora_spec(lora)
+    return LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"], **options)
 
 
 def adapter_layers(net: nn.Module) -> dict[str, nn.Module]:

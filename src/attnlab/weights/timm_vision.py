@@ -99,7 +99,10 @@ def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> Non
             f"model.init_from={where}: a timm {theirs} ({reference.pretrained_cfg.get('architecture')}), "
             f"but this run configures a {ours}; choose the matching model/net"
         )
-    if ours != "SwinTransformer":  # the head reads [CLS] or the mean token, with no norm of its own
+    if ours == "SwinTransformer":
+        heads = [stage.blocks[0].attn.num_heads for stage in reference.layers]
+        mine = [stage.blocks[0].attn.n_head for stage in net.layers]
+    else:  # the head reads [CLS] or the mean token, with no norm of its own
         pool = reference.global_pool + (
             " then fc_norm" if not isinstance(reference.fc_norm, nn.Identity) else ""
         )
@@ -108,11 +111,8 @@ def check_architecture(net: nn.Module, reference: nn.Module, where: Path) -> Non
                 f"model.init_from={where}: timm's head reads global_pool={pool!r}, the net's reads "
                 f"{net.global_pool!r} (model.net.global_pool: token or avg, which has no fc_norm)"
             )
-    if ours == "SwinTransformer":
-        heads = [stage.blocks[0].attn.num_heads for stage in reference.layers]
-        mine = [stage.blocks[0].attn.n_head for stage in net.layers]
-    else:
-        heads, mine = reference.blocks[0].attn.num_heads, net.blocks[0].attn.n_head
+        heads = reference.blocks[0].attn.num_heads
+        mine = net.blocks[0].attn.n_head
     if heads != mine:
         raise CheckpointError(
             f"model.init_from={where}: {heads} attention heads, the net has {mine} (model.net.n_head)"

@@ -37,8 +37,7 @@ def read_flickr8k(path: Path) -> Listing:
 
 
 def read_coco(path: Path) -> Listing:
-    """A COCO captions file: ``images`` (``id``, ``file_name``) and ``annotations`` (``image_id``,
-    ``caption``)."""
+    """A COCO captions file: ``images`` (id, file_name) and ``annotations`` (image_id, caption)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         names = {im["id"]: im["file_name"] for im in data["images"]}
@@ -86,8 +85,7 @@ class CaptionsFolderDataModule(ImageTextDataModule):
     ``CaptionShards(path)`` (their own splits, one caption per record). A training example is one
     (image, caption) pair, an evaluation example an image with all its captions. The vocabulary
     (``WordTokenizer``: ``vocab_size`` words at most, rarer than ``min_frequency``: ``<unk>``) is
-    fitted on the training captions and kept in the checkpoint; ``max_len`` counts ``<bos>``/``<eos>``.
-    """
+    fitted on the training captions and kept in the checkpoint; ``max_len`` counts ``<bos>``/``<eos>``."""
 
     HELD_OUT = ("val", "test")
 

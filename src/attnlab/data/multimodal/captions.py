@@ -101,7 +101,6 @@ def caption(phrase: str, levels: list[int], template: str) -> str:
 
 
 def caption_corpus(phrases: list[str]) -> list[str]:
-    """Every training caption there can be (each template, class and attribute combination): the
-    text the tokenizer is fitted on."""
+    """Every training caption there can be (each template, class and attributes): the tokenizer's text."""
     combos = [[b, s, w] for b in range(3) for s in range(3) for w in range(3)]
     return [caption(p, lv, t) for p in phrases for lv in combos for t in TRAIN_TEMPLATES]

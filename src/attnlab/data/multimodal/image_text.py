@@ -25,8 +25,8 @@ from attnlab.data.shards.writer import check_free
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
 from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
 from attnlab.data.vision.classification import ImagesDataModule, random_crop_flip
-from attnlab.data.vision.datasets import load_builtin, read_image, square
-from attnlab.data.vision.shards import carved_items, decode_image, image_bytes, image_items, write_shards
+from attnlab.data.vision.datasets import decode_image, load_builtin, read_image, square
+from attnlab.data.vision.shards import carved_items, image_bytes, image_items, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def prepare_image_text(
         return [path.parent / image for image, _ in found], [text for _, text in found]
 
     check_free(Path(out_dir))
-    splits = carved_items(*rows(Path(pairs_file)), "txt", val_size, seed, f"rows of {pairs_file}")
+    splits = carved_items(*rows(Path(pairs_file)), "txt", val_size, seed)
     if test_file is not None:
         splits["test"] = image_items(*rows(Path(test_file)), "txt")
     meta = {"kind": "image_text", "source": str(pairs_file)}
@@ -170,14 +170,9 @@ class ImageTextDataModule(ImagesDataModule):
         self.templates: list[str] = list(cap.ZEROSHOT_TEMPLATES)
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {
-            "image": {"img_size": self.img_size, "in_chans": self.in_chans},
-            "text": {
-                "vocab_size": self.tokenizer.vocab_size,
-                "max_len": self.max_len,  # the text tower's position table
-                "pad_id": self.tokenizer.pad_id,
-            },
-        }
+        tok = self.tokenizer
+        text = {"vocab_size": tok.vocab_size, "max_len": self.max_len, "pad_id": tok.pad_id}
+        return {"image": {"img_size": self.img_size, "in_chans": self.in_chans}, "text": text}
 
     def artifacts(self) -> dict[str, Any]:
         return {
@@ -228,11 +223,10 @@ class ImageTextDataModule(ImagesDataModule):
             try:
                 with Image.open(path.parent / image) as im:
                     im.verify()
+                paths.append(path.parent / image)
+                texts.append(text)
             except (OSError, UnidentifiedImageError):
                 bad.append(path.parent / image)
-                continue
-            paths.append(path.parent / image)
-            texts.append(text)
         if bad:
             what = f"{path}: {len(bad)} of {len(rows)} listed images are missing or unreadable"
             what += f" (first: {bad[0]})"
@@ -246,16 +240,13 @@ class ImageTextDataModule(ImagesDataModule):
     def _setup_pairs(self) -> list[str]:
         paths, texts = self._readable(Path(self.source.path))
         val, train = carve(len(paths), self.sizes, self.seed)
-        files = [
-            CaptionedFiles([paths[i] for i in idx], [texts[i] for i in idx], self.img_size, self.in_chans)
-            for idx in (train, val)
-        ]
-        self.splits = {"train": files[0], "val": files[1]}
+        pick = lambda idx: ([paths[i] for i in idx], [texts[i] for i in idx])  # noqa: E731
+        files = {"train": pick(train), "val": pick(val)}
         if self.source.test_file is not None:
-            tpaths, ttexts = self._readable(Path(self.source.test_file))
-            self.splits["test"] = CaptionedFiles(tpaths, ttexts, self.img_size, self.in_chans)
-        self.measure(files[0])
-        return files[0].captions
+            files["test"] = self._readable(Path(self.source.test_file))
+        self.splits = {s: CaptionedFiles(*f, self.img_size, self.in_chans) for s, f in files.items()}
+        self.measure(self.splits["train"])
+        return self.splits["train"].captions
 
     def _setup_shards(self) -> list[str]:
         self.open_shards("image_text", "image-caption shards (key.jpg + key.txt)")

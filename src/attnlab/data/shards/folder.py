@@ -111,13 +111,6 @@ class ShardFolder:
             f"a manifest may name only files {rule}"
         )
 
-    def token_dtype(self) -> np.dtype:
-        """The manifest's dtype of token ids, inside ``reading``."""
-        dtype = np.dtype(self.manifest["dtype"])
-        if dtype not in (np.uint16, np.uint32):  # a signed type's negative ids would pass a max
-            raise ValueError(f"dtype {self.manifest['dtype']!r}, not uint16 or uint32")
-        return dtype
-
     def verify_once(
         self, path: Location, sha256: str, dtype: np.dtype | None = None, vocab: int = 0, keep: bool = False
     ) -> bytes:

@@ -214,14 +214,11 @@ class ShardStream(IterableDataset):
         """Batches of one epoch on this rank (not ``__len__``: to Lightning the stream is endless)."""
         return self.per_lane * self.lanes
 
-    def epoch_order(self, epoch: int) -> list[Shard]:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-        return [self.shards[i] for i in torch.randperm(len(self.shards), generator=g).tolist()]
-
     def span(self, epoch: int, lo: int, hi: int) -> Iterator[tuple[int, Record]]:
-        """Records ``lo..hi - 1`` of ``epoch``'s order, numbered."""
+        """Records ``lo..hi - 1`` of ``epoch``'s order (shards shuffled by ``(seed, epoch)``), numbered."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
         offset = 0
-        for shard in self.epoch_order(epoch):
+        for shard in (self.shards[i] for i in torch.randperm(len(self.shards), generator=g).tolist()):
             if offset + shard.count > lo and offset < hi:
                 skip = max(0, lo - offset)
                 records = read_shard(shard, skip, self.bad, hi - offset, self.verified)

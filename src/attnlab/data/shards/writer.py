@@ -54,13 +54,6 @@ def check_count(name: str, value: Any, least: int = 1, why: str = "") -> None:
         raise ConfigError(f"{name} must be {expected}, got {value!r}")
 
 
-def check_written(path: Path, size: int) -> None:
-    """``path`` holds the ``size`` bytes written to it: numpy's ``tofile`` can lose a short write
-    to a full disk without an error."""
-    if (found := path.stat().st_size) != size:
-        raise OSError(errno.ENOSPC, f"{found} of {size} bytes written", str(path))
-
-
 def prepares(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     """``fn(inputs, partial, ...) -> manifest`` as ``prepare(inputs, out_dir, ...)``, run under
     ``writing`` into a clean ``<out_dir>.partial``, then ``publish``-ed."""
@@ -186,8 +179,9 @@ class ShardWriter:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-        for part, size in self.written.items():
-            check_written(self.paths[part], size)
+        for part, size in self.written.items():  # tofile can lose a short write (full disk) silently
+            if (found := self.paths[part].stat().st_size) != size:
+                raise OSError(errno.ENOSPC, f"{found} of {size} bytes written", str(self.paths[part]))
         if self.files:
             sha256 = {p: sha256_file(path) for p, path in self.paths.items()}
             self.shards[-1]["sha256"] = sha256 if len(self.parts) > 1 else sha256[self.parts[0]]
@@ -210,16 +204,8 @@ def parallel(workers: int) -> Iterator[Callable[..., Iterator[Any]]]:
         yield map
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pool = get_context("fork" if "fork" in get_all_start_methods() else "spawn").Pool(workers)
-    try:
-        yield pool.imap
-    except BaseException:
-        pool.terminate()
-        raise
-    else:
-        pool.close()
-    finally:
-        pool.join()
+    with get_context("fork" if "fork" in get_all_start_methods() else "spawn").Pool(workers) as pool:
+        yield pool.imap  # consumed whole inside the block: the pool is then terminated
 
 
 @contextmanager

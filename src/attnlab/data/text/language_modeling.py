@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from attnlab.core.errors import AttnlabError, ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule, log_splits
+from attnlab.data.base import TokenizerDataModule, log_splits
 from attnlab.data.sampling import BatchStream
 from attnlab.data.sources import Builtin, Shards, Source
 from attnlab.data.text.corpora import load_corpus
 from attnlab.data.text.shards import ShardWindows, TokenShards, split_shares
-from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import BPETokenizer, CharTokenizer
 
 Batch = tuple[Tensor, Tensor]
 
@@ -43,7 +41,7 @@ class RandomWindows(BatchStream):
         return random_batch(self.tokens, self.max_len, self.batch_size, self.seed * 1_000_003 + index)
 
 
-class TextDataModule(DataModule):
+class TextDataModule(TokenizerDataModule):
     """Language modelling on a ``Builtin`` corpus (``tinyshakespeare``, ``pydoc``), cut here into
     train, ``val_size`` and ``test_size`` shares (the test split at the end) and tokenised ("char":
     at most ``vocab_size`` characters if set; "bpe": ``vocab_size``, null: 1024); or on ``Shards``
@@ -88,13 +86,6 @@ class TextDataModule(DataModule):
 
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": self.vocab_size}
-
-    def artifacts(self) -> dict[str, Any]:
-        assert self.tokenizer is not None, "call setup() first"
-        return {"tokenizer": self.tokenizer.to_json()}
-
-    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
 
     def prepare_data(self) -> None:
         if isinstance(self.source, Builtin):

@@ -14,14 +14,14 @@ from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule, log_splits
+from attnlab.data.base import TokenizerDataModule, log_splits
 from attnlab.data.batching import pad
-from attnlab.data.sampling import BatchStream
+from attnlab.data.sampling import BatchStream, carve
 from attnlab.data.sources import Files, Shards, Share
 from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_corpus
 from attnlab.data.text.shards import Document, DocumentShards, ShardDocuments, split_shares
-from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import WordPieceTokenizer
 
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as Hugging Face's BertForPreTraining
 N_SPECIALS = len(WordPieceTokenizer.specials)  # ids below this are special tokens, never masked
@@ -169,7 +169,7 @@ class SegmentPairs:
         return batch_of(items, inputs, pad([m[1].tolist() for m in masked], -100))
 
 
-class MaskedLMDataModule(DataModule):
+class MaskedLMDataModule(TokenizerDataModule):
     """BERT pre-training (MLM + NSP) on ``Files`` (``read_corpus``), carved here (seeded) and
     tokenised with WordPiece of ``vocab_size`` (null: 8000); or on document ``Shards`` (``vocab_size``
     null, or the shards'), documents read as drawn. Batches hold ``max_tokens`` with padding;
@@ -207,12 +207,6 @@ class MaskedLMDataModule(DataModule):
     def model_kwargs(self) -> dict[str, Any]:
         return {"encoder": {"vocab_size": self.tokenizer.vocab_size, "pad_id": WordPieceTokenizer.pad_id}}
 
-    def artifacts(self) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer.to_json()}
-
-    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
-
     def prepare_data(self) -> None:
         if isinstance(self.source, Files):
             for name in self.source.names:
@@ -230,12 +224,8 @@ class MaskedLMDataModule(DataModule):
                 f"the corpus ({self.source.where}) holds {len(docs)} document(s); "
                 "pre-training needs at least three (training, validation, test)"
             )
-        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        n_val = max(1, int(len(docs) * self.val_size))
-        n_test = max(1, int(len(docs) * self.test_size))
-        val = [docs[i] for i in order[:n_val]]
-        test = [docs[i] for i in order[n_val : n_val + n_test]]
-        train = [docs[i] for i in order[n_val + n_test :]]
+        held = [max(1, int(len(docs) * share)) for share in (self.val_size, self.test_size)]
+        val, test, train = ([docs[i] for i in part] for part in carve(len(docs), held, self.seed))
         if self.tokenizer is None:
             self.tokenizer = WordPieceTokenizer.fit([s for d in train for s in d], self.vocab_size or 8000)
         tok = self.tokenizer

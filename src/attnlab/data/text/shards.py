@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.run_record import sha256_file
-from attnlab.data.remote import RemotePath, read_array, read_arrays
+from attnlab.data.remote import RemotePath, read_arrays
 from attnlab.data.sampling import BatchStream
 from attnlab.data.shards.folder import MANIFEST, SPLITS, Location, Shard, ShardFolder, check_file
 from attnlab.data.shards.writer import ShardWriter, check_count, counted, parallel, prepares, progress_bar
@@ -204,7 +204,9 @@ class TextShards(ShardFolder):
     def __init__(self, folder: str | os.PathLike | RemotePath, kind: str) -> None:
         super().__init__(folder, kind)
         with self.reading():
-            self.dtype = self.token_dtype()
+            self.dtype = np.dtype(self.manifest["dtype"])
+            if self.dtype not in (np.uint16, np.uint32):  # a signed type's negative ids would pass a max
+                raise ValueError(f"dtype {self.manifest['dtype']!r}, not uint16 or uint32")
             self.tokenizer_json: str = self.manifest["tokenizer"]
         try:
             self.vocab_size = tokenizer_from_json(self.tokenizer_json).vocab_size
@@ -247,10 +249,26 @@ class TextShards(ShardFolder):
         check_file(path, (n + 1) * 8, f"{n} {what} offsets")
 
     def ids(self, path: Location, start: int, n: int) -> np.ndarray:
-        return read_array(path, self.dtype, n, start * self.dtype.itemsize)
+        return read_arrays([(path, start * self.dtype.itemsize, n)], self.dtype)[0]
 
     def offsets(self, path: Location, start: int, n: int) -> np.ndarray:
-        return read_array(path, np.dtype(np.int64), n, start * 8)
+        return read_arrays([(path, start * 8, n)], np.dtype(np.int64))[0]
+
+
+@dataclass(frozen=True)
+class PartShard:
+    """A shard of files ``<name>.<part>`` (documents, pairs): its manifest ``entry`` (name and
+    counts), each part's file and sha256."""
+
+    entry: dict[str, Any]
+    paths: dict[str, Location]
+    sha256: dict[str, str]
+
+    def path(self, *part: str) -> Location:
+        return self.paths[".".join(part)]
+
+    def count(self, key: str) -> int:
+        return int(self.entry[key])
 
 
 # ---- tokens (language modelling) -----------------------------------------------------------------
@@ -341,10 +359,6 @@ class TokenShards(TextShards):
 
     def tokens(self, split: str) -> int:
         return sum(s.count for s in self.splits[split])
-
-    def read(self, shard: Shard, start: int, n: int) -> np.ndarray:
-        self.verify(shard)  # a set lookup once checked
-        return self.ids(shard.path, start, n)
 
     def read_windows(self, windows: list[tuple[Shard, int]], n: int) -> list[np.ndarray]:
         """``n`` tokens from each ``(shard, start)``: from object storage, one round trip for all."""
@@ -534,45 +548,26 @@ def prepare_documents(
     return text_manifest("documents", tok, dtype, splits, files, short_documents=router.short)
 
 
-@dataclass(frozen=True)
-class DocumentShard:
-    name: str
-    paths: dict[str, Location]
-    tokens: int
-    sentences: int
-    documents: int
-    sha256: dict[str, str]
-
-    def path(self, part: str) -> Location:
-        return self.paths[part]
-
-
 class DocumentShards(TextShards):
     """A folder of document shards, each checked (sha256, ids) the first time this process reads it."""
 
     def __init__(self, folder: str | os.PathLike | RemotePath) -> None:
         super().__init__(folder, "documents")
         with self.reading():
-            self.splits = {
-                s: [
-                    DocumentShard(e["name"], p, int(e["tokens"]), int(e["sentences"]), int(e["documents"]), h)
-                    for e, p, h in self.shards(s, PARTS)
-                ]
-                for s in SPLITS
-            }
-        for shard in (shard for split in SPLITS for shard in self.splits[split]):
-            self.check_tokens(shard.path("tokens"), shard.tokens)
-            self.check_offsets(shard.path("sentences"), shard.sentences, "sentence")
-            self.check_offsets(shard.path("documents"), shard.documents, "document")
-            if shard.documents == 0:
-                raise DataError(f"{shard.path('documents')}: an empty shard (no documents)")
+            self.splits = {s: [PartShard(*shard) for shard in self.shards(s, PARTS)] for s in SPLITS}
+            for shard in (shard for split in SPLITS for shard in self.splits[split]):
+                self.check_tokens(shard.path("tokens"), shard.count("tokens"))
+                self.check_offsets(shard.path("sentences"), shard.count("sentences"), "sentence")
+                self.check_offsets(shard.path("documents"), shard.count("documents"), "document")
+                if shard.count("documents") == 0:
+                    raise DataError(f"{shard.path('documents')}: an empty shard (no documents)")
 
-    def verify(self, shard: DocumentShard) -> None:
+    def verify(self, shard: PartShard) -> None:
         """Check the files of ``shard`` (sha256; ids in the vocabulary) unless this process did."""
         for part in PARTS:
             self.verify_part(shard, part)
 
-    def read(self, shard: DocumentShard, first: int, n: int) -> list[Document]:
+    def read(self, shard: PartShard, first: int, n: int) -> list[Document]:
         """Documents ``first .. first + n - 1`` of a shard."""
         self.verify(shard)  # a set lookup once checked
         docs = self.offsets(shard.path("documents"), first, n + 1)
@@ -585,7 +580,7 @@ class DocumentShards(TextShards):
 
     def read_split(self, split: str) -> list[Document]:
         """A whole (small) split in memory: validation and test."""
-        return [d for s in self.splits[split] for d in self.read(s, 0, s.documents)]
+        return [d for s in self.splits[split] for d in self.read(s, 0, s.count("documents"))]
 
 
 class ShardDocuments(Sequence):
@@ -596,7 +591,7 @@ class ShardDocuments(Sequence):
         self.shards, self.parts = shards, shards.splits["train"]
         for shard in self.parts:  # here, before the loader's workers start: each checks none again
             shards.verify(shard)
-        self.ends = np.cumsum([s.documents for s in self.parts])
+        self.ends = np.cumsum([s.count("documents") for s in self.parts])
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -610,7 +605,6 @@ class ShardDocuments(Sequence):
 
 Pair = tuple[str, str]
 PairSource = tuple[list[Path], Callable[[], Iterator[tuple[Pair, int]]]]  # files, (pair, bytes read)
-HELD_OUT = ("val", "test")
 
 
 def lines(path: Path) -> Iterator[tuple[int, int, str]]:
@@ -762,7 +756,9 @@ def prepare_pairs(
     with progress_bar(progress, sum(f.stat().st_size for f in files)) as advance, parallel(workers) as imap:
         stream = read_pairs()
         held_out = {split: write_text(partial, split, langs, stream, n, advance) for split, n in held.items()}
-        for sides in imap(PairEncoder(tok.to_json(), dtype), _blocks(stream, block_pairs, advance)):
+        pairs = counted(stream, advance)
+        blocks = iter(lambda: list(islice(pairs, block_pairs)), [])  # lists of block_pairs, until none
+        for sides in imap(PairEncoder(tok.to_json(), dtype), blocks):
             writer.write(sides)
     writer.close()
     if any(held_out[split]["pairs"] < n for split, n in held.items()):
@@ -789,34 +785,15 @@ def write_text(
         open(files[langs[0]], "w", encoding="utf-8") as fa,
         open(files[langs[1]], "w", encoding="utf-8") as fb,
     ):
-        for (x, y), size in islice(stream, n):
+        for x, y in islice(counted(stream, advance), n):
             fa.write(" ".join(x.splitlines()) + "\n")
             fb.write(" ".join(y.splitlines()) + "\n")
-            advance(size)
             count += 1
     return {
         "pairs": count,
         "bytes": {lang: p.stat().st_size for lang, p in files.items()},
         "sha256": {lang: sha256_file(p) for lang, p in files.items()},
     }
-
-
-def _blocks(stream: Iterator[tuple[Pair, int]], size: int, advance: Callable) -> Iterator[list[Pair]]:
-    while block := list(islice(stream, size)):
-        advance(sum(n for _, n in block))
-        yield [p for p, _ in block]
-
-
-@dataclass(frozen=True)
-class PairShard:
-    name: str
-    paths: dict[str, Location]
-    pairs: int
-    tokens: dict[str, int]
-    sha256: dict[str, str]
-
-    def path(self, lang: str, part: str) -> Location:
-        return self.paths[f"{lang}.{part}"]
 
 
 class PairShards(TextShards):
@@ -828,30 +805,20 @@ class PairShards(TextShards):
         with self.reading():
             self.langs: tuple[str, str] = tuple(self.manifest["langs"])
             parts = tuple(f"{lang}.{p}" for lang in self.langs for p in ("tokens", "offsets"))
-            self.train = [
-                PairShard(e["name"], p, int(e["pairs"]), e["tokens"], h)
-                for e, p, h in self.shards("train", parts)
-            ]
+            self.train = [PartShard(*shard) for shard in self.shards("train", parts)]
             self.text: dict[tuple[str, str], tuple[Location, str]] = {}  # (split, lang) -> file, sha256
-            for s, lang in ((s, lang) for s in HELD_OUT for lang in self.langs):
+            for s, lang in ((s, lang) for s in ("val", "test") for lang in self.langs):
                 entry = self.manifest["splits"][s]
-                self.text[s, lang] = self.file(f"{s}.{lang}", f"langs ({lang!r})"), entry["sha256"][lang]
-                check_file(
-                    self.text[s, lang][0], int(entry["bytes"][lang]), f"{entry['pairs']} lines of text"
-                )
-        for shard in self.train:
-            if shard.pairs == 0:
-                raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
-            for lang in self.langs:
-                self.check_tokens(shard.path(lang, "tokens"), int(shard.tokens[lang]))
-                self.check_offsets(shard.path(lang, "offsets"), shard.pairs, "sentence")
-        self.ends = np.cumsum([s.pairs for s in self.train])
-
-    def verify(self, lang: str) -> None:
-        """Check one language's training shards (before the loader's workers start: none checks again)."""
-        for shard in self.train:
-            self.verify_part(shard, f"{lang}.tokens")
-            self.verify_part(shard, f"{lang}.offsets")
+                path = self.file(f"{s}.{lang}", f"langs ({lang!r})")
+                check_file(path, int(entry["bytes"][lang]), f"{entry['pairs']} lines of text")
+                self.text[s, lang] = path, entry["sha256"][lang]
+            for shard in self.train:
+                if shard.count("pairs") == 0:
+                    raise DataError(f"{shard.path(self.langs[0], 'offsets')}: an empty shard (no pairs)")
+                for lang in self.langs:
+                    self.check_tokens(shard.path(lang, "tokens"), int(shard.entry["tokens"][lang]))
+                    self.check_offsets(shard.path(lang, "offsets"), shard.count("pairs"), "sentence")
+        self.ends = np.cumsum([s.count("pairs") for s in self.train])
 
     def text_files(self, split: str, src: str, tgt: str) -> tuple[Location, Location]:
         """The held-out text of ``split`` in both languages, checked (sha256) for the caller."""
@@ -881,7 +848,9 @@ class ShardSide(Sequence):
 
     def __init__(self, shards: PairShards, lang: str, keep: np.ndarray) -> None:
         self.shards, self.lang, self.keep = shards, lang, keep
-        shards.verify(lang)
+        for shard in shards.train:  # here, before the loader's workers start: each checks none again
+            for part in ("tokens", "offsets"):
+                shards.verify_part(shard, f"{lang}.{part}")
 
     def __len__(self) -> int:
         return len(self.keep)

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule, log_splits
-from attnlab.data.batching import Batches, RepeatedBatch, TokenBatchSampler, pad
+from attnlab.data.base import TokenizerDataModule, log_splits
+from attnlab.data.batching import RepeatedBatch, pad
 from attnlab.data.download import fetch
 from attnlab.data.sources import Builtin, Generated, Shards, Source
 from attnlab.data.text.shards import PairShards, ShardSide, check_aligned
@@ -118,7 +118,7 @@ class Collate:
         }
 
 
-class TranslationDataModule(DataModule):
+class TranslationDataModule(TokenizerDataModule):
     """A parallel corpus, ``src_lang`` -> ``tgt_lang``: ``Builtin("multi30k")`` or
     ``Generated("synthetic")`` (de-en, either way) with a joint BPE fitted on the training split
     (cached in ``cache_dir``); or pair ``Shards`` (``vocab_size`` null, or the shards' own). Training
@@ -166,10 +166,6 @@ class TranslationDataModule(DataModule):
     def model_kwargs(self) -> dict[str, int]:
         assert self.tokenizer is not None, "call setup() first"
         return {"vocab_size": self.tokenizer.vocab_size, "pad_id": self.tokenizer.pad_id}
-
-    def artifacts(self) -> dict[str, Any]:
-        assert self.tokenizer is not None, "call setup() first"
-        return {"tokenizer": self.tokenizer.to_json()}
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
@@ -288,7 +284,6 @@ class TranslationDataModule(DataModule):
         return keep
 
     def _encode(self, stage: str, src_text: list[str], tgt_text: list[str]) -> ParallelSplit:
-        assert self.tokenizer is not None
         src, tgt = self.tokenizer.encode_batch(src_text), self.tokenizer.encode_batch(tgt_text)
         limit = self.max_len - 1  # room for <bos>/<eos>
         if stage == "train":
@@ -311,8 +306,5 @@ class TranslationDataModule(DataModule):
         else:
             lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt, strict=True)]
         collate = Collate(split, tok.bos_id, tok.eos_id, tok.pad_id)
-        if stage == "train":
-            return self.token_loader(collate, lengths, self.max_tokens, "train")
-        rank, world = self.rank_world()
-        sampler = TokenBatchSampler(lengths, self.eval_max_tokens, False, self.seed, world, rank)
-        return self.loader(Batches(collate, sampler), sampler)
+        max_tokens = self.max_tokens if stage == "train" else self.eval_max_tokens
+        return self.token_loader(collate, lengths, max_tokens, stage)

@@ -80,9 +80,8 @@ def normalize(images: Tensor, mean: list[float], std: list[float]) -> Tensor:
 
 
 def random_crop_flip(images: Tensor, padding: int, flip: float) -> Tensor:
-    """A random ``padding``-pixel shift (a crop of the zero-padded image) and a horizontal flip
-    with probability ``flip``, each drawn per image, done on the whole (B, C, H, W) batch at once
-    (per image through torchvision it took ~15% of a small ViT's training step)."""
+    """A random ``padding``-pixel shift (a crop of the zero-padded image) and a horizontal flip with
+    probability ``flip``, each drawn per image, done on the whole (B, C, H, W) batch at once."""
     b, _, h, w = images.shape
     if padding:
         padded = torch.nn.functional.pad(images, (padding,) * 4)
@@ -196,8 +195,7 @@ class ImagesDataModule(SplitsDataModule):
         return self.normalize(self.augment(images) if training else images), *rest
 
     def open_shards(self, kind: str, holding: str) -> TarShards:
-        """The source's shards, refused unless of ``kind`` (``holding``: what its records hold) with
-        validation records."""
+        """The source's shards, refused unless of ``kind`` (records of ``holding``) with val records."""
         self.shards = shards = TarShards(self.source.path)
         if shards.kind != kind or (kind == "images" and not shards.classes):
             raise DataError(f"{self.source.path}: not {holding}; see its manifest")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import pickle
 import re
 import struct
@@ -188,23 +189,25 @@ def load_builtin(source: Builtin) -> ImageSplits:
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
-def unreadable_image(where: str | Path, e: Exception) -> DataError:
-    """The one line for an image PIL cannot decode, without the in-memory file's address PIL puts
-    in its message (``cannot identify image file <_io.BytesIO object at 0x...>``)."""
-    reason = re.sub(r" <_io\.\w+ object at 0x[0-9a-f]+>", "", str(e)) or type(e).__name__
-    return DataError(f"{where}: not a readable image ({reason})")
+def decode_image(data: bytes | Path | None, where: str, mode: str | None) -> Image.Image:
+    """Image bytes (or a file) -> a PIL image in ``mode`` ("L" or "RGB"; ``None``: as stored); the
+    one-line ``DataError`` naming ``where`` drops the in-memory file's address PIL puts in it."""
+    if data is None:
+        raise DataError(f"{where}: no image (expected a .jpg, .png, .jpeg or .webp file)")
+    try:
+        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
+            im.load()
+            return im.convert(mode) if mode else im.copy()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        reason = re.sub(r" <_io\.\w+ object at 0x[0-9a-f]+>", "", str(e)) or type(e).__name__
+        raise DataError(f"{where}: not a readable image ({reason})") from None
 
 
 def read_image(path: Path, channels: int | None = None) -> Tensor:
-    """One image file -> (C, H, W) uint8; converted to ``channels`` (1: grayscale, 3: RGB) when given."""
-    try:
-        with Image.open(path) as img:
-            img.load()
-            mode = {1: "L", 3: "RGB"}.get(channels or 0, "RGB" if img.mode not in ("L", "I;16") else "L")
-            array = np.asarray(img.convert(mode))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise unreadable_image(path, e) from e
-    return torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
+    """One image file -> (C, H, W) uint8 in ``channels`` (1: grayscale, 3: RGB; None: as stored)."""
+    img = decode_image(path, str(path), None)
+    mode = {1: "L", 3: "RGB"}.get(channels or 0, "L" if img.mode in ("L", "I;16") else "RGB")
+    return TF.pil_to_tensor(img.convert(mode))
 
 
 def square(image: Tensor, img_size: int) -> Tensor:

@@ -28,8 +28,8 @@ from attnlab.data.vision.classification import (
     timm_policy,
     transformed,
 )
-from attnlab.data.vision.datasets import scan_image_folder, square
-from attnlab.data.vision.shards import decode_image, image_bytes
+from attnlab.data.vision.datasets import decode_image, scan_image_folder, square
+from attnlab.data.vision.shards import image_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,8 @@ def eval_transform(img_size: int, in_chans: int) -> v2.Compose:
 def train_transform(
     img_size: int, in_chans: int, scale: list[float], hflip: float, auto_augment: str | None, mean: list
 ) -> v2.Compose:
-    """PIL image -> (C, S, S) uint8 through timm's training transform (random resized crop and flip),
-    then ``auto_augment`` (RandAugment ``rand-...``, AugMix ``augmix-...``, AutoAugment ``original``),
-    in RGB (timm's fills are RGB means), converted after."""
+    """PIL image -> (C, S, S) uint8: timm's training transform (random resized crop, flip), then the
+    ``auto_augment`` policy (``timm_policy``), in RGB (timm's fills are RGB means), converted after."""
     size = (3, img_size, img_size)
     primary, _, _ = create_transform(size, is_training=True, scale=tuple(scale), hflip=hflip, separate=True)
     steps = [methodcaller("convert", "RGB"), *primary.transforms]
@@ -56,8 +55,7 @@ def train_transform(
 
 
 class ImageFiles(LabelledImages):
-    """``LabelledImages`` decoded from files when drawn; an unreadable file is ``bad``'s to refuse
-    or skip (``None``)."""
+    """``LabelledImages`` decoded from files when drawn; an unreadable one is ``bad``'s (None: skipped)."""
 
     def __init__(
         self, files: list[Path], labels: list[int], transform: Callable, bad: BadRecords, seed: int = 0
@@ -67,25 +65,16 @@ class ImageFiles(LabelledImages):
 
     def load(self, i: int) -> Image.Image | None:
         try:
-            return decode_image(self.images[i].read_bytes(), str(self.images[i]), "RGB")
-        except OSError as e:
-            self.bad(f"{self.images[i]}: not readable ({e})")
+            return decode_image(self.images[i], str(self.images[i]), "RGB")
         except DataError as e:
             self.bad(str(e))
         return None
-
-
-def collate_readable(items: list[Any]) -> Any:
-    """``default_collate`` of the items that could be read (skipped ones are ``None``)."""
-    return default_collate([x for x in items if x is not None])
 
 
 class ImageFilesDataModule(LabelledImagesDataModule):
     """Labelled images from a ``Folder`` or ``StreamedShards``. ``img_size``, ``in_chans``: None, the
     first val image's; ``auto_augment``: a timm policy ("rand-m9-mstd0.5", ``TRIVIAL_AUGMENT``,
     "augmix-m5-w3", "original"); ``normalize``: ``mean`` and ``std`` (None: measured on val)."""
-
-    collate = staticmethod(collate_readable)
 
     def __init__(
         self,
@@ -112,6 +101,10 @@ class ImageFilesDataModule(LabelledImagesDataModule):
             self.mean, self.std = normalize["mean"], normalize["std"]
         self.bad = BadRecords(source.on_bad_record)
 
+    def collate(self, items: list[Any]) -> Any:
+        """``default_collate`` of the items that could be read (skipped ones are ``None``)."""
+        return default_collate([x for x in items if x is not None])
+
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         super().load_artifacts(artifacts)
         self.img_size, self.in_chans = artifacts["img_size"], artifacts["in_chans"]
@@ -134,12 +127,9 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         pick = lambda idx: tuple([x[i] for i in idx] for x in found["train"])  # noqa: E731
         files = {**found, "train": pick(train), "val": pick(val)}
         first = files["val"][0][0]
-        self._fix_size(first.read_bytes(), str(first))
-        for split in ("val", "test"):
-            if split in files:
-                self.splits[split] = ImageFiles(
-                    *files[split], eval_transform(self.img_size, self.in_chans), self.bad
-                )
+        self._fix_size(first, str(first))
+        transform = eval_transform(self.img_size, self.in_chans)
+        self.splits |= {s: ImageFiles(*files[s], transform, self.bad) for s in ("val", "test") if s in files}
         return files["train"]
 
     def _setup_shards(self) -> None:
@@ -150,7 +140,7 @@ class ImageFilesDataModule(LabelledImagesDataModule):
         self._fix_size(image_bytes(first), f"{first['__url__']}: record {first['__key__']}")
         self.read_shards(partial(self.decode, eval_transform(self.img_size, self.in_chans)))
 
-    def _fix_size(self, data: bytes | None, where: str) -> None:
+    def _fix_size(self, data: bytes | Path | None, where: str) -> None:
         """``img_size`` and ``in_chans`` from the first validation image where not given."""
         img = decode_image(data, where, None)
         if self.img_size is None:

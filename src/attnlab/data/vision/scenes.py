@@ -36,8 +36,9 @@ GAP = 2  # the fewest blank pixels between two items' boxes
 
 
 @dataclass
-class Scenes:
-    """``n`` scenes; per scene its items in the order the caption names them."""
+class Scenes(Dataset):
+    """``n`` scenes; per scene its items in the order the caption names them. As a split, an example
+    is a scene's index: the DataModule's collate builds the batch."""
 
     images: Tensor  # (n, 1, canvas, canvas) uint8
     captions: list[str]  # words separated by single spaces
@@ -46,9 +47,13 @@ class Scenes:
     relations: list[list[tuple[str, str, str]]]  # (item, relation, next item), k - 1 of them
     words: list[list[int]]  # per item, the position in caption.split() of the word naming it
     sources: list[Tensor]  # (k,) long: the items' indices in the source images
+    pool: Tensor | None = None  # the indices, in the source's split, of the images drawn from
 
     def __len__(self) -> int:
         return len(self.captions)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> int:
+        return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
 
 
 def make_scenes(
@@ -153,7 +158,7 @@ def _centre(box: np.ndarray) -> tuple[float, float]:
 
 def _reading_order(boxes: np.ndarray, reverse: bool) -> np.ndarray:
     """Item indices from left to right by centre (top first on a tie), or right to left."""
-    order = sorted(range(len(boxes)), key=lambda i: (_centre(boxes[i])[0], _centre(boxes[i])[1]))
+    order = sorted(range(len(boxes)), key=lambda i: _centre(boxes[i]))
     return np.array(order[::-1] if reverse else order)
 
 
@@ -190,20 +195,6 @@ def _naming_word(words: list[str], name: str) -> int:
         if words[i : i + len(target)] == target:
             return i + len(target) - 1
     raise ValueError(f"{name!r} is not in the caption")  # a template bug, not the user's
-
-
-class SceneSplit(Dataset):
-    """A split's scene indices; the DataModule's collate builds the batch from ``scenes``. ``pool``:
-    the indices, in the source's split, of the images its scenes were drawn from."""
-
-    def __init__(self, scenes: Scenes, pool: Tensor) -> None:
-        self.scenes, self.pool = scenes, pool
-
-    def __len__(self) -> int:
-        return len(self.scenes)
-
-    def __getitem__(self, key: int | tuple[int, int]) -> int:
-        return key if isinstance(key, int) else key[1]  # a training draw's (epoch, index)
 
 
 class ScenesDataModule(ImagesDataModule):
@@ -278,20 +269,21 @@ class ScenesDataModule(ImagesDataModule):
             scenes = make_scenes(
                 images[pool], labels[pool], self.phrases, n, self.seed + k, self.canvas, self.items
             )
-            self.splits[split] = SceneSplit(scenes, pool)
-        train = self.splits["train"].scenes
+            scenes.pool = pool
+            self.splits[split] = scenes
+        train = self.splits["train"]
         self.measure(train.images)
         if self.target == "caption":
             if self.tokenizer is None:
                 self.tokenizer = WordTokenizer.fit(train.captions)
-            longest = max(len(c.split()) for s in self.splits.values() for c in s.scenes.captions)
+            longest = max(len(c.split()) for s in self.splits.values() for c in s.captions)
             self.max_len = max(self.max_len or 0, longest + 2)
         vocabulary = f", a {self.tokenizer.vocab_size}-word vocabulary" if self.tokenizer else ""
         return f"scenes, {self.items[0]}-{self.items[1]} items on {self.canvas}x{self.canvas}{vocabulary}"
 
     def caption_texts(self, split: str) -> list[str]:
         """The captions of a split ("train", "val", "test"), in order (a language model's text)."""
-        return self.splits[split].scenes.captions
+        return self.splits[split].captions
 
     def batch(self, scenes: Scenes, idx: list[int]) -> dict[str, Any]:
         """The batch of ``scenes`` at ``idx`` (uint8 images: normalised on the device)."""
@@ -316,4 +308,4 @@ class ScenesDataModule(ImagesDataModule):
         }
 
     def collate_of(self, split: str) -> Callable[[list[int]], dict[str, Any]]:
-        return partial(self.batch, self.splits[split].scenes)  # picklable, for loader workers
+        return partial(self.batch, self.splits[split])  # picklable, for loader workers

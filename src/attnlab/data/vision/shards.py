@@ -1,21 +1,18 @@
 """Image shards (kind ``images``): an ImageFolder tree as tar shards of ``key.jpg`` (or ``.png``) +
-``key.cls``, the class names in the manifest; reading, checking and decoding images."""
+``key.cls``, the class names in the manifest; written from image files, each checked to decode."""
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
-
-from attnlab.core.errors import ConfigError, DataError
+from attnlab.core.errors import DataError
 from attnlab.data.sampling import carve
 from attnlab.data.shards.tar import Item, Record, write_tar_shards
 from attnlab.data.shards.writer import check_free
-from attnlab.data.vision.datasets import scan_image_folder, unreadable_image
+from attnlab.data.vision.datasets import decode_image, scan_image_folder
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
 
@@ -27,19 +24,6 @@ def image_ext(path: Path) -> str:
 
 def image_bytes(record: Record) -> bytes | None:
     return next((record[e] for e in IMAGE_EXTS if e in record), None)
-
-
-def decode_image(data: bytes | None, where: str, mode: str | None) -> Image.Image:
-    """Image bytes -> a PIL image in ``mode`` ("L" or "RGB"; ``None``: as stored); ``DataError``
-    naming ``where``."""
-    if data is None:
-        raise DataError(f"{where}: no image (expected a .jpg, .png, .jpeg or .webp file)")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            return im.convert(mode) if mode else im.copy()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise unreadable_image(where, e) from None
 
 
 def image_items(files: list[Path], values: list[Any], field: str) -> Iterator[Item]:
@@ -57,13 +41,9 @@ def image_items(files: list[Path], values: list[Any], field: str) -> Iterator[It
             yield path, DataError(f"{path}: cannot be read ({e.strerror or e})")
 
 
-def carved_items(
-    files: list[Path], values: list[Any], field: str, val_size: int, seed: int, what: str
-) -> dict:
-    """The train and val splits' items, ``val_size`` carved (seeded) out of ``what``."""
-    if val_size >= len(files):
-        raise ConfigError(f"--val-size ({val_size}) must be smaller than the {len(files)} {what}")
-    val, train = carve(len(files), [val_size], seed)
+def carved_items(files: list[Path], values: list[Any], field: str, val_size: int, seed: int) -> dict:
+    """The train and val splits' items, ``val_size`` carved (seeded)."""
+    val, train = carve(len(files), [val_size], seed, "--val-size")
     pick = lambda idx: image_items([files[i] for i in idx], [values[i] for i in idx], field)  # noqa: E731
     return {"train": pick(train), "val": pick(val)}
 
@@ -92,7 +72,7 @@ def prepare_images(
     classification shards: ``val_size`` training images carved out (seeded) as the val split."""
     check_free(Path(out_dir))
     found, classes = scan_image_folder(str(folder))
-    splits = carved_items(*found["train"], "cls", val_size, seed, "training images")
+    splits = carved_items(*found["train"], "cls", val_size, seed)
     if "test" in found:
         splits["test"] = image_items(*found["test"], "cls")
     meta = {"kind": "images", "classes": classes, "source": str(folder)}

@@ -80,10 +80,8 @@ class TextTransformer(nn.Module):
         for block in self.blocks:
             x, _ = block(x, causal=True)
         x = self.norm(x)
-        if self.pool == "argmax":
-            last = tokens.argmax(1)  # (B,) the end-of-text position
-        else:
-            last = (tokens != self.pad_id).sum(1).clamp(min=1) - 1  # (B,) the end-of-text position
+        # (B,) the end-of-text position
+        last = tokens.argmax(1) if self.pool == "argmax" else (tokens != self.pad_id).sum(1).clamp(min=1) - 1
         return x[torch.arange(x.size(0), device=x.device), last]
 
     def flops(self, tokens: Tensor) -> Flops:

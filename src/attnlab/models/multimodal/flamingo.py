@@ -231,8 +231,10 @@ class Flamingo(nn.Module):
         nowhere = grid_centres(0, 0, prefix=n_latents)
         cells = grid_centres(grid, grid, img_size / grid)
         health.give_positions(self.resampler.layers, nowhere, torch.cat([cells, nowhere]))
-        self.xattn_at = list(range(0, len(lm.blocks), cross_every))  # GPT blocks with one before them
-        self.xattn = nn.ModuleList(GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in self.xattn_at)
+        self.cross_every = cross_every  # a gated block before every cross_every-th GPT block
+        self.xattn = nn.ModuleList(
+            GatedCrossAttentionBlock(dim, n_head, mlp_ratio) for _ in lm.blocks[::cross_every]
+        )
         self.grid = (grid, grid)
         trained = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
@@ -283,13 +285,12 @@ class Flamingo(nn.Module):
         n_start = x.size(1) - tokens.size(1)  # a NoPE GPT's start token, which sees no image
         visible = F.pad(visible, (0, 0, n_start, 0))
         weights = []
-        j = 0  # the next gated block
         for i, block in enumerate(lm.blocks):
-            if j < len(self.xattn_at) and self.xattn_at[j] == i:
+            if i % self.cross_every == 0:
+                j = i // self.cross_every  # the gated block before this one
                 cross = state.cross[j] if state else None
                 x, w = self.xattn[j](x, latents, visible, cache=cross, need_weights=True)
                 weights.append(w.mean(1))
-                j += 1
             cache = state.caches[i] if state else None
             x, _ = block(x, causal=True, cache=cache, positions=lm.positions)
         return lm.logits(x, tokens.size(1)), torch.stack(weights).mean(0)[:, n_start:]

@@ -178,9 +178,8 @@ class BertClassifier(nn.Module):
 
     def flops(self, ids: Tensor, segments: Tensor | None = None) -> Flops:
         n = ids.size(0) if self.pooled else ids.numel()
-        return self.encoder.flops(ids, pooled=self.pooled) + flops.linear(
-            n, self.encoder.dim, self.num_classes
-        )
+        head = flops.linear(n, self.encoder.dim, self.num_classes)
+        return self.encoder.flops(ids, pooled=self.pooled) + head
 
 
 class BertSequenceClassifier(BertClassifier):

@@ -23,12 +23,11 @@ from attnlab.nn import (
 from attnlab.nn.attention import AttentionSpec, KVCache, attention_layer
 from attnlab.nn.blocks import Activation, activation
 from attnlab.nn.flops import Flops, Grad
-from attnlab.nn.linear_attention import LinearAttention, LinearAttentionState
+from attnlab.nn.linear_attention import FeatureMap, LinearAttention, LinearAttentionState
 from attnlab.nn.local_attention import GlobalLocalAttention, SlidingWindowAttention
 from attnlab.nn.positions import Positions, relative_positions
 
 Attention = Literal["full", "sliding", "global_local", "linear"]
-FeatureMap = Literal["elu", "taylor"]  # the keys of nn.linear_attention.FEATURE_MAPS
 Cache = KVCache | LinearAttentionState
 
 
@@ -152,9 +151,8 @@ class GPT(nn.Module):
         attention counted over the full T x T (as PaLM and nanoGPT count it)."""
         b, t = idx.shape
         t_in = t + (self.start_token is not None)
-        return flops.blocks(self.blocks, b, t_in, grad) + flops.linear(
-            b * t, self.norm.normalized_shape[0], self.vocab_size, grad
-        )
+        logits = flops.linear(b * t, self.norm.normalized_shape[0], self.vocab_size, grad)
+        return flops.blocks(self.blocks, b, t_in, grad) + logits
 
     # -- decoding (the ``Decoder`` contract; ``attnlab.inference.decoding`` samples with it) ------
     def start(self, idx: Tensor, use_cache: bool = True) -> dict[str, Any]:

@@ -181,8 +181,7 @@ class Seq2Seq(nn.Module):
         f = flops.NONE
         for layer in range(rnn.num_layers):
             d_in = rnn.input_size if layer == 0 else 2 * rnn.hidden_size
-            both_directions = flops.linear(tokens, d_in, gates) + flops.linear(tokens, rnn.hidden_size, gates)
-            f = f + 2 * both_directions
+            f = f + 2 * (flops.linear(tokens, d_in, gates) + flops.linear(tokens, rnn.hidden_size, gates))
         f = f + flops.linear_layer(self.bridge, b)  # the decoder's first state
         if isinstance(self.attn.key_proj, nn.Linear):  # U h (Bahdanau) or W h (Luong) of each position
             f = f + flops.linear_layer(self.attn.key_proj, b * s)
@@ -196,9 +195,8 @@ class Seq2Seq(nn.Module):
         else:  # (W h) . s at every position
             scores = flops.product(b, s, cell.hidden_size, 1)
         context = flops.product(b, 1, s, 2 * self.encoder.rnn.hidden_size)
-        recurrence = flops.linear(b, cell.input_size, cell.weight_ih.size(0)) + flops.linear(
-            b, cell.hidden_size, cell.weight_hh.size(0)
-        )
+        recurrence = flops.linear(b, cell.input_size, cell.weight_ih.size(0))
+        recurrence = recurrence + flops.linear(b, cell.hidden_size, cell.weight_hh.size(0))
         return scores + context + recurrence + flops.linear_layer(self.readout, b)
 
     def alignments(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:

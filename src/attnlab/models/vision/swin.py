@@ -4,7 +4,7 @@ and patch merging between stages, which halves the map and doubles the width. La
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -51,8 +51,7 @@ class SwinStage(nn.Module):
         drop_path: Sequence[float],
         downsample: bool,
         dropout: float,
-        attn_dropout: float,
-        attn_impl: AttentionImpl,
+        attn_layer: Callable[..., WindowAttention],
     ) -> None:
         super().__init__()
         self.downsample = PatchMerging(dim, out_dim, size) if downsample else nn.Identity()
@@ -66,14 +65,7 @@ class SwinStage(nn.Module):
                 int(out_dim * mlp_ratio),
                 dropout=dropout,
                 drop_path=drop_path[i],
-                attn_layer=partial(
-                    WindowAttention,
-                    size=self.size,
-                    window=window,
-                    shift=shift if i % 2 else 0,
-                    dropout=attn_dropout,
-                    impl=attn_impl,
-                ),
+                attn_layer=partial(attn_layer, size=self.size, window=window, shift=shift if i % 2 else 0),
             )
             for i in range(depth)
         )
@@ -132,8 +124,7 @@ class SwinTransformer(ImageClassifier):
                 [next(rates) for _ in range(depth)],
                 downsample=i > 0,
                 dropout=dropout,
-                attn_dropout=attn_dropout,
-                attn_impl=attn_impl,
+                attn_layer=partial(WindowAttention, dropout=attn_dropout, impl=attn_impl),
             )
             for i, (depth, heads) in enumerate(zip(depths, n_head, strict=True))
         )
