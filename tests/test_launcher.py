@@ -17,9 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from attnlab.cli.common import compose_config
-from attnlab.cli.train import forget_rows_from, trainer_rank_zero
+from attnlab.cli.train import trainer_rank_zero
 from attnlab.core.distributed import check_job_tasks, cluster_plugins, export_local_ranks
 from attnlab.core.errors import ConfigError
+from attnlab.training.loggers import continue_history
 from conftest import QUIET, assert_user_error, popen_cli, read_metrics, run_cli, tiny
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds a job's processes in /proc")
@@ -165,7 +166,7 @@ def test_a_job_resumed_in_its_own_folder_keeps_each_row_of_its_log_once(tmp_path
     with a last line cut mid-write."""
     metrics = tmp_path / "metrics.csv"
     metrics.write_text("epoch,step,train/loss\n0,9,2.5\n0,19,2.1\n0,29,1.9\n0,39,1.")
-    forget_rows_from(metrics, 20)
+    continue_history(metrics, 20, metrics)
     assert metrics.read_text().splitlines() == ["epoch,step,train/loss", "0,9,2.5", "0,19,2.1"]
 
 

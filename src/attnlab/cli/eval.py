@@ -128,8 +128,7 @@ def log_to_run(run: TrainedRun, metrics: dict[str, float]) -> None:
         csv_log.log_metrics(keyed, step)
         csv_log.save()
         log.info("added to the run's CSV log %s (step %d)", csv_file, step)
-    run_id = run.meta.get("wandb_run_id")
-    if run_id:
+    if run_id := run.meta.get("wandb_run_id"):
         from lightning.pytorch.loggers import WandbLogger
 
         from attnlab.training.wandb_mode import ensure_wandb_mode

@@ -204,36 +204,10 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> tuple[str | None, dict |
     if meta:
         require_same_model(meta, ckpt_path, cfg.model)
         step = ckpt["global_step"]
-        if trainer_rank_zero() and (n := continue_history(ckpt_path, step, out / "csv")):
-            log.info("csv: the %d rows %s's run logged before step %d carried over", n, ckpt_path, step)
-        if trainer_rank_zero() and ckpt_path.parent.parent.resolve() == out.resolve():
-            # the run's own checkpoint (a requeued job): it logs again what it logged after it
-            forget_rows_from(out / "csv" / "metrics.csv", step)
+        source = ckpt_path.parent.parent / "csv" / "metrics.csv"  # <run>/checkpoints/last.ckpt
+        if trainer_rank_zero() and (n := continue_history(source, step, out / "csv" / "metrics.csv")):
+            log.info("csv: the %d rows %s's run logged before step %d kept", n, ckpt_path, step)
     return ckpt_path, ckpt, meta
-
-
-def forget_rows_from(metrics: Path, step: int) -> None:
-    """A CSV log rewritten without its rows from ``step`` on and a last line cut mid-write."""
-    import csv
-
-    if not metrics.is_file():
-        return
-    text = metrics.read_text(encoding="utf-8")
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-    reader = csv.DictReader(lines)
-    rows = list(reader)
-    kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < step]
-    if len(kept) == len(rows) and "".join(lines) == text:
-        return
-    tmp = metrics.with_name(f".{metrics.name}.part")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=reader.fieldnames or [])
-        writer.writeheader()
-        writer.writerows(kept)
-    tmp.replace(metrics)
-    log.info("csv: %d rows logged from step %d on left to the resumed run", len(rows) - len(kept), step)
 
 
 def build_datamodule(cfg: DictConfig, meta: dict) -> Any:

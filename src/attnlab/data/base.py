@@ -138,10 +138,11 @@ class TokenizerDataModule(DataModule):
     tokenizer: Any = None
 
     def artifacts(self) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer.to_json()}
+        return {"tokenizer": self.tokenizer.to_json(), **super().artifacts()}
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+        super().load_artifacts(artifacts)
 
 
 class SplitsDataModule(DataModule):

@@ -14,6 +14,7 @@ from attnlab.core.run_paths import find_last
 from attnlab.core.specs import DropRate
 from attnlab.models.contracts import DistillationHeads
 from attnlab.weights.checkpoint import require_task
+from attnlab.weights.hf_files import read_weights
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,9 @@ def timm_teacher(timm_name: str, weights: str | None) -> nn.Module:
             "model.distillation.teacher.weights: a timm teacher needs trained weights "
             "(a random one teaches nothing); give a .pth or .safetensors file"
         )
-    state = _read_state_dict(Path(weights))
+    if not Path(weights).is_file():
+        raise ConfigError(f"model.distillation.teacher.weights={weights}: no such file")
+    state = read_weights(Path(weights), key="model.distillation.teacher.weights")
     heads = [v for k, v in state.items() if k.endswith(("fc.weight", "head.weight", "classifier.weight"))]
     first = next((v for v in state.values() if v.dim() == 4), None)
     if not heads or first is None:
@@ -121,16 +124,3 @@ def timm_teacher(timm_name: str, weights: str | None) -> nn.Module:
         ) from None
     model.img_size = None  # any size goes through a convnet
     return model.eval()
-
-
-def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    if not path.is_file():
-        raise ConfigError(f"model.distillation.teacher.weights={path}: no such file")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a corrupt or foreign file: pickle, zip and safetensors errors vary
-        raise ConfigError(f"model.distillation.teacher.weights={path}: not a state dict ({e})") from e

@@ -31,24 +31,26 @@ class ContinuingWriter(ExperimentWriter):
         return super()._record_new_keys()
 
 
-def continue_history(ckpt_path: Path, global_step: int, log_dir: Path) -> int:
-    """Start a resumed run's CSV with its checkpoint run's rows before ``global_step``; the number copied."""
-    source = ckpt_path.parent.parent / "csv" / "metrics.csv"  # <run>/checkpoints/last.ckpt
-    target = log_dir / "metrics.csv"
-    if not source.is_file() or target.exists():
+def continue_history(source: Path, global_step: int, target: Path) -> int:
+    """Write to the CSV log ``target`` (a new one, or ``source`` itself: a requeued job logs those steps
+    again) the rows of ``source`` before ``global_step``, less a last line cut mid-write; the number kept."""
+    if not source.is_file() or (target.exists() and not target.samefile(source)):
         return 0
-    with source.open(newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [r for r in reader if r.get("step") and int(float(r["step"])) < global_step]
-        columns = reader.fieldnames or []
-    if not rows:
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    reader = csv.DictReader(lines)
+    kept = [r for r in reader if not r.get("step") or int(float(r["step"])) < global_step]
+    if not kept and not target.exists():
         return 0
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with target.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f".{target.name}.part")
+    with part.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=reader.fieldnames or [])
         writer.writeheader()
-        writer.writerows(rows)
-    return len(rows)
+        writer.writerows(kept)
+    part.replace(target)
+    return len(kept)
 
 
 class CSVLogger(pl_loggers.CSVLogger):

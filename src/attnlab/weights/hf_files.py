@@ -61,20 +61,22 @@ def read_json(path: Path) -> dict[str, Any]:
     return config
 
 
-def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES) -> Path:
+def weights_file(source: Path, names: tuple[str, ...] = WEIGHT_FILES, key: str = "model.init_from") -> Path:
     """The file itself, or the first of ``names`` in the folder (each library's own, safetensors first)."""
     if source.is_file():
         return source
     for name in names:
         if (source / name).is_file():
             return source / name
-    raise CheckpointError(f"model.init_from={source}: no weights in it (expected one of {', '.join(names)})")
+    raise CheckpointError(f"{key}={source}: no weights in it (expected one of {', '.join(names)})")
 
 
-def read_weights(source: Path, names: tuple[str, ...] = WEIGHT_FILES) -> dict[str, Tensor]:
+def read_weights(
+    source: Path, names: tuple[str, ...] = WEIGHT_FILES, key: str = "model.init_from"
+) -> dict[str, Tensor]:
     """Every tensor of a saved model (a file, or a folder holding one of ``names``) on the CPU: safetensors
-    (sharded too) or ``weights_only`` torch files, unwrapped as timm does."""
-    path = weights_file(source, names)
+    (sharded too) or ``weights_only`` torch files, unwrapped as timm does; errors name ``key``."""
+    path = weights_file(source, names, key)
     try:
         if path.name.endswith(".index.json"):
             shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -86,16 +88,16 @@ def read_weights(source: Path, names: tuple[str, ...] = WEIGHT_FILES) -> dict[st
     except Exception as e:  # a corrupt or foreign file: safetensors, json and torch raise several kinds
         if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower().replace(" ", "_"):
             raise CheckpointError(
-                f"model.init_from={path}: a pickle that holds more than tensors, which loading would run "
+                f"{key}={path}: a pickle that holds more than tensors, which loading would run "
                 "as code (refused; save the model as safetensors or a plain state dict)"
             ) from e
-        raise CheckpointError(f"model.init_from={path}: not a readable weights file ({first_line(e)})") from e
-    for key in ("state_dict", "model"):  # a training script's checkpoint around the weights
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
+        raise CheckpointError(f"{key}={path}: not a readable weights file ({first_line(e)})") from e
+    for wrapper in ("state_dict", "model"):  # a training script's checkpoint around the weights
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state = state[wrapper]
             break
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise CheckpointError(f"model.init_from={path}: holds no state dict of tensors")
+        raise CheckpointError(f"{key}={path}: holds no state dict of tensors")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 

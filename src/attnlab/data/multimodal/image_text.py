@@ -18,12 +18,13 @@ from torch.utils.data import Dataset
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import DropRate, PositiveInt
+from attnlab.data.base import TokenizerDataModule
 from attnlab.data.multimodal import captions as cap
 from attnlab.data.sampling import Key, carve, example_seed
 from attnlab.data.shards.tar import BadRecords, Record, read_shard
 from attnlab.data.shards.writer import check_free
 from attnlab.data.sources import Builtin, Captions, CaptionShards, Pairs
-from attnlab.data.text.tokenizers import CaptionTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import CaptionTokenizer
 from attnlab.data.vision.classification import ImagesDataModule, random_crop_flip
 from attnlab.data.vision.datasets import decode_image, load_builtin, read_image, square
 from attnlab.data.vision.shards import carved_items, image_bytes, image_items, write_shards
@@ -134,7 +135,7 @@ def prepare_image_text(
     return write_shards(splits, out_dir, meta, shard_records, on_bad_record)
 
 
-class ImageTextDataModule(ImagesDataModule):
+class ImageTextDataModule(TokenizerDataModule, ImagesDataModule):
     """CLIP batches (uint8 images (B, C, H, W), caption ids (B, T), labels (B,)) of a ``Builtin`` set
     (captions generated from the label and measured attributes; ``classes``: their phrases, for
     zero-shot), ``Pairs`` or ``CaptionShards``. ``max_len`` counts ``<sot>`` and ``<eot>``; the BPE
@@ -176,15 +177,10 @@ class ImageTextDataModule(ImagesDataModule):
 
     def artifacts(self) -> dict[str, Any]:
         return {
-            "tokenizer": self.tokenizer.to_json(),
             "context_length": self.max_len,  # the artifacts' name (saved runs, exports, open_clip)
             "templates": self.templates,
             **super().artifacts(),
         }
-
-    def load_artifacts(self, artifacts: dict[str, Any]) -> None:
-        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
-        super().load_artifacts(artifacts)
 
     def build(self) -> str:
         setups = {Pairs: self._setup_pairs, CaptionShards: self._setup_shards}

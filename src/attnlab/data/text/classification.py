@@ -14,12 +14,12 @@ from torch.utils.data import DataLoader
 
 from attnlab.core.errors import ConfigError, DataError
 from attnlab.core.specs import PositiveInt
-from attnlab.data.base import DataModule, log_splits
+from attnlab.data.base import TokenizerDataModule, log_splits
 from attnlab.data.batching import pad
 from attnlab.data.sources import SplitFiles
 from attnlab.data.text.corpora import data_file
 from attnlab.data.text.formats import read_conll, read_tsv
-from attnlab.data.text.tokenizers import WordPieceTokenizer, tokenizer_from_json
+from attnlab.data.text.tokenizers import WordPieceTokenizer
 
 Item = tuple[list[int], list[int], Any]  # ids, segment ids, label(s)
 
@@ -35,7 +35,7 @@ def collate(split: list[Item], pad_id: int, idx: list[int]) -> dict[str, Tensor]
     }
 
 
-class LabelledTextDataModule(DataModule):
+class LabelledTextDataModule(TokenizerDataModule):
     """What sentence and token classification share: a tokenizer (a pre-trained model's, or
     WordPiece fitted on the training split), inputs cut to ``max_len``, batches of ``max_tokens``
     with padding, labels ``class_names`` (default: the training file's)."""
@@ -76,11 +76,11 @@ class LabelledTextDataModule(DataModule):
         }
 
     def artifacts(self) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer.to_json(), "classes": self.classes, "max_len": self.max_len}
+        return {**super().artifacts(), "classes": self.classes, "max_len": self.max_len}
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """A checkpoint's tokenizer (a pre-training run's has no classes: those come from the data)."""
-        self.tokenizer = tokenizer_from_json(artifacts["tokenizer"])
+        super().load_artifacts(artifacts)
         if artifacts.get("classes"):
             self.classes = list(artifacts["classes"])
 

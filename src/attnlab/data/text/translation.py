@@ -169,12 +169,10 @@ class TranslationDataModule(TokenizerDataModule):
 
     def load_artifacts(self, artifacts: dict[str, Any]) -> None:
         """Use a saved tokenizer (from a checkpoint) instead of fitting one."""
-        tok = tokenizer_from_json(artifacts["tokenizer"])
-        if not isinstance(tok, SubwordTokenizer):
-            raise DataError(
-                f"the checkpoint's tokenizer is a {type(tok).__name__}, not a translation vocabulary"
-            )
-        self.tokenizer = tok
+        super().load_artifacts(artifacts)
+        if not isinstance(self.tokenizer, SubwordTokenizer):
+            kind = type(self.tokenizer).__name__
+            raise DataError(f"the checkpoint's tokenizer is a {kind}, not a translation vocabulary")
 
     def references(self, stage: str) -> list[str]:
         """The raw target sentences of "train", "val" or "test"."""
