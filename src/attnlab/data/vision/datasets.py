@@ -207,7 +207,7 @@ def read_image(path: Path, channels: int | None = None) -> Tensor:
     """One image file -> (C, H, W) uint8 in ``channels`` (1: grayscale, 3: RGB; None: as stored)."""
     img = decode_image(path, str(path), None)
     mode = {1: "L", 3: "RGB"}.get(channels or 0, "L" if img.mode in ("L", "I;16") else "RGB")
-    return TF.pil_to_tensor(img.convert(mode))
+    return TF.pil_to_tensor(img if img.mode == mode else img.convert(mode))  # decoded is already a copy
 
 
 def square(image: Tensor, img_size: int) -> Tensor:
